@@ -1,0 +1,340 @@
+"""Build pandas frames from a loaded :class:`~snapshot_lab.load.Snapshot`.
+
+The trace can hold millions of entries; each column is pulled out with one C-level pass
+(``map`` over the entry dicts) and converted to numpy at once. Stack traces are interned: the
+producer shares one list object per distinct traceback, so we key on ``id()`` first (cheap),
+then deduplicate by content, giving a ``stack_frames`` table, a ``stacks`` table
+(stack_id, depth, frame_id) and a ``stack_id`` column everywhere a stack appears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import itemgetter, methodcaller
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import SnapshotFormatError
+from ..load import Snapshot, SourceInfo
+from .schema import (
+    ANNOTATIONS_SCHEMA,
+    BLOCKS_SCHEMA,
+    EVENTS_SCHEMA,
+    KNOWN_ACTIONS,
+    SEGMENTS_SCHEMA,
+    STACK_FRAMES_SCHEMA,
+    STACKS_SCHEMA,
+    STATE_DTYPE,
+    conform,
+    empty_frame,
+)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """Facts about the file and the recording that are not rows of a frame."""
+
+    source: SourceInfo
+    legacy: str | None
+    format_hints: tuple[str, ...]
+    allocator_settings: dict[str, Any] | None
+    devices: tuple[int, ...]
+    trace_devices: tuple[int, ...]  # ordinals whose trace has at least one entry
+    n_trace_devices: int  # len(device_traces) in the file (== visible device count)
+    stacks_kind: str  # 'none', 'python', 'python+cpp'
+
+
+@dataclass
+class SnapshotFrames:
+    """All tables of one snapshot. See :mod:`snapshot_lab.frames.schema` for the columns."""
+
+    info: SnapshotInfo
+    segments: pd.DataFrame
+    blocks: pd.DataFrame
+    events: pd.DataFrame
+    stack_frames: pd.DataFrame
+    stacks: pd.DataFrame
+    annotations: pd.DataFrame
+    _stack_cache: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+
+    def stack(self, stack_id: int | None) -> list[dict[str, Any]]:
+        """The frames of one stack, innermost first, as ``{filename, line, name}`` dicts."""
+        if stack_id is None or pd.isna(stack_id):
+            return []
+        sid = int(stack_id)
+        cached = self._stack_cache.get(sid)
+        if cached is None:
+            rows = self.stacks[self.stacks["stack_id"] == sid].sort_values("depth")
+            fr = self.stack_frames.set_index("frame_id").loc[rows["frame_id"]]
+            cached = [
+                {"filename": f, "line": int(ln), "name": n}
+                for f, ln, n in zip(fr["filename"], fr["line"], fr["name"], strict=True)
+            ]
+            self._stack_cache[sid] = cached
+        return cached
+
+
+class _StackInterner:
+    """Interns frames lists into stack ids and frame dicts into frame ids."""
+
+    def __init__(self) -> None:
+        self.by_obj: dict[int, int | None] = {}
+        self.keep: list[Any] = []  # keeps interned objects alive so their id() stays unique
+        self.by_content: dict[tuple[int, ...], int] = {}
+        self.frame_by_obj: dict[int, int] = {}
+        self.frame_by_content: dict[tuple[str, int, str], int] = {}
+        self.frames: list[tuple[str, int, str]] = []
+        self.stack_rows: list[tuple[int, ...]] = []
+
+    def _frame_id(self, fr: Any) -> int:
+        fid = self.frame_by_obj.get(id(fr))
+        if fid is not None:
+            return fid
+        if isinstance(fr, dict):
+            key = (str(fr.get("filename", "??")), _as_int(fr.get("line", 0)), str(fr.get("name", "??")))
+        else:  # legacy cpp_frames are preformatted strings
+            key = ("??", 0, str(fr))
+        fid = self.frame_by_content.get(key)
+        if fid is None:
+            fid = len(self.frames)
+            self.frames.append(key)
+            self.frame_by_content[key] = fid
+        self.frame_by_obj[id(fr)] = fid
+        self.keep.append(fr)
+        return fid
+
+    def intern(self, frames: Any) -> int | None:
+        """Stack id for a frames list (None when there is no stack)."""
+        key = id(frames)
+        if key in self.by_obj:
+            return self.by_obj[key]
+        self.keep.append(frames)
+        if not isinstance(frames, list) or not frames:
+            self.by_obj[key] = None
+            return None
+        content = tuple(self._frame_id(f) for f in frames)
+        sid = self.by_content.get(content)
+        if sid is None:
+            sid = len(self.stack_rows)
+            self.stack_rows.append(content)
+            self.by_content[content] = sid
+        self.by_obj[key] = sid
+        return sid
+
+    def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        if self.frames:
+            fn, ln, nm = zip(*self.frames, strict=True)
+            sf = pd.DataFrame({"frame_id": np.arange(len(self.frames)), "filename": fn, "line": ln, "name": nm})
+        else:
+            sf = empty_frame(STACK_FRAMES_SCHEMA)
+        lengths = np.fromiter((len(r) for r in self.stack_rows), dtype=np.int64, count=len(self.stack_rows))
+        if lengths.sum():
+            st = pd.DataFrame(
+                {
+                    "stack_id": np.repeat(np.arange(len(self.stack_rows)), lengths),
+                    "depth": np.concatenate([np.arange(n) for n in lengths]),
+                    "frame_id": np.fromiter(
+                        (f for r in self.stack_rows for f in r), dtype=np.int64, count=int(lengths.sum())
+                    ),
+                }
+            )
+        else:
+            st = empty_frame(STACKS_SCHEMA)
+        return conform(sf, STACK_FRAMES_SCHEMA), conform(st, STACKS_SCHEMA)
+
+
+def _as_int(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _nullable(values: list[Any]) -> pd.arrays.IntegerArray:
+    return pd.array(values, dtype="Int64")  # type: ignore[return-value]
+
+
+def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd.DataFrame, pd.DataFrame]:
+    seg_rows: dict[str, list[Any]] = {k: [] for k in SEGMENTS_SCHEMA}
+    blk_rows: dict[str, list[Any]] = {k: [] for k in BLOCKS_SCHEMA}
+    block_id = 0
+    for sid, seg in enumerate(snap.segments):
+        pool = seg["segment_type"]
+        pid = seg["segment_pool_id"]
+        private = pid != (0, 0)
+        alloc = active = requested = 0
+        for b in seg["blocks"]:
+            state = b["state"]
+            if state == "active_allocated":
+                alloc += b["size"]
+                active += b["size"]
+                requested += b["requested_size"]
+            elif state == "active_pending_free":  # torch still counts its request (see metrics.torch_stats)
+                active += b["size"]
+                requested += b["requested_size"]
+            blk_rows["block_id"].append(block_id)
+            blk_rows["segment_id"].append(sid)
+            blk_rows["device"].append(seg["device"])
+            blk_rows["address"].append(b["address"])
+            blk_rows["offset_bytes"].append(b["address"] - seg["address"])
+            blk_rows["size_bytes"].append(b["size"])
+            blk_rows["requested_size_bytes"].append(None if state == "inactive" else b["requested_size"])
+            blk_rows["state"].append(state)
+            blk_rows["stream"].append(seg["stream"])
+            blk_rows["pool"].append(pool)
+            blk_rows["is_private_pool"].append(private)
+            blk_rows["is_expandable"].append(seg["is_expandable"])
+            blk_rows["stack_id"].append(interner.intern(b["frames"]))
+            block_id += 1
+        seg_rows["segment_id"].append(sid)
+        seg_rows["device"].append(seg["device"])
+        seg_rows["address"].append(seg["address"])
+        seg_rows["total_size_bytes"].append(seg["total_size"])
+        seg_rows["allocated_bytes"].append(alloc)
+        seg_rows["active_bytes"].append(active)
+        seg_rows["requested_bytes"].append(requested)
+        seg_rows["n_blocks"].append(len(seg["blocks"]))
+        seg_rows["stream"].append(seg["stream"])
+        seg_rows["pool"].append(pool)
+        seg_rows["pool_id_0"].append(pid[0])
+        seg_rows["pool_id_1"].append(pid[1])
+        seg_rows["is_private_pool"].append(private)
+        seg_rows["is_expandable"].append(seg["is_expandable"])
+        seg_rows["stack_id"].append(interner.intern(seg["frames"]))
+    segments = conform(pd.DataFrame(seg_rows), SEGMENTS_SCHEMA) if snap.segments else empty_frame(SEGMENTS_SCHEMA)
+    blocks = conform(pd.DataFrame(blk_rows), BLOCKS_SCHEMA) if block_id else empty_frame(BLOCKS_SCHEMA)
+    return segments, blocks
+
+
+def _trace_columns(device: int, tr: list[Any], interner: _StackInterner) -> dict[str, Any]:
+    n = len(tr)
+    actions = list(map(itemgetter("action"), tr))
+    sizes = np.array(list(map(itemgetter("size"), tr)), dtype=np.int64)
+    addrs = list(map(methodcaller("get", "addr"), tr))
+    streams = np.array(list(map(methodcaller("get", "stream", 0), tr)), dtype=np.int64)
+    if "time_us" in tr[0]:
+        times = _nullable(list(map(methodcaller("get", "time_us"), tr)))
+    else:
+        times = pd.array([pd.NA] * n, dtype="Int64")
+    # stacks: interned by the identity of the shared list objects
+    ids = np.array(list(map(id, map(methodcaller("get", "frames"), tr))), dtype=np.uint64)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    per_unique = [interner.intern(tr[i].get("frames")) for i in first]
+    uniq_sid = np.array([-1 if s is None else s for s in per_unique], dtype=np.int64)
+    sid = uniq_sid[inverse]
+    stack_ids = pd.arrays.IntegerArray(sid, sid < 0)
+    # sparse columns: only oom entries carry device_free
+    free_values = np.zeros(n, dtype=np.int64)
+    free_missing = np.ones(n, dtype=bool)
+    for i in np.flatnonzero(np.array(actions, dtype=object) == "oom"):
+        v = tr[i].get("device_free")
+        if isinstance(v, int):
+            free_values[i] = v
+            free_missing[i] = False
+    dev_free = pd.arrays.IntegerArray(free_values, free_missing)
+    return {
+        "device": np.full(n, device, dtype=np.int64),
+        "event_index": np.arange(n, dtype=np.int64),
+        "action": actions,
+        "address": _nullable(addrs),
+        "size_bytes": sizes,
+        "stream": streams,
+        "time_us": times,
+        "stack_id": stack_ids,
+        "device_free_bytes": dev_free,
+    }
+
+
+def _build_events(snap: Snapshot, interner: _StackInterner) -> pd.DataFrame:
+    parts = []
+    for device, tr in enumerate(snap.device_traces):
+        if not tr:
+            continue
+        try:
+            cols = _trace_columns(device, tr, interner)
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            bad = _first_bad_entry(tr)
+            raise SnapshotFormatError(
+                snap.source.path, f"device_traces[{device}]: malformed trace entry{bad} ({type(exc).__name__}: {exc})"
+            ) from None
+        parts.append(pd.DataFrame(cols))
+    if not parts:
+        return empty_frame(EVENTS_SCHEMA)
+    events = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+    extra = sorted(set(events["action"].unique()) - set(KNOWN_ACTIONS))
+    events["action"] = pd.Categorical(events["action"], categories=KNOWN_ACTIONS + extra)
+    return conform(events, EVENTS_SCHEMA)
+
+
+def _first_bad_entry(tr: list[Any]) -> str:
+    for i, e in enumerate(tr):
+        if not isinstance(e, dict):
+            return f" {i} is a {type(e).__name__}, expected a dict"
+        if not isinstance(e.get("action"), str) or not isinstance(e.get("size"), int):
+            return f" {i} lacks a string 'action' or an int 'size'"
+        for k in ("addr", "stream", "time_us"):
+            if k in e and e[k] is not None and not isinstance(e[k], int):
+                return f" {i} has a non-integer {k!r}"
+    return ""
+
+
+def _build_annotations(snap: Snapshot) -> pd.DataFrame:
+    rows = snap.external_annotations
+    if not rows:
+        return empty_frame(ANNOTATIONS_SCHEMA)
+    df = pd.DataFrame(
+        {
+            "device": [_as_int(a.get("device", 0)) for a in rows],
+            "time_us": pd.array(
+                [a.get("time_us") if isinstance(a.get("time_us"), int) else None for a in rows], dtype="Int64"
+            ),
+            "stage": [str(a.get("stage", "")) for a in rows],
+            "name": [str(a.get("name", "")) for a in rows],
+        }
+    )
+    return conform(df, ANNOTATIONS_SCHEMA)
+
+
+_CPP_SUFFIXES = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".c")
+
+
+def _stacks_kind(stack_frames: pd.DataFrame) -> str:
+    if stack_frames.empty:
+        return "none"
+    fn = stack_frames["filename"].astype(str)
+    cpp = fn.str.endswith(_CPP_SUFFIXES) | stack_frames["name"].astype(str).str.contains("::", regex=False)
+    return "python+cpp" if bool(cpp.any()) else "python"
+
+
+def build_frames(snap: Snapshot) -> SnapshotFrames:
+    """Turn a loaded snapshot into :class:`SnapshotFrames`."""
+    interner = _StackInterner()
+    segments, blocks = _build_segments_blocks(snap, interner)
+    events = _build_events(snap, interner)
+    stack_frames, stacks = interner.tables()
+    annotations = _build_annotations(snap)
+    devices = sorted(set(segments["device"].tolist()) | set(events["device"].unique().tolist()))
+    info = SnapshotInfo(
+        source=snap.source,
+        legacy=snap.legacy,
+        format_hints=tuple(snap.format_hints),
+        allocator_settings=snap.allocator_settings,
+        devices=tuple(int(d) for d in devices),
+        trace_devices=tuple(int(d) for d in sorted(events["device"].unique().tolist())),
+        n_trace_devices=len(snap.device_traces),
+        stacks_kind=_stacks_kind(stack_frames),
+    )
+    return SnapshotFrames(
+        info=info,
+        segments=segments,
+        blocks=blocks,
+        events=events,
+        stack_frames=stack_frames,
+        stacks=stacks,
+        annotations=annotations,
+    )
+
+
+__all__ = ["STATE_DTYPE", "SnapshotFrames", "SnapshotInfo", "build_frames"]

@@ -1,0 +1,104 @@
+"""Declared schemas of the frames: every frame has these columns and dtypes, even when empty.
+
+Units are in the column names (``*_bytes``, ``time_us``); nullable integer columns (``Int64``)
+mean "unknown" with ``<NA>``, never with a sentinel value.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+BLOCK_STATES = ["active_allocated", "active_pending_free", "inactive"]
+POOLS = ["small", "large"]
+KNOWN_ACTIONS = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "oom",
+    "snapshot",
+    "user_defined",
+    "annotate",
+]
+
+STATE_DTYPE = pd.CategoricalDtype(BLOCK_STATES)
+POOL_DTYPE = pd.CategoricalDtype(POOLS)
+
+SEGMENTS_SCHEMA: dict[str, object] = {
+    "segment_id": "int64",
+    "device": "int64",
+    "address": "int64",
+    "total_size_bytes": "int64",
+    "allocated_bytes": "int64",
+    "active_bytes": "int64",
+    "requested_bytes": "int64",
+    "n_blocks": "int64",
+    "stream": "int64",
+    "pool": POOL_DTYPE,
+    "pool_id_0": "int64",
+    "pool_id_1": "int64",
+    "is_private_pool": "bool",
+    "is_expandable": "bool",
+    "stack_id": "Int64",
+}
+
+BLOCKS_SCHEMA: dict[str, object] = {
+    "block_id": "int64",
+    "segment_id": "int64",
+    "device": "int64",
+    "address": "int64",
+    "offset_bytes": "int64",
+    "size_bytes": "int64",
+    "requested_size_bytes": "Int64",  # <NA> for inactive blocks: torch leaves a stale value there
+    "state": STATE_DTYPE,
+    "stream": "int64",
+    "pool": POOL_DTYPE,
+    "is_private_pool": "bool",
+    "is_expandable": "bool",
+    "stack_id": "Int64",
+}
+
+EVENTS_SCHEMA: dict[str, object] = {
+    "device": "int64",
+    "event_index": "int64",  # position in that device's trace (chronological)
+    "action": "category",
+    "address": "Int64",  # <NA> for oom entries
+    "size_bytes": "int64",
+    "stream": "int64",
+    "time_us": "Int64",  # microseconds since the Unix epoch; <NA> before torch 2.2
+    "stack_id": "Int64",
+    "device_free_bytes": "Int64",  # oom entries only
+}
+
+STACK_FRAMES_SCHEMA: dict[str, object] = {
+    "frame_id": "int64",
+    "filename": "object",
+    "line": "int64",
+    "name": "object",
+}
+
+STACKS_SCHEMA: dict[str, object] = {
+    "stack_id": "int64",
+    "depth": "int64",  # 0 = innermost frame (the allocation site)
+    "frame_id": "int64",
+}
+
+ANNOTATIONS_SCHEMA: dict[str, object] = {
+    "device": "int64",
+    "time_us": "Int64",
+    "stage": "object",
+    "name": "object",
+}
+
+
+def empty_frame(schema: dict[str, object]) -> pd.DataFrame:
+    """An empty frame with the declared columns and dtypes."""
+    return pd.DataFrame({col: pd.Series([], dtype=dtype) for col, dtype in schema.items()})  # type: ignore[call-overload]
+
+
+def conform(df: pd.DataFrame, schema: dict[str, object]) -> pd.DataFrame:
+    """Order columns as declared and cast each to its declared dtype."""
+    return df.astype(dict(schema))[list(schema)]  # type: ignore[arg-type]

@@ -1,0 +1,98 @@
+"""What was recorded: trace or state only, stack kind, and whether early history is missing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class DeviceRecording:
+    device: int
+    events: int
+    first_time_us: int | None
+    last_time_us: int | None
+    action_counts: dict[str, int]
+    # frees of addresses whose allocation is not in the trace: the ring buffer wrapped or
+    # recording started late, so history before the first entry is missing
+    orphan_frees: int
+    # live blocks at dump time with no alloc event in the trace (allocated before it began)
+    live_blocks_before_trace: int
+    live_bytes_before_trace: int
+
+    @property
+    def history_complete(self) -> bool:
+        return self.orphan_frees == 0 and self.live_blocks_before_trace == 0
+
+
+@dataclass(frozen=True)
+class Recording:
+    mode: str  # 'trace' (alloc/free history), 'state' (live blocks only), 'none'
+    stacks: str  # 'none', 'python', 'python+cpp'
+    devices: tuple[DeviceRecording, ...]
+
+    @property
+    def history_complete(self) -> bool:
+        return all(d.history_complete for d in self.devices)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["history_complete"] = self.history_complete
+        for dev, rec in zip(d["devices"], self.devices, strict=True):
+            dev["history_complete"] = rec.history_complete
+        return d
+
+
+def _opt(v: object) -> int | None:
+    return None if v is None or pd.isna(v) else int(v)  # type: ignore[call-overload]
+
+
+def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) -> DeviceRecording:
+    ev = events[events["device"] == device]
+    counts = ev["action"].value_counts()
+    action_counts = {str(k): int(v) for k, v in counts.items() if v}
+    allocs = ev[ev["action"] == "alloc"]
+    frees = ev[ev["action"].isin(["free_requested", "free_completed"])]
+    first_alloc = allocs.groupby("address", sort=False)["event_index"].min()
+    first_free = frees.groupby("address", sort=False)["event_index"].min()
+    joined = first_free.to_frame("free").join(first_alloc.to_frame("alloc"), how="left")
+    orphan = int((joined["alloc"].isna() | (joined["free"] < joined["alloc"])).sum())
+    live = blocks[(blocks["device"] == device) & (blocks["state"] != "inactive")]
+    has_history = len(ev) > 1
+    if has_history:
+        before = ~live["address"].isin(allocs["address"].dropna().to_numpy())
+    else:  # state-only recording: there is no history to be missing from
+        before = pd.Series(np.zeros(len(live), dtype=bool), index=live.index)
+    times = ev["time_us"].dropna()
+    return DeviceRecording(
+        device=device,
+        events=len(ev),
+        first_time_us=_opt(times.iloc[0]) if len(times) else None,
+        last_time_us=_opt(times.iloc[-1]) if len(times) else None,
+        action_counts=action_counts,
+        orphan_frees=orphan,
+        live_blocks_before_trace=int(before.sum()),
+        live_bytes_before_trace=int(live.loc[before, "size_bytes"].sum()),
+    )
+
+
+def describe_recording(
+    devices: tuple[int, ...], stacks_kind: str, events: pd.DataFrame, blocks: pd.DataFrame
+) -> Recording:
+    """Facts about the recording, one entry per device."""
+    # enabled='state' shrinks the ring buffer to one entry (the last event, or the 'snapshot'
+    # marker): a trace of at most one entry per device carries no history
+    per_device = events.groupby("device").size()
+    if len(per_device) and int(per_device.max()) > 1:
+        mode = "trace"
+    elif len(events) or stacks_kind != "none":
+        mode = "state"
+    else:
+        mode = "none"
+    return Recording(
+        mode=mode,
+        stacks=stacks_kind,
+        devices=tuple(device_recording(d, events, blocks) for d in devices),
+    )

@@ -1,0 +1,105 @@
+"""The ``stats`` result: torch's counters, fragmentation and OOM cause, per device and overall."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..frames import SnapshotFrames
+from .fragmentation import PoolFragmentation, compute_fragmentation
+from .oom import OomAnalysis, analyse_oom
+from .recording import Recording, describe_recording
+from .torch_stats import compute_torch_stats
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    device: int
+    torch_stats: dict[str, int]
+    fragmentation: dict[str, PoolFragmentation]
+    oom: OomAnalysis | None
+    private_pool_reserved_bytes: int
+    expandable_reserved_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "torch_stats": self.torch_stats,
+            "fragmentation": {k: v.to_dict() for k, v in self.fragmentation.items()},
+            "oom": self.oom.to_dict() if self.oom else None,
+            "private_pool_reserved_bytes": self.private_pool_reserved_bytes,
+            "expandable_reserved_bytes": self.expandable_reserved_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """Everything ``snaplab stats`` prints. ``torch_stats``/``fragmentation``/``oom`` at the top
+    level are those of the only device, or the sum over devices for several devices."""
+
+    file: dict[str, Any]
+    recording: Recording
+    torch_stats: dict[str, int]
+    fragmentation: dict[str, PoolFragmentation]
+    oom: OomAnalysis | None
+    devices: dict[int, DeviceStats]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "recording": self.recording.to_dict(),
+            "torch_stats": self.torch_stats,
+            "fragmentation": {k: v.to_dict() for k, v in self.fragmentation.items()},
+            "oom": self.oom.to_dict() if self.oom else None,
+            "devices": {str(d): s.to_dict() for d, s in self.devices.items()},
+        }
+
+
+def file_facts(frames: SnapshotFrames) -> dict[str, Any]:
+    info = frames.info
+    return {
+        "path": info.source.path,
+        "file_size_bytes": info.source.file_size_bytes,
+        "compression": info.source.compression,
+        "encoding": info.source.encoding,
+        "pickle_protocol": info.source.pickle_protocol,
+        "legacy_format": info.legacy,
+        "format_hints": list(info.format_hints),
+        "allocator_settings": info.allocator_settings,
+        "devices": list(info.devices),
+        "segments": len(frames.segments),
+        "blocks": len(frames.blocks),
+        "trace_entries": len(frames.events),
+        "distinct_stacks": int(frames.stacks["stack_id"].nunique()),
+    }
+
+
+def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
+    """All of ``stats`` for one snapshot."""
+    seg, blk, ev = frames.segments, frames.blocks, frames.events
+    per_device = {}
+    for d in frames.info.devices:
+        s = seg[seg["device"] == d]
+        b = blk[blk["device"] == d]
+        per_device[d] = DeviceStats(
+            device=d,
+            torch_stats=compute_torch_stats(s, b),
+            fragmentation=compute_fragmentation(s, b),
+            oom=analyse_oom(s, b, ev[ev["device"] == d]),
+            private_pool_reserved_bytes=int(s.loc[s["is_private_pool"], "total_size_bytes"].sum()),
+            expandable_reserved_bytes=int(s.loc[s["is_expandable"], "total_size_bytes"].sum()),
+        )
+    if len(per_device) == 1:
+        only = next(iter(per_device.values()))
+        torch_stats, frag, oom = only.torch_stats, only.fragmentation, only.oom
+    else:
+        torch_stats = compute_torch_stats(seg, blk)
+        frag = compute_fragmentation(seg, blk)
+        oom = analyse_oom(seg, blk, ev)
+    return SnapshotStats(
+        file=file_facts(frames),
+        recording=describe_recording(frames.info.devices, frames.info.stacks_kind, ev, blk),
+        torch_stats=torch_stats,
+        fragmentation=frag,
+        oom=oom,
+        devices=per_device,
+    )

@@ -1,0 +1,153 @@
+"""Memory over time, rebuilt from the trace.
+
+Two exact series per device:
+
+- ``requested_bytes``: bytes requested by live tensors — ``+size`` at ``alloc``, ``-size`` at
+  ``free_completed`` (the trace records the request before rounding, so this is torch's
+  ``requested_bytes`` counter; its maximum equals ``requested_bytes.all.peak`` when the trace
+  covers the whole run).
+- ``reserved_bytes``: bytes held from CUDA — ``segment_alloc``/``segment_map`` add,
+  ``segment_free``/``segment_unmap`` subtract.
+
+When the trace does not start at the start of the job (ring buffer wrapped, recording started
+late), the level before the first event is unknown; we anchor each series at its end, where the
+snapshot's segments give the exact value, and walk back (the changes inside the trace are
+exact, so every point is exact too, as long as the snapshot was dumped right after the trace).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+_ADD_RESERVED = ("segment_alloc", "segment_map")
+_SUB_RESERVED = ("segment_free", "segment_unmap")
+
+
+@dataclass(frozen=True)
+class Marker:
+    x: float
+    label: str
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A series reduced to at most ``n`` buckets: per bucket, the first x, and min/max of y."""
+
+    x: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+
+@dataclass(frozen=True)
+class Timeline:
+    device: int
+    x: np.ndarray  # seconds since the first event, or the event index when there is no time
+    x_label: str
+    requested_bytes: np.ndarray
+    reserved_bytes: np.ndarray
+    peak_requested_bytes: int
+    peak_index: int  # event index of the (first) requested peak
+    peak_reserved_bytes: int
+    anchored_at_end: bool  # True when the start level had to be inferred from the end
+    ooms: tuple[Marker, ...] = ()
+    markers: tuple[Marker, ...] = ()
+    marker_group: str | None = None
+    start_time_us: int | None = None
+
+    @property
+    def n_events(self) -> int:
+        return int(self.x.size)
+
+
+def _step_markers(
+    annotations: pd.DataFrame, device: int, t0_us: int | None, limit: int
+) -> tuple[tuple[Marker, ...], str | None]:
+    """Iteration boundaries from ``external_annotations``: START entries of the most frequent
+    annotation name family (names with their digits removed, e.g. ``ProfilerStep#``)."""
+    if t0_us is None or annotations.empty:
+        return (), None
+    a = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
+    a = a[a["device"].isin([device, -1]) | (annotations["device"].nunique() == 1)]
+    if a.empty:
+        return (), None
+    family = a["name"].map(lambda s: re.sub(r"\d+", "#", str(s)))
+    counts = family.value_counts()
+    repeated = counts[counts >= 2]
+    if repeated.empty:
+        return (), None
+    # prefer names that look like iterations
+    stepish = [f for f in repeated.index if re.search(r"step|iter|epoch|batch", f, re.I)]
+    group = stepish[0] if stepish else repeated.index[0]
+    rows = a[family == group].head(limit)
+    ms = tuple(
+        Marker(x=(int(t) - t0_us) / 1e6, label=str(n)) for t, n in zip(rows["time_us"], rows["name"], strict=True)
+    )
+    return ms, str(group)
+
+
+def compute_timeline(
+    events: pd.DataFrame,
+    device: int,
+    requested_at_end: int,
+    reserved_at_end: int,
+    annotations: pd.DataFrame | None = None,
+    max_markers: int = 200,
+) -> Timeline | None:
+    """The timeline of one device (None when its trace has fewer than two entries)."""
+    ev = events[events["device"] == device]
+    if len(ev) < 2:
+        return None
+    action = ev["action"]
+    size = ev["size_bytes"].to_numpy()
+    d_req = np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0)
+    d_res = np.where(action.isin(_ADD_RESERVED), size, 0) - np.where(action.isin(_SUB_RESERVED), size, 0)
+    req = np.cumsum(d_req)
+    res = np.cumsum(d_res)
+    req_offset = requested_at_end - int(req[-1])
+    res_offset = reserved_at_end - int(res[-1])
+    req += req_offset
+    res += res_offset
+    times = ev["time_us"]
+    if times.notna().all():
+        t = times.to_numpy(dtype=np.int64)
+        t0 = int(t[0])
+        x = (t - t0) / 1e6
+        x_label = "seconds since the first recorded event"
+    else:
+        t0 = None
+        x = np.arange(len(ev), dtype=np.float64)
+        x_label = "trace event index"
+    peak_pos = int(np.argmax(req))
+    oom_rows = np.flatnonzero((action == "oom").to_numpy())
+    ooms = tuple(Marker(x=float(x[i]), label=f"OOM: request of {int(size[i])} bytes") for i in oom_rows)
+    markers, group = _step_markers(annotations, device, t0, max_markers) if annotations is not None else ((), None)
+    return Timeline(
+        device=device,
+        x=x,
+        x_label=x_label,
+        requested_bytes=req,
+        reserved_bytes=res,
+        peak_requested_bytes=int(req[peak_pos]),
+        peak_index=int(ev["event_index"].iloc[peak_pos]),
+        peak_reserved_bytes=int(res.max()),
+        anchored_at_end=bool(req_offset != 0 or res_offset != 0),
+        ooms=ooms,
+        markers=markers,
+        marker_group=group,
+        start_time_us=t0,
+    )
+
+
+def envelope(x: np.ndarray, y: np.ndarray, max_points: int = 2000) -> Envelope:
+    """Reduce a long series to ``max_points`` buckets keeping each bucket's min and max, so peaks
+    survive downsampling."""
+    n = y.size
+    if n <= max_points:
+        return Envelope(x=x, low=y, high=y)
+    edges = np.linspace(0, n, max_points + 1).astype(np.int64)
+    starts = edges[:-1]
+    return Envelope(x=x[starts], low=np.minimum.reduceat(y, starts), high=np.maximum.reduceat(y, starts))

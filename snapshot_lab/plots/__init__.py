@@ -1,0 +1,1 @@
+"""Plots: one function per figure. Only this package imports matplotlib."""

@@ -1,0 +1,1 @@
+"""Rendering: terminal text and the HTML report. Only this package imports jinja2."""

@@ -1,0 +1,82 @@
+"""Plain-text rendering for the terminal (``snaplab stats`` without ``--json``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..metrics import SnapshotStats
+from ..metrics.summary import DeviceStats
+from ..units import format_bytes, format_percent
+
+_POOLS = (("all", "all"), ("large_pool", "large"), ("small_pool", "small"))
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned first column, right-aligned others."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate([header, *rows]):
+        cells = [str(c).ljust(widths[i]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _device_text(d: DeviceStats) -> str:
+    ts = d.torch_stats
+    rows = []
+    for name in ("reserved_bytes", "allocated_bytes", "active_bytes", "requested_bytes", "inactive_split_bytes"):
+        rows.append([name] + [format_bytes(ts[f"{name}.{k}.current"]) for k, _ in _POOLS])
+    for name in ("segment", "allocation", "active", "inactive_split"):
+        rows.append([name] + [str(ts[f"{name}.{k}.current"]) for k, _ in _POOLS])
+    out = [table(["counter (.current)", "all", "large pool", "small pool"], rows)]
+    fr = d.fragmentation
+    frows = [
+        ["free in reserved"] + [format_bytes(fr[k].free_bytes) for k, _ in _POOLS],
+        ["largest free block"] + [format_bytes(fr[k].largest_free_block_bytes) for k, _ in _POOLS],
+        ["external fragmentation"] + [format_percent(fr[k].external_fragmentation) for k, _ in _POOLS],
+        ["internal waste (rounding)"] + [format_bytes(fr[k].internal_waste_bytes) for k, _ in _POOLS],
+        ["stranded (in live segments)"] + [format_bytes(fr[k].stranded_bytes) for k, _ in _POOLS],
+        ["releasable (empty_cache)"] + [format_bytes(fr[k].releasable_bytes) for k, _ in _POOLS],
+    ]
+    out.append("")
+    out.append(table(["fragmentation", "all", "large pool", "small pool"], frows))
+    if d.private_pool_reserved_bytes or d.expandable_reserved_bytes:
+        out.append("")
+        if d.private_pool_reserved_bytes:
+            out.append(f"private pools (CUDA graphs, MemPool): {format_bytes(d.private_pool_reserved_bytes)} reserved")
+        if d.expandable_reserved_bytes:
+            out.append(f"expandable segments: {format_bytes(d.expandable_reserved_bytes)} mapped")
+    if d.oom:
+        o = d.oom
+        out.append("")
+        out.append(
+            f"OUT OF MEMORY ({o.cause}): a request of {format_bytes(o.requested_bytes)} from the {o.pool} pool failed; "
+            f"{format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, largest free block "
+            f"{format_bytes(o.largest_free_block_bytes)}; CUDA reported {format_bytes(o.device_free_bytes)} free"
+            + ("" if o.snapshot_at_oom else " (layout from a later dump; approximate)")
+        )
+    return "\n".join(out)
+
+
+def format_stats(s: SnapshotStats) -> str:
+    f = s.file
+    rec = s.recording
+    head = [
+        f"{f['path']}  ({format_bytes(f['file_size_bytes'])}"
+        + (f", {f['compression']}" if f["compression"] else "")
+        + f"; {f['segments']} segments, {f['blocks']} blocks, {f['trace_entries']} trace entries)",
+        f"recording: {rec.mode}, stacks: {rec.stacks}"
+        + (
+            ""
+            if rec.history_complete or rec.mode != "trace"
+            else "; early history missing (ring buffer wrapped or recording started late)"
+        ),
+    ]
+    parts = ["\n".join(head)]
+    for d, ds in s.devices.items():
+        parts.append(f"== device {d}\n" + _device_text(ds))
+    if not s.devices:
+        parts.append("(no segments: nothing was reserved on any device)")
+    return "\n\n".join(parts) + "\n"
