@@ -102,6 +102,26 @@ def stats(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = Fa
     _run(work, debug)
 
 
+@app.command()
+def report(
+    snapshot: SnapshotArg,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="HTML file to write [default: reports/<snapshot name>.html]."),
+    ] = None,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings)."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            path = api.report(snapshot, output=output, progress=progress)
+        typer.echo(str(path))
+
+    _run(work, debug)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -20,6 +20,12 @@ class DeviceStats:
     oom: OomAnalysis | None
     private_pool_reserved_bytes: int
     expandable_reserved_bytes: int
+    # (total_size_bytes, n_blocks) of the large pool's non-expandable segments, for advice
+    large_segments: tuple[tuple[int, int], ...] = ()
+
+    def split_segments_larger_than(self, size_bytes: int) -> int:
+        """How many large-pool segments bigger than ``size_bytes`` are split into several blocks."""
+        return sum(1 for total, n in self.large_segments if total > size_bytes and n > 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +93,12 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             oom=analyse_oom(s, b, ev[ev["device"] == d]),
             private_pool_reserved_bytes=int(s.loc[s["is_private_pool"], "total_size_bytes"].sum()),
             expandable_reserved_bytes=int(s.loc[s["is_expandable"], "total_size_bytes"].sum()),
+            large_segments=tuple(
+                (int(t), int(n))
+                for t, n in s.loc[
+                    (s["pool"] == "large") & ~s["is_expandable"], ["total_size_bytes", "n_blocks"]
+                ].itertuples(index=False)
+            ),
         )
     if len(per_device) == 1:
         only = next(iter(per_device.values()))

@@ -74,7 +74,7 @@ def _step_markers(
     a = a[a["device"].isin([device, -1]) | (annotations["device"].nunique() == 1)]
     if a.empty:
         return (), None
-    family = a["name"].map(lambda s: re.sub(r"\d+", "#", str(s)))
+    family = a["name"].map(lambda s: re.sub(r"\d+", "N", str(s)))
     counts = family.value_counts()
     repeated = counts[counts >= 2]
     if repeated.empty:

@@ -1,0 +1,284 @@
+"""Findings: what the numbers mean for the user, each with its evidence and advice.
+
+Every finding is raised only when the snapshot shows the situation, and carries the numbers
+that show it. ``savings_bytes`` is the memory the advice would free or make usable, when that
+can be computed from the snapshot (None otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from ..units import format_bytes
+from .oom import OomAnalysis
+from .recording import Recording
+from .summary import DeviceStats, SnapshotStats
+from .timeline import Timeline
+
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+MiB = 1024 * 1024
+
+# thresholds, chosen so that clean runs stay quiet (see tests/test_findings.py)
+FRAG_MIN_BYTES = 512 * MiB
+FRAG_MIN_SHARE = 0.30
+CHURN_MIN_SEGMENT_FREES = 8
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    severity: str  # 'critical', 'warning', 'info'
+    title: str
+    advice: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    savings_bytes: int | None = None
+    device: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _split_size_hint(request_bytes: int) -> int:
+    """max_split_size_mb to suggest: the request rounded up to a power of two MiB (>= 20 MiB, the
+    large segment size), so cached blocks this big are never carved up by smaller requests."""
+    mib = max(20, -(-request_bytes // MiB))
+    p = 1
+    while p < mib:
+        p *= 2
+    return p
+
+
+def _oom_findings(o: OomAnalysis, d: DeviceStats) -> list[Finding]:
+    ev = {
+        "requested_bytes": o.requested_bytes,
+        "pool": o.pool,
+        "free_in_reserved_bytes": o.free_in_reserved_bytes,
+        "largest_free_block_bytes": o.largest_free_block_bytes,
+        "reserved_bytes": o.reserved_bytes,
+        "allocated_bytes": o.allocated_bytes,
+        "device_free_bytes": o.device_free_bytes,
+        "oom_count": o.oom_count,
+        "snapshot_at_oom": o.snapshot_at_oom,
+    }
+    if o.cause == "fragmentation":
+        split_hint = ""
+        split_mb = _split_size_hint(o.requested_bytes)
+        # max_split_size only protects blocks at least that large: advise it only when such
+        # segments exist and were carved up
+        if d.split_segments_larger_than(split_mb * MiB - 1):
+            split_hint = (
+                f" Segments of {split_mb} MiB and more were split by smaller allocations: "
+                f"max_split_size_mb:{split_mb} keeps blocks that large whole for requests like this one."
+            )
+        return [
+            Finding(
+                id="oom-fragmentation",
+                severity="critical",
+                title=(
+                    f"Out of memory caused by fragmentation: {format_bytes(o.requested_bytes)} could not be "
+                    f"placed although {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory"
+                ),
+                advice=(
+                    "The free memory was split into holes no larger than "
+                    f"{format_bytes(o.largest_free_block_bytes)}. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                    "so the allocator maps memory into one growing range per stream instead of needing a "
+                    f"contiguous hole.{split_hint} Keeping allocation sizes steady (padding variable-length "
+                    "batches to a few bucket sizes) also prevents the holes."
+                ),
+                evidence=ev,
+                savings_bytes=o.free_in_reserved_bytes,
+                device=o.device,
+            )
+        ]
+    return [
+        Finding(
+            id="oom-capacity",
+            severity="critical",
+            title=(
+                f"Out of memory: the job needed more than the device had ({format_bytes(o.requested_bytes)} "
+                f"requested with {format_bytes(o.allocated_bytes)} already allocated)"
+            ),
+            advice=(
+                "Fragmentation is not the cause: too little memory was free even counting every cached hole. "
+                "Reduce what is live at the peak: a smaller batch or sequence length, activation checkpointing, "
+                "bf16/fp16 autocast, sharding optimizer state and gradients (FSDP/ZeRO), or freeing tensors "
+                "kept across iterations (see the top allocation sites)."
+            ),
+            evidence=ev,
+            device=o.device,
+        )
+    ]
+
+
+def _fragmentation_finding(d: DeviceStats, tl: Timeline | None) -> Finding | None:
+    f = d.fragmentation["all"]
+    reserved = f.reserved_bytes
+    stranded = f.stranded_bytes
+    overhead = (tl.peak_reserved_bytes - tl.peak_requested_bytes) if tl is not None else 0
+    at_dump = stranded >= FRAG_MIN_BYTES and reserved and stranded / reserved >= FRAG_MIN_SHARE
+    at_peak = (
+        tl is not None
+        and not tl.anchored_at_end
+        and overhead >= FRAG_MIN_BYTES
+        and overhead / max(tl.peak_reserved_bytes, 1) >= FRAG_MIN_SHARE
+    )
+    if not (at_dump and f.external_fragmentation >= 0.5) and not at_peak:
+        return None
+    large = d.fragmentation["large_pool"]
+    split = _split_size_hint(large.largest_free_block_bytes or 20 * MiB)
+    return Finding(
+        id="high-fragmentation",
+        severity="warning",
+        title=(
+            f"Fragmentation: {format_bytes(max(stranded, overhead))} of reserved memory cannot be used "
+            "for large tensors or returned to CUDA"
+        ),
+        advice=(
+            "Free bytes sit in holes inside segments that also hold live tensors, so empty_cache() cannot return "
+            "them and large requests cannot use them. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            f"(segments grow in place and free pages are unmapped), or max_split_size_mb:{split} to stop large "
+            "cached blocks being split by small requests."
+        ),
+        evidence={
+            "reserved_bytes": reserved,
+            "stranded_bytes": stranded,
+            "external_fragmentation": f.external_fragmentation,
+            "largest_free_block_bytes": f.largest_free_block_bytes,
+            "peak_reserved_bytes": tl.peak_reserved_bytes if tl else None,
+            "peak_requested_bytes": tl.peak_requested_bytes if tl else None,
+        },
+        savings_bytes=max(stranded, overhead),
+        device=d.device,
+    )
+
+
+def _churn_finding(events: pd.DataFrame, device: int) -> Finding | None:
+    ev = events[events["device"] == device]
+    frees = ev[ev["action"].isin(["segment_free", "segment_unmap"])]
+    if len(frees) < CHURN_MIN_SEGMENT_FREES:
+        return None
+    allocs = ev[ev["action"].isin(["segment_alloc", "segment_map"])]
+    # a free followed later by an allocation of the same size is churn: memory given back only to
+    # be requested again
+    later = allocs.merge(frees[["size_bytes", "event_index"]], on="size_bytes", suffixes=("", "_free"))
+    churned = later[later["event_index"] > later["event_index_free"]].drop_duplicates("event_index_free")
+    if len(churned) < CHURN_MIN_SEGMENT_FREES:
+        return None
+    return Finding(
+        id="empty-cache-churn",
+        severity="warning",
+        title=(
+            f"{len(frees)} segments given back to CUDA and {len(churned)} of them allocated again: "
+            "cudaFree/cudaMalloc churn"
+        ),
+        advice=(
+            "Each cudaFree synchronises the device and each cudaMalloc is slow; the memory was needed again soon "
+            "after. This pattern comes from calling torch.cuda.empty_cache() inside the training loop (or from "
+            "garbage_collection_threshold set too low). Remove empty_cache() from the loop; call it only "
+            "between phases that really change memory use."
+        ),
+        evidence={
+            "segment_frees": len(frees),
+            "segment_allocs": len(allocs),
+            "reallocated_after_free": len(churned),
+            "bytes_freed": int(frees["size_bytes"].sum()),
+        },
+        device=device,
+    )
+
+
+def _recording_findings(rec: Recording) -> list[Finding]:
+    out = []
+    if rec.mode == "state":
+        out.append(
+            Finding(
+                id="no-trace",
+                severity="info",
+                title="State-only recording: no allocation history, so no timeline or peak analysis",
+                advice=(
+                    "Record with torch.cuda.memory._record_memory_history(max_entries=100000) "
+                    "(enabled='all', the default) to get the event history."
+                ),
+                evidence={"mode": rec.mode},
+            )
+        )
+    for d in rec.devices:
+        if rec.mode == "trace" and not d.history_complete:
+            out.append(
+                Finding(
+                    id="history-incomplete",
+                    severity="info",
+                    title=(
+                        f"The trace of device {d.device} misses the start of the job: "
+                        f"{format_bytes(d.live_bytes_before_trace)} still live was allocated before its first event"
+                    ),
+                    advice=(
+                        "The ring buffer wrapped or recording started after the model was built. Timelines are "
+                        "anchored at the dump and exact inside the trace; sites at the peak miss older "
+                        "allocations. Start recording earlier or raise max_entries."
+                    ),
+                    evidence={
+                        "trace_events": d.events,
+                        "orphan_frees": d.orphan_frees,
+                        "live_blocks_before_trace": d.live_blocks_before_trace,
+                        "live_bytes_before_trace": d.live_bytes_before_trace,
+                    },
+                    device=d.device,
+                )
+            )
+    return out
+
+
+def compute_findings(
+    stats: SnapshotStats, events: pd.DataFrame, timelines: dict[int, Timeline | None] | None = None
+) -> list[Finding]:
+    """All findings, most severe first."""
+    timelines = timelines or {}
+    out: list[Finding] = []
+    for dev, d in stats.devices.items():
+        if d.oom is not None:
+            out.extend(_oom_findings(d.oom, d))
+        if d.oom is None or d.oom.cause != "fragmentation":
+            frag = _fragmentation_finding(d, timelines.get(dev))
+            if frag:
+                out.append(frag)
+        churn = _churn_finding(events, dev)
+        if churn:
+            out.append(churn)
+        pending = d.torch_stats["active_bytes.all.current"] - d.torch_stats["allocated_bytes.all.current"]
+        if pending:
+            out.append(
+                Finding(
+                    id="pending-frees",
+                    severity="info",
+                    title=f"{format_bytes(pending)} freed by tensors but still waiting for work on another stream",
+                    advice=(
+                        "These blocks were used on a second stream (Tensor.record_stream) and are released only "
+                        "when that stream's work completes and the allocator next runs. If this is large, "
+                        "synchronise the streams sooner or avoid record_stream on big buffers."
+                    ),
+                    evidence={"pending_free_bytes": pending},
+                    device=dev,
+                )
+            )
+        if d.private_pool_reserved_bytes:
+            out.append(
+                Finding(
+                    id="cuda-graph-pool",
+                    severity="info",
+                    title=f"{format_bytes(d.private_pool_reserved_bytes)} reserved by CUDA-graph/private memory pools",
+                    advice=(
+                        "Memory captured by CUDA graphs (or torch.cuda.MemPool) stays reserved for the graph's "
+                        "lifetime and is invisible to other allocations. Share one pool between graphs "
+                        "(torch.cuda.graph_pool_handle()) or free graphs you no longer replay."
+                    ),
+                    evidence={"private_pool_reserved_bytes": d.private_pool_reserved_bytes},
+                    device=dev,
+                )
+            )
+    out.extend(_recording_findings(stats.recording))
+    out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.device if f.device is not None else -1))
+    return out

@@ -1,0 +1,86 @@
+"""Block layout: each segment a bar, its blocks drawn to scale and coloured by state."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from ..metrics.layout import PoolLayout
+from ..units import format_bytes
+from .common import COLORS, new_figure, styled
+
+_ROW_INCHES = 0.2
+
+
+def _rects(x0: np.ndarray, w: np.ndarray, y: np.ndarray, h: float) -> np.ndarray:
+    return np.stack(
+        [
+            np.stack([x0, y - h / 2], 1),
+            np.stack([x0 + w, y - h / 2], 1),
+            np.stack([x0 + w, y + h / 2], 1),
+            np.stack([x0, y + h / 2], 1),
+        ],
+        axis=1,
+    )
+
+
+@styled
+def plot_block_layout(pools: list[PoolLayout]) -> Figure:
+    """One panel per pool; each row is one segment (largest first), scaled to its own size so
+    that holes are visible in small and large segments alike."""
+    rows = [len(p.segments) for p in pools] or [1]
+    height = sum(max(r, 3) * _ROW_INCHES + 0.9 for r in rows) + 0.4
+    fig = new_figure(10.5, height)
+    axes = fig.subplots(len(pools) or 1, 1, squeeze=False, height_ratios=[max(r, 3) + 4 for r in rows])[:, 0]
+    for ax, pool in zip(axes, pools, strict=False):
+        segs = pool.segments.reset_index(drop=True)
+        ypos = {sid: i for i, sid in enumerate(segs["segment_id"])}
+        blk = pool.blocks
+        seg_size = segs.set_index("segment_id")["total_size_bytes"]
+        total = blk["segment_id"].map(seg_size).to_numpy(dtype=np.float64)
+        x0 = blk["offset_bytes"].to_numpy() / total
+        w = blk["size_bytes"].to_numpy() / total
+        y = blk["segment_id"].map(ypos).to_numpy(dtype=np.float64)
+        for state in ("inactive", "active_allocated", "active_pending_free"):
+            m = (blk["state"] == state).to_numpy()
+            if m.any():
+                edge = "#bdbdbd" if state == "inactive" else "white"
+                ax.add_collection(
+                    PolyCollection(
+                        list(_rects(x0[m], w[m], y[m], 0.72)), facecolors=COLORS[state], edgecolors=edge, linewidths=0.3
+                    )
+                )
+        labels = []
+        for i, s in segs.iterrows():
+            tag = ""
+            if s["is_private_pool"]:
+                tag = f" · graph pool ({s['pool_id_0']},{s['pool_id_1']})"
+                ax.plot([-0.012], [i], marker="s", ms=5, color=COLORS["private"], clip_on=False)
+            elif s["is_expandable"]:
+                tag = " · expandable"
+                ax.plot([-0.012], [i], marker="s", ms=5, color=COLORS["expandable"], clip_on=False)
+            labels.append(f"{format_bytes(s['total_size_bytes'], 1)}{tag}")
+        ax.set_yticks(range(len(segs)), labels, fontsize=7)
+        ax.set_ylim(len(segs) - 0.5, -0.5)
+        ax.set_xlim(0, 1)
+        ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["start", "25%", "50%", "75%", "end"])
+        ax.tick_params(axis="y", length=0)
+        ax.spines["left"].set_visible(False)
+        title = f"{pool.pool} pool: {len(segs)} largest segments"
+        if pool.hidden_segments:
+            title += (
+                f" (+{pool.hidden_segments} smaller not drawn: {format_bytes(pool.hidden_reserved_bytes)} reserved, "
+                f"{format_bytes(pool.hidden_allocated_bytes)} allocated, {format_bytes(pool.hidden_free_bytes)} free)"
+            )
+        ax.set_title(title, loc="left")
+    handles = [
+        Patch(facecolor=COLORS["active_allocated"], label="allocated"),
+        Patch(facecolor=COLORS["active_pending_free"], label="freed, awaiting other stream"),
+        Patch(facecolor=COLORS["inactive"], edgecolor="#bdbdbd", label="free (cached)"),
+        Patch(facecolor=COLORS["private"], label="CUDA graph / private pool"),
+        Patch(facecolor=COLORS["expandable"], label="expandable segment"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=5)
+    return fig

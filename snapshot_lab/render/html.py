@@ -1,0 +1,109 @@
+"""The HTML report: one context object, one jinja2 environment, one self-contained file.
+
+Everything that came from the snapshot reaches the page through jinja2's autoescaping; only
+the SVG that matplotlib wrote (which escapes its own text) is inserted as markup.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from ..metrics.findings import Finding
+from ..metrics.oom import OomAnalysis
+from ..metrics.sites import Site
+from ..units import format_bytes, format_percent
+
+
+@dataclass(frozen=True)
+class Card:
+    label: str
+    value: str
+    help: str
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    values: list[str]
+    help: str
+
+
+@dataclass(frozen=True)
+class SiteView:
+    site: Site
+    stack: list[dict[str, Any]]  # display stack: internals removed, each frame with its 'kind'
+    full_stack: list[dict[str, Any]]
+
+
+@dataclass
+class DeviceSection:
+    device: int
+    cards: list[Card]
+    counter_rows: list[Row]
+    fragmentation_rows: list[Row]
+    histogram_svg: str
+    layout_png: str
+    layout_note: str
+    live_sites: list[SiteView]
+    timeline_svg: str | None = None
+    timeline_notes: list[str] = field(default_factory=list)
+    timeline_missing: str = ""
+    peak_sites: list[SiteView] = field(default_factory=list)
+    peak_note: str = ""
+    oom: OomAnalysis | None = None
+    oom_stack: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ReportContext:
+    file_name: str
+    headline: str
+    findings: list[Finding]
+    devices: list[DeviceSection]
+    meta_rows: list[tuple[str, str]]
+    settings_rows: list[tuple[str, str]]
+    version: str
+    css: str = ""
+    compare_svg: str = ""
+    compare_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _evidence(value: Any, key: str) -> str:
+    if isinstance(value, bool) or value is None:
+        return "—" if value is None else str(value).lower()
+    if isinstance(value, int) and key.endswith("_bytes"):
+        return f"{format_bytes(value)} ({value:,} B)"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("snapshot_lab", "render/templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["bytes"] = format_bytes
+    env.filters["pct"] = format_percent
+    env.filters["evidence"] = _evidence
+    return env
+
+
+def _css() -> str:
+    return (importlib.resources.files("snapshot_lab") / "render" / "assets" / "report.css").read_text("utf-8")
+
+
+def render_report(ctx: ReportContext) -> str:
+    """The report as one HTML string."""
+    if not ctx.css:
+        ctx.css = _css()
+    return _environment().get_template("report.html.j2").render(ctx=ctx)

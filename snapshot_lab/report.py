@@ -1,0 +1,279 @@
+"""The report job: metrics -> plots -> context -> HTML, in that order, for one snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from . import __version__
+from .frames import SnapshotFrames
+from .metrics import SnapshotStats
+from .metrics.findings import compute_findings
+from .metrics.layout import select_layout
+from .metrics.sites import alive_at, display_stack, live_sites, top_sites
+from .metrics.summary import DeviceStats
+from .metrics.timeline import Timeline, compute_timeline
+from .plots.common import figure_png_data_uri, figure_svg
+from .plots.compare import plot_device_comparison
+from .plots.histogram import plot_free_histogram
+from .plots.layout import plot_block_layout
+from .plots.timeline import plot_timeline
+from .progress import NullProgress, ProgressSink
+from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
+from .units import format_bytes, format_percent
+
+POOLS = ("all", "large_pool", "small_pool")
+COUNTERS = (
+    ("reserved_bytes", True, "held from CUDA (cudaMalloc'd or mapped), in use or cached"),
+    ("allocated_bytes", True, "in blocks handed to tensors (sizes rounded up by the allocator)"),
+    ("active_bytes", True, "allocated + freed blocks still waiting for another stream"),
+    ("requested_bytes", True, "what tensors asked for, before rounding (active blocks)"),
+    ("inactive_split_bytes", True, "free bytes inside split segments (cannot be released)"),
+    ("segment", False, "cudaMalloc'd segments (expandable segments not counted)"),
+    ("allocation", False, "allocated blocks"),
+    ("active", False, "active blocks"),
+    ("inactive_split", False, "free blocks inside split segments"),
+)
+MAX_SITES = 12
+
+
+def _counter_rows(ts: dict[str, int]) -> list[Row]:
+    rows = []
+    for name, is_bytes, help_text in COUNTERS:
+        vals = [ts[f"{name}.{p}.current"] for p in POOLS]
+        rows.append(Row(name, [format_bytes(v) if is_bytes else f"{v:,}" for v in vals], help_text))
+    return rows
+
+
+def _fragmentation_rows(d: DeviceStats) -> list[Row]:
+    fr = d.fragmentation
+    spec: list[tuple[str, Any, str]] = [
+        ("free in reserved", lambda f: format_bytes(f.free_bytes), "cached free blocks, ready for reuse"),
+        ("free blocks", lambda f: f"{f.free_blocks:,}", ""),
+        (
+            "largest free block",
+            lambda f: format_bytes(f.largest_free_block_bytes),
+            "the largest request the cache can serve without a new segment",
+        ),
+        (
+            "external fragmentation",
+            lambda f: format_percent(f.external_fragmentation),
+            "1 − largest free block / free bytes: 0% one hole, near 100% many small holes",
+        ),
+        (
+            "internal waste",
+            lambda f: format_bytes(f.internal_waste_bytes),
+            "rounding: block size − requested size of allocated blocks",
+        ),
+        (
+            "stranded",
+            lambda f: format_bytes(f.stranded_bytes),
+            "free bytes in segments that also hold live tensors: empty_cache() cannot return them",
+        ),
+        ("releasable", lambda f: format_bytes(f.releasable_bytes), "what empty_cache() would give back to CUDA"),
+    ]
+    return [Row(name, [fn(fr[p]) for p in POOLS], help_text) for name, fn, help_text in spec]
+
+
+def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
+    ts = d.torch_stats
+    free = d.fragmentation["all"].free_bytes
+    cards = [
+        Card("reserved", format_bytes(ts["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"),
+        Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in use by tensors at the dump"),
+        Card("free in reserved", format_bytes(free), "cached, reusable by PyTorch, not by other processes"),
+    ]
+    if tl is not None:
+        cards.append(
+            Card("peak in use", format_bytes(tl.peak_requested_bytes), "largest requested total during the trace")
+        )
+        cards.append(
+            Card("peak reserved", format_bytes(tl.peak_reserved_bytes), "largest reserved total during the trace")
+        )
+    if d.private_pool_reserved_bytes:
+        cards.append(Card("CUDA-graph pools", format_bytes(d.private_pool_reserved_bytes), "reserved by private pools"))
+    return cards
+
+
+def _site_views(frames: SnapshotFrames, sites: list[Any]) -> list[SiteView]:
+    views = []
+    for s in sites:
+        full = frames.stack(s.stack_id)
+        views.append(SiteView(site=s, stack=display_stack(full), full_stack=[{**f, "kind": "frame"} for f in full]))
+    return views
+
+
+def _device_section(frames: SnapshotFrames, stats: SnapshotStats, dev: int, tl: Timeline | None) -> DeviceSection:
+    d = stats.devices[dev]
+    seg = frames.segments[frames.segments["device"] == dev]
+    blk = frames.blocks[frames.blocks["device"] == dev]
+    layouts = select_layout(seg, blk)
+    hidden = sum(p.hidden_segments for p in layouts)
+    layout_note = (
+        "Each bar is one segment (a cudaMalloc'd or mapped range), scaled to its own size, largest first; "
+        "blocks are coloured by state."
+        + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
+    )
+    oom_req = d.oom.requested_bytes if d.oom else None
+    section = DeviceSection(
+        device=dev,
+        cards=_cards(d, tl),
+        counter_rows=_counter_rows(d.torch_stats),
+        fragmentation_rows=_fragmentation_rows(d),
+        histogram_svg=figure_svg(plot_free_histogram(d.fragmentation, oom_req)),
+        layout_png=figure_png_data_uri(plot_block_layout(layouts)),
+        layout_note=layout_note,
+        live_sites=_site_views(frames, live_sites(blk, frames.stacks, frames.stack_frames, MAX_SITES)),
+        oom=d.oom,
+        oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
+    )
+    if tl is None:
+        rec = stats.recording
+        section.timeline_missing = (
+            "No timeline: this snapshot was recorded with enabled='state' (no event history)."
+            if rec.mode == "state"
+            else "No timeline: the trace of this device is empty."
+        )
+        return section
+    section.timeline_svg = figure_svg(plot_timeline(tl))
+    notes = [
+        "Blue: bytes requested by live tensors; grey: bytes reserved from CUDA. Both are exact sums of the "
+        "trace's events.",
+    ]
+    if tl.anchored_at_end:
+        notes.append(
+            "The trace does not reach back to the start of the job (ring buffer wrapped or recording started "
+            "late): levels are anchored at the dump, where the snapshot gives them exactly."
+        )
+    if tl.markers:
+        notes.append(f"Dashed lines: starts of '{tl.marker_group}' from the recorded annotations.")
+    section.timeline_notes = notes
+    alive = alive_at(frames.events, dev, tl.peak_index)
+    section.peak_sites = _site_views(
+        frames, top_sites(alive["stack_id"], alive["size_bytes"], frames.stacks, frames.stack_frames, MAX_SITES)
+    )
+    section.peak_note = (
+        f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "
+        f"{tl.peak_index:,}), by requested bytes."
+        + ("" if not tl.anchored_at_end else " Allocations made before the trace began are not included.")
+    )
+    return section
+
+
+def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, str]]:
+    f = stats.file
+    rec = stats.recording
+    rows = [
+        ("file", f["path"]),
+        (
+            "size",
+            f"{format_bytes(f['file_size_bytes'])}" + (f", {f['compression']}-compressed" if f["compression"] else ""),
+        ),
+        ("encoding", f"{f['encoding']}" + (f", protocol {f['pickle_protocol']}" if f["pickle_protocol"] else "")),
+        ("format", ", ".join(f["format_hints"]) or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "—")),
+        ("devices", ", ".join(str(d) for d in f["devices"]) or "none"),
+        ("segments / blocks", f"{f['segments']:,} / {f['blocks']:,}"),
+        ("trace entries", f"{f['trace_entries']:,}"),
+        (
+            "recording",
+            {
+                "trace": "allocation history (trace) + state",
+                "state": "state only (no history)",
+                "none": "nothing recorded",
+            }[rec.mode],
+        ),
+        ("stacks", {"python": "Python", "python+cpp": "Python + C++", "none": "none recorded"}[rec.stacks]),
+    ]
+    for d in rec.devices:
+        if rec.mode == "trace":
+            complete = (
+                "complete from the first allocation"
+                if d.history_complete
+                else (
+                    f"starts mid-run: {d.orphan_frees} frees without their allocation, "
+                    f"{format_bytes(d.live_bytes_before_trace)} live from before the trace"
+                )
+            )
+            span = ""
+            if d.first_time_us is not None and d.last_time_us is not None:
+                span = f", {(d.last_time_us - d.first_time_us) / 1e6:.3f} s"
+            rows.append((f"trace of device {d.device}", f"{d.events:,} events{span}; history {complete}"))
+    return rows
+
+
+def _settings_rows(frames: SnapshotFrames) -> list[tuple[str, str]]:
+    s = frames.info.allocator_settings or {}
+    rows = []
+    for k, v in s.items():
+        if k == "roundup_power2_divisions" and isinstance(v, dict):
+            nonzero = {kk: vv for kk, vv in v.items() if vv}
+            v = ", ".join(f"{kk}: {vv}" for kk, vv in nonzero.items()) or "off"
+        elif k == "max_split_size" and v == -1:
+            v = "unlimited (-1)"
+        rows.append((str(k), str(v) if v != "" else "''"))
+    return rows
+
+
+def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
+    ts = stats.torch_stats
+    text = (
+        f"{format_bytes(ts['reserved_bytes.all.current'])} reserved, "
+        f"{format_bytes(ts['allocated_bytes.all.current'])} allocated"
+        f" on {len(stats.devices)} device{'s' if len(stats.devices) != 1 else ''}."
+    )
+    crit = [f for f in findings if f.severity == "critical"]
+    if crit:
+        text += " " + crit[0].title + "."
+    return text
+
+
+def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: ProgressSink | None = None) -> str:
+    """The whole report for one snapshot, as an HTML string."""
+    progress = progress or NullProgress()
+    progress.stage("Analysing")
+    timelines: dict[int, Timeline | None] = {}
+    for dev, d in stats.devices.items():
+        timelines[dev] = compute_timeline(
+            frames.events,
+            dev,
+            d.torch_stats["requested_bytes.all.current"],
+            d.torch_stats["reserved_bytes.all.current"],
+            frames.annotations,
+        )
+    findings = compute_findings(stats, frames.events, timelines)
+    progress.stage("Plotting", total=len(stats.devices))
+    sections = []
+    for i, dev in enumerate(stats.devices):
+        sections.append(_device_section(frames, stats, dev, timelines[dev]))
+        progress.update(i + 1)
+    progress.stage("Rendering")
+    ctx = ReportContext(
+        file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
+        headline=_headline(stats, findings),
+        findings=findings,
+        devices=sections,
+        meta_rows=_meta_rows(frames, stats),
+        settings_rows=_settings_rows(frames),
+        version=__version__,
+    )
+    if len(sections) > 1:
+        rows = []
+        for dev, d in stats.devices.items():
+            tl = timelines[dev]
+            rows.append(
+                {
+                    "device": dev,
+                    "reserved": d.torch_stats["reserved_bytes.all.current"],
+                    "allocated": d.torch_stats["allocated_bytes.all.current"],
+                    "free": d.fragmentation["all"].free_bytes,
+                    "frag": d.fragmentation["all"].external_fragmentation,
+                    "peak": tl.peak_requested_bytes if tl else None,
+                }
+            )
+        ctx.compare_rows = rows
+        ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
+    return render_report(ctx)
+
+
+__all__ = ["build_report"]

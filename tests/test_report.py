@@ -1,0 +1,174 @@
+"""The HTML report: structure, self-containment, escaping, no partial files, and a real browser."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab import api
+from snapshot_lab.cli import app
+from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_OUTPUT
+
+from .conftest import block, event, make_snapshot, sample_path, segment, write_pickle
+
+runner = CliRunner()
+HOSTILE_NAME = "<script>alert('pwned')</script>"
+HOSTILE_FILE = '"><img src=x onerror=alert(1)>.py'
+SIZE_BUDGET = 3 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    made = {}
+    for name in ("oom_fragmentation", "transformer_varlen", "dataparallel", "state_only", "cuda_graph", "expandable"):
+        made[name] = api.report(sample_path(name), output=out / f"{name}.html").read_text()
+    return made
+
+
+def _hostile_snapshot() -> dict:
+    frames = [
+        {"filename": HOSTILE_FILE, "line": 7, "name": HOSTILE_NAME},
+        {"filename": "$x$ {{7*7}}", "line": 1, "name": "$\\frac{a}{b}$"},
+    ]
+    segs = [segment(1 << 30, [block(4 << 20, frames=frames), block(16 << 20, "inactive")])]
+    tr = [
+        event("segment_alloc", 1 << 30, 20 << 20, 1, frames=frames),
+        event("alloc", 1 << 30, 4 << 20, 2, frames=frames),
+    ]
+    snap = make_snapshot(segs, [tr])
+    snap["external_annotations"] = [
+        {"stage": "START", "name": f"{HOSTILE_NAME}$\\bogus{{$ step 1", "device": 0, "time_us": 1},
+        {"stage": "START", "name": f"{HOSTILE_NAME}$\\bogus{{$ step 2", "device": 0, "time_us": 2},
+    ]
+    snap["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] = HOSTILE_NAME
+    return snap
+
+
+def test_sections_present(reports):
+    html = reports["oom_fragmentation"]
+    for anchor in ('id="findings"', 'id="device-0"', 'id="oom-0"', 'id="recording"'):
+        assert anchor in html
+    for heading in (
+        "Memory over time",
+        "Allocator counters",
+        "Fragmentation",
+        "Block layout",
+        "Top allocation sites: live at the dump",
+        "Top allocation sites: live at the peak",
+    ):
+        assert heading in html
+    assert "oom-fragmentation" in html
+    assert html.count("<svg") >= 2 and "data:image/png;base64," in html
+
+
+def test_numbers_in_report_are_torchs(reports):
+    # reserved 1.46 GiB and 75 segments, as torch.cuda.memory_stats() said
+    html = reports["oom_fragmentation"]
+    assert "1.46 GiB" in html
+    assert re.search(r'<td class="mono">segment</td><td class="num">75</td>', html)
+
+
+@pytest.mark.parametrize("name", ["oom_fragmentation", "transformer_varlen", "dataparallel", "state_only"])
+def test_self_contained(reports, name):
+    html = reports[name]
+    assert len(html.encode()) < SIZE_BUDGET
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
+    assert "<script" not in html and "@import" not in html and "url(http" not in html
+    assert "<link" not in html
+
+
+def test_multi_device_report(reports):
+    html = reports["dataparallel"]
+    assert 'id="device-0"' in html and 'id="device-1"' in html and 'id="compare"' in html
+
+
+def test_state_only_report_explains_missing_timeline(reports):
+    assert "enabled=&#39;state&#39;" in reports["state_only"] or "enabled='state'" in reports["state_only"]
+    assert "no-trace" in reports["state_only"]
+
+
+def test_hostile_strings_are_escaped(tmp_path):
+    p = write_pickle(tmp_path / "hostile.pickle", _hostile_snapshot())
+    html = api.report(p, output=tmp_path / "h.html").read_text()
+    assert "<script" not in html
+    assert "<img src=x" not in html
+    assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in html  # visible, inert
+    assert "{{7*7}}" in html or "{{ 7*7 }}" in html  # not evaluated as a template
+
+
+def test_bad_input_leaves_no_file(tmp_path):
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04\x95garbage")
+    out = tmp_path / "out" / "r.html"
+    r = runner.invoke(app, ["report", str(bad), "-o", str(out)])
+    assert r.exit_code == EXIT_BAD_INPUT
+    assert not out.exists()
+    assert not any(out.parent.glob("*")) if out.parent.exists() else True
+
+
+def test_unwritable_output(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = runner.invoke(app, ["report", str(sample_path("oom_fragmentation")), "-o", str(blocker / "r.html")])
+    assert r.exit_code == EXIT_OUTPUT
+    assert r.stderr.startswith("snaplab: error: ") and "cannot write" in r.stderr
+
+
+def test_default_output_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "job_rank3.pickle.xz"
+    shutil.copy(sample_path("cuda_graph"), src)
+    r = runner.invoke(app, ["report", str(src), "-q"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == str(Path("reports") / "job_rank3.html")
+    assert (tmp_path / "reports" / "job_rank3.html").stat().st_size > 10_000
+
+
+def test_report_is_deterministic(tmp_path):
+    a = api.report(sample_path("oom_fragmentation"), output=tmp_path / "a.html").read_bytes()
+    b = api.report(sample_path("oom_fragmentation"), output=tmp_path / "b.html").read_bytes()
+    assert a.replace(b"a.html", b"") == b.replace(b"b.html", b"")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+@pytest.mark.parametrize("name", ["oom_fragmentation", "hostile"])
+def test_renders_in_headless_chromium(tmp_path, name):
+    src = write_pickle(tmp_path / "hostile.pickle", _hostile_snapshot()) if name == "hostile" else sample_path(name)
+    html = api.report(src, output=tmp_path / "r.html")
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1280,2000",
+            f"--screenshot={shot}",
+            html.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shot.exists() and shot.stat().st_size > 20_000, proc.stderr[-2000:]
+    console = [ln for ln in proc.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert console == []
