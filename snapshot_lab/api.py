@@ -25,7 +25,7 @@ def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -
     progress = progress or NullProgress()
     snap = load_snapshot(snapshot, progress=progress)
     progress.stage("Building frames")
-    return build_frames(snap)
+    return build_frames(snap, consume=True)
 
 
 def stats(snapshot: str | Path, *, progress: ProgressSink | None = None) -> SnapshotStats:

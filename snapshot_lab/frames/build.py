@@ -9,13 +9,16 @@ then deduplicate by content, giving a ``stack_frames`` table, a ``stacks`` table
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..load import Snapshot, SourceInfo
 from .schema import (
@@ -208,68 +211,147 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
     return segments, blocks
 
 
-def _trace_columns(device: int, tr: list[Any], interner: _StackInterner) -> dict[str, Any]:
-    n = len(tr)
-    actions = list(map(itemgetter("action"), tr))
-    sizes = np.array(list(map(itemgetter("size"), tr)), dtype=np.int64)
-    addrs = list(map(methodcaller("get", "addr"), tr))
-    streams = np.array(list(map(methodcaller("get", "stream", 0), tr)), dtype=np.int64)
-    if "time_us" in tr[0]:
-        times = _nullable(list(map(methodcaller("get", "time_us"), tr)))
+_CHUNK = 1 << 17  # entries converted at a time: bounds the temporary per-entry Python objects
+_ACTION_CODES = {a: i for i, a in enumerate(KNOWN_ACTIONS)}
+_MISSING = -1  # internal only: never leaves this module (addresses, sizes and times are >= 0)
+
+
+_NO_FRAMES: list[Any] = []
+
+
+def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
+    """Stack id of every entry (``_MISSING`` for none), exactly, in a few C-level passes.
+
+    Real pickles give every entry its own ``frames`` list but share the frame dicts. Entries are
+    grouped by (stack depth, identity of the innermost frame); each group's representative is
+    interned once, and every entry is checked against it with list equality (identical frame
+    objects compare in C at pointer speed). Entries that differ from their representative are
+    keyed by the identities of all their frames.
+    """
+    n = len(chunk)
+    lists = list(map(methodcaller("get", "frames", _NO_FRAMES), chunk))
+    key1 = list(zip(map(len, lists), map(id, map(next, map(iter, lists), repeat(None))), strict=True))
+    rep_of = dict(zip(key1, lists, strict=True))
+    sid_rep = {}
+    for k, rep in rep_of.items():
+        sid = interner.intern(rep)
+        sid_rep[k] = _MISSING if sid is None else sid
+    sids = np.fromiter(map(sid_rep.__getitem__, key1), dtype=np.int64, count=n)
+    same = np.fromiter(map(operator.eq, lists, map(rep_of.__getitem__, key1)), dtype=bool, count=n)
+    differ = np.flatnonzero(~same)
+    if differ.size:
+        rest = [lists[i] for i in differ]
+        keys = list(map(tuple, map(map, repeat(id), rest)))
+        sid_of = {}
+        for k, lst in dict(zip(keys, rest, strict=True)).items():
+            sid = interner.intern(lst)
+            sid_of[k] = _MISSING if sid is None else sid
+        sids[differ] = np.fromiter(map(sid_of.__getitem__, keys), dtype=np.int64, count=len(keys))
+    return sids
+
+
+class _TraceColumns:
+    """Accumulates one device's columns chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "free")
+        }
+        self.extra_actions: dict[str, int] = {}
+
+    def add(self, chunk: list[Any], interner: _StackInterner) -> None:
+        n = len(chunk)
+        actions = list(map(itemgetter("action"), chunk))
+        codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=n)
+        for i in np.flatnonzero(codes < 0):  # actions newer than this version of snaplab: keep them
+            name = str(actions[i])
+            codes[i] = len(KNOWN_ACTIONS) + self.extra_actions.setdefault(name, len(self.extra_actions))
+        p = self.parts
+        p["action"].append(codes)
+        p["size"].append(np.fromiter(map(itemgetter("size"), chunk), dtype=np.int64, count=n))
+        p["address"].append(np.fromiter(map(methodcaller("get", "addr", _MISSING), chunk), dtype=np.int64, count=n))
+        p["stream"].append(np.fromiter(map(methodcaller("get", "stream", 0), chunk), dtype=np.int64, count=n))
+        p["time"].append(np.fromiter(map(methodcaller("get", "time_us", _MISSING), chunk), dtype=np.int64, count=n))
+        p["stack"].append(_stack_ids(chunk, interner))
+        free = np.full(n, _MISSING, dtype=np.int64)
+        for i in np.flatnonzero(codes == _ACTION_CODES["oom"]):  # only oom entries carry device_free
+            v = chunk[i].get("device_free")
+            if isinstance(v, int):
+                free[i] = v
+        p["free"].append(free)
+
+    def frame(self, device: int) -> pd.DataFrame:
+        col = {k: np.concatenate(v) for k, v in self.parts.items()}
+        n = col["size"].size
+        categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
+
+        def nullable(a: np.ndarray) -> pd.arrays.IntegerArray:
+            return pd.arrays.IntegerArray(a, a == _MISSING)
+
+        return pd.DataFrame(
+            {
+                "device": np.full(n, device, dtype=np.int64),
+                "event_index": np.arange(n, dtype=np.int64),
+                "action": pd.Categorical.from_codes(col["action"], categories=categories),
+                "address": nullable(col["address"]),
+                "size_bytes": col["size"],
+                "stream": col["stream"],
+                "time_us": nullable(col["time"]),
+                "stack_id": nullable(col["stack"]),
+                "device_free_bytes": nullable(col["free"]),
+            }
+        )
+
+
+class _MalformedTrace(Exception):
+    pass
+
+
+def _add_checked(cols: _TraceColumns, chunk: list[Any], offset: int, interner: _StackInterner) -> None:
+    try:
+        cols.add(chunk, interner)
+    except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+        bad = _first_bad_entry(chunk, offset)
+        raise _MalformedTrace(f"malformed trace entry{bad} ({type(exc).__name__})") from None
+
+
+def _trace_frame(device: int, tr: list[Any], interner: _StackInterner, consume: bool) -> pd.DataFrame:
+    cols = _TraceColumns()
+    if consume:  # free the entry dicts as we go: the peak stays near that of pickle.load
+        offset = 0
+        while tr:
+            chunk = tr[:_CHUNK]
+            del tr[:_CHUNK]
+            _add_checked(cols, chunk, offset, interner)
+            offset += len(chunk)
+            del chunk
     else:
-        times = pd.array([pd.NA] * n, dtype="Int64")
-    # stacks: interned by the identity of the shared list objects
-    ids = np.array(list(map(id, map(methodcaller("get", "frames"), tr))), dtype=np.uint64)
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    per_unique = [interner.intern(tr[i].get("frames")) for i in first]
-    uniq_sid = np.array([-1 if s is None else s for s in per_unique], dtype=np.int64)
-    sid = uniq_sid[inverse]
-    stack_ids = pd.arrays.IntegerArray(sid, sid < 0)
-    # sparse columns: only oom entries carry device_free
-    free_values = np.zeros(n, dtype=np.int64)
-    free_missing = np.ones(n, dtype=bool)
-    for i in np.flatnonzero(np.array(actions, dtype=object) == "oom"):
-        v = tr[i].get("device_free")
-        if isinstance(v, int):
-            free_values[i] = v
-            free_missing[i] = False
-    dev_free = pd.arrays.IntegerArray(free_values, free_missing)
-    return {
-        "device": np.full(n, device, dtype=np.int64),
-        "event_index": np.arange(n, dtype=np.int64),
-        "action": actions,
-        "address": _nullable(addrs),
-        "size_bytes": sizes,
-        "stream": streams,
-        "time_us": times,
-        "stack_id": stack_ids,
-        "device_free_bytes": dev_free,
-    }
+        for start in range(0, len(tr), _CHUNK):
+            _add_checked(cols, tr[start : start + _CHUNK], start, interner)
+    return cols.frame(device)
 
 
-def _build_events(snap: Snapshot, interner: _StackInterner) -> pd.DataFrame:
+def _build_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> pd.DataFrame:
     parts = []
     for device, tr in enumerate(snap.device_traces):
         if not tr:
             continue
         try:
-            cols = _trace_columns(device, tr, interner)
-        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
-            bad = _first_bad_entry(tr)
-            raise SnapshotFormatError(
-                snap.source.path, f"device_traces[{device}]: malformed trace entry{bad} ({type(exc).__name__}: {exc})"
-            ) from None
-        parts.append(pd.DataFrame(cols))
+            parts.append(_trace_frame(device, tr, interner, consume))
+        except _MalformedTrace as exc:
+            raise SnapshotFormatError(snap.source.path, f"device_traces[{device}]: {exc}") from None
     if not parts:
         return empty_frame(EVENTS_SCHEMA)
-    events = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-    extra = sorted(set(events["action"].unique()) - set(KNOWN_ACTIONS))
-    events["action"] = pd.Categorical(events["action"], categories=KNOWN_ACTIONS + extra)
-    return conform(events, EVENTS_SCHEMA)
+    if len(parts) == 1:
+        return conform(parts[0], EVENTS_SCHEMA)
+    categories = max((list(p["action"].cat.categories) for p in parts), key=len)
+    for p in parts:
+        p["action"] = p["action"].cat.set_categories(categories)
+    return conform(pd.concat(parts, ignore_index=True), EVENTS_SCHEMA)
 
 
-def _first_bad_entry(tr: list[Any]) -> str:
-    for i, e in enumerate(tr):
+def _first_bad_entry(chunk: list[Any], offset: int) -> str:
+    for i, e in enumerate(chunk, offset):
         if not isinstance(e, dict):
             return f" {i} is a {type(e).__name__}, expected a dict"
         if not isinstance(e.get("action"), str) or not isinstance(e.get("size"), int):
@@ -308,11 +390,16 @@ def _stacks_kind(stack_frames: pd.DataFrame) -> str:
     return "python+cpp" if bool(cpp.any()) else "python"
 
 
-def build_frames(snap: Snapshot) -> SnapshotFrames:
-    """Turn a loaded snapshot into :class:`SnapshotFrames`."""
+def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
+    """Turn a loaded snapshot into :class:`SnapshotFrames`.
+
+    With ``consume=True`` the trace lists of ``snap`` are emptied while they are converted, so
+    their memory is released as the frames grow (use it when the snapshot is not needed after).
+    """
     interner = _StackInterner()
-    segments, blocks = _build_segments_blocks(snap, interner)
-    events = _build_events(snap, interner)
+    with gc_paused():
+        segments, blocks = _build_segments_blocks(snap, interner)
+        events = _build_events(snap, interner, consume)
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
     devices = sorted(set(segments["device"].tolist()) | set(events["device"].unique().tolist()))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..progress import NullProgress, ProgressSink
 from .compression import open_decompressed, sniff_compression
@@ -148,7 +149,8 @@ def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
                     + (f" (compressed with {compression})" if compression else "")
                     + f"; file starts with {first[:8]!r}",
                 )
-            obj = safe_load(stream)
+            with gc_paused():
+                obj = safe_load(stream)
             return obj, SourceInfo(str(path), size, compression, "pickle", protocol)
     except SnapshotFormatError:
         raise

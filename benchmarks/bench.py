@@ -1,0 +1,103 @@
+"""Time and peak memory of snaplab against bare ``pickle.load`` and torch's own tool, in one run.
+
+For each size N it writes a realistic snapshot (benchmarks/gen_snapshot.py), then runs, each in
+a fresh process (so peak RSS is that command's alone):
+
+- ``pickle.load`` of the file, bare (the floor: any tool must at least unpickle it);
+- ``snaplab stats --json`` and ``snaplab report`` (whole commands, imports included);
+- ``python -m torch.cuda._memory_viz stats`` and ``trace_plot`` when a Python with torch is
+  given (``--torch-python``), the tools users compare snaplab with.
+
+and prints each as seconds, peak RSS and the ratio to ``pickle.load``.
+
+    python benchmarks/bench.py --sizes 100000 1000000 --torch-python .bench/torchvenv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gen_snapshot  # noqa: E402
+
+
+def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS in MiB, exit code) of one command in a fresh process; the peak
+    comes from GNU time (/usr/bin/time), NaN without it."""
+    gnu_time = Path("/usr/bin/time")
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        prefix = [str(gnu_time), "-f", "%M", "-o", rss.name] if gnu_time.exists() else []
+        t0 = time.perf_counter()
+        with open(stdout or os.devnull, "wb") as out:
+            proc = subprocess.run([*prefix, *cmd], stdout=out, stderr=subprocess.PIPE, check=False)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr.decode(errors="replace")[-2000:])
+        text = Path(rss.name).read_text().strip().splitlines()
+        peak = int(text[-1]) / 1024 if text and text[-1].isdigit() else float("nan")
+    return wall, peak, proc.returncode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--torch-python", help="a python that has torch, for torch.cuda._memory_viz")
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".bench")
+    ap.add_argument("--keep", action="store_true", help="keep the generated snapshots")
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    snaplab = [py, "-m", "snapshot_lab"]
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}"
+    )
+    for n in a.sizes:
+        snap = a.workdir / f"bench_{n}.pickle"
+        if not snap.exists():
+            data = gen_snapshot.generate(n)
+            with snap.open("wb") as f:
+                pickle.dump(data, f, protocol=4)
+            del data
+        size_mb = snap.stat().st_size / 2**20
+        base = run_timed([py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"])
+        cases = {
+            "snaplab stats --json": run_timed([*snaplab, "stats", "--json", "-q", str(snap)]),
+        }
+        report = a.workdir / f"bench_{n}.html"
+        cases["snaplab report"] = run_timed([*snaplab, "report", "-q", str(snap), "-o", str(report)])
+        report_mb = report.stat().st_size / 2**20 if report.exists() else float("nan")
+        if a.torch_python:
+            cases["_memory_viz stats"] = run_timed([a.torch_python, "-m", "torch.cuda._memory_viz", "stats", str(snap)])
+            viz = a.workdir / f"bench_{n}_viz.html"
+            cases["_memory_viz trace_plot"] = run_timed(
+                [a.torch_python, "-m", "torch.cuda._memory_viz", "trace_plot", str(snap), "-o", str(viz)]
+            )
+            viz_mb = viz.stat().st_size / 2**20 if viz.exists() else float("nan")
+        print(f"\nN = {n:,} trace entries, {size_mb:.1f} MiB pickle")
+        print(f"  {'command':28s} {'seconds':>8s} {'peak MiB':>9s} {'time ×load':>11s} {'RSS ×load':>10s}")
+        print(f"  {'bare pickle.load':28s} {base[0]:8.2f} {base[1]:9.0f} {1:11.2f} {1:10.2f}")
+        for name, (t, m, rc) in cases.items():
+            flag = "" if rc == 0 else f"  (exit {rc})"
+            print(f"  {name:28s} {t:8.2f} {m:9.0f} {t / base[0]:11.2f} {m / base[1]:10.2f}{flag}")
+        print(f"  snaplab report size: {report_mb:.2f} MiB", end="")
+        if a.torch_python:
+            print(f"; trace_plot HTML size: {viz_mb:.1f} MiB (and it needs the network to show anything)")
+        else:
+            print()
+        if not a.keep:
+            snap.unlink()
+
+
+if __name__ == "__main__":
+    main()
