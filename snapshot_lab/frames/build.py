@@ -241,11 +241,11 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     differ = np.flatnonzero(~same)
     if differ.size:
         rest = [lists[i] for i in differ]
-        keys = list(map(tuple, map(map, repeat(id), rest)))
-        sid_of = {}
-        for k, lst in dict(zip(keys, rest, strict=True)).items():
-            sid = interner.intern(lst)
-            sid_of[k] = _MISSING if sid is None else sid
+        keys: list[tuple[int, ...]] = list(map(tuple, map(map, repeat(id), rest)))
+        sid_of: dict[tuple[int, ...], int] = {}
+        for full_key, lst in dict(zip(keys, rest, strict=True)).items():
+            sid_full = interner.intern(lst)
+            sid_of[full_key] = _MISSING if sid_full is None else sid_full
         sids[differ] = np.fromiter(map(sid_of.__getitem__, keys), dtype=np.int64, count=len(keys))
     return sids
 
@@ -292,7 +292,7 @@ class _TraceColumns:
             {
                 "device": np.full(n, device, dtype=np.int64),
                 "event_index": np.arange(n, dtype=np.int64),
-                "action": pd.Categorical.from_codes(col["action"], categories=categories),
+                "action": pd.Categorical.from_codes(col["action"], categories=categories),  # type: ignore[call-overload]
                 "address": nullable(col["address"]),
                 "size_bytes": col["size"],
                 "stream": col["stream"],
