@@ -215,6 +215,25 @@ def _settings_rows(frames: SnapshotFrames) -> list[tuple[str, str]]:
     return rows
 
 
+def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
+    """One line for the header: what was recorded and under which allocator settings."""
+    rec = stats.recording
+    f = stats.file
+    parts = [
+        f"{format_bytes(f['file_size_bytes'])} file",
+        f"device{'s' if len(f['devices']) != 1 else ''} {', '.join(map(str, f['devices'])) or 'none'}",
+        {"trace": "allocation history + state", "state": "state only (no history)", "none": "nothing recorded"}[
+            rec.mode
+        ],
+        {"python": "Python stacks", "python+cpp": "Python + C++ stacks", "none": "no stacks"}[rec.stacks],
+    ]
+    if rec.mode == "trace":
+        parts.append("history complete" if rec.history_complete else "early history missing (ring buffer wrapped)")
+    conf = (frames.info.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF")
+    parts.append(f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "default allocator settings")
+    return " · ".join(parts)
+
+
 def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
     ts = stats.torch_stats
     text = (
@@ -250,6 +269,7 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
+        recorded=_recorded_line(frames, stats),
         headline=_headline(stats, findings),
         findings=findings,
         devices=sections,

@@ -52,17 +52,22 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
                         list(_rects(x0[m], w[m], y[m], 0.72)), facecolors=COLORS[state], edgecolors=edge, linewidths=0.3
                     )
                 )
-        labels = []
-        for i, s in segs.iterrows():
-            tag = ""
+        labels, label_colors = [], []
+        for _, s in segs.iterrows():
             if s["is_private_pool"]:
-                tag = f" · graph pool ({s['pool_id_0']},{s['pool_id_1']})"
-                ax.plot([-0.012], [i], marker="s", ms=5, color=COLORS["private"], clip_on=False)
+                labels.append(
+                    f"{format_bytes(s['total_size_bytes'], 1)} · graph pool ({s['pool_id_0']},{s['pool_id_1']})"
+                )
+                label_colors.append(COLORS["private"])
             elif s["is_expandable"]:
-                tag = " · expandable"
-                ax.plot([-0.012], [i], marker="s", ms=5, color=COLORS["expandable"], clip_on=False)
-            labels.append(f"{format_bytes(s['total_size_bytes'], 1)}{tag}")
+                labels.append(f"{format_bytes(s['total_size_bytes'], 1)} · expandable")
+                label_colors.append(COLORS["expandable"])
+            else:
+                labels.append(format_bytes(s["total_size_bytes"], 1))
+                label_colors.append("black")
         ax.set_yticks(range(len(segs)), labels, fontsize=7)
+        for tick, color in zip(ax.get_yticklabels(), label_colors, strict=True):
+            tick.set_color(color)
         ax.set_ylim(len(segs) - 0.5, -0.5)
         ax.set_xlim(0, 1)
         ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["start", "25%", "50%", "75%", "end"])
@@ -79,8 +84,8 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
         Patch(facecolor=COLORS["active_allocated"], label="allocated"),
         Patch(facecolor=COLORS["active_pending_free"], label="freed, awaiting other stream"),
         Patch(facecolor=COLORS["inactive"], edgecolor="#bdbdbd", label="free (cached)"),
-        Patch(facecolor=COLORS["private"], label="CUDA graph / private pool"),
-        Patch(facecolor=COLORS["expandable"], label="expandable segment"),
+        Patch(facecolor=COLORS["private"], label="label colour: CUDA graph / private pool"),
+        Patch(facecolor=COLORS["expandable"], label="label colour: expandable segment"),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=5)
     return fig

@@ -61,6 +61,7 @@ class DeviceSection:
 @dataclass
 class ReportContext:
     file_name: str
+    recorded: str
     headline: str
     findings: list[Finding]
     devices: list[DeviceSection]
