@@ -1,6 +1,6 @@
 """snaplab: answers from PyTorch CUDA memory snapshots, offline and without torch."""
 
-from .api import load_frames, stats
+from .api import findings, leaks, load_frames, report, stats
 from .errors import OutputError, SnaplabError, SnapshotFormatError
 from .frames import SnapshotFrames, build_frames
 from .load import Snapshot, load_snapshot
@@ -18,7 +18,10 @@ __all__ = [
     "__version__",
     "build_frames",
     "compute_stats",
+    "findings",
+    "leaks",
     "load_frames",
     "load_snapshot",
+    "report",
     "stats",
 ]

@@ -17,6 +17,9 @@ from .errors import OutputError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
 from .metrics import SnapshotStats, compute_stats
+from .metrics.diagnose import Diagnosis, diagnose
+from .metrics.findings import Finding
+from .metrics.leaks import LeakAnalysis
 from .progress import NullProgress, ProgressSink
 
 
@@ -33,6 +36,23 @@ def stats(snapshot: str | Path, *, progress: ProgressSink | None = None) -> Snap
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
     return compute_stats(frames)
+
+
+def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
+    frames = load_frames(snapshot, progress=progress)
+    (progress or NullProgress()).stage("Analysing")
+    stats_ = compute_stats(frames)
+    return stats_, diagnose(frames, stats_, with_category_timelines=False)
+
+
+def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> dict[int, LeakAnalysis]:
+    """Leak suspects per device: sites whose surviving memory grows every iteration."""
+    return _diagnosis(snapshot, progress)[1].leaks
+
+
+def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> list[Finding]:
+    """Findings with evidence and advice, most severe first."""
+    return _diagnosis(snapshot, progress)[1].findings
 
 
 def default_report_path(snapshot: str | Path) -> Path:

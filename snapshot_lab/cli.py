@@ -103,6 +103,49 @@ def stats(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = Fa
 
 
 @app.command()
+def leaks(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = False, debug: DebugOpt = False) -> None:
+    """Leak suspects: allocation sites whose live memory grows with every iteration."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.leaks(snapshot, progress=progress)
+        suspects = [s.to_dict() for la in result.values() for s in la.suspects]
+        if json_out:
+            _print_json(
+                {
+                    "suspects": suspects,
+                    "growth_bytes_per_iteration": sum(la.growth_bytes_per_iteration for la in result.values()),
+                    "devices": {str(d): la.to_dict() for d, la in result.items()},
+                }
+            )
+        else:
+            from .render.text import format_leaks
+
+            sys.stdout.write(format_leaks(result))
+
+    _run(work, debug)
+
+
+@app.command()
+def findings(
+    snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = False, debug: DebugOpt = False
+) -> None:
+    """Findings with evidence and advice: OOM cause, fragmentation, leaks, DDP, churn, imbalance."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.findings(snapshot, progress=progress)
+        if json_out:
+            _print_json({"findings": [f.to_dict() for f in result]})
+        else:
+            from .render.text import format_findings
+
+            sys.stdout.write(format_findings(result))
+
+    _run(work, debug)
+
+
+@app.command()
 def report(
     snapshot: SnapshotArg,
     output: Annotated[

@@ -9,11 +9,14 @@ import pandas as pd
 from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
-from .metrics.findings import compute_findings
+from .metrics.categories import CATEGORIES, CategoryBreakdown
+from .metrics.diagnose import diagnose
 from .metrics.layout import select_layout
+from .metrics.leaks import LeakAnalysis
 from .metrics.sites import alive_at, display_stack, live_sites, top_sites
 from .metrics.summary import DeviceStats
-from .metrics.timeline import Timeline, compute_timeline
+from .metrics.timeline import Timeline
+from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
 from .plots.histogram import plot_free_histogram
@@ -104,7 +107,46 @@ def _site_views(frames: SnapshotFrames, sites: list[Any]) -> list[SiteView]:
     return views
 
 
-def _device_section(frames: SnapshotFrames, stats: SnapshotStats, dev: int, tl: Timeline | None) -> DeviceSection:
+CATEGORY_HELP = {
+    "parameter": "model weights (allocated while building or moving the model)",
+    "gradient": "parameter gradients (AccumulateGrad; or parameter-sized blocks from backward)",
+    "optimizer_state": "allocated inside torch.optim (e.g. Adam's moments)",
+    "activation": "allocated in forward or backward (saved activations, temporaries, workspaces)",
+    "ddp_bucket": "DistributedDataParallel's gradient buckets",
+    "cuda_graph_pool": "private pools of CUDA graphs / MemPool",
+    "other": "everything else, including blocks with no recorded stack",
+}
+
+
+def _category_rows(cats: CategoryBreakdown) -> list[Row]:
+    total = sum(cats.live_bytes.values()) or 1
+    return [
+        Row(
+            c,
+            [format_bytes(cats.live_bytes[c]), f"{cats.live_blocks[c]:,}", format_percent(cats.live_bytes[c] / total)],
+            CATEGORY_HELP[c],
+        )
+        for c in CATEGORIES
+        if cats.live_blocks[c]
+    ]
+
+
+def _leak_view(frames: SnapshotFrames, la: LeakAnalysis) -> dict[str, Any]:
+    return {
+        "analysis": la,
+        "suspects": [{"s": s, "stack": display_stack(s.frames)} for s in la.suspects],
+    }
+
+
+def _device_section(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    dev: int,
+    tl: Timeline | None,
+    cats: CategoryBreakdown,
+    la: LeakAnalysis,
+    lifetimes: pd.DataFrame,
+) -> DeviceSection:
     d = stats.devices[dev]
     seg = frames.segments[frames.segments["device"] == dev]
     blk = frames.blocks[frames.blocks["device"] == dev]
@@ -127,6 +169,8 @@ def _device_section(frames: SnapshotFrames, stats: SnapshotStats, dev: int, tl: 
         live_sites=_site_views(frames, live_sites(blk, frames.stacks, frames.stack_frames, MAX_SITES)),
         oom=d.oom,
         oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
+        category_rows=_category_rows(cats),
+        leaks=_leak_view(frames, la),
     )
     if tl is None:
         rec = stats.recording
@@ -136,7 +180,9 @@ def _device_section(frames: SnapshotFrames, stats: SnapshotStats, dev: int, tl: 
             else "No timeline: the trace of this device is empty."
         )
         return section
-    section.timeline_svg = figure_svg(plot_timeline(tl))
+    section.timeline_png = figure_png_data_uri(plot_timeline(tl))
+    if cats.timeline is not None and len(cats.timeline) == tl.n_events:
+        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
     notes = [
         "Blue: bytes requested by live tensors; grey: bytes reserved from CUDA. Both are exact sums of the "
         "trace's events.",
@@ -149,7 +195,7 @@ def _device_section(frames: SnapshotFrames, stats: SnapshotStats, dev: int, tl: 
     if tl.markers:
         notes.append(f"Dashed lines: starts of '{tl.marker_group}' from the recorded annotations.")
     section.timeline_notes = notes
-    alive = alive_at(frames.events, dev, tl.peak_index)
+    alive = alive_at(lifetimes, tl.peak_index)
     section.peak_sites = _site_views(
         frames, top_sites(alive["stack_id"], alive["size_bytes"], frames.stacks, frames.stack_frames, MAX_SITES)
     )
@@ -251,20 +297,14 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
     """The whole report for one snapshot, as an HTML string."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
-    timelines: dict[int, Timeline | None] = {}
-    for dev, d in stats.devices.items():
-        timelines[dev] = compute_timeline(
-            frames.events,
-            dev,
-            d.torch_stats["requested_bytes.all.current"],
-            d.torch_stats["reserved_bytes.all.current"],
-            frames.annotations,
-        )
-    findings = compute_findings(stats, frames.events, timelines)
+    dg = diagnose(frames, stats)
+    timelines, findings = dg.timelines, dg.findings
     progress.stage("Plotting", total=len(stats.devices))
     sections = []
     for i, dev in enumerate(stats.devices):
-        sections.append(_device_section(frames, stats, dev, timelines[dev]))
+        sections.append(
+            _device_section(frames, stats, dev, timelines[dev], dg.categories[dev], dg.leaks[dev], dg.lifetimes[dev])
+        )
         progress.update(i + 1)
     progress.stage("Rendering")
     ctx = ReportContext(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess
@@ -19,7 +18,8 @@ from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL
 from .conftest import sample_path, sample_truth, write_pickle
 
 runner = CliRunner()
-COMMANDS = ["stats"]
+ANALYSIS_COMMANDS = ["stats", "leaks", "findings"]
+COMMANDS = [*ANALYSIS_COMMANDS, "report"]
 
 
 def invoke(*args: str):
@@ -57,7 +57,8 @@ def test_stats_on_two_devices_shows_both():
 def test_help_of_every_command(cmd):
     r = invoke(cmd, "--help")
     assert r.exit_code == 0
-    assert "--json" in r.stdout and "--debug" in r.stdout
+    assert "--debug" in r.stdout and "--quiet" in r.stdout
+    assert ("--json" in r.stdout) == (cmd in ANALYSIS_COMMANDS)
 
 
 def test_version():
@@ -67,7 +68,7 @@ def test_version():
 
 def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
     (tmp / "empty.pickle").write_bytes(b"")
-    (tmp / "garbage.pickle").write_bytes(os.urandom(64).replace(b"\x80", b"\x00"))
+    (tmp / "garbage.pickle").write_bytes(bytes(range(1, 200)))
     raw = sample_path("oom_fragmentation").read_bytes()
     (tmp / "trunc.pickle").write_bytes(raw[:1000])
     (tmp / "text.txt").write_text("hello\n")

@@ -64,7 +64,7 @@ def test_sections_present(reports):
     ):
         assert heading in html
     assert "oom-fragmentation" in html
-    assert html.count("<svg") >= 2 and "data:image/png;base64," in html
+    assert html.count("<svg") >= 1 and html.count("data:image/png;base64,") >= 2
 
 
 def test_numbers_in_report_are_torchs(reports):

@@ -187,13 +187,25 @@ def _type_name(obj: Any) -> str:
     return type(obj).__name__
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _is_count(v: Any) -> bool:
+    """A non-negative int that fits the frames' int64 columns (bools are not counts)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _INT64_MAX
+
+
+def _is_int64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT64_MAX <= v <= _INT64_MAX
+
+
 def _normalise_block(block: Any, seg_addr: int, offset: int, path: Path, where: str) -> dict[str, Any]:
     if not isinstance(block, dict):
         raise SnapshotFormatError(path, f"{where}: block is a {_type_name(block)}, expected a dict")
     size = block.get("size")
     state = block.get("state")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise SnapshotFormatError(path, f"{where}: block 'size' is {size!r}, expected a non-negative int")
+    if not _is_count(size):
+        raise SnapshotFormatError(path, f"{where}: block 'size' is {str(size)[:40]!r}, expected a non-negative int")
     if not isinstance(state, str):
         raise SnapshotFormatError(path, f"{where}: block 'state' is {state!r}, expected a string")
     state = _STATE_ALIASES.get(state, state)
@@ -209,12 +221,14 @@ def _normalise_block(block: Any, seg_addr: int, offset: int, path: Path, where: 
                 requested = history[0].get("real_size")
     if requested is None:
         requested = size
-    if not isinstance(requested, int) or isinstance(requested, bool):
-        raise SnapshotFormatError(path, f"{where}: block 'requested_size' is {requested!r}, expected an int")
+    if not _is_int64(requested):
+        raise SnapshotFormatError(path, f"{where}: block 'requested_size' is {str(requested)[:40]!r}, expected an int")
     address = block.get("address")
     derived = seg_addr + offset
     if address is None:
         address = derived
+    elif not _is_count(address):
+        raise SnapshotFormatError(path, f"{where}: block 'address' is {str(address)[:40]!r}, expected an int")
     elif address != derived:
         raise SnapshotFormatError(
             path, f"{where}: block address {address:#x} does not follow its neighbours (expected {derived:#x})"
@@ -236,8 +250,8 @@ def _normalise_segment(seg: Any, path: Path, index: int) -> dict[str, Any]:
     total = seg.get("total_size")
     blocks = seg.get("blocks")
     for key, val in (("address", address), ("total_size", total)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-            raise SnapshotFormatError(path, f"{where}: '{key}' is {val!r}, expected a non-negative int")
+        if not _is_count(val):
+            raise SnapshotFormatError(path, f"{where}: '{key}' is {str(val)[:40]!r}, expected a non-negative int")
     assert isinstance(address, int) and isinstance(total, int)  # for the type checker
     if not isinstance(blocks, list):
         raise SnapshotFormatError(path, f"{where}: 'blocks' is {_type_name(blocks)}, expected a list")
@@ -255,11 +269,11 @@ def _normalise_segment(seg: Any, path: Path, index: int) -> dict[str, Any]:
     pool_id = seg.get("segment_pool_id", (0, 0))
     if isinstance(pool_id, list):
         pool_id = tuple(pool_id)
-    if not (isinstance(pool_id, tuple) and len(pool_id) == 2 and all(isinstance(x, int) for x in pool_id)):
-        raise SnapshotFormatError(path, f"{where}: 'segment_pool_id' is {pool_id!r}, expected two ints")
+    if not (isinstance(pool_id, tuple) and len(pool_id) == 2 and all(_is_int64(x) for x in pool_id)):
+        raise SnapshotFormatError(path, f"{where}: 'segment_pool_id' is {str(pool_id)[:40]!r}, expected two ints")
     device = seg.get("device", 0)
     stream = seg.get("stream", 0)
-    if not isinstance(device, int) or not isinstance(stream, int):
+    if not _is_count(device) or device > 65535 or not _is_int64(stream):
         raise SnapshotFormatError(path, f"{where}: 'device' and 'stream' must be ints")
     frames = seg.get("frames")
     return {

@@ -13,6 +13,8 @@ from typing import Any
 import pandas as pd
 
 from ..units import format_bytes
+from .categories import CategoryBreakdown
+from .leaks import LeakAnalysis
 from .oom import OomAnalysis
 from .recording import Recording
 from .summary import DeviceStats, SnapshotStats
@@ -25,6 +27,9 @@ MiB = 1024 * 1024
 FRAG_MIN_BYTES = 512 * MiB
 FRAG_MIN_SHARE = 0.30
 CHURN_MIN_SEGMENT_FREES = 8
+DDP_MIN_GRAD_SHARE = 0.5  # separate gradients must add up to this share of the bucket bytes
+DP_MIN_RATIO = 2.0  # first device's allocated bytes vs the others' mean
+DP_MIN_EXCESS_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -127,20 +132,26 @@ def _fragmentation_finding(d: DeviceStats, tl: Timeline | None) -> Finding | Non
     )
     if not (at_dump and f.external_fragmentation >= 0.5) and not at_peak:
         return None
-    large = d.fragmentation["large_pool"]
-    split = _split_size_hint(large.largest_free_block_bytes or 20 * MiB)
+    if at_peak and tl is not None:
+        title = (
+            f"Fragmentation: at the peak {format_bytes(tl.peak_reserved_bytes)} was reserved for "
+            f"{format_bytes(tl.peak_requested_bytes)} of tensors; {format_bytes(overhead)} "
+            f"({overhead / tl.peak_reserved_bytes:.0%}) sat in cached blocks no request could use"
+        )
+    else:
+        title = (
+            f"Fragmentation: {format_bytes(stranded)} of free memory is stranded in segments that hold live "
+            "tensors, in holes too small for large requests"
+        )
     return Finding(
         id="high-fragmentation",
         severity="warning",
-        title=(
-            f"Fragmentation: {format_bytes(max(stranded, overhead))} of reserved memory cannot be used "
-            "for large tensors or returned to CUDA"
-        ),
+        title=title,
         advice=(
-            "Free bytes sit in holes inside segments that also hold live tensors, so empty_cache() cannot return "
-            "them and large requests cannot use them. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            f"(segments grow in place and free pages are unmapped), or max_split_size_mb:{split} to stop large "
-            "cached blocks being split by small requests."
+            "The caching allocator carves segments into blocks; when tensor sizes vary (variable sequence "
+            "lengths, changing batch shapes), freed blocks do not fit the next requests and new segments are "
+            "reserved instead. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow in place "
+            "and usually removes most of this overhead; padding shapes to a few fixed sizes helps too."
         ),
         evidence={
             "reserved_bytes": reserved,
@@ -149,6 +160,7 @@ def _fragmentation_finding(d: DeviceStats, tl: Timeline | None) -> Finding | Non
             "largest_free_block_bytes": f.largest_free_block_bytes,
             "peak_reserved_bytes": tl.peak_reserved_bytes if tl else None,
             "peak_requested_bytes": tl.peak_requested_bytes if tl else None,
+            "overhead_at_peak_bytes": overhead if tl else None,
         },
         savings_bytes=max(stranded, overhead),
         device=d.device,
@@ -232,13 +244,124 @@ def _recording_findings(rec: Recording) -> list[Finding]:
     return out
 
 
+def _ddp_finding(dev: int, cats: CategoryBreakdown) -> Finding | None:
+    bucket = cats.live_bytes["ddp_bucket"]
+    grads = cats.live_bytes["gradient"]
+    if not bucket or grads < DDP_MIN_GRAD_SHARE * bucket:
+        return None
+    saved = min(bucket, grads)
+    return Finding(
+        id="ddp-bucket-duplicate-grads",
+        severity="warning",
+        title=(
+            f"DDP keeps gradients twice: {format_bytes(grads)} of gradients beside {format_bytes(bucket)} "
+            "of DDP gradient buckets"
+        ),
+        advice=(
+            "DistributedDataParallel copies every gradient into its communication buckets. With "
+            "DistributedDataParallel(model, gradient_as_bucket_view=True) the gradients become views into the "
+            f"buckets, saving about {format_bytes(saved)} on every rank (the size of the gradients). Standard "
+            "optimizers and gradient clipping work unchanged; only code that replaces p.grad with a new tensor "
+            "must not be used with it."
+        ),
+        evidence={
+            "ddp_bucket_bytes": bucket,
+            "gradient_bytes": grads,
+            "gradient_blocks": cats.live_blocks["gradient"],
+            "ddp_bucket_blocks": cats.live_blocks["ddp_bucket"],
+        },
+        savings_bytes=saved,
+        device=dev,
+    )
+
+
+def _dataparallel_finding(stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> Finding | None:
+    devs = sorted(stats.devices)
+    if len(devs) < 2:
+        return None
+    alloc = {d: stats.devices[d].torch_stats["allocated_bytes.all.current"] for d in devs}
+    first, rest = devs[0], devs[1:]
+    others = sum(alloc[d] for d in rest) / len(rest)
+    excess = alloc[first] - others
+    if excess < DP_MIN_EXCESS_BYTES or alloc[first] < DP_MIN_RATIO * max(others, 1):
+        return None
+    peaks = {d: tl.peak_requested_bytes for d in devs if (tl := timelines.get(d)) is not None}
+    peak_excess = 0
+    if first in peaks and all(d in peaks for d in rest):
+        peak_excess = max(0, int(peaks[first] - sum(peaks[d] for d in rest) / len(rest)))
+    return Finding(
+        id="dataparallel-imbalance",
+        severity="warning",
+        title=(
+            f"Device {first} carries {format_bytes(excess)} more than the other devices of this process "
+            f"({format_bytes(alloc[first])} vs {format_bytes(int(others))} allocated)"
+        ),
+        advice=(
+            "One process drives several GPUs and the first one holds the parameters, gradients, optimizer "
+            "state and the gathered outputs (nn.DataParallel does this): it runs out of memory first while the "
+            "others have room. Use DistributedDataParallel (one process per GPU, torchrun) so every GPU holds "
+            "the same, or move the loss computation into the replicated module so outputs are not gathered."
+        ),
+        evidence={
+            **{f"allocated_bytes_device_{d}": alloc[d] for d in devs},
+            **{f"peak_requested_bytes_device_{d}": peaks[d] for d in devs if d in peaks},
+        },
+        savings_bytes=peak_excess or int(excess),
+        device=first,
+    )
+
+
+def _leak_finding(la: LeakAnalysis) -> Finding | None:
+    if not la.suspects:
+        return None
+    top = la.suspects[0]
+    total = la.growth_bytes_per_iteration
+    return Finding(
+        id="leak-suspect",
+        severity="warning",
+        title=(
+            f"Memory grows by {format_bytes(total)} every iteration: {len(la.suspects)} allocation "
+            f"site{'s' if len(la.suspects) > 1 else ''} never free what they allocate (top: {top.site})"
+        ),
+        advice=(
+            "Tensors allocated at these lines stay alive from one iteration to the next. Typical causes: "
+            "appending outputs or losses to a list without .detach()/.item() (which also keeps their autograd "
+            "graph and saved activations alive), accumulating `total_loss += loss` instead of `loss.item()`, "
+            "or caching tensors in a dict that is never cleared. The job will run out of memory after enough "
+            "iterations."
+        ),
+        evidence={
+            "iterations": la.iterations,
+            "iterations_from": la.iteration_source,
+            "growth_bytes_per_iteration": total,
+            "top_site": top.site,
+            "top_site_growth_bytes_per_iteration": top.growth_bytes_per_iteration,
+            "leaked_bytes_live": sum(s.bytes for s in la.suspects),
+        },
+        savings_bytes=sum(s.bytes for s in la.suspects),
+        device=la.device,
+    )
+
+
 def compute_findings(
-    stats: SnapshotStats, events: pd.DataFrame, timelines: dict[int, Timeline | None] | None = None
+    stats: SnapshotStats,
+    events: pd.DataFrame,
+    timelines: dict[int, Timeline | None] | None = None,
+    categories: dict[int, CategoryBreakdown] | None = None,
+    leaks: dict[int, LeakAnalysis] | None = None,
 ) -> list[Finding]:
     """All findings, most severe first."""
     timelines = timelines or {}
     out: list[Finding] = []
     for dev, d in stats.devices.items():
+        if categories and dev in categories:
+            ddp = _ddp_finding(dev, categories[dev])
+            if ddp:
+                out.append(ddp)
+        if leaks and dev in leaks:
+            leak = _leak_finding(leaks[dev])
+            if leak:
+                out.append(leak)
         if d.oom is not None:
             out.extend(_oom_findings(d.oom, d))
         if d.oom is None or d.oom.cause != "fragmentation":
@@ -279,6 +402,9 @@ def compute_findings(
                     device=dev,
                 )
             )
+    dp = _dataparallel_finding(stats, timelines)
+    if dp:
+        out.append(dp)
     out.extend(_recording_findings(stats.recording))
     out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.device if f.device is not None else -1))
     return out

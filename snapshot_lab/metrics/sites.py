@@ -157,26 +157,9 @@ def live_sites(blocks: pd.DataFrame, stacks: pd.DataFrame, stack_frames: pd.Data
     return top_sites(live["stack_id"], live["size_bytes"], stacks, stack_frames, limit)
 
 
-def alive_at(events: pd.DataFrame, device: int, index: int) -> pd.DataFrame:
-    """Allocations of the trace that are alive just after event ``index`` of ``device``:
-    columns event_index, address, size_bytes (requested), stack_id. Allocations made before the
-    trace began are not included."""
-    ev = events[events["device"] == device]
-    allocs = ev.loc[ev["action"] == "alloc", ["event_index", "address", "size_bytes", "stack_id"]]
-    frees = ev.loc[ev["action"] == "free_completed", ["event_index", "address"]].rename(
-        columns={"event_index": "free_index"}
-    )
-    if allocs.empty:
-        return allocs
-    allocs = allocs[allocs["event_index"] <= index].astype({"address": "int64"})
-    frees = frees.dropna().astype({"address": "int64"})
-    matched = pd.merge_asof(
-        allocs.sort_values("event_index"),
-        frees.assign(event_index=frees["free_index"]).sort_values("event_index"),
-        on="event_index",
-        by="address",
-        direction="forward",
-        allow_exact_matches=False,
-    )
-    alive = matched["free_index"].isna() | (matched["free_index"] > index)
-    return matched.loc[alive, ["event_index", "address", "size_bytes", "stack_id"]]
+def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:
+    """Allocations of the trace alive just after event ``index`` (from
+    :func:`~snapshot_lab.metrics.lifetimes.allocation_lifetimes`). Allocations made before the
+    trace began are not in it."""
+    alive = (lifetimes["event_index"] <= index) & (lifetimes["free_index"].isna() | (lifetimes["free_index"] > index))
+    return lifetimes.loc[alive.to_numpy(dtype=bool), ["event_index", "address", "size_bytes", "stack_id"]]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..frames import SnapshotFrames
+from .categories import CATEGORIES, compute_categories
 from .fragmentation import PoolFragmentation, compute_fragmentation
 from .oom import OomAnalysis, analyse_oom
 from .recording import Recording, describe_recording
@@ -22,6 +23,7 @@ class DeviceStats:
     expandable_reserved_bytes: int
     # (total_size_bytes, n_blocks) of the large pool's non-expandable segments, for advice
     large_segments: tuple[tuple[int, int], ...] = ()
+    categories: dict[str, int] | None = None  # allocated bytes at the dump by category
 
     def split_segments_larger_than(self, size_bytes: int) -> int:
         """How many large-pool segments bigger than ``size_bytes`` are split into several blocks."""
@@ -34,6 +36,7 @@ class DeviceStats:
             "oom": self.oom.to_dict() if self.oom else None,
             "private_pool_reserved_bytes": self.private_pool_reserved_bytes,
             "expandable_reserved_bytes": self.expandable_reserved_bytes,
+            "categories": self.categories,
         }
 
 
@@ -48,6 +51,7 @@ class SnapshotStats:
     fragmentation: dict[str, PoolFragmentation]
     oom: OomAnalysis | None
     devices: dict[int, DeviceStats]
+    categories: dict[str, int]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class SnapshotStats:
             "torch_stats": self.torch_stats,
             "fragmentation": {k: v.to_dict() for k, v in self.fragmentation.items()},
             "oom": self.oom.to_dict() if self.oom else None,
+            "categories": self.categories,
             "devices": {str(d): s.to_dict() for d, s in self.devices.items()},
         }
 
@@ -99,6 +104,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
                     (s["pool"] == "large") & ~s["is_expandable"], ["total_size_bytes", "n_blocks"]
                 ].itertuples(index=False)
             ),
+            categories=compute_categories(frames, d, with_timeline=False).live_bytes,
         )
     if len(per_device) == 1:
         only = next(iter(per_device.values()))
@@ -114,4 +120,5 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         fragmentation=frag,
         oom=oom,
         devices=per_device,
+        categories={c: sum((ds.categories or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES},
     )

@@ -64,14 +64,14 @@ class Timeline:
 
 
 def _step_markers(
-    annotations: pd.DataFrame, device: int, t0_us: int | None, limit: int
+    annotations: pd.DataFrame, times: np.ndarray | None, limit: int
 ) -> tuple[tuple[Marker, ...], str | None]:
     """Iteration boundaries from ``external_annotations``: START entries of the most frequent
-    annotation name family (names with their digits removed, e.g. ``ProfilerStep#``)."""
-    if t0_us is None or annotations.empty:
+    annotation name family (names with their digits folded, e.g. ``ProfilerStep#N``), placed at
+    the first trace event at or after their time."""
+    if times is None or annotations.empty:
         return (), None
     a = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
-    a = a[a["device"].isin([device, -1]) | (annotations["device"].nunique() == 1)]
     if a.empty:
         return (), None
     family = a["name"].map(lambda s: re.sub(r"\d+", "N", str(s)))
@@ -83,9 +83,8 @@ def _step_markers(
     stepish = [f for f in repeated.index if re.search(r"step|iter|epoch|batch", f, re.I)]
     group = stepish[0] if stepish else repeated.index[0]
     rows = a[family == group].head(limit)
-    ms = tuple(
-        Marker(x=(int(t) - t0_us) / 1e6, label=str(n)) for t, n in zip(rows["time_us"], rows["name"], strict=True)
-    )
+    pos = np.searchsorted(times, rows["time_us"].to_numpy(dtype=np.int64), side="left")
+    ms = tuple(Marker(x=float(p), label=str(n)) for p, n in zip(pos, rows["name"], strict=True) if p < times.size)
     return ms, str(group)
 
 
@@ -111,20 +110,17 @@ def compute_timeline(
     res_offset = reserved_at_end - int(res[-1])
     req += req_offset
     res += res_offset
+    # x is the position in the trace: time is dominated by idle stretches (start-up, data
+    # loading) while the allocator's activity is what the picture is about
+    x = np.arange(len(ev), dtype=np.float64)
+    x_label = "allocator events, in trace order"
     times = ev["time_us"]
-    if times.notna().all():
-        t = times.to_numpy(dtype=np.int64)
-        t0 = int(t[0])
-        x = (t - t0) / 1e6
-        x_label = "seconds since the first recorded event"
-    else:
-        t0 = None
-        x = np.arange(len(ev), dtype=np.float64)
-        x_label = "trace event index"
+    t = times.to_numpy(dtype=np.int64) if times.notna().all() else None
+    t0 = int(t[0]) if t is not None else None
     peak_pos = int(np.argmax(req))
     oom_rows = np.flatnonzero((action == "oom").to_numpy())
     ooms = tuple(Marker(x=float(x[i]), label=f"OOM: request of {int(size[i])} bytes") for i in oom_rows)
-    markers, group = _step_markers(annotations, device, t0, max_markers) if annotations is not None else ((), None)
+    markers, group = _step_markers(annotations, t, max_markers) if annotations is not None else ((), None)
     return Timeline(
         device=device,
         x=x,

@@ -9,9 +9,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, Locator, MaxNLocator
 
@@ -52,7 +49,7 @@ def styled(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with plt.rc_context(STYLE):  # type: ignore[arg-type]
+        with matplotlib.rc_context(STYLE):  # type: ignore[arg-type]
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -103,7 +100,7 @@ def bytes_axis(axis: object) -> None:
 def figure_svg(fig: Figure) -> str:
     """Inline SVG text (no XML prolog, no metadata, fixed ids)."""
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
     svg = buf.getvalue()
     start = svg.find("<svg")
     return svg[start:]
@@ -112,5 +109,5 @@ def figure_svg(fig: Figure) -> str:
 @styled
 def figure_png_data_uri(fig: Figure, dpi: int = 110) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None}, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")

@@ -49,13 +49,16 @@ class DeviceSection:
     layout_png: str
     layout_note: str
     live_sites: list[SiteView]
-    timeline_svg: str | None = None
+    timeline_png: str | None = None
     timeline_notes: list[str] = field(default_factory=list)
     timeline_missing: str = ""
     peak_sites: list[SiteView] = field(default_factory=list)
     peak_note: str = ""
     oom: OomAnalysis | None = None
     oom_stack: list[dict[str, Any]] = field(default_factory=list)
+    category_rows: list[Row] = field(default_factory=list)
+    category_png: str | None = None
+    leaks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..metrics import SnapshotStats
+from ..metrics.findings import Finding
+from ..metrics.leaks import LeakAnalysis
 from ..metrics.summary import DeviceStats
 from ..units import format_bytes, format_percent
 
@@ -80,3 +82,46 @@ def format_stats(s: SnapshotStats) -> str:
     if not s.devices:
         parts.append("(no segments: nothing was reserved on any device)")
     return "\n\n".join(parts) + "\n"
+
+
+def format_leaks(result: dict[int, LeakAnalysis]) -> str:
+    parts = []
+    for dev, la in result.items():
+        head = f"== device {dev}: "
+        if la.note and not la.suspects:
+            parts.append(head + la.note)
+            continue
+        head += f"{la.iterations} iterations (from {la.iteration_source}: {la.iteration_label})"
+        if not la.suspects:
+            parts.append(head + "\nno leak suspects: no allocation site keeps growing across iterations")
+            continue
+        rows = [
+            [
+                s.site,
+                format_bytes(s.growth_bytes_per_iteration),
+                f"{s.iterations_growing}/{s.iterations_considered}",
+                format_bytes(s.bytes),
+                str(s.count),
+                f"{s.confidence:.2f}",
+            ]
+            for s in la.suspects
+        ]
+        parts.append(
+            head
+            + f"\nmemory grows by {format_bytes(la.growth_bytes_per_iteration)} per iteration\n"
+            + table(["site (allocation line)", "growth/iter", "iters", "live now", "blocks", "confidence"], rows)
+        )
+    return "\n\n".join(parts) + "\n"
+
+
+def format_findings(findings: list[Finding]) -> str:
+    if not findings:
+        return "No findings: no OOM, no leak, no notable fragmentation or allocator churn.\n"
+    out = []
+    for f in findings:
+        dev = f" [device {f.device}]" if f.device is not None else ""
+        lines = [f"{f.severity.upper():8s} {f.id}{dev}: {f.title}", f"         advice: {f.advice}"]
+        if f.savings_bytes:
+            lines.append(f"         at stake: {format_bytes(f.savings_bytes)}")
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"

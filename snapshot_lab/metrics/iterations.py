@@ -1,0 +1,94 @@
+"""Training iterations: where each one starts in a device's trace.
+
+Preferred source: ``external_annotations`` (torch >= 2.5 records ``record_function`` ranges while
+history is recorded; every ``torch.optim`` optimizer wraps ``step()`` in one named
+``Optimizer.step#<Class>.step``). Otherwise the trace's own repeating pattern: the allocation
+site that fires once per iteration at a steady rhythm.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+# annotation name patterns, most specific first
+_ANNOTATION_PATTERNS = (
+    (r"^Optimizer\.step#", "optimizer step annotations (Optimizer.step#...)"),
+    (r"optimi[sz]er[ _.-]?step", "optimizer step annotations"),
+    (r"^ProfilerStep#", "profiler steps (ProfilerStep#N)"),
+    (r"(?:train|training)[ _-]?(?:step|iter)", "training step annotations"),
+    (r"step|iter", "step annotations"),
+)
+MIN_ITERATIONS = 3
+
+
+@dataclass(frozen=True)
+class Iterations:
+    device: int
+    starts: np.ndarray  # event_index of the first event of each iteration (ascending)
+    source: str  # how they were found
+    label: str | None  # annotation name or site that marks them
+
+    @property
+    def count(self) -> int:
+        return int(self.starts.size)
+
+
+def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> Iterations | None:
+    if annotations.empty or events["time_us"].isna().any():
+        return None
+    # annotations are per process, not per device: one process's iterations span all its devices
+    starts = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
+    names = starts["name"].astype(str)
+    times = events["time_us"].to_numpy(dtype=np.int64)
+    for pattern, source in _ANNOTATION_PATTERNS:
+        chosen = starts[names.str.contains(pattern, case=False, regex=True)]
+        if len(chosen) < MIN_ITERATIONS:
+            continue
+        # one family only (e.g. "Optimizer.step#AdamW.step"), digits folded
+        family = chosen["name"].map(lambda s: re.sub(r"\d+", "N", str(s)))
+        top = family.value_counts().index[0]
+        chosen = chosen[family == top]
+        if len(chosen) < MIN_ITERATIONS:
+            continue
+        pos = np.searchsorted(times, chosen["time_us"].to_numpy(dtype=np.int64), side="left")
+        pos = np.unique(pos[pos < len(times)])
+        if pos.size >= MIN_ITERATIONS:
+            return Iterations(device, events["event_index"].to_numpy()[pos], source, str(top))
+    return None
+
+
+def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
+    allocs = events[(events["action"] == "alloc") & events["stack_id"].notna()]
+    if allocs.empty:
+        return None
+    n = len(events)
+    best: tuple[float, int, np.ndarray] | None = None
+    for sid, idx in allocs.groupby("stack_id")["event_index"]:
+        pos = idx.to_numpy()
+        if pos.size < MIN_ITERATIONS + 1 or pos.size > n // 20:
+            continue
+        gaps = np.diff(pos)
+        if gaps.mean() <= 0:
+            continue
+        cv = gaps.std() / gaps.mean()
+        if cv > 0.35:
+            continue
+        # prefer the steadiest rhythm, then the one covering most of the trace
+        key = (cv - (pos[-1] - pos[0]) / n, int(sid), pos)
+        if best is None or key[0] < best[0]:
+            best = key
+    if best is None:
+        return None
+    return Iterations(device, best[2], "repeating allocation pattern", f"stack {best[1]}")
+
+
+def find_iterations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> Iterations | None:
+    """Iteration starts of one device (None when fewer than three can be found)."""
+    ev = events[events["device"] == device]
+    if len(ev) < 2:
+        return None
+    return _from_annotations(ev, annotations, device) or _from_pattern(ev, device)

@@ -1,0 +1,134 @@
+"""Leak suspects: allocation sites whose surviving memory grows with every iteration.
+
+An allocation *survives* when it is still live at the dump (no ``free_completed`` follows it).
+For each site we count the bytes of surviving allocations made in each iteration. Parameters
+are allocated before the first iteration, optimizer state and lazily built caches in the first
+one, and activations do not survive: none of them grows in the steady iterations. A site that
+leaves memory behind in most steady iterations is a suspect; its growth per iteration is the
+mean of those bytes, so even a few KiB per iteration in a job of gigabytes stands out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..frames import SnapshotFrames
+from .iterations import Iterations, find_iterations
+from .lifetimes import allocation_lifetimes
+from .sites import frame_label, site_frames
+
+MIN_STEADY_ITERATIONS = 2
+MIN_GROWING_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class LeakSuspect:
+    device: int
+    site: str
+    frames: list[dict[str, Any]]  # innermost first, as in the snapshot
+    bytes: int  # live at the dump, in blocks allocated from this site
+    count: int  # live blocks from this site
+    growth_bytes_per_iteration: int
+    iterations_growing: int
+    iterations_considered: int
+    first_seen_us: int | None
+    confidence: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LeakAnalysis:
+    device: int
+    iterations: int
+    iteration_source: str | None
+    iteration_label: str | None
+    suspects: list[LeakSuspect] = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def growth_bytes_per_iteration(self) -> int:
+        return sum(s.growth_bytes_per_iteration for s in self.suspects)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["growth_bytes_per_iteration"] = self.growth_bytes_per_iteration
+        return d
+
+
+def surviving_allocations(lifetimes: pd.DataFrame) -> pd.DataFrame:
+    """Allocations with no ``free_completed`` after them: live at the dump."""
+    return lifetimes[lifetimes["free_index"].isna()].drop(columns="free_index")
+
+
+def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.DataFrame) -> list[LeakSuspect]:
+    survivors = surviving_allocations(lifetimes)
+    survivors = survivors[survivors["stack_id"].notna()]
+    k = it.count
+    steady = np.arange(1, k - 1)  # skip the first iteration (state, caches) and the last (partial)
+    if survivors.empty or steady.size < MIN_STEADY_ITERATIONS:
+        return []
+    interval = np.searchsorted(it.starts, survivors["event_index"].to_numpy(), side="right") - 1
+    site_of = site_frames(frames.stacks, frames.stack_frames)
+    df = survivors.assign(interval=interval, site=survivors["stack_id"].map(site_of))
+    in_steady = df[(df["interval"] >= 1) & (df["interval"] <= k - 2)]
+    if in_steady.empty:
+        return []
+    per = in_steady.groupby(["site", "interval"])["size_bytes"].sum().unstack(fill_value=0)
+    per = per.reindex(columns=steady, fill_value=0)
+    growing = (per > 0).sum(axis=1)
+    need = max(MIN_STEADY_ITERATIONS, math.ceil(MIN_GROWING_SHARE * steady.size))
+    suspects_sites = growing[growing >= need].index
+    live = frames.blocks[(frames.blocks["device"] == device) & (frames.blocks["state"] != "inactive")]
+    live_site = live["stack_id"].map(site_of)
+    sf = frames.stack_frames.set_index("frame_id")
+    out = []
+    for site in suspects_sites:
+        rows = df[df["site"] == site]
+        biggest_stack = int(rows.groupby("stack_id")["size_bytes"].sum().idxmax())
+        f = sf.loc[int(site)]
+        mask = (live_site == site).fillna(False).to_numpy(dtype=bool)
+        times = rows["time_us"].dropna()
+        share = float(growing[site]) / steady.size
+        out.append(
+            LeakSuspect(
+                device=device,
+                site=frame_label(str(f["filename"]), int(f["line"]), str(f["name"])),
+                frames=frames.stack(biggest_stack),
+                bytes=int(live.loc[mask, "size_bytes"].sum()),
+                count=int(mask.sum()),
+                growth_bytes_per_iteration=round(per.loc[site].sum() / steady.size),
+                iterations_growing=int(growing[site]),
+                iterations_considered=int(steady.size),
+                first_seen_us=int(times.min()) if len(times) else None,
+                confidence=round(share * min(1.0, steady.size / 8), 2),
+            )
+        )
+    out.sort(key=lambda s: (-s.confidence, -s.growth_bytes_per_iteration, s.site))
+    return out
+
+
+def find_leaks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame | None = None) -> LeakAnalysis:
+    """Leak suspects of one device, most suspicious first."""
+    it = find_iterations(frames.events, frames.annotations, device)
+    if it is None:
+        ev = frames.events[frames.events["device"] == device]
+        why = (
+            "no allocation history (state-only recording)"
+            if len(ev) <= 1
+            else "no iterations found: no step annotations and no repeating allocation pattern"
+        )
+        return LeakAnalysis(device, 0, None, None, [], why)
+    if lifetimes is None:
+        lifetimes = allocation_lifetimes(frames.events, device)
+    suspects = _analyse(frames, device, it, lifetimes)
+    note: str | None = None
+    if it.count - 2 < MIN_STEADY_ITERATIONS:
+        note = f"only {it.count} iterations in the trace: at least {MIN_STEADY_ITERATIONS + 2} are needed"
+    return LeakAnalysis(device, it.count, it.source, it.label, suspects, note)

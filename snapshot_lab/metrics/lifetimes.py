@@ -1,0 +1,32 @@
+"""Allocation lifetimes: each ``alloc`` event matched with the ``free_completed`` that ends it.
+
+The match is the first ``free_completed`` at the same address after the allocation (the
+allocator cannot hand out an address again before it was freed). Leak detection, sites at the
+peak and the category timeline all start from this table, so it is computed once per device.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
+    """Columns: event_index, address, size_bytes (requested), stack_id, time_us, free_index
+    (``<NA>`` when the allocation is still live at the end of the trace); in event order."""
+    ev = events[events["device"] == device]
+    allocs = ev.loc[ev["action"] == "alloc", ["event_index", "address", "size_bytes", "stack_id", "time_us"]]
+    allocs = allocs[allocs["address"].notna()].astype({"address": "int64"})
+    frees = ev.loc[(ev["action"] == "free_completed") & ev["address"].notna(), ["event_index", "address"]]
+    frees = frees.astype({"address": "int64"})
+    if allocs.empty:
+        return allocs.assign(free_index=pd.array([], dtype="Int64"))
+    matched = pd.merge_asof(
+        allocs,
+        frees.assign(free_index=frees["event_index"]),
+        on="event_index",
+        by="address",
+        direction="forward",
+        allow_exact_matches=False,
+    )
+    matched["free_index"] = matched["free_index"].astype("Int64")
+    return matched

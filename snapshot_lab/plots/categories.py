@@ -1,0 +1,48 @@
+"""Memory by category over the trace, stacked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..metrics.timeline import envelope
+from .common import bytes_axis, new_figure, styled
+
+CATEGORY_COLORS = {
+    "parameter": "#4e79a7",
+    "gradient": "#f28e2b",
+    "optimizer_state": "#59a14f",
+    "activation": "#e15759",
+    "ddp_bucket": "#b07aa1",
+    "cuda_graph_pool": "#9c755f",
+    "other": "#bab0ac",
+}
+
+
+@styled
+def plot_category_timeline(levels: pd.DataFrame, x: np.ndarray, x_label: str, max_points: int = 800) -> Figure:
+    """``levels``: one column per category (bytes after each event); ``x``: event positions."""
+    fig = new_figure(10.5, 3.2)
+    ax = fig.add_subplot()
+    cols = [c for c in levels.columns if levels[c].max() > 0]
+    # downsample each series by its per-bucket maximum, so short spikes stay visible
+    series = [envelope(x, levels[c].to_numpy(), max_points) for c in cols]
+    xs = series[0].x if series else x[:1]
+    ax.stackplot(
+        xs,
+        [s.high for s in series],
+        labels=cols,
+        colors=[CATEGORY_COLORS[c] for c in cols],
+        alpha=0.85,
+        lw=0,
+        step="post",
+    )
+    bytes_axis(ax.yaxis)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("requested bytes")
+    ax.set_xlim(float(x[0]), float(x[-1]) if x[-1] > x[0] else float(x[0]) + 1)
+    ax.set_title("Memory in use by category (from allocation stacks)", loc="left")
+    ax.legend(loc="upper left", ncols=len(cols) or 1)
+    ax.grid(axis="y", color="#eeeeee", lw=0.6)
+    return fig

@@ -1,0 +1,228 @@
+"""Diagnostics on real GPU recordings: each finding where its situation is, and nowhere else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab.cli import app
+from snapshot_lab.metrics import compute_stats
+from snapshot_lab.metrics.categories import compute_categories
+from snapshot_lab.metrics.diagnose import diagnose
+from snapshot_lab.metrics.leaks import find_leaks
+
+from .conftest import SAMPLES, sample_names, sample_path, sample_truth
+
+runner = CliRunner()
+
+# the situation each real sample was recorded to show (see sample_snapshots/workloads.py)
+EXPECTED = {
+    "oom_fragmentation": {"oom-fragmentation"},
+    "oom_capacity": {"oom-capacity"},
+    "leak_graph": {"leak-suspect"},
+    "ddp_nobucketview_rank0": {"ddp-bucket-duplicate-grads"},
+    "ddp_nobucketview_rank1": {"ddp-bucket-duplicate-grads"},
+    "ddp_bucketview_rank0": set(),
+    "ddp_bucketview_rank1": set(),
+    "empty_cache_churn": {"empty-cache-churn"},
+    "dataparallel": {"dataparallel-imbalance"},
+    "transformer_varlen": set(),
+    "cnn_clean": set(),
+    "state_only": {"no-trace"},
+    "ring_wrapped": {"history-incomplete"},
+    "pending_free": {"pending-frees"},
+    "cuda_graph": {"cuda-graph-pool"},
+}
+# findings about a situation (as opposed to fragmentation, which any workload can show)
+SITUATIONS = {
+    "oom-fragmentation",
+    "oom-capacity",
+    "leak-suspect",
+    "ddp-bucket-duplicate-grads",
+    "empty-cache-churn",
+    "dataparallel-imbalance",
+    "no-trace",
+    "history-incomplete",
+    "pending-frees",
+    "cuda-graph-pool",
+}
+
+
+@pytest.fixture(scope="module")
+def diagnoses(real_frames):
+    out = {}
+    for name in sample_names():
+        fr = real_frames(name)
+        out[name] = diagnose(fr, compute_stats(fr), with_category_timelines=False)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_finding_where_the_situation_is(diagnoses, name):
+    ids = {f.id for f in diagnoses[name].findings}
+    assert ids & SITUATIONS == EXPECTED[name]
+
+
+@pytest.mark.parametrize("finding", sorted(SITUATIONS))
+def test_finding_nowhere_else(diagnoses, finding):
+    """Across every real sample (the what-if family included), only the intended ones raise it,
+    apart from OOMs of the capped what-if runs, which really happened."""
+    raised = {n for n, d in diagnoses.items() if any(f.id == finding for f in d.findings)}
+    intended = {n for n, ids in EXPECTED.items() if finding in ids}
+    if finding == "oom-capacity":
+        intended |= {n for n in raised if n.startswith("whatif_") and sample_truth(n)["workload"].get("oom_observed")}
+    assert raised == intended
+
+
+def test_every_finding_carries_numbers(diagnoses):
+    for name, d in diagnoses.items():
+        for f in d.findings:
+            assert f.title and f.advice and f.evidence, (name, f.id)
+            assert f.severity in ("critical", "warning", "info")
+
+
+def test_ddp_savings_close_to_parameter_bytes(diagnoses):
+    for rank in (0, 1):
+        name = f"ddp_nobucketview_rank{rank}"
+        (f,) = [f for f in diagnoses[name].findings if f.id == "ddp-bucket-duplicate-grads"]
+        param = sample_truth(name)["workload"]["param_bytes"]
+        assert abs(f.savings_bytes - param) <= 0.15 * param
+        assert f.device == rank
+
+
+def _workloads_line(n: int) -> str:
+    return (SAMPLES / "workloads.py").read_text().splitlines()[n - 1]
+
+
+def test_leak_sites_and_growth(real_frames):
+    truth = sample_truth("leak_graph")["workload"]
+    la = find_leaks(real_frames("leak_graph"), 0)
+    lines = {
+        s.frames and next(f["line"] for f in s.frames if f["filename"].endswith("workloads.py")) for s in la.suspects
+    }
+    # the lines that allocate the leaked tensors, as recorded (workloads.py must not have moved them)
+    assert lines == {181, 188, 189}
+    assert "model(x)" in _workloads_line(181)
+    assert "probe = torch.randn" in _workloads_line(188)
+    assert "aux_losses.append(model(probe)" in _workloads_line(189)
+    measured = truth["growth_bytes_per_step"]
+    per_iter = sum(measured) / len(measured)
+    assert abs(la.growth_bytes_per_iteration - per_iter) <= 0.25 * per_iter
+    top = la.suspects[0]
+    assert top.growth_bytes_per_iteration == 64 * 1024 * 4  # the appended output, exactly
+    assert top.confidence == 1.0 and top.iterations_growing == top.iterations_considered == 28
+    assert top.frames[0]["name"] == "forward"  # innermost first, as in the snapshot
+
+
+def test_small_leak_still_found(real_frames):
+    # the 16 KiB-per-iteration probe tensor in a job of ~560 MiB
+    la = find_leaks(real_frames("leak_graph"), 0)
+    probe = [s for s in la.suspects if s.growth_bytes_per_iteration == 4 * 1024 * 4]
+    assert len(probe) == 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "transformer_varlen",
+        "cnn_clean",
+        "ddp_bucketview_rank0",
+        "expandable",
+        "empty_cache_churn",
+        "whatif_default_uncapped",
+    ],
+)
+def test_clean_runs_have_no_leak_suspects(real_frames, name):
+    fr = real_frames(name)
+    la = find_leaks(fr, fr.info.devices[0])
+    assert la.iterations >= 4
+    assert la.suspects == []
+
+
+def test_leaks_without_annotations_use_the_repeating_pattern(real_frames):
+    fr = real_frames("leak_graph")
+    stripped = type(fr)(
+        fr.info, fr.segments, fr.blocks, fr.events, fr.stack_frames, fr.stacks, fr.annotations.iloc[0:0]
+    )
+    la = find_leaks(stripped, 0)
+    assert la.iteration_source == "repeating allocation pattern"
+    assert la.iterations == 30
+    assert {s.growth_bytes_per_iteration for s in la.suspects} == {262144, 131076, 16384}
+
+
+@pytest.mark.parametrize("name", ["transformer_varlen", "ddp_nobucketview_rank0", "ddp_bucketview_rank1", "leak_graph"])
+def test_parameter_category_equals_parameter_bytes(real_frames, name):
+    fr = real_frames(name)
+    cats = compute_categories(fr, fr.info.devices[0], with_timeline=False)
+    assert cats.live_bytes["parameter"] == sample_truth(name)["workload"]["param_bytes"]
+
+
+def test_ddp_categories(real_frames):
+    no_view = compute_categories(real_frames("ddp_nobucketview_rank0"), 0, with_timeline=False).live_bytes
+    view = compute_categories(real_frames("ddp_bucketview_rank0"), 0, with_timeline=False).live_bytes
+    param = sample_truth("ddp_bucketview_rank0")["workload"]["param_bytes"]
+    assert no_view["ddp_bucket"] == view["ddp_bucket"] == param
+    assert no_view["gradient"] >= param and view["gradient"] == 0
+
+
+def test_cuda_graph_category(real_frames):
+    fr = real_frames("cuda_graph")
+    cats = compute_categories(fr, 0, with_timeline=False).live_bytes
+    pool = fr.blocks[fr.blocks["is_private_pool"] & (fr.blocks["state"] == "active_allocated")]
+    assert cats["cuda_graph_pool"] == int(pool["size_bytes"].sum()) > 0
+
+
+def test_category_timeline_sums_to_requested(real_frames):
+    fr = real_frames("transformer_varlen")
+    cats = compute_categories(fr, 0)
+    from snapshot_lab.metrics.timeline import compute_timeline
+
+    st = compute_stats(fr).devices[0].torch_stats
+    tl = compute_timeline(fr.events, 0, st["requested_bytes.all.current"], st["reserved_bytes.all.current"])
+    total = cats.timeline.sum(axis=1).to_numpy()
+    assert (total == tl.requested_bytes).all()  # complete history: every byte is in one category
+
+
+def test_stats_json_has_categories():
+    r = runner.invoke(app, ["stats", "--json", str(sample_path("ddp_nobucketview_rank1"))])
+    out = json.loads(r.stdout)
+    assert out["categories"]["ddp_bucket"] == sample_truth("ddp_nobucketview_rank1")["workload"]["param_bytes"]
+    assert out["devices"]["1"]["categories"] == out["categories"]
+
+
+def test_leaks_cli_json():
+    r = runner.invoke(app, ["leaks", "--json", str(sample_path("leak_graph"))])
+    assert r.exit_code == 0
+    out = json.loads(r.stdout)
+    assert [s["growth_bytes_per_iteration"] for s in out["suspects"]] == [262144, 131076, 16384]
+    for s in out["suspects"]:
+        assert set(s) >= {"frames", "bytes", "count", "growth_bytes_per_iteration", "first_seen_us", "confidence"}
+        assert s["first_seen_us"] > 1_700_000_000_000_000  # microseconds since the epoch
+    clean = json.loads(runner.invoke(app, ["leaks", "--json", str(sample_path("cnn_clean"))]).stdout)
+    assert clean["suspects"] == []
+
+
+def test_findings_cli():
+    r = runner.invoke(app, ["findings", "--json", str(sample_path("oom_fragmentation"))])
+    out = json.loads(r.stdout)
+    (f,) = [f for f in out["findings"] if f["id"] == "oom-fragmentation"]
+    assert set(f) >= {"id", "severity", "title", "evidence", "savings_bytes", "advice"}
+    assert f["evidence"]["requested_bytes"] == 15 * 2**20
+    text = runner.invoke(app, ["findings", str(sample_path("leak_graph"))]).stdout
+    assert "leak-suspect" in text and "workloads.py:181" in text
+
+
+def test_report_shows_diagnostics(tmp_path):
+    from snapshot_lab import api
+
+    html = api.report(sample_path("leak_graph"), output=tmp_path / "r.html").read_text()
+    assert "Leak check" in html and "workloads.py:181" in html and "leak-suspect" in html
+    assert "What the memory is" in html and "optimizer_state" in html
+
+
+def test_samples_folder_is_small():
+    total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir())
+    assert total < 4 * 2**20
