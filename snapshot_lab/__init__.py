@@ -1,6 +1,6 @@
 """snaplab: answers from PyTorch CUDA memory snapshots, offline and without torch."""
 
-from .api import findings, leaks, load_frames, report, stats
+from .api import check, diff, export, findings, leaks, load_frames, ranks, report, stats
 from .errors import OutputError, SnaplabError, SnapshotFormatError
 from .frames import SnapshotFrames, build_frames
 from .load import Snapshot, load_snapshot
@@ -17,11 +17,15 @@ __all__ = [
     "SnapshotStats",
     "__version__",
     "build_frames",
+    "check",
     "compute_stats",
+    "diff",
+    "export",
     "findings",
     "leaks",
     "load_frames",
     "load_snapshot",
+    "ranks",
     "report",
     "stats",
 ]

@@ -8,19 +8,36 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
+import multiprocessing
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from .errors import OutputError
+from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
 from .metrics import SnapshotStats, compute_stats
+from .metrics.compare import (
+    Limits,
+    RankRow,
+    SnapshotDiff,
+    SnapshotSummary,
+    Violation,
+    check_limits,
+    diff_summaries,
+    rank_of,
+    rank_rows,
+    summarize,
+)
 from .metrics.diagnose import Diagnosis, diagnose
 from .metrics.findings import Finding
 from .metrics.leaks import LeakAnalysis
 from .progress import NullProgress, ProgressSink
+from .units import parse_bytes
 
 
 def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -> SnapshotFrames:
@@ -108,3 +125,186 @@ def write_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def summarize_file(snapshot: str | Path, with_sites: bool = True) -> SnapshotSummary:
+    """The small summary ``diff``, ``ranks`` and ``check`` compare (module-level, so a process
+    pool or a Dask worker can run it and send back only the summary)."""
+    frames = load_frames(snapshot)
+    stats_ = compute_stats(frames)
+    return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites)
+
+
+def diff(
+    before: str | Path,
+    after: str | Path,
+    *,
+    output: str | Path | None = None,
+    progress: ProgressSink | None = None,
+) -> SnapshotDiff:
+    """What changed between two snapshots of the same job; with ``output``, also written as HTML."""
+    progress = progress or NullProgress()
+    progress.stage("Reading the first snapshot")
+    a = summarize_file(before)
+    progress.stage("Reading the second snapshot")
+    b = summarize_file(after)
+    result = diff_summaries(a, b)
+    if output is not None:
+        from . import __version__
+        from .render.compare import render_diff_html
+
+        write_atomic(Path(output), render_diff_html(result, __version__))
+    return result
+
+
+def ranks(
+    snapshots: list[str | Path],
+    *,
+    jobs: int | None = None,
+    output: str | Path | None = None,
+    progress: ProgressSink | None = None,
+) -> tuple[list[RankRow], dict[str, str]]:
+    """One row per rank file, outliers flagged; files are parsed in parallel by ``jobs``
+    processes, each holding one snapshot at a time. Returns the rows and, per file that could
+    not be read, its error."""
+    progress = progress or NullProgress()
+    paths = [str(p) for p in snapshots]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
+    progress.stage(f"Reading {len(paths)} snapshots", total=len(paths))
+    summaries: dict[int, SnapshotSummary] = {}
+    errors: dict[str, str] = {}
+    ranks_of = {p: rank_of(p, i) for i, p in enumerate(paths)}
+
+    def take(path: str, fut_result: Callable[[], SnapshotSummary]) -> None:
+        try:
+            summaries[ranks_of[path]] = fut_result()
+        except SnaplabError as exc:
+            errors[path] = exc.message()
+
+    if jobs == 1:
+        for i, p in enumerate(paths):
+            take(p, functools.partial(summarize_file, p, False))
+            progress.update(i + 1)
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(summarize_file, p, False): p for p in paths}
+            for i, fut in enumerate(concurrent.futures.as_completed(futures)):
+                take(futures[fut], fut.result)
+                progress.update(i + 1)
+    if len(set(ranks_of.values())) != len(paths):
+        raise UsageError("several files map to the same rank: name them ..._rank<N>... or pass distinct files")
+    rows = rank_rows(summaries)
+    if output is not None and rows:
+        import pandas as pd
+
+        from . import __version__
+        from .plots.common import figure_png_data_uri
+        from .plots.compare import plot_ranks
+        from .render.compare import render_ranks_html
+
+        chart = pd.DataFrame(
+            {
+                "rank": [r.rank for r in rows],
+                "peak": [r.summary.peak_requested_bytes for r in rows],
+                "reserved": [r.summary.reserved for r in rows],
+                "outlier": [bool(r.flags) for r in rows],
+            }
+        )
+        write_atomic(Path(output), render_ranks_html(rows, errors, figure_png_data_uri(plot_ranks(chart)), __version__))
+    return rows, errors
+
+
+def check(
+    snapshot: str | Path,
+    *,
+    max_reserved: str | None = None,
+    max_allocated: str | None = None,
+    max_peak: str | None = None,
+    max_fragmentation: float | None = None,
+    no_oom: bool = False,
+    no_leaks: bool = False,
+    baseline: str | Path | None = None,
+    max_growth: str | None = None,
+    progress: ProgressSink | None = None,
+) -> list[Violation]:
+    """Limits for CI gates; returns the violated ones (empty: all limits hold). Sizes are
+    strings like ``40GiB``; ``max_growth`` like ``5%`` or ``0.05``."""
+
+    def size(text: str | None, name: str) -> int | None:
+        if text is None:
+            return None
+        try:
+            return parse_bytes(text)
+        except ValueError as exc:
+            raise UsageError(f"--{name}: {exc}") from None
+
+    growth: float | None = None
+    if max_growth is not None:
+        try:
+            g = max_growth.strip()
+            growth = float(g[:-1]) / 100 if g.endswith("%") else float(g)
+        except ValueError:
+            raise UsageError(f"--max-growth: not a percentage: {max_growth!r} (try 5%)") from None
+        if baseline is None:
+            raise UsageError("--max-growth needs --baseline OLD_SNAPSHOT")
+    limits = Limits(
+        max_reserved_bytes=size(max_reserved, "max-reserved"),
+        max_allocated_bytes=size(max_allocated, "max-allocated"),
+        max_peak_bytes=size(max_peak, "max-peak"),
+        max_fragmentation=max_fragmentation,
+        no_oom=no_oom,
+        no_leaks=no_leaks,
+        max_growth=growth,
+    )
+    (progress or NullProgress()).stage("Reading")
+    summary = summarize_file(snapshot, with_sites=False)
+    base = summarize_file(baseline, with_sites=False) if baseline is not None else None
+    return check_limits(summary, limits, base)
+
+
+EXPORT_FORMATS = ("parquet", "csv", "json")
+
+
+def export(
+    snapshot: str | Path,
+    *,
+    output: str | Path,
+    format: str = "parquet",
+    progress: ProgressSink | None = None,
+) -> list[Path]:
+    """Write the frames (segments, blocks, events, stack_frames, stacks, annotations) to
+    ``output/<table>.<format>``; returns the files written."""
+    if format not in EXPORT_FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+    if format == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise UsageError("parquet needs pyarrow: pip install 'snaplab[parquet]' (or use --format csv)") from None
+    frames = load_frames(snapshot, progress=progress)
+    out = Path(output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(out, exc.strerror or str(exc)) from None
+    written = []
+    for name in ("segments", "blocks", "events", "stack_frames", "stacks", "annotations"):
+        df = getattr(frames, name)
+        path = out / f"{name}.{format}"
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            if format == "parquet":
+                df.to_parquet(tmp, index=False)
+            elif format == "csv":
+                df.to_csv(tmp, index=False)
+            else:
+                df.to_json(tmp, orient="records", lines=True)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise OutputError(path, exc.strerror or str(exc)) from None
+        written.append(path)
+    return written

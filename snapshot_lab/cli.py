@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from . import __version__, api
-from .errors import EXIT_INTERNAL, SnaplabError
+from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, SnaplabError
 from .progress import progress_bar
 
 app = typer.Typer(
@@ -47,6 +47,8 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
     debug = debug or bool(os.environ.get("SNAPLAB_DEBUG"))
     try:
         return fn()
+    except typer.Exit:
+        raise
     except SnaplabError as exc:
         if debug:
             raise
@@ -141,6 +143,127 @@ def findings(
             from .render.text import format_findings
 
             sys.stdout.write(format_findings(result))
+
+    _run(work, debug)
+
+
+@app.command()
+def diff(
+    before: Annotated[Path, typer.Argument(help="The earlier snapshot (baseline).", show_default=False)],
+    after: Annotated[Path, typer.Argument(help="The later snapshot.", show_default=False)],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the diff as HTML.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """What changed between two snapshots of one job: totals, categories, allocation sites."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.diff(before, after, output=output, progress=progress)
+        if json_out:
+            _print_json(result.to_dict())
+        else:
+            from .render.compare import format_diff
+
+            sys.stdout.write(format_diff(result))
+        if output is not None:
+            typer.echo(f"wrote {output}", err=True)
+
+    _run(work, debug)
+
+
+@app.command()
+def ranks(
+    snapshots: Annotated[
+        list[Path], typer.Argument(help="One snapshot per rank (rank read from 'rank<N>' in the name).")
+    ],
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel worker processes [default: CPUs].")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the table as HTML.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """One row per rank: peak, reserved, allocated, fragmentation, OOM; outlier ranks flagged."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            rows, errors = api.ranks(list(snapshots), jobs=jobs, output=output, progress=progress)
+        if json_out and rows:
+            _print_json({"ranks": [r.to_dict() for r in rows], "errors": errors})
+        elif rows:
+            from .render.compare import format_ranks
+
+            sys.stdout.write(format_ranks(rows))
+        for e in errors.values():
+            typer.echo(f"snaplab: error: {e}", err=True)
+        if errors:
+            raise typer.Exit(EXIT_BAD_INPUT)
+
+    _run(work, debug)
+
+
+@app.command()
+def check(
+    snapshot: SnapshotArg,
+    max_reserved: Annotated[str | None, typer.Option(help="Largest allowed reserved memory, e.g. 40GiB.")] = None,
+    max_allocated: Annotated[str | None, typer.Option(help="Largest allowed allocated memory.")] = None,
+    max_peak: Annotated[str | None, typer.Option(help="Largest allowed peak in use (from the trace).")] = None,
+    max_fragmentation: Annotated[
+        float | None, typer.Option(help="Largest allowed external fragmentation (0..1).")
+    ] = None,
+    no_oom: Annotated[bool, typer.Option("--no-oom", help="Fail if the trace holds an OOM.")] = False,
+    no_leaks: Annotated[bool, typer.Option("--no-leaks", help="Fail if memory leaks across iterations.")] = False,
+    baseline: Annotated[Path | None, typer.Option(help="Snapshot to compare against.")] = None,
+    max_growth: Annotated[str | None, typer.Option(help="Largest allowed growth over --baseline, e.g. 5%.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """CI gate: exit 0 when every limit holds, 1 with one line per violated limit otherwise."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            violations = api.check(
+                snapshot,
+                max_reserved=max_reserved,
+                max_allocated=max_allocated,
+                max_peak=max_peak,
+                max_fragmentation=max_fragmentation,
+                no_oom=no_oom,
+                no_leaks=no_leaks,
+                baseline=baseline,
+                max_growth=max_growth,
+                progress=progress,
+            )
+        if json_out:
+            _print_json({"ok": not violations, "violations": [v.__dict__ for v in violations]})
+        else:
+            for v in violations:
+                typer.echo(f"FAIL {v.limit}: {v.message}")
+            if not violations:
+                typer.echo("ok: all limits hold")
+        if violations:
+            raise typer.Exit(EXIT_GATE_FAILED)
+
+    _run(work, debug)
+
+
+@app.command()
+def export(
+    snapshot: SnapshotArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the tables into.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="parquet, csv or json (JSON lines).")] = "parquet",
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Write the frames (segments, blocks, events, stacks...) for pandas, DuckDB or Polars."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            written = api.export(snapshot, output=output, format=format, progress=progress)
+        for p in written:
+            typer.echo(str(p))
 
     _run(work, debug)
 

@@ -58,7 +58,7 @@ CLI_ONLY = {"json_out", "quiet", "debug"}
 API_ONLY = {"progress"}
 
 
-@pytest.mark.parametrize("name", ["stats", "leaks", "findings", "report"])
+@pytest.mark.parametrize("name", ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export"])
 def test_cli_and_api_share_names_and_defaults(name):
     cli_params = {k: v for k, v in _params(getattr(cli, name)).items() if k not in CLI_ONLY}
     api_params = {k: v for k, v in _params(getattr(api, name)).items() if k not in API_ONLY}

@@ -18,7 +18,7 @@ from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL
 from .conftest import sample_path, sample_truth, write_pickle
 
 runner = CliRunner()
-ANALYSIS_COMMANDS = ["stats", "leaks", "findings"]
+ANALYSIS_COMMANDS = ["stats", "leaks", "findings", "check", "ranks"]
 COMMANDS = [*ANALYSIS_COMMANDS, "report"]
 
 
@@ -53,12 +53,12 @@ def test_stats_on_two_devices_shows_both():
     assert "== device 0" in r.stdout and "== device 1" in r.stdout
 
 
-@pytest.mark.parametrize("cmd", COMMANDS)
+@pytest.mark.parametrize("cmd", [*COMMANDS, "diff", "export"])
 def test_help_of_every_command(cmd):
     r = invoke(cmd, "--help")
     assert r.exit_code == 0
     assert "--debug" in r.stdout and "--quiet" in r.stdout
-    assert ("--json" in r.stdout) == (cmd in ANALYSIS_COMMANDS)
+    assert ("--json" in r.stdout) == (cmd in [*ANALYSIS_COMMANDS, "diff"])
 
 
 def test_version():
@@ -149,3 +149,18 @@ def test_console_script_subprocess(tmp_path):
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "snapshot_lab", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "snaplab" in r.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "global"])
+def test_bad_input_two_file_commands(tmp_path, case):
+    path, fragment = _bad_inputs(tmp_path)[case]
+    good = str(sample_path("cuda_graph"))
+    for args in (
+        ["diff", good, str(path)],
+        ["diff", str(path), good],
+        ["export", str(path), "-o", str(tmp_path / "x")],
+        ["check", good, "--baseline", str(path)],
+    ):
+        r = runner.invoke(app, args)
+        assert r.exit_code == EXIT_BAD_INPUT, (args, r.output)
+        assert r.stderr.count("\n") == 1 and fragment in r.stderr and "Traceback" not in r.output

@@ -26,3 +26,26 @@ def plot_device_comparison(rows: pd.DataFrame) -> Figure:
     ax.legend(loc="upper right", ncols=3)
     ax.grid(axis="y", color="#eeeeee", lw=0.6)
     return fig
+
+
+@styled
+def plot_ranks(rows: pd.DataFrame) -> Figure:
+    """``rows``: columns rank, peak (bytes or NaN), reserved, outlier (bool)."""
+    n = len(rows)
+    fig = new_figure(10.5, 2.8 if n <= 64 else 3.4)
+    ax = fig.add_subplot()
+    x = np.arange(n)
+    color = np.where(rows["outlier"].to_numpy(dtype=bool), COLORS["oom"], COLORS["active_allocated"])
+    ax.bar(x, rows["reserved"], 0.8, color=COLORS["reserved"], label="reserved at the dump")
+    peak = rows["peak"].astype(float).fillna(0).to_numpy()
+    ax.bar(x, peak, 0.45, color=color, label="peak in use (trace); red: flagged rank")
+    ax.axhline(float(np.median(peak)) if peak.any() else 0, color="#555555", lw=0.8, ls="--", label="median peak")
+    step = max(1, n // 32)
+    ax.set_xticks(x[::step], [str(r) for r in rows["rank"].to_numpy()[::step]])
+    ax.set_xlabel("rank")
+    bytes_axis(ax.yaxis)
+    ax.set_ylabel("GPU memory")
+    ax.set_title(f"Memory per rank ({n} ranks)", loc="left")
+    ax.legend(loc="upper right", ncols=3)
+    ax.grid(axis="y", color="#eeeeee", lw=0.6)
+    return fig

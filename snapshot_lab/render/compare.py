@@ -1,0 +1,148 @@
+"""HTML and text for ``diff`` and ``ranks``: the report's conventions (inline CSS, escaped)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..metrics.compare import Change, RankRow, SnapshotDiff
+from ..units import format_bytes, format_percent
+from .html import _css, _environment
+from .text import table
+
+
+def _fmt(name: str, v: float | None) -> str:
+    if v is None:
+        return "—"
+    if name == "external_fragmentation":
+        return f"{v:.3f}"
+    if name == "segments":
+        return f"{int(v):,}"
+    return format_bytes(v)
+
+
+def _delta(name: str, c: Change) -> str:
+    d = c.delta
+    if d is None:
+        return "—"
+    if name == "external_fragmentation":
+        return f"{d:+.3f}"
+    if name == "segments":
+        return f"{int(d):+,}"
+    return ("+" if d > 0 else "") + format_bytes(d)
+
+
+def _rows(changes: list[Change]) -> list[dict[str, str]]:
+    return [
+        {"name": c.name, "before": _fmt(c.name, c.before), "after": _fmt(c.name, c.after), "delta": _delta(c.name, c)}
+        for c in changes
+    ]
+
+
+def _name(path: str) -> str:
+    return path.replace("\\", "/").split("/")[-1]
+
+
+def _diff_headline(d: SnapshotDiff) -> str:
+    r = d.totals[0]
+    text = f"Reserved {_fmt(r.name, r.before)} → {_fmt(r.name, r.after)} ({_delta(r.name, r)})"
+    grown = [s for s in d.sites if s.delta_bytes > 0]
+    if grown:
+        text += f"; largest growth at {grown[0].site} ({'+' + format_bytes(grown[0].delta_bytes)})"
+    return text + "."
+
+
+def render_diff_html(d: SnapshotDiff, version: str) -> str:
+    ctx: dict[str, Any] = {
+        "css": _css(),
+        "version": version,
+        "before_name": _name(d.before.path),
+        "after_name": _name(d.after.path),
+        "headline": _diff_headline(d),
+        "totals": _rows(d.totals),
+        "categories": _rows([c for c in d.categories if c.before or c.after]),
+        "sites": [
+            {**s.__dict__, "delta": ("+" if s.delta_bytes > 0 else "") + format_bytes(s.delta_bytes)} for s in d.sites
+        ],
+        "findings_new": d.findings_new,
+        "findings_gone": d.findings_gone,
+    }
+    return _environment().get_template("diff.html.j2").render(ctx=ctx)
+
+
+def format_diff(d: SnapshotDiff) -> str:
+    head = f"{d.before.path} -> {d.after.path}\n{_diff_headline(d)}\n"
+    totals = table(["measure", "before", "after", "change"], [list(r.values()) for r in _rows(d.totals)])
+    cats = table(
+        ["category", "before", "after", "change"],
+        [list(r.values()) for r in _rows([c for c in d.categories if c.before or c.after])],
+    )
+    sites = table(
+        ["site", "status", "before", "after", "change"],
+        [
+            [
+                s.site,
+                s.status,
+                format_bytes(s.before_bytes),
+                format_bytes(s.after_bytes),
+                ("+" if s.delta_bytes > 0 else "") + format_bytes(s.delta_bytes),
+            ]
+            for s in d.sites[:20]
+        ],
+    )
+    extra = ""
+    if d.findings_new or d.findings_gone:
+        extra = f"\nfindings new: {', '.join(d.findings_new) or 'none'}; gone: {', '.join(d.findings_gone) or 'none'}\n"
+    return f"{head}\n{totals}\n\n{cats}\n\n{sites}\n{extra}"
+
+
+def _rank_headline(rows: list[RankRow]) -> str:
+    flagged = [r for r in rows if r.flags]
+    if not flagged:
+        return f"{len(rows)} ranks, none stands out."
+    return (
+        f"{len(rows)} ranks; {len(flagged)} stand out: "
+        + "; ".join(f"rank {r.rank}: {r.flags[0]}" for r in flagged[:5])
+        + ("" if len(flagged) <= 5 else "; …")
+    )
+
+
+def render_ranks_html(rows: list[RankRow], errors: dict[str, str], chart_png: str, version: str) -> str:
+    ctx: dict[str, Any] = {
+        "css": _css(),
+        "version": version,
+        "headline": _rank_headline(rows),
+        "chart_png": chart_png,
+        "rows": [
+            {
+                "rank": r.rank,
+                "name": _name(r.summary.path),
+                "peak": r.summary.peak_requested_bytes,
+                "reserved": r.summary.reserved,
+                "allocated": r.summary.allocated,
+                "frag": r.summary.external_fragmentation,
+                "oom": r.summary.oom_cause,
+                "flags": r.flags,
+            }
+            for r in rows
+        ],
+        "errors": errors,
+    }
+    return _environment().get_template("ranks.html.j2").render(ctx=ctx)
+
+
+def format_ranks(rows: list[RankRow]) -> str:
+    body = table(
+        ["rank", "peak in use", "reserved", "allocated", "ext. frag", "flags"],
+        [
+            [
+                str(r.rank),
+                format_bytes(r.summary.peak_requested_bytes),
+                format_bytes(r.summary.reserved),
+                format_bytes(r.summary.allocated),
+                format_percent(r.summary.external_fragmentation),
+                "; ".join(r.flags),
+            ]
+            for r in rows
+        ],
+    )
+    return f"{_rank_headline(rows)}\n\n{body}\n"

@@ -1,0 +1,181 @@
+"""diff, ranks, check and export on real snapshots."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab import api, load_frames
+from snapshot_lab.cli import app
+from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_USAGE
+from snapshot_lab.metrics.compare import SnapshotSummary, rank_of, rank_outliers
+
+from .conftest import sample_path, sample_truth
+
+runner = CliRunner()
+MiB = 2**20
+
+
+def test_diff_of_a_change_ddp_bucket_view():
+    """before: gradient_as_bucket_view=False; after: True — the gradients disappear."""
+    d = api.diff(sample_path("ddp_nobucketview_rank0"), sample_path("ddp_bucketview_rank0"))
+    cats = {c.name: c for c in d.categories}
+    param = sample_truth("ddp_bucketview_rank0")["workload"]["param_bytes"]
+    assert cats["gradient"].before >= param and cats["gradient"].after == 0
+    assert cats["ddp_bucket"].delta == 0
+    totals = {c.name: c for c in d.totals}
+    before = sample_truth("ddp_nobucketview_rank0")["memory_stats"]["0"]["reserved_bytes.all.current"]
+    after = sample_truth("ddp_bucketview_rank0")["memory_stats"]["0"]["reserved_bytes.all.current"]
+    assert (totals["reserved_bytes"].before, totals["reserved_bytes"].after) == (before, after)
+    assert d.findings_gone == ["ddp-bucket-duplicate-grads"]
+    # the gradients were allocated on autograd's thread (no Python stack): that site shrank by them
+    (no_stack,) = [s for s in d.sites if s.site == "<no stack recorded>"]
+    assert no_stack.status == "shrunk" and -no_stack.delta_bytes >= param
+
+
+def test_diff_same_job_two_steps(tmp_path):
+    r = runner.invoke(
+        app,
+        [
+            "diff",
+            str(sample_path("transformer_varlen_step4")),
+            str(sample_path("transformer_varlen")),
+            "--json",
+            "-o",
+            str(tmp_path / "d.html"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    # a clean training loop: the state after step 4 and after step 8 is the same
+    assert {t["name"]: t["delta"] for t in out["totals"]}["allocated_bytes"] == 0
+    assert all(s["status"] == "same" for s in out["sites"])
+    html = (tmp_path / "d.html").read_text()
+    assert "Memory diff" in html and "<script" not in html
+
+
+def test_diff_of_leaking_run_against_clean_finds_sites():
+    d = api.diff(sample_path("cnn_clean"), sample_path("leak_graph"))
+    assert "leak-suspect" in d.findings_new
+    assert d.sites[0].status in ("new", "grown")
+    assert abs(d.sites[0].delta_bytes) >= abs(d.sites[-1].delta_bytes)  # sorted by bytes
+
+
+def test_rank_names():
+    assert rank_of("/x/oom_rank12.pickle", 0) == 12
+    assert rank_of("snap_rank-3_host_2024.pickle.gz", 0) == 3
+    assert rank_of("plain.pickle", 7) == 7
+
+
+def test_ranks_on_ddp_run(tmp_path):
+    files = [sample_path("ddp_nobucketview_rank0"), sample_path("ddp_nobucketview_rank1")]
+    rows, errors = api.ranks(files, jobs=2, output=tmp_path / "r.html")
+    assert errors == {}
+    assert [r.rank for r in rows] == [0, 1]
+    for r in rows:
+        truth = sample_truth(f"ddp_nobucketview_rank{r.rank}")["memory_stats"][str(r.rank)]
+        assert r.summary.reserved == truth["reserved_bytes.all.current"]
+        assert r.summary.peak_requested_bytes == truth["requested_bytes.all.peak"]
+        assert r.flags == []  # balanced ranks
+    assert "Memory across 2 ranks" in (tmp_path / "r.html").read_text()
+
+
+def _summary(peak: int, reserved: int, oom: str | None = None) -> SnapshotSummary:
+    return SnapshotSummary(
+        "x",
+        [0],
+        {"reserved_bytes.all.current": reserved, "allocated_bytes.all.current": peak // 2},
+        0.1,
+        0,
+        0,
+        peak,
+        reserved,
+        oom,
+        4 * MiB if oom else None,
+        {},
+        [],
+        0,
+    )
+
+
+def test_rank_outliers_flag_the_odd_one():
+    ranks = {i: _summary(10_000 * MiB, 11_000 * MiB) for i in range(8)}
+    ranks[5] = _summary(12_500 * MiB, 13_000 * MiB, oom="capacity")
+    flags = rank_outliers(ranks)
+    assert [r for r, f in flags.items() if f] == [5]
+    assert any("peak in use" in f and "above the median" in f for f in flags[5])
+    assert any("out of memory" in f for f in flags[5])
+
+
+def test_ranks_cli_with_a_bad_file(tmp_path):
+    bad = tmp_path / "job_rank9.pickle"
+    bad.write_bytes(b"not a pickle")
+    r = runner.invoke(app, ["ranks", str(sample_path("ddp_nobucketview_rank1")), str(bad), "--json", "-j", "1"])
+    assert r.exit_code == EXIT_BAD_INPUT
+    out = json.loads(r.stdout)
+    assert [x["rank"] for x in out["ranks"]] == [1]
+    assert list(out["errors"]) == [str(bad)]
+
+
+def test_check_gate():
+    ok = runner.invoke(
+        app,
+        [
+            "check",
+            str(sample_path("transformer_varlen")),
+            "--max-reserved",
+            "3GiB",
+            "--no-oom",
+            "--no-leaks",
+            "--baseline",
+            str(sample_path("transformer_varlen_step4")),
+            "--max-growth",
+            "5%",
+        ],
+    )
+    assert ok.exit_code == 0 and "ok" in ok.stdout
+    bad = runner.invoke(app, ["check", str(sample_path("leak_graph")), "--max-reserved", "500MiB", "--no-leaks"])
+    assert bad.exit_code == EXIT_GATE_FAILED
+    lines = bad.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("FAIL max_reserved") and lines[1].startswith("FAIL no_leaks")
+    oom = runner.invoke(app, ["check", str(sample_path("oom_fragmentation")), "--no-oom", "--json"])
+    assert oom.exit_code == EXIT_GATE_FAILED
+    assert json.loads(oom.stdout)["violations"][0]["limit"] == "no_oom"
+
+
+def test_check_growth_against_baseline():
+    v = api.check(sample_path("leak_graph"), baseline=sample_path("cnn_clean"), max_growth="5%")
+    assert {x.limit for x in v} >= {"max_growth:allocated"}
+
+
+@pytest.mark.parametrize(
+    "args", [["--max-reserved", "lots"], ["--max-growth", "5%"], ["--max-growth", "x%", "--baseline", "y"]]
+)
+def test_check_usage_errors(args):
+    r = runner.invoke(app, ["check", str(sample_path("cnn_clean")), *args])
+    assert r.exit_code == EXIT_USAGE
+    assert r.stderr.startswith("snaplab: error:")
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])
+def test_export_round_trip(tmp_path, fmt):
+    pytest.importorskip("pyarrow") if fmt == "parquet" else None
+    written = api.export(sample_path("cuda_graph"), output=tmp_path, format=fmt)
+    frames = load_frames(sample_path("cuda_graph"))
+    assert sorted(p.name for p in written) == sorted(
+        f"{n}.{fmt}" for n in ("segments", "blocks", "events", "stack_frames", "stacks", "annotations")
+    )
+    read = {"csv": pd.read_csv, "parquet": pd.read_parquet, "json": lambda p: pd.read_json(p, lines=True)}[fmt]
+    blocks = read(tmp_path / f"blocks.{fmt}")
+    assert len(blocks) == len(frames.blocks)
+    assert int(blocks["size_bytes"].sum()) == int(frames.blocks["size_bytes"].sum())
+    events = read(tmp_path / f"events.{fmt}")
+    assert len(events) == len(frames.events)
+
+
+def test_export_bad_format(tmp_path):
+    r = runner.invoke(app, ["export", str(sample_path("cuda_graph")), "-o", str(tmp_path), "-f", "xlsx"])
+    assert r.exit_code == EXIT_USAGE
