@@ -13,7 +13,9 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -308,3 +310,55 @@ def export(
             raise OutputError(path, exc.strerror or str(exc)) from None
         written.append(path)
     return written
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def run(
+    target: str,
+    args: list[str] | None = None,
+    *,
+    module: bool = False,
+    out: str | Path = "snapshots",
+    max_entries: int = 100_000,
+    stacks: str = "python",
+    on_oom: bool = True,
+    every_n_steps: int | None = None,
+) -> int:
+    """Run a Python program (``python target args...``, or ``python -m target`` with ``module``)
+    with memory recording on; returns its exit code. Snapshots go to ``out``."""
+    import runpy
+
+    from .capture import recording
+
+    argv = [target, *(args or [])]
+    if not module and not Path(target).is_file():
+        raise UsageError(f"no such script: {target}")
+    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = argv
+    if not module:
+        sys.path.insert(0, str(Path(target).resolve().parent))
+    code = 0
+    try:
+        with recording(out, max_entries=max_entries, stacks=stacks, on_oom=on_oom, every_n_steps=every_n_steps) as rec:
+            try:
+                if module:
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(target, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if exc.code is not None and not isinstance(exc.code, int):
+                    sys.stderr.write(f"{exc.code}\n")
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # the program's own error: reported as python would, exit 1
+                traceback.print_exc()
+                rec.exit_reason = "exception"
+                code = 1
+    finally:
+        sys.argv = old_argv
+        if not module and sys.path and old_path0 is not None and sys.path[0] != old_path0:
+            sys.path.pop(0)
+    return code

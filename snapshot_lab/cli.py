@@ -288,6 +288,43 @@ def report(
     _run(work, debug)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+def run(
+    ctx: typer.Context,
+    target: Annotated[str, typer.Argument(help="The script to run (or the module, with -m).", show_default=False)],
+    module: Annotated[bool, typer.Option("-m", "--module", help="Run TARGET as a module, like python -m.")] = False,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the snapshots.")] = Path("snapshots"),
+    max_entries: Annotated[int, typer.Option(help="Trace ring-buffer size (allocator events kept).")] = 100_000,
+    stacks: Annotated[str, typer.Option(help="python (fast) or all (adds C++ frames; slow to dump).")] = "python",
+    on_oom: Annotated[bool, typer.Option("--on-oom/--no-on-oom", help="Dump when an OOM happens.")] = True,
+    every_n_steps: Annotated[
+        int | None, typer.Option(help="Also dump every N calls of recording.step() (API use).")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a training program with memory recording; dumps on exit and on OOM, one file per rank.
+
+    Arguments after the script go to the script: snaplab run train.py --lr 0.1. Under torchrun:
+    torchrun --nproc_per_node 8 -m snapshot_lab run train.py. The exit code is the program's.
+    """
+    code = _run(
+        lambda: api.run(
+            target,
+            list(ctx.args),
+            module=module,
+            out=out,
+            max_entries=max_entries,
+            stacks=stacks,
+            on_oom=on_oom,
+            every_n_steps=every_n_steps,
+        ),
+        debug,
+    )
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

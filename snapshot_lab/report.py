@@ -231,6 +231,17 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
         ),
         ("stacks", {"python": "Python", "python+cpp": "Python + C++", "none": "none recorded"}[rec.stacks]),
     ]
+    cap = f.get("capture")
+    if cap:
+        rows.append(
+            (
+                "captured by snaplab",
+                f"rank {cap.get('rank', '?')} of {cap.get('world_size', '?')} on {cap.get('host', '?')}, "
+                f"torch {cap.get('torch_version', '?')}, {cap.get('reason', '?')} at step {cap.get('step', '?')}",
+            )
+        )
+        if cap.get("argv"):
+            rows.append(("command", " ".join(str(a) for a in cap["argv"])))
     for d in rec.devices:
         if rec.mode == "trace":
             complete = (
@@ -275,6 +286,9 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
     ]
     if rec.mode == "trace":
         parts.append("history complete" if rec.history_complete else "early history missing (ring buffer wrapped)")
+    cap = f.get("capture")
+    if cap:
+        parts.append(f"rank {cap.get('rank', '?')}/{cap.get('world_size', '?')}, torch {cap.get('torch_version', '?')}")
     conf = (frames.info.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF")
     parts.append(f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "default allocator settings")
     return " · ".join(parts)

@@ -18,7 +18,7 @@ ALLOWED = {
     "jinja2": ("render/",),
     "matplotlib": ("plots/",),
     "torch": ("capture",),
-    "pickle": ("load/",),
+    "pickle": ("load/", "capture.py"),  # capture writes snapshots; only load/ reads them
 }
 
 

@@ -47,6 +47,7 @@ class SnapshotInfo:
     trace_devices: tuple[int, ...]  # ordinals whose trace has at least one entry
     n_trace_devices: int  # len(device_traces) in the file (== visible device count)
     stacks_kind: str  # 'none', 'python', 'python+cpp'
+    capture: dict[str, Any] | None = None  # sidecar written by snapshot_lab.capture
 
 
 @dataclass
@@ -412,6 +413,7 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         trace_devices=tuple(int(d) for d in sorted(events["device"].unique().tolist())),
         n_trace_devices=len(snap.device_traces),
         stacks_kind=_stacks_kind(stack_frames),
+        capture=snap.capture,
     )
     return SnapshotFrames(
         info=info,

@@ -24,6 +24,7 @@ from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..progress import NullProgress, ProgressSink
 from .compression import open_decompressed, sniff_compression
+from .sidecar import load_sidecar
 from .unpickler import ForbiddenGlobalError, ForbiddenPersistentIdError, safe_load
 
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
@@ -61,6 +62,7 @@ class Snapshot:
     external_annotations: list[dict[str, Any]]
     format_hints: list[str] = field(default_factory=list)
     legacy: str | None = None  # '1.13' or '2.0' when a legacy shape was normalised
+    capture: dict[str, Any] | None = None  # the snapshot_lab.capture sidecar, when there is one
 
 
 def _pickle_protocol(head: bytes) -> int | None:
@@ -360,4 +362,6 @@ def load_snapshot(path: str | Path, progress: ProgressSink | None = None) -> Sna
     """
     p = Path(path)
     obj, source = _read_object(p, progress or NullProgress())
-    return normalise(obj, source)
+    snap = normalise(obj, source)
+    snap.capture = load_sidecar(p)
+    return snap

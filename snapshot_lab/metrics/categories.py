@@ -119,7 +119,7 @@ def categorize_blocks(frames: SnapshotFrames, stack_cat: pd.Series | None = None
     """Category of every row of ``frames.blocks`` (index aligned)."""
     stack_cat = stack_categories(frames) if stack_cat is None else stack_cat
     b = frames.blocks
-    cat = b["stack_id"].map(stack_cat).astype(object).to_numpy().copy()
+    cat = b["stack_id"].map(stack_cat).to_numpy(dtype=object, na_value=None).copy()  # type: ignore[call-overload]
     no_stack = pd.isna(cat)
     params = set(b.loc[cat == "parameter", "requested_size_bytes"].dropna().astype(int))
     if not params:  # fall back on optimizer state, which mirrors parameter sizes

@@ -81,7 +81,29 @@ def file_facts(frames: SnapshotFrames) -> dict[str, Any]:
         "blocks": len(frames.blocks),
         "trace_entries": len(frames.events),
         "distinct_stacks": int(frames.stacks["stack_id"].nunique()),
+        "capture": _capture_facts(info.capture),
     }
+
+
+def _capture_facts(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the capture sidecar says about the job (its memory_stats stay out: the snapshot's
+    own numbers are the ones reported)."""
+    if not meta:
+        return None
+    keys = (
+        "torch_version",
+        "host",
+        "rank",
+        "world_size",
+        "local_rank",
+        "reason",
+        "step",
+        "time_unix_s",
+        "alloc_conf",
+        "argv",
+        "oom",
+    )
+    return {k: meta[k] for k in keys if k in meta}
 
 
 def compute_stats(frames: SnapshotFrames) -> SnapshotStats:

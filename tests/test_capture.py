@@ -1,0 +1,213 @@
+"""Capture side, without a GPU: the recording logic against a stand-in for torch.
+
+The same code ran for real on H100/H200 GPUs (see sample_snapshots/capture_*.pickle.xz and
+test_real_captures below)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab import api, load_frames, stats
+from snapshot_lab.capture import CaptureError, recording, snapshot_name
+from snapshot_lab.cli import app
+
+from .fake_torch import FakeTorch
+
+runner = CliRunner()
+NAME_RE = re.compile(r"^snapshot_rank(\d+)_([A-Za-z0-9.-]+)_(\d{8}-\d{6})(?:_([a-z0-9]+))?\.pickle$")
+
+
+@pytest.fixture
+def torch(monkeypatch):
+    fake = FakeTorch()
+    fake.install(monkeypatch)
+    monkeypatch.setattr("snapshot_lab.capture._OBSERVER_ATTACHED", False)
+    return fake
+
+
+def test_names():
+    n = snapshot_name("snapshot", 3, "node 7/a", 0.0, "oom")
+    assert NAME_RE.match(n) and n.startswith("snapshot_rank3_node-7-a_") and n.endswith("_oom.pickle")
+
+
+def test_recording_enables_dumps_and_restores(torch, tmp_path):
+    with recording(tmp_path, max_entries=1234, stacks="python") as rec:
+        assert torch.history_calls[-1] == (
+            (),
+            {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 1234},
+        )
+    assert torch.history_calls[-1] == ((), {"enabled": None})  # recording stopped again
+    (path,) = rec.written
+    assert NAME_RE.match(path.name).group(1) == "0"
+    meta = json.loads(path.with_name(path.name.replace(".pickle", ".meta.json")).read_text())
+    assert meta["reason"] == "exit" and meta["world_size"] == 1 and meta["torch_version"] == "2.11.0"
+    assert meta["memory_stats"]["0"]["reserved_bytes.all.current"] == 2097152
+    # what capture wrote is a snapshot snaplab reads, sidecar included
+    s = stats(path)
+    assert s.torch_stats["reserved_bytes.all.current"] == 2097152
+    assert s.file["capture"]["reason"] == "exit"
+
+
+def test_rank_from_torchrun_environment(torch, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with recording(tmp_path) as rec:
+        pass
+    assert NAME_RE.match(rec.written[0].name).group(1) == "5"
+
+
+def test_oom_observer_dumps_once(torch, tmp_path):
+    with recording(tmp_path, dump_on_exit=False) as rec:
+        (observer,) = torch.observers
+        observer(0, 2**34, 80 * 2**30, 1 * 2**30)
+        observer(0, 2**34, 80 * 2**30, 1 * 2**30)  # unwinding can OOM again: one dump is enough
+    (path,) = rec.written
+    assert NAME_RE.match(path.name).group(4) == "oom"
+    meta = json.loads(path.with_name(path.name.replace(".pickle", ".meta.json")).read_text())
+    assert meta["oom"] == {"device": 0, "alloc_bytes": 2**34, "limit_bytes": 80 * 2**30, "device_free_bytes": 2**30}
+
+
+def test_every_n_steps(torch, tmp_path):
+    with recording(tmp_path, every_n_steps=2, dump_on_exit=False) as rec:
+        for _ in range(5):
+            rec.step()
+    assert [NAME_RE.match(p.name).group(4) for p in rec.written] == ["step2", "step4"]
+
+
+def test_dump_failure_never_crashes_the_job(tmp_path, monkeypatch, caplog):
+    FakeTorch(fail_snapshot=True).install(monkeypatch)
+    with recording(tmp_path) as rec:
+        assert rec.dump("manual") is None
+    assert rec.written == []
+    assert "could not write a memory snapshot" in caplog.text
+
+
+def test_nested_recording_restores_the_outer_settings(torch, tmp_path):
+    with recording(tmp_path / "a", max_entries=10, dump_on_exit=False):
+        with recording(tmp_path / "b", max_entries=99, dump_on_exit=False):
+            pass
+        assert torch.history_calls[-1][1]["max_entries"] == 10
+    assert torch.history_calls[-1] == ((), {"enabled": None})
+
+
+def test_torch_20_uses_the_boolean_api(tmp_path, monkeypatch):
+    fake = FakeTorch(version="2.0.1")
+    fake.install(monkeypatch)
+    with recording(tmp_path, max_entries=50, dump_on_exit=False):
+        pass
+    assert fake.history_calls[0] == ((True,), {"trace_alloc_max_entries": 50, "trace_alloc_record_context": True})
+    assert fake.history_calls[-1] == ((False,), {})
+
+
+def test_decorator_form(torch, tmp_path):
+    @recording(tmp_path)
+    def train():
+        return 42
+
+    assert train() == 42
+    assert len(list(tmp_path.glob("*.pickle"))) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"stacks": "cpp"}, {"context": "x"}, {"max_entries": 0}, {"every_n_steps": 0}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(CaptureError):
+        recording("x", **kwargs)
+
+
+def _script(tmp_path, body: str):
+    p = tmp_path / "train.py"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_run_passes_arguments_and_exit_code(torch, tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        print("args", sys.argv[1:])
+        sys.exit(3)
+    """,
+    )
+    r = runner.invoke(app, ["run", "--out", str(tmp_path / "snaps"), str(script), "--lr", "0.1", "-x"])
+    assert r.exit_code == 3
+    assert "args ['--lr', '0.1', '-x']" in r.stdout
+    assert len(list((tmp_path / "snaps").glob("*.pickle"))) == 1
+
+
+def test_run_reports_the_programs_exception(torch, tmp_path, capsys):
+    script = _script(
+        tmp_path,
+        """
+        def f():
+            raise ValueError("boom in training")
+        f()
+    """,
+    )
+    code = api.run(str(script), out=tmp_path / "snaps")
+    assert code == 1
+    assert "ValueError: boom in training" in capsys.readouterr().err
+    (p,) = (tmp_path / "snaps").glob("*.pickle")
+    assert p.name.endswith("_exception.pickle")
+
+
+def test_run_module(torch, tmp_path, monkeypatch):
+    pkg = tmp_path / "mytrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import sys; sys.exit(0 if sys.argv[1:] == ['a'] else 9)")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert api.run("mytrain", ["a"], module=True, out=tmp_path / "s") == 0
+
+
+def test_run_missing_script(torch, tmp_path):
+    r = runner.invoke(app, ["run", str(tmp_path / "nope.py")])
+    assert r.exit_code == 2 and "no such script" in r.stderr
+
+
+def test_no_torch_is_one_clear_line(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("print('never runs')")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from snapshot_lab.cli import main\n"
+        f"sys.argv = ['snaplab', 'run', {str(script)!r}]\n"
+        "main()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "snaplab: error: recording needs PyTorch with CUDA: pip install torch (snaplab's analysis commands do not "
+        "need it)"
+    ]
+    assert "never runs" not in r.stdout
+
+
+def test_analysis_never_imports_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import snapshot_lab, snapshot_lab.report, snapshot_lab.cli\n"
+        "print(snapshot_lab.stats('sample_snapshots/oom_fragmentation.pickle').oom.cause)\n"
+    )
+    from .conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "fragmentation"
+
+
+def test_loader_ignores_broken_sidecar(tmp_path):
+    from .conftest import sample_path
+
+    src = sample_path("oom_fragmentation")
+    dst = tmp_path / "x.pickle"
+    dst.write_bytes(src.read_bytes())
+    (tmp_path / "x.meta.json").write_text("{not json")
+    assert load_frames(dst).info.capture is None
