@@ -18,6 +18,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -162,16 +163,48 @@ def diff(
     return result
 
 
+def _ranks_on_dask(
+    paths: list[str], scheduler: str, jobs: int, progress: ProgressSink, take: Callable[[str, Any], None]
+) -> None:
+    """Parse each file on a Dask worker; only the small summaries come back. ``scheduler`` is a
+    scheduler address (tcp://host:8786) or 'local' for a LocalCluster of ``jobs`` processes. The
+    workers must see the files at the same paths (a shared filesystem)."""
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise UsageError("--scheduler needs dask.distributed: pip install 'snaplab[dask]'") from None
+    cluster = None
+    try:
+        if scheduler == "local":
+            cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=None)
+            client = Client(cluster)
+        else:
+            client = Client(scheduler, timeout="30s")
+    except (OSError, TimeoutError) as exc:
+        raise UsageError(f"cannot reach the Dask scheduler {scheduler}: {exc}") from None
+    try:
+        futures = client.map(summarize_file, paths, with_sites=False, pure=False)
+        owner = {f.key: p for f, p in zip(futures, paths, strict=True)}
+        for i, fut in enumerate(as_completed(futures)):
+            take(owner[fut.key], fut.result)
+            progress.update(i + 1)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
 def ranks(
     snapshots: list[str | Path],
     *,
     jobs: int | None = None,
+    scheduler: str | None = None,
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
 ) -> tuple[list[RankRow], dict[str, str]]:
     """One row per rank file, outliers flagged; files are parsed in parallel by ``jobs``
-    processes, each holding one snapshot at a time. Returns the rows and, per file that could
-    not be read, its error."""
+    processes, each holding one snapshot at a time (or on a Dask cluster with ``scheduler``:
+    an address, or 'local'). Returns the rows and, per file that could not be read, its error."""
     progress = progress or NullProgress()
     paths = [str(p) for p in snapshots]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
@@ -180,13 +213,15 @@ def ranks(
     errors: dict[str, str] = {}
     ranks_of = {p: rank_of(p, i) for i, p in enumerate(paths)}
 
-    def take(path: str, fut_result: Callable[[], SnapshotSummary]) -> None:
+    def take(path: str, fut_result: Callable[[], Any]) -> None:
         try:
             summaries[ranks_of[path]] = fut_result()
         except SnaplabError as exc:
             errors[path] = exc.message()
 
-    if jobs == 1:
+    if scheduler is not None:
+        _ranks_on_dask(paths, scheduler, jobs, progress, take)
+    elif jobs == 1:
         for i, p in enumerate(paths):
             take(p, functools.partial(summarize_file, p, False))
             progress.update(i + 1)

@@ -179,6 +179,10 @@ def ranks(
         list[Path], typer.Argument(help="One snapshot per rank (rank read from 'rank<N>' in the name).")
     ],
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel worker processes [default: CPUs].")] = None,
+    scheduler: Annotated[
+        str | None,
+        typer.Option(help="Parse on a Dask cluster: its scheduler address (tcp://host:8786), or 'local'."),
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the table as HTML.")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -188,7 +192,7 @@ def ranks(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            rows, errors = api.ranks(list(snapshots), jobs=jobs, output=output, progress=progress)
+            rows, errors = api.ranks(list(snapshots), jobs=jobs, scheduler=scheduler, output=output, progress=progress)
         if json_out and rows:
             _print_json({"ranks": [r.to_dict() for r in rows], "errors": errors})
         elif rows:

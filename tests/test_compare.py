@@ -179,3 +179,22 @@ def test_export_round_trip(tmp_path, fmt):
 def test_export_bad_format(tmp_path):
     r = runner.invoke(app, ["export", str(sample_path("cuda_graph")), "-o", str(tmp_path), "-f", "xlsx"])
     assert r.exit_code == EXIT_USAGE
+
+
+def test_ranks_on_a_dask_local_cluster(tmp_path):
+    """16 rank files parsed by Dask workers (a LocalCluster); only summaries come back."""
+    pytest.importorskip("distributed")
+    files = []
+    for r in range(16):
+        src = sample_path("ddp_nobucketview_rank1" if r % 2 else "ddp_nobucketview_rank0")
+        dst = tmp_path / f"job_rank{r}.pickle.xz"
+        dst.write_bytes(src.read_bytes())
+        files.append(dst)
+    files.append(tmp_path / "job_rank16.pickle")
+    files[-1].write_bytes(b"garbage")
+    rows, errors = api.ranks(files, jobs=2, scheduler="local")
+    assert [r.rank for r in rows] == list(range(16))
+    truth = sample_truth("ddp_nobucketview_rank0")["memory_stats"]["0"]["reserved_bytes.all.current"]
+    assert {r.summary.reserved for r in rows} == {truth}
+    assert all(r.flags == [] for r in rows)
+    assert list(errors) == [str(files[-1])]
