@@ -211,3 +211,51 @@ def test_loader_ignores_broken_sidecar(tmp_path):
     dst.write_bytes(src.read_bytes())
     (tmp_path / "x.meta.json").write_text("{not json")
     assert load_frames(dst).info.capture is None
+
+
+# --------------------------------------------------------------------------- real captures
+# Made on a 2-GPU H200 machine by sample_snapshots/jobs/run_capture_tests.sh: `snaplab run` over a
+# GPT-2 job (a snapshot every 2 steps), a job that runs out of memory, and 2-rank DDP under
+# torchrun. Their counters are checked against the sidecars' memory_stats in
+# test_real_snapshots.py like every sample; here, what capture itself promised.
+
+
+def test_real_capture_series():
+    from .conftest import sample_path, sample_truth
+
+    metas = [
+        json.loads((sample_path(n).parent / f"{n}.meta.json").read_text())
+        for n in ("capture_single_step2", "capture_single_step4", "capture_single_step6", "capture_single_exit")
+    ]
+    assert [(m["reason"], m["step"]) for m in metas] == [("step2", 2), ("step4", 4), ("step6", 6), ("exit", 6)]
+    assert all(m["rank"] == 0 and m["world_size"] == 1 for m in metas)
+    assert metas[0]["argv"][0].endswith("train_single.py")
+    # the series is one job: its trace only grows, and stats see the sidecar
+    s2, s6 = stats(sample_path("capture_single_step2")), stats(sample_path("capture_single_step6"))
+    assert s6.file["trace_entries"] > s2.file["trace_entries"]
+    assert s6.file["capture"]["reason"] == "step6"
+    truth = sample_truth("capture_single_step6")["memory_stats"]["0"]
+    assert truth["reserved_bytes.all.current"] == s6.torch_stats["reserved_bytes.all.current"]
+
+
+def test_real_capture_oom():
+    from .conftest import sample_path
+
+    path = sample_path("capture_oom_rank0")
+    meta = json.loads(path.with_name("capture_oom_rank0.meta.json").read_text())
+    s = stats(path)
+    assert meta["reason"] == "oom" and s.oom is not None
+    assert s.oom.cause == "capacity"
+    assert s.oom.device_free_bytes == meta["oom"]["device_free_bytes"]
+    assert meta["oom"]["limit_bytes"] == 2 * 2**30 - 1 or meta["oom"]["limit_bytes"] == 2 * 2**30
+
+
+def test_real_capture_ddp_one_file_per_rank_and_the_big_rank_flagged():
+    from .conftest import sample_path
+
+    rows, errors = api.ranks([sample_path("capture_ddp_rank0"), sample_path("capture_ddp_rank1")], jobs=1)
+    assert errors == {}
+    by_rank = {r.rank: r for r in rows}
+    assert by_rank[0].summary.devices == [0] and by_rank[1].summary.devices == [1]
+    assert by_rank[0].flags == []
+    assert any("above the median" in f for f in by_rank[1].flags)  # rank 1 ran a 3x batch

@@ -403,14 +403,17 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         events = _build_events(snap, interner, consume)
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
-    devices = sorted(set(segments["device"].tolist()) | set(events["device"].unique().tolist()))
+    # every _snapshot() call leaves a 'snapshot' marker in every device's trace: a device with
+    # only those markers and no segments was never used by this process
+    used = events.loc[events["action"] != "snapshot", "device"].unique().tolist()
+    devices = sorted(set(segments["device"].tolist()) | set(used))
     info = SnapshotInfo(
         source=snap.source,
         legacy=snap.legacy,
         format_hints=tuple(snap.format_hints),
         allocator_settings=snap.allocator_settings,
         devices=tuple(int(d) for d in devices),
-        trace_devices=tuple(int(d) for d in sorted(events["device"].unique().tolist())),
+        trace_devices=tuple(int(d) for d in sorted(used)),
         n_trace_devices=len(snap.device_traces),
         stacks_kind=_stacks_kind(stack_frames),
         capture=snap.capture,

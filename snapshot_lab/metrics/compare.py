@@ -195,7 +195,8 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
 # --------------------------------------------------------------------------- ranks
 
 RANK_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
-OUTLIER_RATIO = 0.15  # flagged when this far from the median...
+OUTLIER_RATIO = 0.15  # flagged when this far above the median...
+OUTLIER_LOW_RATIO = 0.5  # ...or this far below it (a rank doing much less work than the others)
 OUTLIER_MIN_BYTES = 128 * MiB  # ...and by at least this much
 
 
@@ -244,7 +245,8 @@ def rank_outliers(summaries: dict[int, SnapshotSummary]) -> dict[int, list[str]]
             med = statistics.median(known.values())
             for r, v in known.items():
                 diff = v - med
-                if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= OUTLIER_RATIO:
+                ratio = OUTLIER_RATIO if diff > 0 else OUTLIER_LOW_RATIO
+                if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= ratio:
                     word = "above" if diff > 0 else "below"
                     flags[r].append(
                         f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} the median "

@@ -37,15 +37,19 @@ class Iterations:
         return int(self.starts.size)
 
 
-def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> Iterations | None:
+def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> tuple[Iterations | None, bool]:
+    """Iterations from annotations, and whether step-like annotations exist at all (then a trace
+    with too few of them is too short to judge: guessing from the pattern would be wrong)."""
     if annotations.empty or events["time_us"].isna().any():
-        return None
+        return None, False
     # annotations are per process, not per device: one process's iterations span all its devices
     starts = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
     names = starts["name"].astype(str)
     times = events["time_us"].to_numpy(dtype=np.int64)
+    seen = False
     for pattern, source in _ANNOTATION_PATTERNS:
         chosen = starts[names.str.contains(pattern, case=False, regex=True)]
+        seen = seen or len(chosen) > 0
         if len(chosen) < MIN_ITERATIONS:
             continue
         # one family only (e.g. "Optimizer.step#AdamW.step"), digits folded
@@ -57,33 +61,36 @@ def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: i
         pos = np.searchsorted(times, chosen["time_us"].to_numpy(dtype=np.int64), side="left")
         pos = np.unique(pos[pos < len(times)])
         if pos.size >= MIN_ITERATIONS:
-            return Iterations(device, events["event_index"].to_numpy()[pos], source, str(top))
-    return None
+            return Iterations(device, events["event_index"].to_numpy()[pos], source, str(top)), True
+    return None, seen
+
+
+MIN_PATTERN_ITERATIONS = 6  # a rhythm guessed from the trace needs more evidence than annotations
 
 
 def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
+    """The allocation site that fires at the steadiest rhythm, least often (once per iteration
+    rather than once per layer), over most of the trace."""
     allocs = events[(events["action"] == "alloc") & events["stack_id"].notna()]
     if allocs.empty:
         return None
     n = len(events)
-    best: tuple[float, int, np.ndarray] | None = None
+    best: tuple[int, float, int, np.ndarray] | None = None
     for sid, idx in allocs.groupby("stack_id")["event_index"]:
         pos = idx.to_numpy()
-        if pos.size < MIN_ITERATIONS + 1 or pos.size > n // 20:
+        if pos.size < MIN_PATTERN_ITERATIONS or pos.size > n // 3:
             continue
         gaps = np.diff(pos)
-        if gaps.mean() <= 0:
+        if gaps.mean() <= 0 or gaps.std() / gaps.mean() > 0.35:
             continue
-        cv = gaps.std() / gaps.mean()
-        if cv > 0.35:
+        if (pos[-1] - pos[0]) < 0.5 * n:
             continue
-        # prefer the steadiest rhythm, then the one covering most of the trace
-        key = (cv - (pos[-1] - pos[0]) / n, int(sid), pos)
-        if best is None or key[0] < best[0]:
+        key = (pos.size, float(gaps.std() / gaps.mean()), int(sid), pos)
+        if best is None or key[:2] < best[:2]:
             best = key
     if best is None:
         return None
-    return Iterations(device, best[2], "repeating allocation pattern", f"stack {best[1]}")
+    return Iterations(device, best[3], "repeating allocation pattern", f"stack {best[2]}")
 
 
 def find_iterations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> Iterations | None:
@@ -91,4 +98,7 @@ def find_iterations(events: pd.DataFrame, annotations: pd.DataFrame, device: int
     ev = events[events["device"] == device]
     if len(ev) < 2:
         return None
-    return _from_annotations(ev, annotations, device) or _from_pattern(ev, device)
+    found, has_step_annotations = _from_annotations(ev, annotations, device)
+    if found is not None:
+        return found
+    return None if has_step_annotations else _from_pattern(ev, device)
