@@ -17,6 +17,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from .metrics.compare import (
 from .metrics.diagnose import Diagnosis, diagnose
 from .metrics.findings import Finding
 from .metrics.leaks import LeakAnalysis
+from .metrics.whatif import WhatIf
 from .progress import NullProgress, ProgressSink
 from .units import parse_bytes
 
@@ -355,7 +357,7 @@ def run(
     args: list[str] | None = None,
     *,
     module: bool = False,
-    out: str | Path = "snapshots",
+    out: str | Path = Path("snapshots"),
     max_entries: int = 100_000,
     stacks: str = "python",
     on_oom: bool = True,
@@ -397,3 +399,62 @@ def run(
         if not module and sys.path and old_path0 is not None and sys.path[0] != old_path0:
             sys.path.pop(0)
     return code
+
+
+# --------------------------------------------------------------------------- allocator what-if
+
+
+def whatif(
+    snapshot: str | Path,
+    *,
+    settings: list[str] | None = None,
+    defaults: bool = False,
+    memory_limit: str | None = None,
+    progress: ProgressSink | None = None,
+) -> list[WhatIf]:
+    """Replay each device's trace through the allocator model: a check under the recorded
+    settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
+    on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
+    grid of sensible alternatives. ``memory_limit`` like ``40GiB``."""
+    from .metrics.allocator_model import AllocatorSettings
+    from .metrics.timeline import compute_timeline
+    from .metrics.whatif import analyse_whatif, apply_conf, grid, infer_memory_limit, recorded_settings
+
+    limit: int | None = None
+    if memory_limit is not None:
+        try:
+            limit = parse_bytes(memory_limit)
+        except ValueError as exc:
+            raise UsageError(f"--memory-limit: {exc}") from None
+    frames = load_frames(snapshot, progress=progress)
+    (progress or NullProgress()).stage("Replaying")
+    stats_ = compute_stats(frames)
+    out = []
+    for dev in stats_.devices:
+        base = AllocatorSettings() if defaults else recorded_settings(frames.info.allocator_settings)
+        if settings:
+            try:
+                scenarios = [apply_conf(base, settings)]
+            except ValueError as exc:
+                raise UsageError(f"--set: {exc}") from None
+        else:
+            scenarios = []
+        dev_limit, source = (limit, "--memory-limit") if limit is not None else (None, "")
+        if dev_limit is None:
+            ts = stats_.devices[dev].torch_stats
+            tl = compute_timeline(
+                frames.events, dev, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"]
+            )
+            dev_limit, source = infer_memory_limit(frames, dev, tl.peak_reserved_bytes if tl else None)
+        if not settings:
+            scenarios = grid(base, dev_limit)
+        recorded = recorded_settings(frames.info.allocator_settings)
+        w = analyse_whatif(
+            frames,
+            dev,
+            [recorded, *[s for s in scenarios if s != recorded]],
+            dev_limit,
+            stats_.recording.devices[list(stats_.devices).index(dev)].history_complete,
+        )
+        out.append(replace(w, memory_limit_source=source))
+    return out

@@ -273,6 +273,47 @@ def export(
 
 
 @app.command()
+def whatif(
+    snapshot: SnapshotArg,
+    settings: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="KEY:VALUE as in PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, max_split_size_mb:128, "
+            "roundup_power2_divisions:4, garbage_collection_threshold:0.8); repeat for one combined scenario.",
+        ),
+    ] = None,
+    defaults: Annotated[
+        bool, typer.Option("--defaults", help="Apply --set to PyTorch's defaults, not to the recorded settings.")
+    ] = False,
+    memory_limit: Annotated[
+        str | None,
+        typer.Option(
+            help="Device capacity or per-process limit the job ran under, e.g. 40GiB [default: from the OOM]."
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Would other allocator settings have avoided this OOM? Replays the trace through a model of the allocator."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.whatif(
+                snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit, progress=progress
+            )
+        if json_out:
+            _print_json({"devices": [w.to_dict() for w in result]})
+        else:
+            from .render.text import format_whatif
+
+            sys.stdout.write(format_whatif(result))
+
+    _run(work, debug)
+
+
+@app.command()
 def report(
     snapshot: SnapshotArg,
     output: Annotated[

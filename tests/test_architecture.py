@@ -54,11 +54,13 @@ def _params(fn) -> dict[str, object]:
     return {n: p.default for n, p in inspect.signature(fn).parameters.items()}
 
 
-CLI_ONLY = {"json_out", "quiet", "debug"}
-API_ONLY = {"progress"}
+CLI_ONLY = {"json_out", "quiet", "debug", "ctx"}
+API_ONLY = {"progress", "args"}
 
 
-@pytest.mark.parametrize("name", ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export"])
+@pytest.mark.parametrize(
+    "name", ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export", "whatif", "run"]
+)
 def test_cli_and_api_share_names_and_defaults(name):
     cli_params = {k: v for k, v in _params(getattr(cli, name)).items() if k not in CLI_ONLY}
     api_params = {k: v for k, v in _params(getattr(api, name)).items() if k not in API_ONLY}

@@ -18,7 +18,7 @@ from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL
 from .conftest import sample_path, sample_truth, write_pickle
 
 runner = CliRunner()
-ANALYSIS_COMMANDS = ["stats", "leaks", "findings", "check", "ranks"]
+ANALYSIS_COMMANDS = ["stats", "leaks", "findings", "check", "ranks", "whatif"]
 COMMANDS = [*ANALYSIS_COMMANDS, "report"]
 
 

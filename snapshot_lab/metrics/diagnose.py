@@ -14,6 +14,7 @@ from .leaks import LeakAnalysis, find_leaks
 from .lifetimes import allocation_lifetimes
 from .summary import SnapshotStats
 from .timeline import Timeline, compute_timeline
+from .whatif import WHATIF_MAX_EVENTS, WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Diagnosis:
     leaks: dict[int, LeakAnalysis]
     findings: list[Finding]
     lifetimes: dict[int, pd.DataFrame]
+    whatifs: dict[int, WhatIf]
 
 
 def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelines: bool = True) -> Diagnosis:
@@ -44,5 +46,25 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
             frames, dev, with_timeline=with_category_timelines, lifetimes=lifetimes[dev], stack_cat=stack_cat
         )
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
-    findings = compute_findings(stats, frames.events, timelines, categories, leaks)
-    return Diagnosis(timelines, categories, leaks, findings, lifetimes)
+    whatifs = _whatifs(frames, stats, timelines)
+    findings = compute_findings(stats, frames.events, timelines, categories, leaks, whatifs)
+    return Diagnosis(timelines, categories, leaks, findings, lifetimes, whatifs)
+
+
+def _whatifs(frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> dict[int, WhatIf]:
+    """Replay the grid of alternative settings for traces small enough to do it on the way
+    (the full sweep is ``snaplab whatif``)."""
+    out = {}
+    base = recorded_settings(frames.info.allocator_settings)
+    for i, dev in enumerate(stats.devices):
+        rec = stats.recording.devices[i]
+        tl = timelines.get(dev)
+        if tl is None or not rec.history_complete or tl.n_events > WHATIF_MAX_EVENTS:
+            continue
+        if frames.segments.loc[frames.segments["device"] == dev, "is_private_pool"].any():
+            continue  # private pools are not modelled: no advice from an approximate replay
+        limit, source = infer_memory_limit(frames, dev, tl.peak_reserved_bytes)
+        if source.startswith("inferred"):
+            continue  # an OOM under an unknown per-process cap: no claim about what would avoid it
+        out[dev] = analyse_whatif(frames, dev, [base, *quick_grid(base, limit)], limit, True)
+    return out

@@ -19,6 +19,7 @@ from .oom import OomAnalysis
 from .recording import Recording
 from .summary import DeviceStats, SnapshotStats
 from .timeline import Timeline
+from .whatif import WhatIf, best_alternative, settings_label
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 MiB = 1024 * 1024
@@ -343,17 +344,65 @@ def _leak_finding(la: LeakAnalysis) -> Finding | None:
     )
 
 
+def _whatif_finding(w: WhatIf) -> Finding | None:
+    found = best_alternative(w)
+    if found is None:
+        return None
+    best, why = found
+    recorded = w.scenarios[0]
+    label = settings_label(best.settings)
+    check = "exact" if w.replay_check.exact else "approximate"
+    saved = recorded.peak_reserved_bytes - best.peak_reserved_bytes
+    if why == "avoids the OOM":
+        title = (
+            f"{label} would have served the allocation that failed: predicted peak reserved "
+            f"{format_bytes(best.peak_reserved_bytes)} up to that point"
+            + (f" instead of {format_bytes(recorded.peak_reserved_bytes)}" if saved > 0 else "")
+            + " (the trace ends at the OOM, so later steps are not predicted)"
+        )
+    else:
+        title = (
+            f"{label} would lower the peak reserved memory to {format_bytes(best.peak_reserved_bytes)} instead of "
+            f"{format_bytes(recorded.peak_reserved_bytes)}"
+        )
+    return Finding(
+        id="allocator-settings",
+        severity="warning" if why == "avoids the OOM" else "info",
+        title=title,
+        advice=(
+            f"Set PYTORCH_CUDA_ALLOC_CONF={label} in the job's environment (before its first CUDA allocation). "
+            "Predicted by replaying this trace through snaplab's model of the caching allocator; the replay of the "
+            f"recorded settings reproduced the snapshot {'exactly' if check == 'exact' else 'approximately'}. "
+            "`snaplab whatif` compares more settings."
+        ),
+        evidence={
+            "settings": label,
+            "predicted_peak_reserved_bytes": best.peak_reserved_bytes,
+            "recorded_peak_reserved_bytes": recorded.peak_reserved_bytes,
+            "memory_limit_bytes": w.memory_limit_bytes,
+            "replay_check": check,
+        },
+        savings_bytes=max(saved, 0) or None,
+        device=w.device,
+    )
+
+
 def compute_findings(
     stats: SnapshotStats,
     events: pd.DataFrame,
     timelines: dict[int, Timeline | None] | None = None,
     categories: dict[int, CategoryBreakdown] | None = None,
     leaks: dict[int, LeakAnalysis] | None = None,
+    whatifs: dict[int, WhatIf] | None = None,
 ) -> list[Finding]:
     """All findings, most severe first."""
     timelines = timelines or {}
     out: list[Finding] = []
     for dev, d in stats.devices.items():
+        if whatifs and dev in whatifs:
+            wf = _whatif_finding(whatifs[dev])
+            if wf:
+                out.append(wf)
         if categories and dev in categories:
             ddp = _ddp_finding(dev, categories[dev])
             if ddp:

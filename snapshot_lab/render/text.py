@@ -8,6 +8,7 @@ from ..metrics import SnapshotStats
 from ..metrics.findings import Finding
 from ..metrics.leaks import LeakAnalysis
 from ..metrics.summary import DeviceStats
+from ..metrics.whatif import WhatIf, settings_label
 from ..units import format_bytes, format_percent
 
 _POOLS = (("all", "all"), ("large_pool", "large"), ("small_pool", "small"))
@@ -124,4 +125,38 @@ def format_findings(findings: list[Finding]) -> str:
         if f.savings_bytes:
             lines.append(f"         at stake: {format_bytes(f.savings_bytes)}")
         out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"
+
+
+def format_whatif(result: list[WhatIf]) -> str:
+    out = []
+    for w in result:
+        c = w.replay_check
+        check = "exact" if c.exact else "approximate: " + "; ".join(c.reasons)
+        limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
+        head = (
+            f"== device {w.device}: {w.events:,} events replayed; memory limit {limit}"
+            + (f" ({w.memory_limit_source})" if w.memory_limit_source else "")
+            + f"\nreplay check under the recorded settings: {check}"
+        )
+        rows = []
+        for i, s in enumerate(w.scenarios):
+            oom = (
+                "no"
+                if not s.ooms
+                else f"at event {s.ooms[0]['event_index']} ({format_bytes(s.ooms[0]['requested_bytes'])})"
+            )
+            rows.append(
+                [
+                    ("recorded: " if i == 0 else "") + settings_label(s.settings),
+                    format_bytes(s.peak_reserved_bytes),
+                    format_bytes(s.final_reserved_bytes),
+                    str(s.cuda_malloc_calls),
+                    str(s.alloc_retries),
+                    oom,
+                ]
+            )
+        out.append(
+            head + "\n" + table(["settings", "peak reserved", "final reserved", "cudaMalloc", "retries", "OOM"], rows)
+        )
     return "\n\n".join(out) + "\n"

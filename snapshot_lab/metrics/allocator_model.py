@@ -1,0 +1,533 @@
+"""A model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``,
+``DeviceCachingAllocator``, torch 2.x) for replaying a recorded trace under other settings.
+
+What it follows: 512-byte rounding and ``roundup_power2_divisions``; small (<= 1 MiB) and large
+pools per stream; segment sizes (2 MiB small, 20 MiB for requests under 10 MiB, else rounded to
+2 MiB); best fit by (stream, size, address); the split rules (small pool and expandable
+segments split off >= 512 B, the large pool only remainders > 1 MiB and only below
+``max_split_size``); coalescing with free neighbours; ``max_split_size`` (oversize blocks are
+not split and serve a request only within ``max_non_split_rounding`` of its size);
+``release_available_cached_blocks`` and ``release_cached_blocks`` before an OOM;
+``garbage_collection_threshold`` (free unsplit blocks older than the average, when a memory
+limit is set); expandable segments (one reserved range per stream and pool, mapped in pages of
+2 MiB / 20 MiB at the lowest address that fits, unmapped page-wise on release); frees delayed
+until ``free_completed``.
+
+Deliberate simplifications, each noted where it is made:
+- CUDA graph private pools are not modelled: their allocations are replayed in the default pool.
+- The device is a budget of bytes (``memory_limit``): cudaMalloc fails only when it would take
+  reserved memory over the limit (memory used outside the allocator, such as the CUDA context,
+  is not known from the snapshot).
+- Addresses of new segments are synthetic (increasing), unless a recorded segment of the same
+  size is waiting to be reused, which keeps self-replays aligned with the recording.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: requests up to this go to the small pool
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small pool segment size
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: large segments for requests under kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge
+UNLIMITED = (1 << 64) - 1  # SIZE_MAX, max_split_size's default
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """The settings that shape allocation, as PYTORCH_CUDA_ALLOC_CONF spells them."""
+
+    max_split_size: int = UNLIMITED  # bytes
+    max_non_split_rounding: int = LARGE_BUFFER  # bytes
+    roundup_power2_divisions: tuple[int, ...] = (0,) * 16  # per power-of-two interval from 1 MiB
+    garbage_collection_threshold: float = 0.0
+    expandable_segments: bool = False
+
+    def describe(self) -> dict[str, object]:
+        d: dict[str, object] = {
+            "expandable_segments": self.expandable_segments,
+            "max_split_size_mb": None if self.max_split_size == UNLIMITED else self.max_split_size >> 20,
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+        }
+        if any(self.roundup_power2_divisions):
+            divs = set(self.roundup_power2_divisions)
+            d["roundup_power2_divisions"] = divs.pop() if len(divs) == 1 else list(self.roundup_power2_divisions)
+        if self.max_non_split_rounding != LARGE_BUFFER:
+            d["max_non_split_rounding_mb"] = self.max_non_split_rounding >> 20
+        return d
+
+
+def _log2_floor(x: int) -> int:
+    return x.bit_length() - 1
+
+
+def round_size(size: int, s: AllocatorSettings) -> int:
+    """``DeviceCachingAllocator::round_size``."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    log_size = _log2_floor(size)
+    index = max(0, log_size - 20)  # intervals start at 1 MiB
+    index = min(index, len(s.roundup_power2_divisions) - 1)
+    divisions = s.roundup_power2_divisions[index]
+    if divisions > 1 and size > MIN_BLOCK * divisions:
+        if size & (size - 1) == 0:
+            return size
+        floor = 1 << log_size
+        step = floor >> _log2_floor(divisions)
+        if step == 0:
+            return floor << 1
+        r = size & ~(step - 1)
+        return size if r == size else r + step
+    return -(-size // MIN_BLOCK) * MIN_BLOCK
+
+
+def allocation_size(size: int) -> int:
+    """``get_allocation_size``: bytes cudaMalloc'd for a new segment serving ``size``."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class Block:
+    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "prev", "segment", "size", "small", "stream")
+
+    def __init__(self, addr: int, size: int, stream: int, small: bool, segment: int) -> None:
+        self.addr = addr
+        self.size = size
+        self.stream = stream
+        self.small = small
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.allocated = False
+        self.mapped = True
+        self.segment = segment  # id of the cudaMalloc'd segment or expandable range
+        self.gc_base = 0
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.stream, self.size, self.addr)
+
+
+class _Pool:
+    """Free blocks ordered like ``BlockComparatorSize`` (stream, size, address)."""
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.keys: list[tuple[int, int, int]] = []
+        self.blocks: dict[tuple[int, int, int], Block] = {}
+        self.unmapped: list[tuple[int, int]] = []  # (stream, addr) of unmapped expandable blocks
+        self.unmapped_blocks: dict[tuple[int, int], Block] = {}
+        self.gc_calls = 0
+
+    def insert(self, b: Block) -> None:
+        k = b.key()
+        bisect.insort(self.keys, k)
+        self.blocks[k] = b
+        b.gc_base = self.gc_calls
+
+    def remove(self, b: Block) -> None:
+        k = b.key()
+        i = bisect.bisect_left(self.keys, k)
+        del self.keys[i]
+        del self.blocks[k]
+
+    def insert_unmapped(self, b: Block) -> None:
+        k = (b.stream, b.addr)
+        bisect.insort(self.unmapped, k)
+        self.unmapped_blocks[k] = b
+
+    def remove_unmapped(self, b: Block) -> None:
+        k = (b.stream, b.addr)
+        del self.unmapped[bisect.bisect_left(self.unmapped, k)]
+        del self.unmapped_blocks[k]
+
+
+@dataclass
+class ReplayStats:
+    reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    cuda_malloc_calls: int = 0
+    cuda_free_calls: int = 0
+    alloc_retries: int = 0
+    ooms: list[tuple[int, int]] = field(default_factory=list)  # (event index, requested bytes)
+
+
+class OutOfMemory(Exception):
+    pass
+
+
+class CachingAllocatorModel:
+    """One device's allocator. ``malloc``/``free`` mirror the real calls; ``empty_cache`` is
+    ``release_cached_blocks``."""
+
+    def __init__(self, settings: AllocatorSettings, memory_limit: int | None = None) -> None:
+        self.s = settings
+        self.limit = memory_limit  # None: cudaMalloc never fails
+        self.small = _Pool(True)
+        self.large = _Pool(False)
+        self.stats = ReplayStats()
+        self._next_addr = 1 << 40
+        self._free_va: list[tuple[int, int]] = []  # (address, length) freed synthetic ranges
+        self._segment_ids = itertools.count()
+        self.recorded_addresses: dict[int, list[int]] = {}  # size -> recorded segment addresses to reuse
+        self._expandable: dict[tuple[int, bool], int] = {}  # (stream, small) -> segment id
+        self._expandable_base: dict[int, int] = {}  # segment id -> start of its address range
+        self.page = {True: SMALL_BUFFER, False: LARGE_BUFFER}
+
+    # ----------------------------------------------------------------------- bookkeeping
+
+    def _reserve(self, n: int) -> bool:
+        if self.limit is not None and self.stats.reserved_bytes + n > self.limit:
+            return False
+        self.stats.reserved_bytes += n
+        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+        return True
+
+    def _unreserve(self, n: int) -> None:
+        self.stats.reserved_bytes -= n
+
+    def _new_address(self, size: int) -> int:
+        """Where cudaMalloc puts a new segment. The driver's choice is unknowable; a recorded
+        segment of the same size gives the best guess (the driver is deterministic for the same
+        sequence), else the lowest freed range that fits, else fresh address space."""
+        reuse = self.recorded_addresses.get(size)
+        if reuse:
+            return reuse.pop(0)
+        need = -(-size // (2 << 20)) * (2 << 20)
+        for i, (start, length) in enumerate(self._free_va):
+            if length >= need:
+                if length == need:
+                    del self._free_va[i]
+                else:
+                    self._free_va[i] = (start + need, length - need)
+                return start
+        addr = self._next_addr
+        self._next_addr += need
+        return addr
+
+    def _return_address(self, addr: int, size: int) -> None:
+        need = -(-size // (2 << 20)) * (2 << 20)
+        if addr >= 1 << 40 and addr < self._next_addr:  # only synthetic space is recycled
+            bisect.insort(self._free_va, (addr, need))
+
+    def _pool(self, small: bool) -> _Pool:
+        return self.small if small else self.large
+
+    @property
+    def gc_enabled(self) -> bool:
+        return self.limit is not None and self.s.garbage_collection_threshold > 0
+
+    # ----------------------------------------------------------------------- malloc
+
+    def malloc(self, orig_size: int, stream: int, event_index: int = -1) -> Block:
+        size = round_size(orig_size, self.s)
+        small = size <= SMALL_SIZE
+        pool = self._pool(small)
+        alloc_size = allocation_size(size)
+        block = self._get_free_block(pool, size, stream)
+        if block is None:
+            if self.gc_enabled:
+                self._garbage_collect()
+            block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None:
+                self.stats.alloc_retries += 1
+                self.empty_cache()
+                block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None:
+                self.stats.ooms.append((event_index, size))
+                raise OutOfMemory(size)
+        block = self._alloc_found_block(pool, block, size)
+        self.stats.allocated_bytes += block.size
+        self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
+        return block
+
+    def _expandable_size(self, b: Block) -> int:
+        return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+    def _get_free_block(self, pool: _Pool, size: int, stream: int) -> Block | None:
+        if self.gc_enabled:
+            pool.gc_calls += 1
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (stream, size, -1))
+        if i == len(keys) or keys[i][0] != stream:
+            return None
+        b = pool.blocks[keys[i]]
+        if b.segment in self._expandable_ids() and self.s.expandable_segments:
+            # best fit by the size a block can grow to (its unmapped neighbour included)
+            j = i + 1
+            while j < len(keys) and keys[j][0] == stream:
+                nb = pool.blocks[keys[j]]
+                if self._expandable_size(nb) < self._expandable_size(b):
+                    b, i = nb, j
+                    j += 1
+                else:
+                    break
+        if size < self.s.max_split_size and b.size >= self.s.max_split_size:
+            return None
+        if size >= self.s.max_split_size and b.size >= size + self.s.max_non_split_rounding:
+            return None
+        pool.remove(b)
+        return b
+
+    def _expandable_ids(self) -> set[int]:
+        return set(self._expandable.values())
+
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, stream: int) -> Block | None:
+        if self.s.expandable_segments:
+            return self._try_allocate_expandable(pool, size, stream)
+        if not self._reserve(alloc_size):
+            return None
+        self.stats.cuda_malloc_calls += 1
+        return Block(self._new_address(alloc_size), alloc_size, stream, pool.small, next(self._segment_ids))
+
+    def _should_split(self, b: Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.s.expandable_segments:
+            return remaining >= MIN_BLOCK
+        return size < self.s.max_split_size and remaining > SMALL_SIZE
+
+    def _alloc_found_block(self, pool: _Pool, b: Block, size: int) -> Block:
+        if self._should_split(b, size):
+            rest = Block(b.addr + size, b.size - size, b.stream, b.small, b.segment)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            pool.insert(rest)
+        b.allocated = True
+        return b
+
+    # ----------------------------------------------------------------------- free
+
+    def free(self, b: Block) -> None:
+        b.allocated = False
+        self.stats.allocated_bytes -= b.size
+        pool = self._pool(b.small)
+        for other in (b.prev, b.next):
+            self._try_merge(b, other, pool)
+        pool.insert(b)
+
+    def _try_merge(self, dst: Block, src: Block | None, pool: _Pool) -> int:
+        if src is None or src.allocated or dst.mapped != src.mapped:
+            return 0
+        if src.mapped:
+            pool.remove(src)
+        else:
+            pool.remove_unmapped(src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+        return src.size
+
+    # ----------------------------------------------------------------------- release
+
+    def _release_block(self, b: Block, pool: _Pool) -> None:
+        pool.remove(b)
+        self._unreserve(b.size)
+        self._return_address(b.addr, b.size)
+        self.stats.cuda_free_calls += 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int) -> bool:
+        ms = self.s.max_split_size
+        if ms == UNLIMITED:
+            return False
+        want = max(size, ms)
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (stream, want, -1))
+        exp = self._expandable_ids()
+        if i == len(keys) or keys[i][0] != stream or pool.blocks[keys[i]].segment in exp:
+            if i == 0:
+                return False
+            released = 0
+            i -= 1
+            while released < want and i >= 0:
+                b = pool.blocks[keys[i]]
+                if b.size < ms or b.stream != stream:
+                    break
+                if b.segment not in exp:
+                    self._release_block(b, pool)
+                    released += b.size
+                i -= 1
+            return released >= want
+        self._release_block(pool.blocks[keys[i]], pool)
+        return True
+
+    def empty_cache(self) -> None:
+        """``release_cached_blocks``: free every unsplit cached segment; unmap free pages of
+        expandable segments."""
+        exp = self._expandable_ids()
+        for pool in (self.large, self.small):
+            to_unmap = []
+            for k in list(pool.keys):
+                b = pool.blocks.get(k)
+                if b is None:
+                    continue
+                if b.segment in exp:
+                    to_unmap.append(b)
+                elif not b.is_split():
+                    self._release_block(b, pool)
+            for b in to_unmap:
+                self._unmap_block(b, pool)
+
+    def _garbage_collect(self) -> None:
+        assert self.limit is not None
+        threshold = int(self.s.garbage_collection_threshold * self.limit)
+        if self.stats.reserved_bytes <= threshold:
+            return
+        target = self.stats.reserved_bytes - threshold
+        pool = self.large
+        exp = self._expandable_ids()
+        candidates = [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split()]
+        if not candidates:
+            return
+        total_age = sum(pool.gc_calls - b.gc_base for b in candidates)
+        count = len(candidates)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            threshold_age = total_age / count
+            freed = False
+            for k in list(pool.keys):
+                b = pool.blocks.get(k)
+                if b is None or b.is_split() or b.segment in exp:
+                    continue
+                age = pool.gc_calls - b.gc_base
+                if age >= threshold_age:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(b, pool)
+
+    # ----------------------------------------------------------------------- expandable segments
+
+    def _try_allocate_expandable(self, pool: _Pool, size: int, stream: int) -> Block | None:
+        """Grow (or create) the stream's expandable range at the lowest address that fits."""
+        page = self.page[pool.small]
+        candidate = self._find_expandable_block(pool, size, stream)
+        if not candidate.mapped and not self._map_block(pool, candidate, min(candidate.size, size), page):
+            return None
+        while candidate.size < size:
+            nxt = candidate.next
+            assert nxt is not None and not nxt.mapped
+            if not self._map_block(pool, nxt, min(size - candidate.size, nxt.size), page):
+                return None
+            candidate = nxt
+        pool.remove(candidate)
+        return candidate
+
+    def _find_expandable_block(self, pool: _Pool, size: int, stream: int) -> Block:
+        def allocatable(b: Block | None) -> bool:
+            return b is not None and not b.allocated
+
+        i = bisect.bisect_left(pool.unmapped, (stream, -1))
+        while i < len(pool.unmapped) and pool.unmapped[i][0] == stream:
+            c = pool.unmapped_blocks[pool.unmapped[i]]
+            if allocatable(c.prev) and c.prev is not None:
+                c = c.prev
+            have = 0
+            cur: Block | None = c
+            while have < size and cur is not None and allocatable(cur):
+                have += cur.size
+                cur = cur.next
+            if have >= size:
+                return c
+            i += 1
+        # a new range: address space for 1 1/8 of an H100/H200's memory, all unmapped
+        seg = next(self._segment_ids)
+        self._expandable[(stream, pool.small)] = seg
+        span = 1 << 47
+        fresh = Block(self._new_address(span), span, stream, pool.small, seg)
+        self._expandable_base[seg] = fresh.addr  # pages are counted from the range's start
+        fresh.mapped = False
+        pool.insert_unmapped(fresh)
+        return fresh
+
+    def _map_block(self, pool: _Pool, b: Block, size: int, page: int) -> bool:
+        n = -(-size // page) * page
+        n = min(n, b.size)
+        if not self._reserve(n):
+            return False
+        self.stats.cuda_malloc_calls += 1
+        pool.remove_unmapped(b)
+        b.mapped = True
+        if n < b.size:
+            rest = Block(b.addr + n, b.size - n, b.stream, b.small, b.segment)
+            rest.mapped = False
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = n
+            pool.insert_unmapped(rest)
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert(b)
+        return True
+
+    def _unmap_block(self, b: Block, pool: _Pool) -> None:
+        page = self.page[pool.small]
+        base = self._expandable_base[b.segment]
+        start = base + -(-(b.addr - base) // page) * page
+        end = base + ((b.addr + b.size - base) // page) * page
+        if end <= start:
+            return
+        pool.remove(b)
+        if start > b.addr:
+            before = Block(b.addr, start - b.addr, b.stream, b.small, b.segment)
+            before.prev, before.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = before
+            b.prev = before
+            pool.insert(before)
+        if end < b.addr + b.size:
+            after = Block(end, b.addr + b.size - end, b.stream, b.small, b.segment)
+            after.prev, after.next = b, b.next
+            if b.next is not None:
+                b.next.prev = after
+            b.next = after
+            pool.insert(after)
+        b.addr, b.size, b.mapped = start, end - start, False
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert_unmapped(b)
+        self._unreserve(end - start)
+        self.stats.cuda_free_calls += 1
+
+    # ----------------------------------------------------------------------- state
+
+    def layout(self, allocated: list[Block]) -> list[list[tuple[int, bool]]]:
+        """Mapped segments (or mapped ranges of expandable segments) as lists of
+        (block size, allocated), in address order; ``allocated`` are the live blocks."""
+        everything = [*allocated, *self.small.blocks.values(), *self.large.blocks.values()]
+        out = []
+        for b in everything:
+            if not b.mapped or (b.prev is not None and b.prev.mapped):
+                continue
+            chain = []
+            cur: Block | None = b
+            while cur is not None and cur.mapped:
+                chain.append((cur.size, cur.allocated))
+                cur = cur.next
+            out.append(chain)
+        return out

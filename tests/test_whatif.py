@@ -1,0 +1,184 @@
+"""Allocator what-if: the model reproduces real runs, and predicts other settings' real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab import api
+from snapshot_lab.cli import app
+from snapshot_lab.errors import EXIT_USAGE
+from snapshot_lab.metrics import compute_stats
+from snapshot_lab.metrics.allocator_model import AllocatorSettings, allocation_size, round_size
+from snapshot_lab.metrics.whatif import analyse_whatif, apply_conf, recorded_settings
+
+from .conftest import SAMPLES, sample_names, sample_path, sample_truth
+
+runner = CliRunner()
+MiB = 2**20
+SETTINGS = ("default", "expandable", "maxsplit", "roundup", "gc")
+CAPS = json.loads((SAMPLES / "whatif_caps.json").read_text())["caps"]
+
+
+def _cap(name: str) -> int | None:
+    return sample_truth(name)["workload"].get("memory_cap_bytes")
+
+
+# --------------------------------------------------------------------------- the model's rules
+
+
+@pytest.mark.parametrize(
+    ("size", "divisions", "expected"),
+    [
+        (100, 0, 512),
+        (512, 0, 512),
+        (513, 0, 1024),
+        (1048577, 0, 1049088),
+        # torch 2.11 with roundup_power2_divisions:4 (measured, see SNAPSHOT_FORMAT.md section 8)
+        (1048577, 4, 1310720),
+        (15728647, 4, 16777216),
+        (20971521, 4, 25165824),
+        (2**24, 4, 2**24),
+    ],
+)
+def test_round_size(size, divisions, expected):
+    assert round_size(size, AllocatorSettings(roundup_power2_divisions=(divisions,) * 16)) == expected
+
+
+def test_allocation_size():
+    assert allocation_size(512) == 2 * MiB
+    assert allocation_size(MiB) == 2 * MiB
+    assert allocation_size(MiB + 512) == 20 * MiB
+    assert allocation_size(10 * MiB) == 10 * MiB
+    assert allocation_size(15 * MiB + 1) == 16 * MiB
+
+
+def test_apply_conf():
+    s = apply_conf(
+        AllocatorSettings(), ["expandable_segments:True", "max_split_size_mb:128,roundup_power2_divisions:4"]
+    )
+    assert s.expandable_segments and s.max_split_size == 128 * MiB and s.roundup_power2_divisions == (4,) * 16
+    for bad in (
+        "max_split_size_mb:10",
+        "garbage_collection_threshold:1.5",
+        "roundup_power2_divisions:3",
+        "nonsense:1",
+        "expandable_segments:maybe",
+        "novalue",
+    ):
+        with pytest.raises(ValueError):
+            apply_conf(AllocatorSettings(), [bad])
+
+
+# --------------------------------------------------------------------------- replay check on real runs
+
+COMPLETE = [n for n in sample_names() if n not in ("ring_wrapped", "state_only", "cuda_graph")]
+
+
+@pytest.mark.parametrize("name", COMPLETE)
+def test_replay_reproduces_every_real_run(real_frames, name):
+    """Under the recorded settings, the model ends with the snapshot's segments: same reserved
+    bytes, same segments, same blocks in each, every device."""
+    fr = real_frames(name)
+    limit = _cap(name)
+    if fr.info.capture and fr.info.capture.get("oom"):
+        limit = fr.info.capture["oom"]["limit_bytes"]
+    for dev in fr.info.devices:
+        w = analyse_whatif(fr, dev, [], limit, True)
+        assert w.replay_check.exact, (name, dev, w.replay_check.reasons)
+        truth = sample_truth(name)["memory_stats"][str(dev)]
+        assert w.replay_check.replayed_reserved_bytes == truth["reserved_bytes.all.current"]
+
+
+def test_replay_says_when_it_is_approximate(real_frames):
+    wrapped = analyse_whatif(real_frames("ring_wrapped"), 0, [], None, False).replay_check
+    assert wrapped.approximate and not wrapped.exact
+    graph = analyse_whatif(real_frames("cuda_graph"), 0, [], None, True).replay_check
+    assert any("private pools" in r for r in graph.reasons)
+
+
+# --------------------------------------------------------------------------- predicting other runs
+
+
+@pytest.mark.parametrize("cap", ["uncapped", "capA", "capB"])
+def test_default_trace_predicts_each_settings_run(real_frames, cap):
+    """The same deterministic job recorded under five settings and three memory limits: replaying
+    the default run's complete trace under each setting and limit predicts that run's reserved
+    bytes (peak, and at the end or at its OOM) within 1% and its OOM outcome exactly."""
+    fr = real_frames("whatif_default_uncapped")
+    scenarios = [recorded_settings(real_frames(f"whatif_{k}_uncapped").info.allocator_settings) for k in SETTINGS]
+    limit = None if cap == "uncapped" else CAPS[cap]
+    w = analyse_whatif(fr, 0, scenarios, limit, True)
+    for k, sc in zip(SETTINGS, w.scenarios, strict=True):
+        truth = sample_truth(f"whatif_{k}_{cap}")
+        stats = truth["memory_stats"]["0"]
+        assert bool(sc.ooms) == bool(truth["workload"].get("oom_observed")), k
+        assert sc.final_reserved_bytes == pytest.approx(stats["reserved_bytes.all.current"], rel=0.01), k
+        assert sc.peak_reserved_bytes == pytest.approx(stats["reserved_bytes.all.peak"], rel=0.01), k
+
+
+@pytest.mark.parametrize("cap", ["capA", "capB"])
+def test_every_trace_predicts_the_oom_outcomes(real_frames, cap):
+    """Each of the five complete traces, replayed under every setting and limit, gets every run's
+    OOM outcome right (a trace that itself ends in an OOM says nothing of what came after)."""
+    scenarios = [recorded_settings(real_frames(f"whatif_{k}_uncapped").info.allocator_settings) for k in SETTINGS]
+    for src in SETTINGS:
+        w = analyse_whatif(real_frames(f"whatif_{src}_uncapped"), 0, scenarios, CAPS[cap], True)
+        for k, sc in zip(SETTINGS, w.scenarios, strict=True):
+            assert bool(sc.ooms) == bool(sample_truth(f"whatif_{k}_{cap}")["workload"].get("oom_observed")), (src, k)
+
+
+def test_fragmentation_oom_is_avoided_by_expandable_segments(real_frames):
+    fr = real_frames("oom_fragmentation")
+    limit = sample_truth("oom_fragmentation")["workload"]["memory_cap_bytes"]
+    base = recorded_settings(fr.info.allocator_settings)
+    w = analyse_whatif(fr, 0, [base, apply_conf(base, ["expandable_segments:True"])], limit, True)
+    recorded, expandable = w.scenarios
+    assert recorded.ooms and recorded.recorded_oom_avoided is False
+    assert not expandable.ooms and expandable.recorded_oom_avoided is True
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_whatif_cli_json():
+    r = runner.invoke(
+        app, ["whatif", str(sample_path("whatif_default_uncapped")), "--json", "--set", "expandable_segments:True"]
+    )
+    assert r.exit_code == 0, r.output
+    (dev,) = json.loads(r.stdout)["devices"]
+    assert dev["replay_check"]["exact"] is True
+    _, scenario = dev["scenarios"]
+    assert scenario["settings"]["expandable_segments"] is True
+    truth = sample_truth("whatif_expandable_uncapped")["memory_stats"]["0"]
+    assert scenario["peak_reserved_bytes"] == pytest.approx(truth["reserved_bytes.all.peak"], rel=0.01)
+    assert set(scenario) >= {
+        "settings",
+        "peak_reserved_bytes",
+        "final_reserved_bytes",
+        "final_allocated_bytes",
+        "cuda_malloc_calls",
+        "alloc_retries",
+        "ooms",
+    }
+
+
+def test_whatif_grid_and_text():
+    r = runner.invoke(app, ["whatif", str(sample_path("oom_fragmentation"))])
+    assert r.exit_code == 0
+    assert "replay check under the recorded settings: exact" in r.stdout
+    assert "expandable_segments:True" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--set", "max_split_size_mb:5"], ["--memory-limit", "lots"], ["--set", "x"]])
+def test_whatif_usage_errors(args):
+    r = runner.invoke(app, ["whatif", str(sample_path("cnn_clean")), *args])
+    assert r.exit_code == EXIT_USAGE and r.stderr.startswith("snaplab: error:")
+
+
+def test_report_names_the_better_setting(tmp_path):
+    html = api.report(sample_path("transformer_varlen"), output=tmp_path / "r.html").read_text()
+    assert "allocator-settings" in html and "expandable_segments:True" in html
+    assert compute_stats  # keeps the import used
