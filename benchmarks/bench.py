@@ -48,6 +48,20 @@ def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float,
     return wall, peak, proc.returncode
 
 
+def replay_rate(snap: Path) -> float:
+    """Events per second of one what-if replay (the recorded settings), in a fresh process."""
+    code = (
+        "import sys, time\n"
+        "from snapshot_lab import load_frames\n"
+        "from snapshot_lab.metrics.whatif import _program, _replay, recorded_settings\n"
+        "fr = load_frames(sys.argv[1]); s = recorded_settings(fr.info.allocator_settings)\n"
+        "t = time.perf_counter(); p = _program(fr.events, 0, s, True); _replay(p, s, None, True)\n"
+        "print(len(p.kind) / (time.perf_counter() - t))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -90,6 +104,8 @@ def main() -> None:
         for name, (t, m, rc) in cases.items():
             flag = "" if rc == 0 else f"  (exit {rc})"
             print(f"  {name:28s} {t:8.2f} {m:9.0f} {t / base[0]:11.2f} {m / base[1]:10.2f}{flag}")
+        rate = replay_rate(snap)
+        print(f"  allocator what-if replay (one scenario, one core): {rate / 1e3:,.0f}k events/s")
         print(f"  snaplab report size: {report_mb:.2f} MiB", end="")
         if a.torch_python:
             print(f"; trace_plot HTML size: {viz_mb:.1f} MiB (and it needs the network to show anything)")

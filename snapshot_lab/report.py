@@ -16,6 +16,7 @@ from .metrics.leaks import LeakAnalysis
 from .metrics.sites import alive_at, display_stack, live_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
+from .metrics.whatif import WhatIf, settings_label
 from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
@@ -131,6 +132,32 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
     ]
 
 
+def _whatif_view(wi: WhatIf | None) -> dict[str, Any] | None:
+    if wi is None:
+        return None
+    rows = []
+    for i, sc in enumerate(wi.scenarios):
+        oom = (
+            "no"
+            if not sc.ooms
+            else f"at event {sc.ooms[0]['event_index']:,} ({format_bytes(sc.ooms[0]['requested_bytes'])})"
+        )
+        rows.append(
+            {
+                "settings": ("as recorded: " if i == 0 else "") + settings_label(sc.settings),
+                "peak": format_bytes(sc.peak_reserved_bytes),
+                "final": format_bytes(sc.final_reserved_bytes),
+                "mallocs": f"{sc.cuda_malloc_calls:,}",
+                "oom": oom,
+            }
+        )
+    return {
+        "rows": rows,
+        "check": "exact" if wi.replay_check.exact else "approximate: " + "; ".join(wi.replay_check.reasons),
+        "limit": format_bytes(wi.memory_limit_bytes) if wi.memory_limit_bytes else "unlimited",
+    }
+
+
 def _leak_view(frames: SnapshotFrames, la: LeakAnalysis) -> dict[str, Any]:
     return {
         "analysis": la,
@@ -146,6 +173,7 @@ def _device_section(
     cats: CategoryBreakdown,
     la: LeakAnalysis,
     lifetimes: pd.DataFrame,
+    wi: WhatIf | None = None,
 ) -> DeviceSection:
     d = stats.devices[dev]
     seg = frames.segments[frames.segments["device"] == dev]
@@ -171,6 +199,7 @@ def _device_section(
         oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
         category_rows=_category_rows(cats),
         leaks=_leak_view(frames, la),
+        whatif=_whatif_view(wi),
     )
     if tl is None:
         rec = stats.recording
@@ -317,7 +346,16 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
     sections = []
     for i, dev in enumerate(stats.devices):
         sections.append(
-            _device_section(frames, stats, dev, timelines[dev], dg.categories[dev], dg.leaks[dev], dg.lifetimes[dev])
+            _device_section(
+                frames,
+                stats,
+                dev,
+                timelines[dev],
+                dg.categories[dev],
+                dg.leaks[dev],
+                dg.lifetimes[dev],
+                dg.whatifs.get(dev),
+            )
         )
         progress.update(i + 1)
     progress.stage("Rendering")

@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 from snapshot_lab import api
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_USAGE
-from snapshot_lab.metrics import compute_stats
 from snapshot_lab.metrics.allocator_model import AllocatorSettings, allocation_size, round_size
 from snapshot_lab.metrics.whatif import analyse_whatif, apply_conf, recorded_settings
 
@@ -181,4 +180,7 @@ def test_whatif_usage_errors(args):
 def test_report_names_the_better_setting(tmp_path):
     html = api.report(sample_path("transformer_varlen"), output=tmp_path / "r.html").read_text()
     assert "allocator-settings" in html and "expandable_segments:True" in html
-    assert compute_stats  # keeps the import used
+    assert "Other allocator settings (what-if)" in html and "exact" in html
+    # an OOM under a per-process cap the snapshot does not record: no what-if claim
+    oom = api.report(sample_path("oom_fragmentation"), output=tmp_path / "o.html").read_text()
+    assert "allocator-settings" not in oom

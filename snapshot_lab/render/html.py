@@ -59,6 +59,7 @@ class DeviceSection:
     category_rows: list[Row] = field(default_factory=list)
     category_png: str | None = None
     leaks: dict[str, Any] = field(default_factory=dict)
+    whatif: dict[str, Any] | None = None
 
 
 @dataclass
