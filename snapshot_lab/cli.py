@@ -304,7 +304,17 @@ def whatif(
                 snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit, progress=progress
             )
         if json_out:
-            _print_json({"devices": [w.to_dict() for w in result]})
+            first = result[0].to_dict() if result else {"replay_check": None, "scenarios": []}
+            # the (first) device's replay at the top level, every device under "devices"
+            _print_json(
+                {
+                    "device": first.get("device"),
+                    "replay_check": first["replay_check"],
+                    "scenarios": first["scenarios"],
+                    "memory_limit_bytes": first.get("memory_limit_bytes"),
+                    "devices": [w.to_dict() for w in result],
+                }
+            )
         else:
             from .render.text import format_whatif
 

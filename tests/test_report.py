@@ -172,3 +172,18 @@ def test_renders_in_headless_chromium(tmp_path, name):
     assert shot.exists() and shot.stat().st_size > 20_000, proc.stderr[-2000:]
     console = [ln for ln in proc.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert console == []
+
+
+def test_thousands_of_segments_stay_readable(tmp_path):
+    """3000 segments: the layout draws the largest per pool and summarises the rest."""
+    from .conftest import block, make_snapshot, segment, write_pickle
+
+    segs = []
+    for i in range(3000):
+        size = (2 + (i % 7) * 2) << 20
+        segs.append(segment((i + 1) << 32, [block(size // 2), block(size - size // 2, "inactive")]))
+    html = api.report(
+        write_pickle(tmp_path / "many.pickle", make_snapshot(segs)), output=tmp_path / "m.html"
+    ).read_text()
+    assert len(html.encode()) < SIZE_BUDGET
+    assert "2960 smaller segments are summarised in the panel titles" in html

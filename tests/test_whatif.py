@@ -147,7 +147,9 @@ def test_whatif_cli_json():
         app, ["whatif", str(sample_path("whatif_default_uncapped")), "--json", "--set", "expandable_segments:True"]
     )
     assert r.exit_code == 0, r.output
-    (dev,) = json.loads(r.stdout)["devices"]
+    out = json.loads(r.stdout)
+    (dev,) = out["devices"]
+    assert out["replay_check"] == dev["replay_check"] and out["scenarios"] == dev["scenarios"]
     assert dev["replay_check"]["exact"] is True
     _, scenario = dev["scenarios"]
     assert scenario["settings"]["expandable_segments"] is True
