@@ -16,7 +16,7 @@ from .metrics.leaks import LeakAnalysis
 from .metrics.sites import alive_at, display_stack, live_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
-from .metrics.whatif import WhatIf, settings_label
+from .metrics.whatif import WhatIf
 from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
@@ -25,6 +25,7 @@ from .plots.layout import plot_block_layout
 from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
+from .render.text import whatif_view
 from .units import format_bytes, format_percent
 
 POOLS = ("all", "large_pool", "small_pool")
@@ -133,29 +134,7 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
 
 
 def _whatif_view(wi: WhatIf | None) -> dict[str, Any] | None:
-    if wi is None:
-        return None
-    rows = []
-    for i, sc in enumerate(wi.scenarios):
-        oom = (
-            "no"
-            if not sc.ooms
-            else f"at event {sc.ooms[0]['event_index']:,} ({format_bytes(sc.ooms[0]['requested_bytes'])})"
-        )
-        rows.append(
-            {
-                "settings": ("as recorded: " if i == 0 else "") + settings_label(sc.settings),
-                "peak": format_bytes(sc.peak_reserved_bytes),
-                "final": format_bytes(sc.final_reserved_bytes),
-                "mallocs": f"{sc.cuda_malloc_calls:,}",
-                "oom": oom,
-            }
-        )
-    return {
-        "rows": rows,
-        "check": "exact" if wi.replay_check.exact else "approximate: " + "; ".join(wi.replay_check.reasons),
-        "limit": format_bytes(wi.memory_limit_bytes) if wi.memory_limit_bytes else "unlimited",
-    }
+    return None if wi is None else whatif_view(wi)
 
 
 def _leak_view(frames: SnapshotFrames, la: LeakAnalysis) -> dict[str, Any]:

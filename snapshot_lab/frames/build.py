@@ -29,7 +29,6 @@ from .schema import (
     SEGMENTS_SCHEMA,
     STACK_FRAMES_SCHEMA,
     STACKS_SCHEMA,
-    STATE_DTYPE,
     conform,
     empty_frame,
 )
@@ -154,10 +153,6 @@ def _as_int(v: Any) -> int:
         return int(v)
     except (TypeError, ValueError):
         return 0
-
-
-def _nullable(values: list[Any]) -> pd.arrays.IntegerArray:
-    return pd.array(values, dtype="Int64")  # type: ignore[return-value]
 
 
 def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -429,4 +424,4 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     )
 
 
-__all__ = ["STATE_DTYPE", "SnapshotFrames", "SnapshotInfo", "build_frames"]
+__all__ = ["SnapshotFrames", "SnapshotInfo", "build_frames"]

@@ -148,10 +148,9 @@ class _Program:
     stream: np.ndarray
     index: np.ndarray
     empty_cache_at: set[int]
-    complete: bool
 
 
-def _program(events: pd.DataFrame, device: int, settings: AllocatorSettings, complete: bool) -> _Program:
+def _program(events: pd.DataFrame, device: int, settings: AllocatorSettings) -> _Program:
     ev = events[events["device"] == device]
     action = ev["action"].astype(str).to_numpy()
     kind = np.full(len(ev), _OTHER, dtype=np.int8)
@@ -189,7 +188,6 @@ def _program(events: pd.DataFrame, device: int, settings: AllocatorSettings, com
         stream=ev["stream"].to_numpy(),
         index=ev["event_index"].to_numpy(),
         empty_cache_at=empty_cache_at,
-        complete=complete,
     )
 
 
@@ -249,7 +247,7 @@ def analyse_whatif(
     """Replay check under the recorded settings, then each scenario."""
     base = recorded_settings(frames.info.allocator_settings)
     ev = frames.events[frames.events["device"] == device]
-    prog = _program(frames.events, device, base, history_complete)
+    prog = _program(frames.events, device, base)
     # replay check: the recorded settings and segment addresses under the same limit (a limit
     # the recorded run never met shows up here as a mismatch: it is not the one it ran under)
     model, live, _ = _replay(prog, base, memory_limit, reuse_addresses=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..metrics import SnapshotStats
 from ..metrics.findings import Finding
@@ -128,34 +129,41 @@ def format_findings(findings: list[Finding]) -> str:
     return "\n\n".join(out) + "\n"
 
 
+def whatif_view(w: WhatIf) -> dict[str, Any]:
+    """The what-if result as display strings (shared by the terminal and the HTML report)."""
+    rows = []
+    for i, sc in enumerate(w.scenarios):
+        first = sc.ooms[0] if sc.ooms else None
+        rows.append(
+            {
+                "settings": ("as recorded: " if i == 0 else "") + settings_label(sc.settings),
+                "peak": format_bytes(sc.peak_reserved_bytes),
+                "final": format_bytes(sc.final_reserved_bytes),
+                "mallocs": f"{sc.cuda_malloc_calls:,}",
+                "retries": f"{sc.alloc_retries:,}",
+                "oom": "no"
+                if first is None
+                else f"at event {first['event_index']:,} ({format_bytes(first['requested_bytes'])})",
+            }
+        )
+    c = w.replay_check
+    return {
+        "rows": rows,
+        "check": "exact" if c.exact else "approximate: " + "; ".join(c.reasons),
+        "limit": format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited",
+    }
+
+
 def format_whatif(result: list[WhatIf]) -> str:
     out = []
     for w in result:
-        c = w.replay_check
-        check = "exact" if c.exact else "approximate: " + "; ".join(c.reasons)
-        limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
+        v = whatif_view(w)
         head = (
-            f"== device {w.device}: {w.events:,} events replayed; memory limit {limit}"
+            f"== device {w.device}: {w.events:,} events replayed; memory limit {v['limit']}"
             + (f" ({w.memory_limit_source})" if w.memory_limit_source else "")
-            + f"\nreplay check under the recorded settings: {check}"
+            + f"\nreplay check under the recorded settings: {v['check']}"
         )
-        rows = []
-        for i, s in enumerate(w.scenarios):
-            oom = (
-                "no"
-                if not s.ooms
-                else f"at event {s.ooms[0]['event_index']} ({format_bytes(s.ooms[0]['requested_bytes'])})"
-            )
-            rows.append(
-                [
-                    ("recorded: " if i == 0 else "") + settings_label(s.settings),
-                    format_bytes(s.peak_reserved_bytes),
-                    format_bytes(s.final_reserved_bytes),
-                    str(s.cuda_malloc_calls),
-                    str(s.alloc_retries),
-                    oom,
-                ]
-            )
+        rows = [[r["settings"], r["peak"], r["final"], r["mallocs"], r["retries"], r["oom"]] for r in v["rows"]]
         out.append(
             head + "\n" + table(["settings", "peak reserved", "final reserved", "cudaMalloc", "retries", "OOM"], rows)
         )
