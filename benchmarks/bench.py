@@ -84,7 +84,8 @@ def main() -> None:
                 pickle.dump(data, f, protocol=4)
             del data
         size_mb = snap.stat().st_size / 2**20
-        base = run_timed([py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"])
+        load_cmd = [py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"]
+        base = run_timed(load_cmd)
         cases = {
             "snaplab stats --json": run_timed([*snaplab, "stats", "--json", "-q", str(snap)]),
         }
@@ -98,6 +99,11 @@ def main() -> None:
                 [a.torch_python, "-m", "torch.cuda._memory_viz", "trace_plot", str(snap), "-o", str(viz)]
             )
             viz_mb = viz.stat().st_size / 2**20 if viz.exists() else float("nan")
+        # the baseline again, now that the file is surely in the page cache: the faster of the two
+        # is used, which can only make snaplab's ratios look worse, never better
+        again = run_timed(load_cmd)
+        if again[0] < base[0]:
+            base = again
         print(f"\nN = {n:,} trace entries, {size_mb:.1f} MiB pickle")
         print(f"  {'command':28s} {'seconds':>8s} {'peak MiB':>9s} {'time ×load':>11s} {'RSS ×load':>10s}")
         print(f"  {'bare pickle.load':28s} {base[0]:8.2f} {base[1]:9.0f} {1:11.2f} {1:10.2f}")
