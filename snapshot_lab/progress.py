@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class ProgressSink(Protocol):
@@ -47,12 +47,23 @@ def progress_bar(quiet: bool = False) -> Iterator[ProgressSink]:
         yield NullProgress()
         return
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class _BytesWhenKnown(ProgressColumn):
+        """Bytes read for the reading stage; nothing for stages without a size."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._bytes = DownloadColumn(binary_units=True)
+
+        def render(self, task: Any) -> Any:
+            return self._bytes.render(task) if task.total and task.total > 1 else Text("")
 
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        DownloadColumn(binary_units=True),
+        _BytesWhenKnown(),
         TimeElapsedColumn(),
         console=Console(stderr=True),
         transient=True,

@@ -321,9 +321,9 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
     progress.stage("Analysing")
     dg = diagnose(frames, stats)
     timelines, findings = dg.timelines, dg.findings
-    progress.stage("Plotting", total=len(stats.devices))
+    progress.stage("Plotting")
     sections = []
-    for i, dev in enumerate(stats.devices):
+    for dev in stats.devices:
         sections.append(
             _device_section(
                 frames,
@@ -336,7 +336,6 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
                 dg.whatifs.get(dev),
             )
         )
-        progress.update(i + 1)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
