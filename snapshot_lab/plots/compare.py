@@ -22,6 +22,8 @@ def plot_device_comparison(rows: pd.DataFrame) -> Figure:
     ax.set_xticks(x, [f"device {d}" for d in rows["device"]])
     bytes_axis(ax.yaxis)
     ax.set_ylabel("GPU memory")
+    top = float(max(rows["reserved"].max(), 1))
+    ax.set_ylim(0, top * 1.3)  # headroom for the legend
     ax.set_title("Memory per device at the dump", loc="left")
     ax.legend(loc="upper right", ncols=3)
     ax.grid(axis="y", color="#eeeeee", lw=0.6)
@@ -45,6 +47,8 @@ def plot_ranks(rows: pd.DataFrame) -> Figure:
     ax.set_xlabel("rank")
     bytes_axis(ax.yaxis)
     ax.set_ylabel("GPU memory")
+    top = float(max(rows["reserved"].max(), peak.max() if peak.size else 0, 1))
+    ax.set_ylim(0, top * 1.3)  # headroom for the legend
     ax.set_title(f"Memory per rank ({n} ranks)", loc="left")
     ax.legend(loc="upper right", ncols=3)
     ax.grid(axis="y", color="#eeeeee", lw=0.6)
