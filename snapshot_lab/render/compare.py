@@ -100,7 +100,7 @@ def _rank_headline(rows: list[RankRow]) -> str:
     if not flagged:
         return f"{len(rows)} ranks, none stands out."
     return (
-        f"{len(rows)} ranks; {len(flagged)} stand out: "
+        f"{len(rows)} ranks; {len(flagged)} {'stands' if len(flagged) == 1 else 'stand'} out: "
         + "; ".join(f"rank {r.rank}: {r.flags[0]}" for r in flagged[:5])
         + ("" if len(flagged) <= 5 else "; …")
     )
