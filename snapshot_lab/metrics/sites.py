@@ -27,6 +27,21 @@ INTERNAL_NAMES = (
     "_PyFunction",
 )
 INTERNAL_EXACT_NAMES = ("_start",)
+# C++ frames of the recorder, the allocator itself and the dispatcher: they say how memory is
+# allocated, never why
+INTERNAL_NAME_PARTS = (
+    "unwind::unwind",
+    "CapturedTraceback::gather",
+    "gather_with_cpp",
+    "CUDACachingAllocator",
+    "CachingDeviceAllocator",
+    "at::detail::empty_",
+    "c10::impl::",
+    "c10::Dispatcher",
+    "c10::KernelFunction",
+    "c10::BoxedKernel",
+    "at::_ops::",
+)
 INTERNAL_FILES = (
     "core/boxing",
     "/Register",
@@ -64,7 +79,7 @@ def classify_frames(stack_frames: pd.DataFrame) -> pd.Series:
     internal = nm.str.startswith(INTERNAL_NAMES) | nm.isin(INTERNAL_EXACT_NAMES)
     for pat in INTERNAL_FILES:
         internal |= fn.str.contains(pat, regex=False)
-    for pat in ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp"):
+    for pat in INTERNAL_NAME_PARTS:
         internal |= nm.str.contains(pat, regex=False)
     cpp = stack_frames["line"].eq(0) & ~fn.str.endswith(".py")
     library = cpp.copy()
@@ -95,7 +110,9 @@ def innermost_frames(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Ser
 
 
 def frame_label(filename: str, line: int, name: str) -> str:
-    return f"{short_path(filename)}:{line} in {name}" if line else f"{name} ({short_path(filename)})"
+    if line:
+        return f"{short_path(filename)}:{line} in {name}"
+    return f"{name} ({short_path(filename)})" if filename and filename != "??" else name
 
 
 def display_stack(stack: list[dict[str, object]]) -> list[dict[str, object]]:
