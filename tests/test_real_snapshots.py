@@ -173,3 +173,15 @@ def test_stacks_are_interned(real_frames):
     frames = fr.stack(sid)
     assert frames and all(set(f) == {"filename", "line", "name"} for f in frames)
     assert any(f["filename"].endswith("workloads.py") for f in frames)
+
+
+def test_cpp_stacks_name_what_allocated(real_frames):
+    """With C++ stacks, allocator and dispatcher frames are internals: the cuBLAS workspace (allocated
+    in C++ without a Python frame) is named by the frame that asked for it."""
+    from snapshot_lab.metrics.sites import display_stack, live_sites
+
+    fr = real_frames("cpp_stacks")
+    sites = live_sites(fr.blocks, fr.stacks, fr.stack_frames, 10)
+    assert any(s.label.startswith("at::cuda::setWorkspaceForHandle") for s in sites)
+    shown = display_stack(fr.stack(sites[0].stack_id))
+    assert shown and not any("CUDACachingAllocator" in str(f["name"]) for f in shown)
