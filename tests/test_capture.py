@@ -259,3 +259,14 @@ def test_real_capture_ddp_one_file_per_rank_and_the_big_rank_flagged():
     assert by_rank[0].summary.devices == [0] and by_rank[1].summary.devices == [1]
     assert by_rank[0].flags == []
     assert any("above the median" in f for f in by_rank[1].flags)  # rank 1 ran a 3x batch
+
+
+def test_run_module_from_the_command_line(torch, tmp_path, monkeypatch):
+    pkg = tmp_path / "cli_train"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import sys; sys.exit(7 if sys.argv[1:] == ['--epochs', '2'] else 9)")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = runner.invoke(app, ["run", "--out", str(tmp_path / "s"), "-m", "cli_train", "--epochs", "2"])
+    assert r.exit_code == 7, r.output
+    assert len(list((tmp_path / "s").glob("*.pickle"))) == 1
