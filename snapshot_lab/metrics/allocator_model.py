@@ -180,8 +180,7 @@ class CachingAllocatorModel:
         self._free_va: list[tuple[int, int]] = []  # (address, length) freed synthetic ranges
         self._segment_ids = itertools.count()
         self.recorded_addresses: dict[int, list[int]] = {}  # size -> recorded segment addresses to reuse
-        self._expandable: dict[tuple[int, bool], int] = {}  # (stream, small) -> segment id
-        self._expandable_base: dict[int, int] = {}  # segment id -> start of its address range
+        self._expandable_base: dict[int, int] = {}  # expandable segment id -> start of its address range
         self.page = {True: SMALL_BUFFER, False: LARGE_BUFFER}
 
     # ----------------------------------------------------------------------- bookkeeping
@@ -264,7 +263,7 @@ class CachingAllocatorModel:
         if i == len(keys) or keys[i][0] != stream:
             return None
         b = pool.blocks[keys[i]]
-        if b.segment in self._expandable_ids() and self.s.expandable_segments:
+        if b.segment in self._expandable_base and self.s.expandable_segments:
             # best fit by the size a block can grow to (its unmapped neighbour included)
             j = i + 1
             while j < len(keys) and keys[j][0] == stream:
@@ -281,9 +280,6 @@ class CachingAllocatorModel:
         pool.remove(b)
         return b
 
-    def _expandable_ids(self) -> set[int]:
-        return set(self._expandable.values())
-
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, stream: int) -> Block | None:
         if self.s.expandable_segments:
             return self._try_allocate_expandable(pool, size, stream)
@@ -298,15 +294,21 @@ class CachingAllocatorModel:
             return remaining >= MIN_BLOCK
         return size < self.s.max_split_size and remaining > SMALL_SIZE
 
+    @staticmethod
+    def _split_after(b: Block, n: int) -> Block:
+        """Keep the first ``n`` bytes in ``b``; return the rest, linked right after it."""
+        rest = Block(b.addr + n, b.size - n, b.stream, b.small, b.segment)
+        rest.mapped = b.mapped
+        rest.prev, rest.next = b, b.next
+        if b.next is not None:
+            b.next.prev = rest
+        b.next = rest
+        b.size = n
+        return rest
+
     def _alloc_found_block(self, pool: _Pool, b: Block, size: int) -> Block:
         if self._should_split(b, size):
-            rest = Block(b.addr + size, b.size - size, b.stream, b.small, b.segment)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
-            pool.insert(rest)
+            pool.insert(self._split_after(b, size))
         b.allocated = True
         return b
 
@@ -354,7 +356,7 @@ class CachingAllocatorModel:
         want = max(size, ms)
         keys = pool.keys
         i = bisect.bisect_left(keys, (stream, want, -1))
-        exp = self._expandable_ids()
+        exp = self._expandable_base
         if i == len(keys) or keys[i][0] != stream or pool.blocks[keys[i]].segment in exp:
             if i == 0:
                 return False
@@ -375,7 +377,7 @@ class CachingAllocatorModel:
     def empty_cache(self) -> None:
         """``release_cached_blocks``: free every unsplit cached segment; unmap free pages of
         expandable segments."""
-        exp = self._expandable_ids()
+        exp = self._expandable_base
         for pool in (self.large, self.small):
             to_unmap = []
             for k in list(pool.keys):
@@ -396,7 +398,7 @@ class CachingAllocatorModel:
             return
         target = self.stats.reserved_bytes - threshold
         pool = self.large
-        exp = self._expandable_ids()
+        exp = self._expandable_base
         candidates = [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split()]
         if not candidates:
             return
@@ -455,7 +457,6 @@ class CachingAllocatorModel:
             i += 1
         # a new range: address space for 1 1/8 of an H100/H200's memory, all unmapped
         seg = next(self._segment_ids)
-        self._expandable[(stream, pool.small)] = seg
         span = 1 << 47
         fresh = Block(self._new_address(span), span, stream, pool.small, seg)
         self._expandable_base[seg] = fresh.addr  # pages are counted from the range's start
@@ -470,16 +471,9 @@ class CachingAllocatorModel:
             return False
         self.stats.cuda_malloc_calls += 1
         pool.remove_unmapped(b)
-        b.mapped = True
         if n < b.size:
-            rest = Block(b.addr + n, b.size - n, b.stream, b.small, b.segment)
-            rest.mapped = False
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = n
-            pool.insert_unmapped(rest)
+            pool.insert_unmapped(self._split_after(b, n))  # still unmapped, like b so far
+        b.mapped = True
         self._try_merge(b, b.prev, pool)
         self._try_merge(b, b.next, pool)
         pool.insert(b)
@@ -493,21 +487,12 @@ class CachingAllocatorModel:
         if end <= start:
             return
         pool.remove(b)
-        if start > b.addr:
-            before = Block(b.addr, start - b.addr, b.stream, b.small, b.segment)
-            before.prev, before.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = before
-            b.prev = before
+        if end < b.addr + b.size:  # the partial page after stays mapped and free
+            pool.insert(self._split_after(b, end - b.addr))
+        if start > b.addr:  # so does the partial page before; b becomes the whole pages
+            before, b = b, self._split_after(b, start - b.addr)
             pool.insert(before)
-        if end < b.addr + b.size:
-            after = Block(end, b.addr + b.size - end, b.stream, b.small, b.segment)
-            after.prev, after.next = b, b.next
-            if b.next is not None:
-                b.next.prev = after
-            b.next = after
-            pool.insert(after)
-        b.addr, b.size, b.mapped = start, end - start, False
+        b.mapped = False
         self._try_merge(b, b.prev, pool)
         self._try_merge(b, b.next, pool)
         pool.insert_unmapped(b)
