@@ -178,10 +178,13 @@ def compute_categories(
     with_timeline: bool = True,
     lifetimes: pd.DataFrame | None = None,
     stack_cat: pd.Series | None = None,
+    block_cat: pd.Series | None = None,
 ) -> CategoryBreakdown:
-    """Live bytes per category at the dump and, with ``with_timeline``, over the trace."""
+    """Live bytes per category at the dump and, with ``with_timeline``, over the trace. Pass
+    ``stack_cat``/``block_cat`` (from :func:`stack_categories`/:func:`categorize_blocks`) when
+    calling once per device, so they are computed once."""
     stack_cat = stack_categories(frames) if stack_cat is None else stack_cat
-    cats = categorize_blocks(frames, stack_cat)
+    cats = categorize_blocks(frames, stack_cat) if block_cat is None else block_cat
     b = frames.blocks
     live = (b["device"] == device) & (b["state"] == "active_allocated")
     by = b.loc[live, "size_bytes"].groupby(cats[live]).agg(["sum", "count"])

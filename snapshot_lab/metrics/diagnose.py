@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..frames import SnapshotFrames
-from .categories import CategoryBreakdown, compute_categories, stack_categories
+from .categories import CategoryBreakdown, categorize_blocks, compute_categories, stack_categories
 from .findings import Finding, compute_findings
 from .leaks import LeakAnalysis, find_leaks
 from .lifetimes import allocation_lifetimes
@@ -33,6 +33,7 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
     leaks: dict[int, LeakAnalysis] = {}
     lifetimes: dict[int, pd.DataFrame] = {}
     stack_cat = stack_categories(frames)
+    block_cat = categorize_blocks(frames, stack_cat)
     for dev, d in stats.devices.items():
         lifetimes[dev] = allocation_lifetimes(frames.events, dev)
         timelines[dev] = compute_timeline(
@@ -43,7 +44,12 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
             frames.annotations,
         )
         categories[dev] = compute_categories(
-            frames, dev, with_timeline=with_category_timelines, lifetimes=lifetimes[dev], stack_cat=stack_cat
+            frames,
+            dev,
+            with_timeline=with_category_timelines,
+            lifetimes=lifetimes[dev],
+            stack_cat=stack_cat,
+            block_cat=block_cat,
         )
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
     whatifs = _whatifs(frames, stats, timelines)
