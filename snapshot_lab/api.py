@@ -390,9 +390,10 @@ def run(
                     sys.stderr.write(f"{exc.code}\n")
             except KeyboardInterrupt:
                 raise
-            except BaseException:  # the program's own error: reported as python would, exit 1
+            except BaseException as exc:  # the program's own error: reported as python would, exit 1
                 traceback.print_exc()
                 rec.exit_reason = "exception"
+                rec.exception_type = type(exc).__name__
                 code = 1
     finally:
         sys.argv = old_argv

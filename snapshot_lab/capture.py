@@ -125,8 +125,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self.steps = 0
         self.written: list[Path] = []
         self.exit_reason: str | None = None  # set by a runner that caught the program's exception
+        self.exception_type: str | None = None  # the class name of that exception
         self._torch: Any = None
         self._oom_dumped = False
+        self._oom_path: Path | None = None  # the snapshot the OOM observer wrote
 
     # -- recording state -------------------------------------------------------------------
 
@@ -168,7 +170,9 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         try:
             if self.dump_on_exit:
                 failed = exc_type is not None and exc_type is not SystemExit
-                self.dump("exception" if failed else self.exit_reason)
+                if failed and isinstance(exc_type, type):
+                    self.exception_type = exc_type.__name__
+                self.dump("exception" if failed else self.exit_reason, extra=self._incident())
         finally:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
@@ -190,7 +194,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if not self.on_oom or self._oom_dumped:
             return
         self._oom_dumped = True  # one dump per recording: later OOMs while unwinding add nothing
-        self.dump(
+        self._oom_path = self.dump(
             "oom",
             extra={
                 "oom": {
@@ -201,6 +205,15 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
                 }
             },
         )
+
+    def _incident(self) -> dict[str, Any]:
+        """For the dump made after the program died of an out-of-memory error that the observer
+        already dumped: the two files are one incident. The OOM file shows the allocator at the
+        failing request; this one shows it after the stack unwound (analysis reconstructs the
+        moment of the OOM from its trace)."""
+        if self._oom_path is None or self.exception_type not in ("OutOfMemoryError", "OutOfMemory"):
+            return {}
+        return {"incident": {"same_as": self._oom_path.name, "moment": "after the out-of-memory error unwound"}}
 
     def dump(self, why: str | None = None, extra: dict[str, Any] | None = None) -> Path | None:
         """Write a snapshot now (and its sidecar); returns its path, or None if it failed."""
@@ -225,6 +238,9 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         stats = {}
         with contextlib.suppress(Exception):
             stats = {str(d): dict(torch.cuda.memory_stats(d)) for d in devices}
+        totals = {}
+        with contextlib.suppress(Exception):  # tells a per-process cap from the device's capacity
+            totals = {str(d): int(torch.cuda.get_device_properties(d).total_memory) for d in devices}
         snap = torch.cuda.memory._snapshot()
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
@@ -246,6 +262,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
             "recording": {"max_entries": self.max_entries, "stacks": self.stacks, "context": self.context},
             "memory_stats": stats,
+            "device_total_bytes": totals,
             **extra,
         }
         sidecar = path.with_name(path.name[: -len(".pickle")] + SIDECAR_SUFFIX)

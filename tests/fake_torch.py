@@ -23,6 +23,7 @@ class FakeTorch:
             current_device=lambda: self.current,
             memory_stats=lambda d=None: {"reserved_bytes.all.current": 2097152 * (1 + (d or 0)), "num_ooms": 0},
             memory=types.SimpleNamespace(_record_memory_history=self._record, _snapshot=self._snapshot),
+            get_device_properties=lambda d=None: types.SimpleNamespace(total_memory=80 * 2**30),
         )
         torch.cuda = cuda
         torch._C = types.SimpleNamespace(_cuda_attach_out_of_memory_observer=self.observers.append)

@@ -74,6 +74,51 @@ def test_oom_observer_dumps_once(torch, tmp_path):
     assert meta["oom"] == {"device": 0, "alloc_bytes": 2**34, "limit_bytes": 80 * 2**30, "device_free_bytes": 2**30}
 
 
+def _meta(path):
+    return json.loads(path.with_name(path.name.replace(".pickle", ".meta.json")).read_text())
+
+
+def test_exception_dump_of_an_oom_names_its_incident(torch, tmp_path):
+    """The observer's file shows the failing request; the file written after the
+    OutOfMemoryError unwound says it is the same incident (issue #12, section 4)."""
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    with pytest.raises(OutOfMemoryError), recording(tmp_path) as rec:
+        torch.observers[0](0, 2**30, 3 * 2**30, 10 * 2**30)
+        raise OutOfMemoryError("CUDA out of memory")
+    oom, exc = rec.written
+    assert oom.name.endswith("_oom.pickle") and exc.name.endswith("_exception.pickle")
+    assert _meta(exc)["incident"] == {"same_as": oom.name, "moment": "after the out-of-memory error unwound"}
+    assert "incident" not in _meta(oom)
+    assert _meta(oom)["device_total_bytes"] == {"0": 80 * 2**30}
+
+
+def test_exception_dump_without_an_oom_names_no_incident(torch, tmp_path):
+    with pytest.raises(ValueError), recording(tmp_path) as rec:
+        raise ValueError("not a memory error")
+    assert "incident" not in _meta(rec.written[0])
+
+
+def test_run_marks_the_unwound_dump_of_an_oom(torch, tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        class OutOfMemoryError(RuntimeError):
+            pass
+        torch._C._observer_for_test(0, 2**30, 3 * 2**30, 10 * 2**30)
+        raise OutOfMemoryError("CUDA out of memory")
+    """,
+    )
+    torch.module._C._observer_for_test = lambda *a: torch.observers[0](*a)
+    assert api.run(str(script), out=tmp_path / "snaps") == 1
+    exc = next((tmp_path / "snaps").glob("*_exception.pickle"))
+    oom = next((tmp_path / "snaps").glob("*_oom.pickle"))
+    assert _meta(exc)["incident"]["same_as"] == oom.name
+
+
 def test_every_n_steps(torch, tmp_path):
     with recording(tmp_path, every_n_steps=2, dump_on_exit=False) as rec:
         for _ in range(5):
