@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..frames import SnapshotFrames
-from .categories import CategoryBreakdown, categorize_blocks, compute_categories, stack_categories
+from .categories import CategoryBreakdown, compute_categories
 from .findings import Finding, compute_findings
 from .leaks import LeakAnalysis, find_leaks
-from .lifetimes import allocation_lifetimes
+from .lifetimes import device_lifetimes
 from .summary import SnapshotStats
 from .timeline import Timeline, compute_timeline
 from .whatif import WHATIF_MAX_EVENTS, WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
@@ -32,10 +32,8 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
     categories: dict[int, CategoryBreakdown] = {}
     leaks: dict[int, LeakAnalysis] = {}
     lifetimes: dict[int, pd.DataFrame] = {}
-    stack_cat = stack_categories(frames)
-    block_cat = categorize_blocks(frames, stack_cat)
     for dev, d in stats.devices.items():
-        lifetimes[dev] = allocation_lifetimes(frames.events, dev)
+        lifetimes[dev] = device_lifetimes(frames, dev)
         timelines[dev] = compute_timeline(
             frames.events,
             dev,
@@ -43,14 +41,7 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
             d.torch_stats["reserved_bytes.all.current"],
             frames.annotations,
         )
-        categories[dev] = compute_categories(
-            frames,
-            dev,
-            with_timeline=with_category_timelines,
-            lifetimes=lifetimes[dev],
-            stack_cat=stack_cat,
-            block_cat=block_cat,
-        )
+        categories[dev] = compute_categories(frames, dev, with_timeline=with_category_timelines)
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
     whatifs = _whatifs(frames, stats, timelines)
     findings = compute_findings(stats, frames.events, timelines, categories, leaks, whatifs)

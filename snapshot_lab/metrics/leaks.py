@@ -19,7 +19,7 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from .iterations import Iterations, find_iterations
-from .lifetimes import allocation_lifetimes
+from .lifetimes import device_lifetimes
 from .sites import frame_label, site_frames
 
 MIN_STEADY_ITERATIONS = 2
@@ -126,7 +126,7 @@ def find_leaks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame | No
         )
         return LeakAnalysis(device, 0, None, None, [], why)
     if lifetimes is None:
-        lifetimes = allocation_lifetimes(frames.events, device)
+        lifetimes = device_lifetimes(frames, device)
     suspects = _analyse(frames, device, it, lifetimes)
     note: str | None = None
     if it.count - 2 < MIN_STEADY_ITERATIONS:

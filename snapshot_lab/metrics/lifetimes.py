@@ -2,12 +2,16 @@
 
 The match is the first ``free_completed`` at the same address after the allocation (the
 allocator cannot hand out an address again before it was freed). Leak detection, sites at the
-peak and the category timeline all start from this table, so it is computed once per device.
+peak and the categories all start from this table, so it is computed once per device and
+snapshot (:func:`device_lifetimes` keeps it for as long as the frames live).
 """
 
 from __future__ import annotations
 
 import pandas as pd
+
+from ..frames import SnapshotFrames
+from ._memo import memo
 
 
 def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
@@ -30,3 +34,8 @@ def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
     )
     matched["free_index"] = matched["free_index"].astype("Int64")
     return matched
+
+
+def device_lifetimes(frames: SnapshotFrames, device: int) -> pd.DataFrame:
+    """:func:`allocation_lifetimes` of one device of ``frames``, computed once."""
+    return memo(frames, ("lifetimes", device), lambda: allocation_lifetimes(frames.events, device))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..frames import SnapshotFrames
-from .categories import CATEGORIES, categorize_blocks, compute_categories, stack_categories
+from .categories import CATEGORIES, compute_categories
 from .fragmentation import PoolFragmentation, compute_fragmentation
 from .oom import OomAnalysis, analyse_oom
 from .recording import Recording, describe_recording
@@ -110,8 +110,6 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
     """All of ``stats`` for one snapshot."""
     seg, blk, ev = frames.segments, frames.blocks, frames.events
     per_device = {}
-    stack_cat = stack_categories(frames)
-    block_cat = categorize_blocks(frames, stack_cat)
     for d in frames.info.devices:
         s = seg[seg["device"] == d]
         b = blk[blk["device"] == d]
@@ -128,9 +126,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
                     (s["pool"] == "large") & ~s["is_expandable"], ["total_size_bytes", "n_blocks"]
                 ].itertuples(index=False)
             ),
-            categories=compute_categories(
-                frames, d, with_timeline=False, stack_cat=stack_cat, block_cat=block_cat
-            ).live_bytes,
+            categories=compute_categories(frames, d, with_timeline=False).live_bytes,
         )
     if len(per_device) == 1:
         only = next(iter(per_device.values()))

@@ -1,0 +1,25 @@
+"""Results derived from one snapshot's frames, computed once and kept while the frames live.
+
+Several metrics need the same derived tables (allocation lifetimes, categories); the commands
+and the report call them in different orders. Keyed by the frames object's identity, dropped
+when it is garbage collected."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_STORE: dict[int, dict[Hashable, Any]] = {}
+
+
+def memo(owner: object, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` once per (owner, key)."""
+    slot = _STORE.get(id(owner))
+    if slot is None:
+        slot = _STORE[id(owner)] = {}
+        weakref.finalize(owner, _STORE.pop, id(owner), None)
+    if key not in slot:
+        slot[key] = compute()
+    return slot[key]  # type: ignore[no-any-return]
