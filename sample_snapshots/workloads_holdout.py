@@ -390,8 +390,8 @@ def ring_job(name: str, max_entries: int) -> None:
 
 for _exp in ("", "_expandable"):
     _env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if _exp else {}
-    workload(f"ring{_exp}_complete", "ring", _env)(lambda e=_exp: ring_job(f"ring{e}_complete", 1_000_000))
-    workload(f"ring{_exp}_wrapped", "ring", _env)(lambda e=_exp: ring_job(f"ring{e}_wrapped", 2500))
+    workload(f"twin{_exp}_complete", "ring", _env)(lambda e=_exp: ring_job(f"twin{e}_complete", 1_000_000))
+    workload(f"twin{_exp}_wrapped", "ring", _env)(lambda e=_exp: ring_job(f"twin{e}_wrapped", 2500))
 
 
 # --------------------------------------------------------------------------- deep models: a climb, not iterations

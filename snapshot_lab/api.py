@@ -40,7 +40,7 @@ from .metrics.compare import (
 from .metrics.diagnose import Diagnosis, diagnose
 from .metrics.findings import Finding
 from .metrics.leaks import LeakAnalysis
-from .metrics.whatif import WhatIf
+from .metrics.whatif import MemoryLimit, WhatIf
 from .progress import NullProgress, ProgressSink
 from .units import parse_bytes
 
@@ -417,9 +417,8 @@ def whatif(
     settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
     on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
     grid of sensible alternatives. ``memory_limit`` like ``40GiB``."""
-    from .metrics.allocator_model import AllocatorSettings
     from .metrics.timeline import compute_timeline
-    from .metrics.whatif import analyse_whatif, apply_conf, grid, infer_memory_limit, recorded_settings
+    from .metrics.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
 
     limit: int | None = None
     if memory_limit is not None:
@@ -430,32 +429,21 @@ def whatif(
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Replaying")
     stats_ = compute_stats(frames)
+    recorded = recorded_settings(frames.info.allocator_settings)
     out = []
     for dev in stats_.devices:
-        base = AllocatorSettings() if defaults else recorded_settings(frames.info.allocator_settings)
-        if settings:
-            try:
-                scenarios = [apply_conf(base, settings)]
-            except ValueError as exc:
-                raise UsageError(f"--set: {exc}") from None
+        if limit is not None:
+            dev_limit = MemoryLimit(limit, "--memory-limit (taken as a per-process cap)")
         else:
-            scenarios = []
-        dev_limit, source = (limit, "--memory-limit") if limit is not None else (None, "")
-        if dev_limit is None:
             ts = stats_.devices[dev].torch_stats
             tl = compute_timeline(
                 frames.events, dev, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"]
             )
-            dev_limit, source = infer_memory_limit(frames, dev, tl.peak_reserved_bytes if tl else None)
-        if not settings:
-            scenarios = grid(base, dev_limit)
-        recorded = recorded_settings(frames.info.allocator_settings)
-        w = analyse_whatif(
-            frames,
-            dev,
-            [recorded, *[s for s in scenarios if s != recorded]],
-            dev_limit,
-            stats_.recording.devices[list(stats_.devices).index(dev)].history_complete,
-        )
-        out.append(replace(w, memory_limit_source=source))
+            dev_limit = infer_memory_limit(frames, dev, tl.peak_reserved_bytes if tl else None)
+        try:
+            scenarios = scenarios_for(recorded, settings or [], defaults, dev_limit.bytes)
+        except ValueError as exc:
+            raise UsageError(f"--set: {exc}") from None
+        w = analyse_whatif(frames, dev, scenarios, dev_limit.bytes, dev_limit.is_cap)
+        out.append(replace(w, memory_limit_source=dev_limit.source, memory_limit_inferred=dev_limit.inferred))
     return out

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: requests up to this go to the small pool
@@ -59,6 +60,70 @@ class AllocatorSettings:
         if self.max_non_split_rounding != LARGE_BUFFER:
             d["max_non_split_rounding_mb"] = self.max_non_split_rounding >> 20
         return d
+
+
+def _int(v: Any, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def recorded_settings(info_settings: dict[str, Any] | None) -> AllocatorSettings:
+    """The settings a snapshot was recorded with (``allocator_settings``, torch >= 2.3); a value
+    of the wrong type counts as the default."""
+    s = info_settings if isinstance(info_settings, dict) else {}
+    ms = _int(s.get("max_split_size", -1), -1)
+    divisions = s.get("roundup_power2_divisions")
+    ordered = [0] * 16
+    if isinstance(divisions, dict):
+        keyed = sorted((k, v) for k, v in divisions.items() if str(k).isdigit())
+        ordered = [max(0, _int(v, 0)) for _, v in sorted(keyed, key=lambda kv: int(kv[0]))]
+    ordered = (ordered + [0] * 16)[:16]
+    gc = s.get("garbage_collection_threshold", 0.0)
+    gc = float(gc) if isinstance(gc, (int, float)) and not isinstance(gc, bool) and 0.0 <= gc < 1.0 else 0.0
+    return AllocatorSettings(
+        max_split_size=UNLIMITED if ms < 0 else ms,
+        roundup_power2_divisions=tuple(ordered),
+        garbage_collection_threshold=gc,
+        expandable_segments=s.get("expandable_segments") is True,
+    )
+
+
+def apply_conf(base: AllocatorSettings, conf: list[str]) -> AllocatorSettings:
+    """Apply ``KEY:VALUE`` items spelled as in PYTORCH_CUDA_ALLOC_CONF."""
+    s = base
+    for item in conf:
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            key, sep, value = part.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep:
+                raise ValueError(f"expected KEY:VALUE, got {part!r}")
+            if key == "expandable_segments":
+                if value not in ("True", "False", "true", "false", "1", "0"):
+                    raise ValueError(f"expandable_segments takes True or False, not {value!r}")
+                s = replace(s, expandable_segments=value in ("True", "true", "1"))
+            elif key == "max_split_size_mb":
+                mb = int(value)
+                if mb <= LARGE_BUFFER >> 20:
+                    raise ValueError("max_split_size_mb must be larger than 20")
+                s = replace(s, max_split_size=mb << 20)
+            elif key == "max_non_split_rounding_mb":
+                s = replace(s, max_non_split_rounding=int(value) << 20)
+            elif key == "garbage_collection_threshold":
+                t = float(value)
+                if not 0.0 < t < 1.0:
+                    raise ValueError("garbage_collection_threshold must be between 0 and 1")
+                s = replace(s, garbage_collection_threshold=t)
+            elif key == "roundup_power2_divisions":
+                if value.startswith("["):
+                    raise ValueError("per-interval roundup_power2_divisions lists are not supported here")
+                d = int(value)
+                if d & (d - 1):
+                    raise ValueError("roundup_power2_divisions must be a power of 2")
+                s = replace(s, roundup_power2_divisions=(d,) * 16)
+            else:
+                raise ValueError(f"unknown or unsupported setting {key!r}")
+    return s
 
 
 def _log2_floor(x: int) -> int:
@@ -125,12 +190,14 @@ class _Pool:
         self.blocks: dict[tuple[int, int, int], Block] = {}
         self.unmapped: list[tuple[int, int]] = []  # (stream, addr) of unmapped expandable blocks
         self.unmapped_blocks: dict[tuple[int, int], Block] = {}
+        self.at: dict[int, Block] = {}  # free mapped blocks by address (following a trace)
         self.gc_calls = 0
 
     def insert(self, b: Block) -> None:
         k = b.key()
         bisect.insort(self.keys, k)
         self.blocks[k] = b
+        self.at[b.addr] = b
         b.gc_base = self.gc_calls
 
     def remove(self, b: Block) -> None:
@@ -138,6 +205,7 @@ class _Pool:
         i = bisect.bisect_left(self.keys, k)
         del self.keys[i]
         del self.blocks[k]
+        del self.at[b.addr]
 
     def insert_unmapped(self, b: Block) -> None:
         k = (b.stream, b.addr)
@@ -170,9 +238,12 @@ class CachingAllocatorModel:
     """One device's allocator. ``malloc``/``free`` mirror the real calls; ``empty_cache`` is
     ``release_cached_blocks``."""
 
-    def __init__(self, settings: AllocatorSettings, memory_limit: int | None = None) -> None:
+    def __init__(self, settings: AllocatorSettings, memory_limit: int | None = None, limit_is_cap: bool = True) -> None:
         self.s = settings
         self.limit = memory_limit  # None: cudaMalloc never fails
+        # a per-process cap (set_per_process_memory_fraction), not the device's capacity: the
+        # allocator garbage-collects only under a cap
+        self.limit_is_cap = limit_is_cap
         self.small = _Pool(True)
         self.large = _Pool(False)
         self.stats = ReplayStats()
@@ -224,7 +295,7 @@ class CachingAllocatorModel:
 
     @property
     def gc_enabled(self) -> bool:
-        return self.limit is not None and self.s.garbage_collection_threshold > 0
+        return self.limit is not None and self.limit_is_cap and self.s.garbage_collection_threshold > 0
 
     # ----------------------------------------------------------------------- malloc
 
@@ -499,11 +570,183 @@ class CachingAllocatorModel:
         self._unreserve(end - start)
         self.stats.cuda_free_calls += 1
 
+    # ----------------------------------------------------------------------- seeding and following a trace
+
+    def _book(self, n: int) -> None:
+        """Reserve without a limit check: memory the recording shows was reserved."""
+        self.stats.reserved_bytes += n
+        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+
+    def _link(self, chain: list[Block]) -> None:
+        for a, b in itertools.pairwise(chain):
+            a.next, b.prev = b, a
+
+    def _place(self, chain: list[Block], allocated: set[int]) -> list[Block]:
+        """Free blocks of ``chain`` go to their pool; those in ``allocated`` are live."""
+        live = []
+        for b in chain:
+            if not b.mapped:
+                self._pool(b.small).insert_unmapped(b)
+            elif b.addr in allocated:
+                b.allocated = True
+                self.stats.allocated_bytes += b.size
+                live.append(b)
+            else:
+                self._pool(b.small).insert(b)
+        self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
+        return live
+
+    def seed_segment(self, addr: int, stream: int, small: bool, blocks: list[tuple[int, int, bool]]) -> list[Block]:
+        """A segment that existed before the trace began: ``blocks`` (address, size, allocated)
+        tile it. Returns its allocated blocks."""
+        seg = next(self._segment_ids)
+        chain = [Block(a, n, stream, small, seg) for a, n, _ in blocks]
+        self._link(chain)
+        self._book(sum(n for _, n, _ in blocks))
+        return self._place(chain, {a for a, _, alloc in blocks if alloc})
+
+    def seed_expandable(
+        self, stream: int, small: bool, ranges: list[tuple[int, list[tuple[int, int, bool]]]]
+    ) -> list[Block]:
+        """The mapped ranges of one expandable segment that existed before the trace began, each
+        (start, blocks); the address space between and after them is unmapped."""
+        seg = next(self._segment_ids)
+        ranges = sorted(ranges)
+        base = ranges[0][0]
+        chain: list[Block] = []
+        pos = base
+        for start, blocks in ranges:
+            if start > pos:
+                gap = Block(pos, start - pos, stream, small, seg)
+                gap.mapped = False
+                chain.append(gap)
+            chain.extend(Block(a, n, stream, small, seg) for a, n, _ in blocks)
+            pos = start + sum(n for _, n, _ in blocks)
+            self._book(pos - start)
+        tail = Block(pos, base + (1 << 47) - pos, stream, small, seg)
+        tail.mapped = False
+        chain.append(tail)
+        self._link(chain)
+        self._expandable_base[seg] = base
+        return self._place(chain, {a for _, blocks in ranges for a, _, alloc in blocks if alloc})
+
+    def free_block_at(self, addr: int) -> Block | None:
+        return self.small.at.get(addr) or self.large.at.get(addr)
+
+    def follow_segment_alloc(self, addr: int, size: int, stream: int, small: bool) -> None:
+        """cudaMalloc as recorded: a new segment at ``addr``."""
+        self._book(size)
+        self.stats.cuda_malloc_calls += 1
+        self._pool(small).insert(Block(addr, size, stream, small, next(self._segment_ids)))
+
+    def follow_segment_free(self, addr: int) -> bool:
+        """cudaFree as recorded; False when no whole free segment starts at ``addr``."""
+        b = self.free_block_at(addr)
+        if b is None or b.is_split():
+            return False
+        self._release_block(b, self._pool(b.small))
+        return True
+
+    def follow_alloc(self, addr: int, orig_size: int) -> Block | None:
+        """An allocation as recorded at ``addr``: the free block starting there is taken and
+        split by the allocator's rules. None when the recording and the state disagree."""
+        size = round_size(orig_size, self.s)
+        b = self.free_block_at(addr)
+        if b is None or b.size < size:
+            return None
+        pool = self._pool(b.small)
+        pool.remove(b)
+        block = self._alloc_found_block(pool, b, size)
+        self.stats.allocated_bytes += block.size
+        self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
+        return block
+
+    def _unmapped_containing(self, addr: int, stream: int) -> tuple[_Pool, Block] | None:
+        for pool in (self.large, self.small):
+            i = bisect.bisect_right(pool.unmapped, (stream, addr)) - 1
+            if i >= 0 and pool.unmapped[i][0] == stream:
+                b = pool.unmapped_blocks[pool.unmapped[i]]
+                if b.addr <= addr < b.addr + b.size:
+                    return pool, b
+        return None
+
+    def follow_map(self, addr: int, size: int, stream: int, small: bool) -> bool:
+        """Pages mapped into an expandable segment as recorded (a new segment's address space
+        when ``addr`` is in none)."""
+        found = self._unmapped_containing(addr, stream)
+        if found is None:
+            seg = next(self._segment_ids)
+            fresh = Block(addr, 1 << 47, stream, small, seg)
+            fresh.mapped = False
+            self._expandable_base[seg] = addr
+            self._pool(small).insert_unmapped(fresh)
+            found = (self._pool(small), fresh)
+        pool, b = found
+        if addr + size > b.addr + b.size:
+            return False
+        pool.remove_unmapped(b)
+        if addr > b.addr:
+            before, b = b, self._split_after(b, addr - b.addr)
+            pool.insert_unmapped(before)
+        if size < b.size:
+            pool.insert_unmapped(self._split_after(b, size))
+        b.mapped = True
+        self._book(size)
+        self.stats.cuda_malloc_calls += 1
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert(b)
+        return True
+
+    def follow_unmap(self, addr: int, size: int) -> bool:
+        """Pages unmapped as recorded: they must lie in one free mapped block."""
+        for pool in (self.large, self.small):
+            for b in pool.blocks.values():
+                if b.addr <= addr and addr + size <= b.addr + b.size and b.segment in self._expandable_base:
+                    pool.remove(b)
+                    if addr + size < b.addr + b.size:
+                        pool.insert(self._split_after(b, addr + size - b.addr))
+                    if addr > b.addr:
+                        before, b = b, self._split_after(b, addr - b.addr)
+                        pool.insert(before)
+                    b.mapped = False
+                    self._try_merge(b, b.prev, pool)
+                    self._try_merge(b, b.next, pool)
+                    pool.insert_unmapped(b)
+                    self._unreserve(size)
+                    self.stats.cuda_free_calls += 1
+                    return True
+        return False
+
+    def needs_release(self, orig_size: int, stream: int) -> bool:
+        """Whether a malloc of ``orig_size`` now would make the allocator give memory back first
+        (garbage collection, or a cudaMalloc over the limit). Changes nothing."""
+        size = round_size(orig_size, self.s)
+        small = size <= SMALL_SIZE
+        pool = self._pool(small)
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (stream, size, -1))
+        if i < len(keys) and keys[i][0] == stream:
+            b = pool.blocks[keys[i]]
+            fits = not (size < self.s.max_split_size and b.size >= self.s.max_split_size) and not (
+                size >= self.s.max_split_size and b.size >= size + self.s.max_non_split_rounding
+            )
+            if fits:
+                return False
+        if self.gc_enabled:
+            assert self.limit is not None
+            if self.stats.reserved_bytes > int(self.s.garbage_collection_threshold * self.limit) and any(
+                not b.is_split() for b in self.large.blocks.values()
+            ):
+                return True
+        need = size if self.s.expandable_segments else allocation_size(size)
+        return self.limit is not None and self.stats.reserved_bytes + need > self.limit
+
     # ----------------------------------------------------------------------- state
 
-    def layout(self, allocated: list[Block]) -> list[list[tuple[int, bool]]]:
-        """Mapped segments (or mapped ranges of expandable segments) as lists of
-        (block size, allocated), in address order; ``allocated`` are the live blocks."""
+    def segments(self, allocated: list[Block]) -> list[list[Block]]:
+        """Mapped segments (or mapped ranges of expandable segments), each its blocks in address
+        order; ``allocated`` are the live blocks."""
         everything = [*allocated, *self.small.blocks.values(), *self.large.blocks.values()]
         out = []
         for b in everything:
@@ -512,7 +755,11 @@ class CachingAllocatorModel:
             chain = []
             cur: Block | None = b
             while cur is not None and cur.mapped:
-                chain.append((cur.size, cur.allocated))
+                chain.append(cur)
                 cur = cur.next
             out.append(chain)
         return out
+
+    def layout(self, allocated: list[Block]) -> list[list[tuple[int, bool]]]:
+        """:meth:`segments` as lists of (block size, allocated)."""
+        return [[(b.size, b.allocated) for b in chain] for chain in self.segments(allocated)]

@@ -3,7 +3,7 @@ the report: timelines, categories, leak suspects and the findings drawn from the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
@@ -14,7 +14,7 @@ from .leaks import LeakAnalysis, find_leaks
 from .lifetimes import device_lifetimes
 from .summary import SnapshotStats
 from .timeline import Timeline, compute_timeline
-from .whatif import WHATIF_MAX_EVENTS, WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
+from .whatif import WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
 
 
 @dataclass(frozen=True)
@@ -44,24 +44,23 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
         categories[dev] = compute_categories(frames, dev, with_timeline=with_category_timelines)
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
     whatifs = _whatifs(frames, stats, timelines)
-    findings = compute_findings(stats, frames.events, timelines, categories, leaks, whatifs)
+    findings = compute_findings(stats, frames, timelines, categories, leaks, whatifs)
     return Diagnosis(timelines, categories, leaks, findings, lifetimes, whatifs)
 
 
 def _whatifs(frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> dict[int, WhatIf]:
-    """Replay the grid of alternative settings for traces small enough to do it on the way
-    (the full sweep is ``snaplab whatif``)."""
+    """Replay a few alternative settings on the way (the full sweep is ``snaplab whatif``), at
+    any trace length: a trace that does not start at the start of the job replays from the
+    state rebuilt backwards from the dump."""
     out = {}
     base = recorded_settings(frames.info.allocator_settings)
-    for i, dev in enumerate(stats.devices):
-        rec = stats.recording.devices[i]
+    for dev in stats.devices:
         tl = timelines.get(dev)
-        if tl is None or not rec.history_complete or tl.n_events > WHATIF_MAX_EVENTS:
+        if tl is None:
             continue
         if frames.segments.loc[frames.segments["device"] == dev, "is_private_pool"].any():
             continue  # private pools are not modelled: no advice from an approximate replay
-        limit, source = infer_memory_limit(frames, dev, tl.peak_reserved_bytes)
-        if source.startswith("inferred"):
-            continue  # an OOM under an unknown per-process cap: no claim about what would avoid it
-        out[dev] = analyse_whatif(frames, dev, [base, *quick_grid(base, limit)], limit, True)
+        limit = infer_memory_limit(frames, dev, tl.peak_reserved_bytes)
+        w = analyse_whatif(frames, dev, [base, *quick_grid(base, limit.bytes, tl.n_events)], limit.bytes, limit.is_cap)
+        out[dev] = replace(w, memory_limit_source=limit.source, memory_limit_inferred=limit.inferred)
     return out

@@ -6,8 +6,10 @@ pool, others from the large pool; never from a CUDA-graph private pool). If such
 up to at least the request but none is big enough, the OOM is caused by fragmentation;
 otherwise the job simply needed more memory than it had (capacity).
 
-The layout is the one at dump time: exact when the snapshot was dumped from the OOM observer
-(``snapshot_at_oom``), approximate when the job went on after the OOM.
+The layout is the one at the moment of the OOM: the snapshot's own when it was dumped from the
+OOM observer (``snapshot_at_oom``), else rebuilt from the trace (:mod:`.moments`): a snapshot
+dumped after the stack unwound has given back the memory the failing step held, and would make
+the OOM look like fragmentation.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import pandas as pd
+
+from ..frames import SnapshotFrames
+from .moments import dumped_at, last_oom_index, oom_moment
 
 SMALL_REQUEST_MAX_BYTES = 1024 * 1024  # kSmallSize: requests up to this go to the small pool
 
@@ -36,6 +41,7 @@ class OomAnalysis:
     snapshot_at_oom: bool
     oom_count: int
     stack_id: int | None
+    moment: str = "the snapshot as dumped"  # where the layout behind this explanation comes from
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -45,8 +51,11 @@ def _opt_int(v: object) -> int | None:
     return None if v is None or pd.isna(v) else int(v)  # type: ignore[call-overload]
 
 
-def analyse_oom(segments: pd.DataFrame, blocks: pd.DataFrame, events: pd.DataFrame) -> OomAnalysis | None:
-    """Analysis of the last ``oom`` entry of the given events (None when there is none)."""
+def analyse_oom(
+    segments: pd.DataFrame, blocks: pd.DataFrame, events: pd.DataFrame, moment: str = "the snapshot as dumped"
+) -> OomAnalysis | None:
+    """Analysis of the last ``oom`` entry of the given events (None when there is none), from
+    the layout ``segments``/``blocks`` (which should be the one at that OOM)."""
     ooms = events[events["action"] == "oom"]
     if ooms.empty:
         return None
@@ -85,4 +94,16 @@ def analyse_oom(segments: pd.DataFrame, blocks: pd.DataFrame, events: pd.DataFra
         snapshot_at_oom=at_oom,
         oom_count=len(ooms),
         stack_id=_opt_int(last["stack_id"]),
+        moment=moment,
     )
+
+
+def analyse_device_oom(frames: SnapshotFrames, device: int) -> OomAnalysis | None:
+    """The device's last OOM, explained from the layout at that moment."""
+    m = oom_moment(frames, device)
+    if m is None:
+        return None
+    ev = frames.events[frames.events["device"] == device]
+    idx = last_oom_index(frames, device)
+    moment = m.description if not dumped_at(frames, device, idx or 0) else "the snapshot, dumped at the OOM"
+    return analyse_oom(m.segments, m.blocks, ev, moment)

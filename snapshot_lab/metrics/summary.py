@@ -8,7 +8,7 @@ from typing import Any
 from ..frames import SnapshotFrames
 from .categories import CATEGORIES, compute_categories
 from .fragmentation import PoolFragmentation, compute_fragmentation
-from .oom import OomAnalysis, analyse_oom
+from .oom import OomAnalysis, analyse_device_oom
 from .recording import Recording, describe_recording
 from .torch_stats import compute_torch_stats
 
@@ -117,7 +117,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             device=d,
             torch_stats=compute_torch_stats(s, b),
             fragmentation=compute_fragmentation(s, b),
-            oom=analyse_oom(s, b, ev[ev["device"] == d]),
+            oom=analyse_device_oom(frames, d),
             private_pool_reserved_bytes=int(s.loc[s["is_private_pool"], "total_size_bytes"].sum()),
             expandable_reserved_bytes=int(s.loc[s["is_expandable"], "total_size_bytes"].sum()),
             large_segments=tuple(
@@ -134,7 +134,8 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
     else:
         torch_stats = compute_torch_stats(seg, blk)
         frag = compute_fragmentation(seg, blk)
-        oom = analyse_oom(seg, blk, ev)
+        ooms = [ds.oom for ds in per_device.values() if ds.oom is not None]
+        oom = max(ooms, key=lambda o: (o.time_us or 0, o.device)) if ooms else None
     return SnapshotStats(
         file=file_facts(frames),
         recording=describe_recording(frames.info.devices, frames.info.stacks_kind, ev, blk),

@@ -18,74 +18,22 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from .allocator_model import (
-    LARGE_BUFFER,
-    UNLIMITED,
     AllocatorSettings,
     Block,
     CachingAllocatorModel,
     OutOfMemory,
+    apply_conf,
+    recorded_settings,
 )
+from .allocator_state import StartState, seed, start_state
+from .moments import oom_moment
+from .releases import find_releases
+
+__all__ = ["apply_conf", "recorded_settings"]  # settings parsing lives in the model, re-exported
 
 MiB = 1 << 20
 
 _ALLOC, _FREE, _SEG_NEW, _SEG_GONE, _OOM, _OTHER = range(6)
-
-
-def recorded_settings(info_settings: dict[str, Any] | None) -> AllocatorSettings:
-    """The settings a snapshot was recorded with (``allocator_settings``, torch >= 2.3)."""
-    s = info_settings or {}
-    ms = s.get("max_split_size", -1)
-    divisions = s.get("roundup_power2_divisions") or {}
-    if isinstance(divisions, dict):
-        ordered = [int(divisions[k]) for k in sorted(divisions, key=lambda k: int(k))] if divisions else [0] * 16
-    else:
-        ordered = [0] * 16
-    ordered = (ordered + [0] * 16)[:16]
-    return AllocatorSettings(
-        max_split_size=UNLIMITED if not isinstance(ms, int) or ms < 0 else ms,
-        roundup_power2_divisions=tuple(ordered),
-        garbage_collection_threshold=float(s.get("garbage_collection_threshold", 0.0) or 0.0),
-        expandable_segments=bool(s.get("expandable_segments", False)),
-    )
-
-
-def apply_conf(base: AllocatorSettings, conf: list[str]) -> AllocatorSettings:
-    """Apply ``KEY:VALUE`` items spelled as in PYTORCH_CUDA_ALLOC_CONF."""
-    s = base
-    for item in conf:
-        for part in item.split(","):
-            if not part.strip():
-                continue
-            key, sep, value = part.partition(":")
-            key, value = key.strip(), value.strip()
-            if not sep:
-                raise ValueError(f"expected KEY:VALUE, got {part!r}")
-            if key == "expandable_segments":
-                if value not in ("True", "False", "true", "false", "1", "0"):
-                    raise ValueError(f"expandable_segments takes True or False, not {value!r}")
-                s = replace(s, expandable_segments=value in ("True", "true", "1"))
-            elif key == "max_split_size_mb":
-                mb = int(value)
-                if mb <= LARGE_BUFFER // MiB:
-                    raise ValueError("max_split_size_mb must be larger than 20")
-                s = replace(s, max_split_size=mb * MiB)
-            elif key == "max_non_split_rounding_mb":
-                s = replace(s, max_non_split_rounding=int(value) * MiB)
-            elif key == "garbage_collection_threshold":
-                t = float(value)
-                if not 0.0 < t < 1.0:
-                    raise ValueError("garbage_collection_threshold must be between 0 and 1")
-                s = replace(s, garbage_collection_threshold=t)
-            elif key == "roundup_power2_divisions":
-                if value.startswith("["):
-                    raise ValueError("per-interval roundup_power2_divisions lists are not supported here")
-                d = int(value)
-                if d & (d - 1):
-                    raise ValueError("roundup_power2_divisions must be a power of 2")
-                s = replace(s, roundup_power2_divisions=(d,) * 16)
-            else:
-                raise ValueError(f"unknown or unsupported setting {key!r}")
-    return s
 
 
 @dataclass(frozen=True)
@@ -107,7 +55,7 @@ class ScenarioResult:
 @dataclass(frozen=True)
 class ReplayCheck:
     exact: bool
-    approximate: bool  # the trace does not start at the start of the job
+    start: str  # the allocator state the replay started from
     reasons: list[str]
     recorded_reserved_bytes: int
     replayed_reserved_bytes: int
@@ -126,6 +74,7 @@ class WhatIf:
     replay_check: ReplayCheck
     scenarios: list[ScenarioResult] = field(default_factory=list)  # the first: the recorded settings
     memory_limit_source: str = ""
+    memory_limit_inferred: bool = False  # the limit is a stand-in (see MemoryLimit)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +82,7 @@ class WhatIf:
             "events": self.events,
             "memory_limit_bytes": self.memory_limit_bytes,
             "memory_limit_source": self.memory_limit_source,
+            "memory_limit_inferred": self.memory_limit_inferred,
             "replay_check": self.replay_check.to_dict(),
             "scenarios": [s.to_dict() for s in self.scenarios],
         }
@@ -140,18 +90,21 @@ class WhatIf:
 
 @dataclass(frozen=True)
 class _Program:
-    """The trace reduced to what the program did, as numpy columns."""
+    """The trace reduced to what the program did, as numpy columns. ``releases``: for each run
+    of segment frees or unmaps (by the position of its first event), who made it
+    (:mod:`.releases`) and the position of the allocation its following new segment was made
+    for (-1: none)."""
 
     kind: np.ndarray
     address: np.ndarray
     size: np.ndarray
     stream: np.ndarray
     index: np.ndarray
-    empty_cache_at: set[int]
+    releases: dict[int, tuple[str, int]]
 
 
-def _program(events: pd.DataFrame, device: int, settings: AllocatorSettings) -> _Program:
-    ev = events[events["device"] == device]
+def _program(frames: SnapshotFrames, device: int) -> _Program:
+    ev = frames.events[frames.events["device"] == device]
     action = ev["action"].astype(str).to_numpy()
     kind = np.full(len(ev), _OTHER, dtype=np.int8)
     kind[action == "alloc"] = _ALLOC
@@ -159,43 +112,60 @@ def _program(events: pd.DataFrame, device: int, settings: AllocatorSettings) -> 
     kind[np.isin(action, ["segment_alloc", "segment_map"])] = _SEG_NEW
     kind[np.isin(action, ["segment_free", "segment_unmap"])] = _SEG_GONE
     kind[action == "oom"] = _OOM
-    # A run of segment frees is an explicit torch.cuda.empty_cache() unless the allocator did it
-    # inside a malloc: before a recorded OOM, or (with garbage collection or max_split_size in
-    # force) right before the malloc's new segment.
-    empty_cache_at: set[int] = set()
-    automatic = settings.garbage_collection_threshold > 0 or settings.max_split_size != UNLIMITED
+    releases: dict[int, tuple[str, int]] = {}
     n = len(kind)
-    i = 0
-    while i < n:
-        if kind[i] != _SEG_GONE:
-            i += 1
-            continue
-        j = i
-        while j < n and kind[j] == _SEG_GONE:
-            j += 1
-        k = j
-        while k < n and kind[k] in (_OTHER,):
-            k += 1
-        follows = kind[k] if k < n else _OTHER
-        inside_malloc = follows == _OOM or (automatic and follows == _SEG_NEW)
-        if not inside_malloc:
-            empty_cache_at.add(i)
-        i = j
+    for r in find_releases(frames, device):
+        target = -1
+        if r.followed_by in ("segment_alloc", "segment_map"):
+            j = r.end
+            while j < n and kind[j] in (_SEG_NEW, _OTHER):
+                j += 1
+            target = j if j < n and kind[j] == _ALLOC else -1
+        releases[r.start] = (r.cause, target)
     return _Program(
         kind=kind,
         address=ev["address"].fillna(-1).astype("int64").to_numpy(),
         size=ev["size_bytes"].to_numpy(),
         stream=ev["stream"].to_numpy(),
         index=ev["event_index"].to_numpy(),
-        empty_cache_at=empty_cache_at,
+        releases=releases,
     )
 
 
+def _explicit_release(model: CachingAllocatorModel, prog: _Program, i: int) -> bool:
+    """Whether the release at ``i`` was the program's own ``torch.cuda.empty_cache()`` (replayed
+    as such under every setting) rather than the allocator making room inside an allocation
+    (recomputed by the model). The free events' stacks tell when they were recorded
+    (:mod:`.releases`); a release recorded without stacks (on the autograd thread with Python
+    stacks) before the new segment of an allocation was the allocator's exactly when that
+    allocation, under the recorded settings and limit, could not be served without giving memory
+    back (garbage collection, or a cudaMalloc over the limit and its retry). Real runs that break
+    the simpler rule "frees then a new segment are the allocator's only with garbage collection
+    or max_split_size on": capped default-settings runs whose out-of-memory retry freed the cache
+    (``whatif_default_capB``, ``gcwhatif_default_capH``); replayed as empty_cache() calls under
+    garbage collection they drop the predicted reserved memory."""
+    cause, target = prog.releases[i]
+    if cause in ("empty_cache", "oom", "allocator"):
+        return cause == "empty_cache"
+    if target < 0 or model.limit is None:
+        return True
+    return not model.needs_release(int(prog.size[target]), int(prog.stream[target]))
+
+
 def _replay(
-    prog: _Program, settings: AllocatorSettings, limit: int | None, reuse_addresses: bool
-) -> tuple[CachingAllocatorModel, dict[int, Block], bool | None]:
-    model = CachingAllocatorModel(settings, limit)
-    live: dict[int, Block] = {}
+    prog: _Program,
+    settings: AllocatorSettings,
+    limit: int | None,
+    start: StartState | None = None,
+    explicit: set[int] | None = None,
+    limit_is_cap: bool = True,
+) -> tuple[CachingAllocatorModel, dict[int, Block], bool | None, set[int]]:
+    """Replay the program; returns the model, its live blocks by recorded address, whether the
+    recorded OOM (if any) was avoided, and the release runs taken as explicit empty_cache()
+    calls (decided on the way when ``explicit`` is None: only under the recorded settings)."""
+    model = CachingAllocatorModel(settings, limit, limit_is_cap)
+    live: dict[int, Block] = seed(model, start) if start is not None else {}
+    decided: set[int] = set()
     recorded_oom_avoided: bool | None = None
     kind, address, size, stream, index = prog.kind, prog.address, prog.size, prog.stream, prog.index
     for i in range(len(kind)):
@@ -210,18 +180,20 @@ def _replay(
             if b is not None:
                 model.free(b)
         elif k == _SEG_NEW:
-            if reuse_addresses:
-                model.recorded_addresses.setdefault(int(size[i]), []).append(int(address[i]))
+            model.recorded_addresses.setdefault(int(size[i]), []).append(int(address[i]))
         elif k == _SEG_GONE:
-            if i in prog.empty_cache_at:
-                model.empty_cache()
+            if i in prog.releases:
+                is_explicit = _explicit_release(model, prog, i) if explicit is None else i in explicit
+                if is_explicit:
+                    decided.add(i)
+                    model.empty_cache()
         elif k == _OOM:
             try:
                 model.malloc(int(size[i]), int(stream[i]), int(index[i]))
                 recorded_oom_avoided = True if recorded_oom_avoided is None else recorded_oom_avoided
             except OutOfMemory:
                 recorded_oom_avoided = False
-    return model, live, recorded_oom_avoided
+    return model, live, recorded_oom_avoided, decided
 
 
 def _recorded_layout(frames: SnapshotFrames, device: int) -> list[list[tuple[int, bool]]]:
@@ -237,27 +209,41 @@ def _canon(layout: list[list[tuple[int, bool]]]) -> list[tuple[tuple[int, bool],
     return sorted(tuple(seg) for seg in layout)
 
 
+def _describe_start(start: StartState) -> str:
+    if not start.segments:
+        return "empty: the trace starts before the first allocation"
+    live = sum(len(s.live) for s in start.segments)
+    reserved = sum(s.size for s in start.segments)
+    return (
+        f"rebuilt from the snapshot backwards: {len(start.segments)} segments ({reserved:,} bytes) "
+        f"with {live} live blocks before the trace's first event"
+    )
+
+
 def analyse_whatif(
     frames: SnapshotFrames,
     device: int,
     scenarios: list[AllocatorSettings],
     memory_limit: int | None = None,
-    history_complete: bool = True,
+    limit_is_cap: bool = True,
 ) -> WhatIf:
-    """Replay check under the recorded settings, then each scenario."""
+    """Replay check under the recorded settings, then each scenario. Every replay starts from
+    the state just before the trace's first event, rebuilt from the dump (empty when the trace
+    starts with the job). ``limit_is_cap``: the limit is a per-process cap
+    (``set_per_process_memory_fraction``), under which garbage collection runs; the device's
+    own capacity is not."""
     base = recorded_settings(frames.info.allocator_settings)
     ev = frames.events[frames.events["device"] == device]
-    prog = _program(frames.events, device, base)
+    prog = _program(frames, device)
+    start = start_state(frames, device, base)
     # replay check: the recorded settings and segment addresses under the same limit (a limit
     # the recorded run never met shows up here as a mismatch: it is not the one it ran under)
-    model, live, _ = _replay(prog, base, memory_limit, reuse_addresses=True)
+    model, live, _, explicit = _replay(prog, base, memory_limit, start, None, limit_is_cap)
     replayed = model.layout(list(live.values()))
     recorded = _recorded_layout(frames, device)
     reasons = []
     rec_reserved = sum(sum(s for s, _ in seg) for seg in recorded)
     rep_reserved = sum(sum(s for s, _ in seg) for seg in replayed)
-    if not history_complete:
-        reasons.append("the trace does not start at the start of the job: earlier allocations are unknown")
     if frames.segments["is_private_pool"].any():
         reasons.append("CUDA-graph private pools are not modelled (replayed in the default pool)")
     if rep_reserved != rec_reserved:
@@ -269,7 +255,7 @@ def analyse_whatif(
     exact = not reasons
     check = ReplayCheck(
         exact=exact,
-        approximate=not history_complete,
+        start=_describe_start(start),
         reasons=reasons,
         recorded_reserved_bytes=rec_reserved,
         replayed_reserved_bytes=rep_reserved,
@@ -278,7 +264,7 @@ def analyse_whatif(
     )
     results = []
     for s in scenarios:
-        m, _live_s, avoided = _replay(prog, s, memory_limit, reuse_addresses=True)
+        m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
         results.append(
             ScenarioResult(
                 settings=s.describe(),
@@ -307,8 +293,25 @@ def grid(base: AllocatorSettings, memory_limit: int | None) -> list[AllocatorSet
     return [s for s in dict.fromkeys(out) if s != base]
 
 
-def quick_grid(base: AllocatorSettings, memory_limit: int | None) -> list[AllocatorSettings]:
-    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more)."""
+def scenarios_for(
+    recorded: AllocatorSettings, conf: list[str], defaults: bool, memory_limit: int | None
+) -> list[AllocatorSettings]:
+    """The scenarios ``snaplab whatif`` replays, the recorded settings first: ``conf``
+    (``KEY:VALUE`` items) applied to the recorded settings, or to PyTorch's defaults with
+    ``defaults``; without ``conf``, the grid around that base (with ``defaults``, the plain
+    defaults themselves too, when the recording used other settings). Raises ValueError for a
+    malformed ``conf``."""
+    base = AllocatorSettings() if defaults else recorded
+    scenarios = [apply_conf(base, conf)] if conf else [base, *grid(base, memory_limit)]
+    return [recorded, *[s for s in dict.fromkeys(scenarios) if s != recorded]]
+
+
+def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 0) -> list[AllocatorSettings]:
+    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more); one
+    for traces of more than ``WHATIF_FULL_GRID_EVENTS`` events, so a huge trace stays within the
+    report's time budget (the replay runs at about 600k events per second)."""
+    if events > WHATIF_FULL_GRID_EVENTS:
+        return [s for s in [replace(base, expandable_segments=True)] if s != base]
     out = [
         replace(base, expandable_segments=True),
         replace(base, expandable_segments=True, roundup_power2_divisions=(4,) * 16),
@@ -318,29 +321,56 @@ def quick_grid(base: AllocatorSettings, memory_limit: int | None) -> list[Alloca
     return [s for s in dict.fromkeys(out) if s != base]
 
 
-def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int | None) -> tuple[int | None, str]:
-    """The limit the job ran under, when the snapshot says: the capture sidecar's OOM record,
-    else the OOM event (physical memory when the device was really full; when the device still
-    had room, a per-process cap is inferred as the peak reserved before the OOM)."""
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What the job's allocator could reserve, as far as the snapshot tells."""
+
+    bytes: int | None  # None: no limit met in the trace
+    source: str
+    is_cap: bool = True  # a per-process cap (set_per_process_memory_fraction), not the device's capacity
+    inferred: bool = False  # a guess: the snapshot shows an OOM under a cap whose value it does not record
+
+
+def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int | None) -> MemoryLimit:
+    """The limit the job ran under: the capture sidecar's OOM record, else the OOM event. When
+    the device itself had room for the failing request, a per-process cap caused the OOM; the
+    snapshot does not record its value, so the peak reserved before the OOM stands in for it
+    (the smallest cap consistent with the recording: what fits under it surely fit)."""
     cap = frames.info.capture or {}
     oom = cap.get("oom") if isinstance(cap, dict) else None
-    if isinstance(oom, dict) and isinstance(oom.get("limit_bytes"), int) and oom.get("device", device) == device:
-        return int(oom["limit_bytes"]), "capture sidecar (the OOM observer's limit)"
     ev = frames.events[(frames.events["device"] == device) & (frames.events["action"] == "oom")]
-    if ev.empty:
-        return None, "none (unlimited)"
-    last = ev.iloc[-1]
-    free = last["device_free_bytes"]
-    seg = frames.segments[frames.segments["device"] == device]
-    reserved = int(seg["total_size_bytes"].sum())
-    if not pd.isna(free) and int(last["size_bytes"]) > int(free):
-        return reserved + int(free), "the OOM event (device memory was full)"
+    last = ev.iloc[-1] if len(ev) else None
+    device_had_room = (
+        last is not None
+        and not pd.isna(last["device_free_bytes"])
+        and int(last["device_free_bytes"]) >= int(last["size_bytes"])
+    )
+    if isinstance(oom, dict) and isinstance(oom.get("limit_bytes"), int) and oom.get("device", device) == device:
+        limit = int(oom["limit_bytes"])
+        totals = cap.get("device_total_bytes") if isinstance(cap.get("device_total_bytes"), dict) else {}
+        total = totals.get(str(device))
+        is_cap = limit < total if isinstance(total, int) else device_had_room
+        return MemoryLimit(limit, "capture sidecar (the OOM observer's limit)", is_cap)
+    if last is None:
+        return MemoryLimit(None, "none (unlimited)")
+    if not device_had_room and not pd.isna(last["device_free_bytes"]):
+        m = oom_moment(frames, device)
+        reserved = int(m.segments["total_size_bytes"].sum()) if m is not None else 0
+        return MemoryLimit(
+            reserved + int(last["device_free_bytes"]), "the OOM event (device memory was full)", is_cap=False
+        )
     if reserved_peak:
-        return reserved_peak, "inferred: the device had room, so a per-process cap at the peak reserved before the OOM"
-    return None, "none (unlimited)"
+        return MemoryLimit(
+            reserved_peak,
+            "inferred: the device had room for the failing request, so a per-process cap refused it; its value "
+            "is not recorded, and the peak reserved before the OOM stands in for it",
+            is_cap=True,
+            inferred=True,
+        )
+    return MemoryLimit(None, "none (unlimited)")
 
 
-WHATIF_MAX_EVENTS = 200_000  # the report and findings replay traces up to this size
+WHATIF_FULL_GRID_EVENTS = 200_000  # above this, the report replays one alternative, not three
 MIN_SAVING_BYTES = 256 * MiB
 MIN_SAVING_SHARE = 0.10
 

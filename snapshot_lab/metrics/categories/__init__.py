@@ -62,7 +62,9 @@ def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool 
     b = frames.blocks
     live = (b["device"] == device) & (b["state"] == "active_allocated")
     grouped = b.loc[live, ["size_bytes", "requested_size_bytes"]].groupby(cats[live])
-    by = grouped.agg(size=("size_bytes", "sum"), requested=("requested_size_bytes", "sum"), count=("size_bytes", "size"))
+    by = grouped.agg(
+        size=("size_bytes", "sum"), requested=("requested_size_bytes", "sum"), count=("size_bytes", "size")
+    )
     return CategoryBreakdown(
         device=device,
         live_bytes={c: int(by["size"].get(c, 0)) for c in CATEGORIES},

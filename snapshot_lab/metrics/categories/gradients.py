@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-
 THREAD_CODES = {"none": 0, "main": 1, "autograd": 2, "other": 3}
 
 

@@ -1,0 +1,42 @@
+"""What every finding rule shares: the finding itself, and what the rules read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ...frames import SnapshotFrames
+from ..categories import CategoryBreakdown
+from ..leaks import LeakAnalysis
+from ..summary import SnapshotStats
+from ..timeline import Timeline
+from ..whatif import WhatIf
+
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    severity: str  # 'critical', 'warning', 'info'
+    title: str
+    advice: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    savings_bytes: int | None = None  # memory the advice would free or make usable, when known
+    device: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FindingContext:
+    """The analyses a rule may read (all computed once per snapshot by ``diagnose``)."""
+
+    stats: SnapshotStats
+    frames: SnapshotFrames
+    timelines: dict[int, Timeline | None] = field(default_factory=dict)
+    categories: dict[int, CategoryBreakdown] = field(default_factory=dict)
+    leaks: dict[int, LeakAnalysis] = field(default_factory=dict)
+    whatifs: dict[int, WhatIf] = field(default_factory=dict)

@@ -1,0 +1,72 @@
+"""High fragmentation without an OOM: reserved memory no request could use."""
+
+from __future__ import annotations
+
+from ...units import format_bytes
+from ..summary import DeviceStats
+from ..timeline import Timeline
+from .base import Finding, FindingContext, MiB
+
+# thresholds, chosen so that clean runs stay quiet (see tests/test_diagnostics.py)
+FRAG_MIN_BYTES = 512 * MiB
+FRAG_MIN_SHARE = 0.30
+
+
+def _finding(d: DeviceStats, tl: Timeline | None) -> Finding | None:
+    f = d.fragmentation["all"]
+    reserved = f.reserved_bytes
+    stranded = f.stranded_bytes
+    overhead = (tl.peak_reserved_bytes - tl.peak_requested_bytes) if tl is not None else 0
+    at_dump = stranded >= FRAG_MIN_BYTES and reserved and stranded / reserved >= FRAG_MIN_SHARE
+    # levels anchored at the dump are exact too (the trace's changes are exact): a trace whose
+    # ring buffer wrapped is judged at its peak like a complete one
+    at_peak = (
+        tl is not None and overhead >= FRAG_MIN_BYTES and overhead / max(tl.peak_reserved_bytes, 1) >= FRAG_MIN_SHARE
+    )
+    if not (at_dump and f.external_fragmentation >= 0.5) and not at_peak:
+        return None
+    if at_peak and tl is not None:
+        title = (
+            f"Fragmentation: at the peak {format_bytes(tl.peak_reserved_bytes)} was reserved for "
+            f"{format_bytes(tl.peak_requested_bytes)} of tensors; {format_bytes(overhead)} "
+            f"({overhead / tl.peak_reserved_bytes:.0%}) sat in cached blocks no request could use"
+        )
+    else:
+        title = (
+            f"Fragmentation: {format_bytes(stranded)} of free memory is stranded in segments that hold live "
+            "tensors, in holes too small for large requests"
+        )
+    return Finding(
+        id="high-fragmentation",
+        severity="warning",
+        title=title,
+        advice=(
+            "The caching allocator carves segments into blocks; when tensor sizes vary (variable sequence "
+            "lengths, changing batch shapes), freed blocks do not fit the next requests and new segments are "
+            "reserved instead. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow in place "
+            "and usually removes most of this overhead; padding shapes to a few fixed sizes helps too."
+        ),
+        evidence={
+            "reserved_bytes": reserved,
+            "stranded_bytes": stranded,
+            "external_fragmentation": f.external_fragmentation,
+            "largest_free_block_bytes": f.largest_free_block_bytes,
+            "peak_reserved_bytes": tl.peak_reserved_bytes if tl else None,
+            "peak_requested_bytes": tl.peak_requested_bytes if tl else None,
+            "overhead_at_peak_bytes": overhead if tl else None,
+            "levels_anchored_at_dump": tl.anchored_at_end if tl else None,
+        },
+        savings_bytes=max(stranded, overhead),
+        device=d.device,
+    )
+
+
+def find(ctx: FindingContext) -> list[Finding]:
+    out = []
+    for dev, d in ctx.stats.devices.items():
+        if d.oom is not None and d.oom.cause == "fragmentation":
+            continue  # the OOM finding says it
+        f = _finding(d, ctx.timelines.get(dev))
+        if f is not None:
+            out.append(f)
+    return out

@@ -1,0 +1,51 @@
+"""What was recorded: no trace at all, or a trace that misses the start of the job."""
+
+from __future__ import annotations
+
+from ...units import format_bytes
+from .base import Finding, FindingContext
+
+
+def find(ctx: FindingContext) -> list[Finding]:
+    rec = ctx.stats.recording
+    out = []
+    if rec.mode == "state":
+        out.append(
+            Finding(
+                id="no-trace",
+                severity="info",
+                title="State-only recording: no allocation history, so no timeline or peak analysis",
+                advice=(
+                    "Record with torch.cuda.memory._record_memory_history(max_entries=100000) "
+                    "(enabled='all', the default) to get the event history."
+                ),
+                evidence={"mode": rec.mode},
+            )
+        )
+    for d in rec.devices:
+        if rec.mode != "trace" or d.history_complete:
+            continue
+        out.append(
+            Finding(
+                id="history-incomplete",
+                severity="info",
+                title=(
+                    f"The trace of device {d.device} misses the start of the job: "
+                    f"{format_bytes(d.live_bytes_before_trace)} still live was allocated before its first event"
+                ),
+                advice=(
+                    "The ring buffer wrapped or recording started after the model was built. Timelines are "
+                    "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
+                    "start is rebuilt from the dump for the what-if replay; sites at the peak miss allocations "
+                    "older than the trace. Start recording earlier or raise max_entries to see them."
+                ),
+                evidence={
+                    "trace_events": d.events,
+                    "orphan_frees": d.orphan_frees,
+                    "live_blocks_before_trace": d.live_blocks_before_trace,
+                    "live_bytes_before_trace": d.live_bytes_before_trace,
+                },
+                device=d.device,
+            )
+        )
+    return out
