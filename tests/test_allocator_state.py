@@ -25,7 +25,8 @@ def test_following_the_trace_ends_on_the_snapshot(real_frames, name):
         f = follow(fr, dev, settings)
         assert f.mismatches == 0
         assert same_layout(f.model.layout([lb.block for lb in f.live.values()]), layout_of(fr, dev))
-        assert f.model.stats.reserved_bytes == sample_truth(name)["memory_stats"][str(dev)]["reserved_bytes.all.current"]
+        truth = sample_truth(name)["memory_stats"][str(dev)]
+        assert f.model.stats.reserved_bytes == truth["reserved_bytes.all.current"]
 
 
 def test_start_state_of_a_wrapped_trace(real_frames):
