@@ -4,15 +4,28 @@ Preferred source: ``external_annotations`` (torch >= 2.5 records ``record_functi
 history is recorded; every ``torch.optim`` optimizer wraps ``step()`` in one named
 ``Optimizer.step#<Class>.step``). Otherwise the trace's own repeating pattern: the allocation
 site that fires once per iteration at a steady rhythm.
+
+A repeating pattern alone is not an iteration: the layers of one deep model repeat too. An
+iteration is something that ends, so a pattern counts only when its repetitions show it: each
+holds a backward pass or an optimizer step, or memory returns towards where the repetition
+started. One forward pass through 32 identical layers (``deep_forward_python``, and the C++-stack
+``deep_llama_forward_all``) is one climb: every layer keeps what it saved for backward, nearly
+all of its rise (median 97%), and the simpler rule took the layers for iterations and their
+saved activations for a leak.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from ..frames import SnapshotFrames
+from .categories import stack_categories, stack_threads
+from .categories.gradients import THREAD_CODES, thread_codes
 
 # annotation name patterns, most specific first
 _ANNOTATION_PATTERNS = (
@@ -68,6 +81,34 @@ def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: i
 MIN_PATTERN_ITERATIONS = 6  # a rhythm guessed from the trace needs more evidence than annotations
 
 
+MIN_ENDING_SHARE = 0.8  # of the repetitions that must show an end
+MAX_NET_RISE = 0.5  # what a repetition may keep of its rise and still have "returned"
+
+
+def _pattern_ends(frames: SnapshotFrames, events: pd.DataFrame, starts: np.ndarray) -> bool:
+    """Whether the repetitions starting at ``starts`` (event indexes) end like iterations."""
+    base = int(events["event_index"].iloc[0])
+    pos = starts - base
+    sid = events["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    threads = thread_codes(sid, stack_threads(frames))
+    cats = stack_categories(frames)
+    optim = np.isin(sid, cats.index[cats == "optimizer_state"].to_numpy(dtype=np.int64))
+    marks = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"]) | optim
+    bounds = np.r_[pos, len(events)]
+    with_end = sum(bool(marks[a:b].any()) for a, b in itertools.pairwise(bounds))
+    if with_end >= MIN_ENDING_SHARE * pos.size:
+        return True
+    action = events["action"].astype(str).to_numpy()
+    size = events["size_bytes"].to_numpy()
+    level = np.cumsum(np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0))
+    kept = []
+    for a, b in itertools.pairwise(bounds):
+        before = level[a - 1] if a > 0 else 0
+        rise = level[a:b].max() - before
+        kept.append((level[b - 1] - before) / rise if rise > 0 else 0.0)
+    return float(np.median(kept)) <= MAX_NET_RISE
+
+
 def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     """The allocation site that fires at the steadiest rhythm, least often (once per iteration
     rather than once per layer), over most of the trace."""
@@ -93,12 +134,17 @@ def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     return Iterations(device, best[3], "repeating allocation pattern", f"stack {best[2]}")
 
 
-def find_iterations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> Iterations | None:
+def find_iterations(frames: SnapshotFrames, device: int) -> Iterations | None:
     """Iteration starts of one device (None when fewer than three can be found)."""
-    ev = events[events["device"] == device]
+    ev = frames.events[frames.events["device"] == device]
     if len(ev) < 2:
         return None
-    found, has_step_annotations = _from_annotations(ev, annotations, device)
+    found, has_step_annotations = _from_annotations(ev, frames.annotations, device)
     if found is not None:
         return found
-    return None if has_step_annotations else _from_pattern(ev, device)
+    if has_step_annotations:
+        return None
+    pattern = _from_pattern(ev, device)
+    if pattern is None or not _pattern_ends(frames, ev, pattern.starts):
+        return None
+    return pattern

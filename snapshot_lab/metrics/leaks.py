@@ -116,13 +116,15 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
 
 def find_leaks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame | None = None) -> LeakAnalysis:
     """Leak suspects of one device, most suspicious first."""
-    it = find_iterations(frames.events, frames.annotations, device)
+    it = find_iterations(frames, device)
     if it is None:
         ev = frames.events[frames.events["device"] == device]
         why = (
             "no allocation history (state-only recording)"
             if len(ev) <= 1
-            else "no iterations found: no step annotations and no repeating allocation pattern"
+            else "no iterations found: no step annotations, and no repeating allocation pattern that ends like an "
+            "iteration (a backward pass, an optimizer step, or memory returning to where it started); one climb, "
+            "such as a forward pass through many identical layers, is not a series of iterations"
         )
         return LeakAnalysis(device, 0, None, None, [], why)
     if lifetimes is None:
