@@ -33,7 +33,7 @@ from .metrics.compare import (
     Violation,
     check_limits,
     diff_summaries,
-    rank_of,
+    host_of,
     rank_rows,
     summarize,
 )
@@ -206,18 +206,20 @@ def ranks(
 ) -> tuple[list[RankRow], dict[str, str]]:
     """One row per rank file, outliers flagged; files are parsed in parallel by ``jobs``
     processes, each holding one snapshot at a time (or on a Dask cluster with ``scheduler``:
-    an address, or 'local'). Returns the rows and, per file that could not be read, its error."""
+    an address, or 'local'). The rank comes from ``rank<N>`` in the file name; files that share a
+    number, or have none, are all compared too, each row labelled by its host (from the capture
+    sidecar or the name) or its file name (``RankRow.label``). A file given twice is read once.
+    Returns the rows and, per file that could not be read, its error."""
     progress = progress or NullProgress()
-    paths = [str(p) for p in snapshots]
+    paths = list(dict.fromkeys(str(p) for p in snapshots))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
     progress.stage(f"Reading {len(paths)} snapshots", total=len(paths))
-    summaries: dict[int, SnapshotSummary] = {}
+    summaries: dict[str, SnapshotSummary] = {}
     errors: dict[str, str] = {}
-    ranks_of = {p: rank_of(p, i) for i, p in enumerate(paths)}
 
     def take(path: str, fut_result: Callable[[], Any]) -> None:
         try:
-            summaries[ranks_of[path]] = fut_result()
+            summaries[path] = fut_result()
         except SnaplabError as exc:
             errors[path] = exc.message()
 
@@ -234,9 +236,10 @@ def ranks(
             for i, fut in enumerate(concurrent.futures.as_completed(futures)):
                 take(futures[fut], fut.result)
                 progress.update(i + 1)
-    if len(set(ranks_of.values())) != len(paths):
-        raise UsageError("several files map to the same rank: name them ..._rank<N>... or pass distinct files")
-    rows = rank_rows(summaries)
+    from .load import load_sidecar
+
+    read = {p: summaries[p] for p in paths if p in summaries}
+    rows = rank_rows(read, {p: host_of(p, load_sidecar(p)) for p in read})
     if output is not None and rows:
         import pandas as pd
 
@@ -247,7 +250,7 @@ def ranks(
 
         chart = pd.DataFrame(
             {
-                "rank": [r.rank for r in rows],
+                "rank": [r.label for r in rows],
                 "peak": [r.summary.peak_requested_bytes for r in rows],
                 "reserved": [r.summary.reserved for r in rows],
                 "outlier": [bool(r.flags) for r in rows],

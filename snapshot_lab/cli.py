@@ -176,7 +176,11 @@ def diff(
 @app.command()
 def ranks(
     snapshots: Annotated[
-        list[Path], typer.Argument(help="One snapshot per rank (rank read from 'rank<N>' in the name).")
+        list[Path],
+        typer.Argument(
+            help="Snapshots of the ranks (rank read from 'rank<N>' in the name; files that share a number"
+            " or have none are labelled by host or file name)."
+        ),
     ],
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel worker processes [default: CPUs].")] = None,
     scheduler: Annotated[
@@ -199,6 +203,11 @@ def ranks(
             from .render.compare import format_ranks
 
             sys.stdout.write(format_ranks(rows))
+        from .render.compare import rank_notice
+
+        notice = rank_notice(rows)
+        if notice:
+            typer.echo(f"snaplab: note: {notice}", err=True)
         for e in errors.values():
             typer.echo(f"snaplab: error: {e}", err=True)
         if errors:

@@ -65,9 +65,9 @@ def test_diff_of_leaking_run_against_clean_finds_sites():
 
 
 def test_rank_names():
-    assert rank_of("/x/oom_rank12.pickle", 0) == 12
-    assert rank_of("snap_rank-3_host_2024.pickle.gz", 0) == 3
-    assert rank_of("plain.pickle", 7) == 7
+    assert rank_of("/x/oom_rank12.pickle") == 12
+    assert rank_of("snap_rank-3_host_2024.pickle.gz") == 3
+    assert rank_of("plain.pickle") is None  # no number: a row of its own, labelled by file name
 
 
 def test_ranks_on_ddp_run(tmp_path):

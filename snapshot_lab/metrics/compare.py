@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import pandas as pd
 
@@ -195,19 +197,53 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
 # --------------------------------------------------------------------------- ranks
 
 RANK_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+# ``snaplab run`` names files <prefix>_rank<R>_<host>_<YYYYmmdd-HHMMSS>[_<why>].pickle (host without '_')
+CAPTURE_HOST_RE = re.compile(r"rank[_-]?\d+_([A-Za-z0-9.-]+)_\d{8}-\d{6}", re.IGNORECASE)
+# otherwise only a token that plainly names a machine (node3, node-7, host12, nid001234): a bare
+# prefix such as 'a_rank0' or 'run2_rank0' is not taken for a host
+NAME_HOST_RE = re.compile(r"(?<![A-Za-z0-9])((?:node|host|nid)-?\d+)(?![A-Za-z0-9])", re.IGNORECASE)
 OUTLIER_RATIO = 0.15  # flagged when this far above the median...
 OUTLIER_LOW_RATIO = 0.5  # ...or this far below it (a rank doing much less work than the others)
 OUTLIER_MIN_BYTES = 128 * MiB  # ...and by at least this much
 
+K = TypeVar("K", bound=Hashable)
 
-def rank_of(path: str, position: int) -> int:
-    m = RANK_RE.findall(path.replace("\\", "/").split("/")[-1])
-    return int(m[-1]) if m else position
+
+def _file_name(path: str) -> str:
+    return path.replace("\\", "/").split("/")[-1]
+
+
+def rank_of(path: str) -> int | None:
+    """The rank number in a file's name (the last ``rank<N>``), or None when it has none."""
+    m = RANK_RE.findall(_file_name(path))
+    return int(m[-1]) if m else None
+
+
+def host_of(path: str, sidecar: dict[str, Any] | None = None) -> str | None:
+    """The host a rank file came from: the capture sidecar's ``host``, else a host in the file
+    name (``snaplab run``'s naming, or a token like ``node3``), else None."""
+    if sidecar is not None and isinstance(sidecar.get("host"), str) and sidecar["host"].strip():
+        # it goes into one-line messages and labels: no newline, control character or space
+        host = "".join(c if c.isprintable() and not c.isspace() else "-" for c in sidecar["host"].strip())
+        return host[:64]
+    name = _file_name(path)
+    m = CAPTURE_HOST_RE.search(name) or NAME_HOST_RE.search(name)
+    return m.group(1) if m else None
+
+
+LabelKind = Literal["rank", "host", "file"]
 
 
 @dataclass(frozen=True)
 class RankRow:
-    rank: int
+    """One file of a fleet. ``label`` is unique among the rows: the rank number when no other
+    file has it, ``<host>/rank<N>`` when the host tells files of one number apart, else the file
+    name (with as much of its directory as needed); ``labelled_by`` says which."""
+
+    rank: int | None
+    label: str
+    labelled_by: LabelKind
+    host: str | None
     summary: SnapshotSummary
     flags: list[str]
 
@@ -215,6 +251,8 @@ class RankRow:
         s = self.summary
         return {
             "rank": self.rank,
+            "label": self.label,
+            "host": self.host,
             "path": s.path,
             "devices": s.devices,
             "reserved_bytes": s.reserved,
@@ -229,10 +267,11 @@ class RankRow:
         }
 
 
-def rank_outliers(summaries: dict[int, SnapshotSummary]) -> dict[int, list[str]]:
-    """Why each rank stands out from the others (empty list: it does not)."""
-    flags: dict[int, list[str]] = {r: [] for r in summaries}
-    metrics: dict[str, dict[int, int | None]] = {
+def rank_outliers(summaries: dict[K, SnapshotSummary]) -> dict[K, list[str]]:
+    """Why each file stands out from the others (empty list: it does not); keys are anything
+    that names a file (its rank, its path)."""
+    flags: dict[K, list[str]] = {r: [] for r in summaries}
+    metrics: dict[str, dict[K, int | None]] = {
         "peak in use": {r: s.peak_requested_bytes for r, s in summaries.items()},
         "reserved": {r: s.reserved for r, s in summaries.items()},
         "allocated": {r: s.allocated for r, s in summaries.items()},
@@ -258,9 +297,65 @@ def rank_outliers(summaries: dict[int, SnapshotSummary]) -> dict[int, list[str]]
     return flags
 
 
-def rank_rows(summaries: dict[int, SnapshotSummary]) -> list[RankRow]:
+def _path_labels(paths: list[str]) -> dict[str, str]:
+    """The shortest end of each path (file name, then parent/file name, ...) that no other of
+    ``paths`` shares; the whole path where nothing shorter tells them apart."""
+    parts = {p: [x for x in p.replace("\\", "/").split("/") if x] or [p] for p in paths}
+    depth = dict.fromkeys(paths, 1)
+    while True:
+        labels = {p: "/".join(parts[p][-depth[p] :]) if depth[p] <= len(parts[p]) else p for p in paths}
+        seen = Counter(labels.values())
+        clash = [p for p in paths if seen[labels[p]] > 1 and labels[p] != p]
+        if not clash:
+            return labels
+        for p in clash:
+            depth[p] += 1
+
+
+def rank_labels(paths: list[str], hosts: dict[str, str | None]) -> dict[str, tuple[int | None, str, LabelKind]]:
+    """Rank, label and what the label comes from, per path (see ``RankRow``)."""
+    rank = {p: rank_of(p) for p in paths}
+    count = Counter(r for r in rank.values() if r is not None)
+    count_host = Counter((rank[p], hosts.get(p)) for p in paths)
+    out: dict[str, tuple[int | None, str, LabelKind]] = {}
+    by_file = []
+    for p in paths:
+        r, h = rank[p], hosts.get(p)
+        if r is not None and count[r] == 1:
+            out[p] = (r, str(r), "rank")
+        elif r is not None and h is not None and count_host[r, h] == 1:
+            out[p] = (r, f"{h}/rank{r}", "host")
+        else:
+            by_file.append(p)
+    names = _path_labels(by_file)
+    taken = {label for _, label, _ in out.values()}
+    for p in by_file:
+        # a file literally named like another row's label ('3', 'node3/rank0') keeps its whole path
+        label = names[p] if names[p] not in taken else p if p not in taken else f"./{p}"
+        out[p] = (rank[p], label, "file")
+    return out
+
+
+def rank_rows(summaries: dict[str, SnapshotSummary], hosts: dict[str, str | None] | None = None) -> list[RankRow]:
+    """One row per file (``summaries`` keyed by path), labelled (see ``RankRow``) and flagged
+    against the median of all rows, ordered by rank, then host, then file name (numbers in them
+    by value); files without a rank number come last."""
+    hosts = hosts or {}
+    paths = list(summaries)
+    labels = rank_labels(paths, hosts)
     flags = rank_outliers(summaries)
-    return [RankRow(r, summaries[r], flags[r]) for r in sorted(summaries)]
+
+    def natural(text: str) -> list[str | int]:  # node2 before node10
+        return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", text))]
+
+    def order(p: str) -> tuple[bool, int, list[str | int], list[str | int], str]:
+        r = labels[p][0]
+        return (r is None, r if r is not None else 0, natural(hosts.get(p) or ""), natural(_file_name(p)), p)
+
+    return [
+        RankRow(labels[p][0], labels[p][1], labels[p][2], hosts.get(p), summaries[p], flags[p])
+        for p in sorted(paths, key=order)
+    ]
 
 
 # --------------------------------------------------------------------------- check

@@ -32,7 +32,8 @@ def plot_device_comparison(rows: pd.DataFrame) -> Figure:
 
 @styled
 def plot_ranks(rows: pd.DataFrame) -> Figure:
-    """``rows``: columns rank, peak (bytes or NaN), reserved, outlier (bool)."""
+    """``rows``: columns rank (the row's label: a number, host/rank or a file name), peak (bytes
+    or NaN), reserved, outlier (bool)."""
     n = len(rows)
     fig = new_figure(10.5, 2.8 if n <= 64 else 3.4)
     ax = fig.add_subplot()
@@ -43,7 +44,11 @@ def plot_ranks(rows: pd.DataFrame) -> Figure:
     ax.bar(x, peak, 0.45, color=color, label="peak in use (trace); red: flagged rank")
     ax.axhline(float(np.median(peak)) if peak.any() else 0, color="#555555", lw=0.8, ls="--", label="median peak")
     step = max(1, n // 32)
-    ax.set_xticks(x[::step], [str(r) for r in rows["rank"].to_numpy()[::step]])
+    ticks = [str(r) for r in rows["rank"].to_numpy()[::step]]
+    long = any(len(t) > 4 for t in ticks)  # host/rank or file names: slanted so they do not overlap
+    ax.set_xticks(
+        x[::step], ticks, rotation=30 if long else 0, ha="right" if long else "center", fontsize=7 if long else None
+    )
     ax.set_xlabel("rank")
     bytes_axis(ax.yaxis)
     ax.set_ylabel("GPU memory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ..metrics.compare import Change, RankRow, SnapshotDiff
@@ -95,13 +96,67 @@ def format_diff(d: SnapshotDiff) -> str:
     return f"{head}\n{totals}\n\n{cats}\n\n{sites}\n{extra}"
 
 
+def _who(r: RankRow) -> str:
+    return f"rank {r.label}" if r.labelled_by == "rank" else r.label
+
+
+def _noun(rows: list[RankRow]) -> str:
+    """'ranks' when every row is a rank of its own, 'files' when some numbers are shared or missing."""
+    return "ranks" if all(r.labelled_by == "rank" for r in rows) else "files"
+
+
+def _number_runs(numbers: list[int], most: int = 6) -> str:
+    """0–7, 12, 14–15 (sorted, distinct numbers; the first ``most`` runs, then …)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs[:most])
+    return text + (", …" if len(runs) > most else "")
+
+
+def rank_notice(rows: list[RankRow]) -> str | None:
+    """One line saying that rank numbers were shared or missing and how those rows are labelled
+    (None when every file has a rank number of its own)."""
+    counts = Counter(r.rank for r in rows if r.rank is not None)
+    shared = sorted(k for k, n in counts.items() if n > 1)
+    missing = sum(r.rank is None for r in rows)
+    if not shared and not missing:
+        return None
+    what = []
+    if len(shared) == 1:
+        what.append(f"rank {shared[0]} is in {counts[shared[0]]} files")
+    elif shared:
+        what.append(f"ranks {_number_runs(shared)} are each in several files ({sum(counts[k] for k in shared)} files)")
+    if missing == 1:
+        what.append("1 file has no rank number in its name")
+    elif missing:
+        what.append(f"{missing} files have no rank number in their names")
+
+    def example(r: RankRow) -> str:  # a file name may hold a newline: the notice stays one line
+        return "".join(c if c.isprintable() else "?" for c in r.label)
+
+    how = []
+    by_host = [r for r in rows if r.labelled_by == "host"]
+    by_file = [r for r in rows if r.labelled_by == "file"]
+    if by_host:
+        how.append(f"host/rank (e.g. {example(by_host[0])})")
+    if by_file:
+        how.append(f"{'by ' if not by_host else ''}file name (e.g. {example(by_file[0])})")
+    return (
+        f"{' and '.join(what)}: those rows are labelled {' or '.join(how)}; all {len(rows)} files are compared together"
+    )
+
+
 def _rank_headline(rows: list[RankRow]) -> str:
     flagged = [r for r in rows if r.flags]
     if not flagged:
-        return f"{len(rows)} ranks, none stands out."
+        return f"{len(rows)} {_noun(rows)}, none stands out."
     return (
-        f"{len(rows)} ranks; {len(flagged)} {'stands' if len(flagged) == 1 else 'stand'} out: "
-        + "; ".join(f"rank {r.rank}: {r.flags[0]}" for r in flagged[:5])
+        f"{len(rows)} {_noun(rows)}; {len(flagged)} {'stands' if len(flagged) == 1 else 'stand'} out: "
+        + "; ".join(f"{_who(r)}: {r.flags[0]}" for r in flagged[:5])
         + ("" if len(flagged) <= 5 else "; …")
     )
 
@@ -110,11 +165,15 @@ def render_ranks_html(rows: list[RankRow], errors: dict[str, str], chart_png: st
     ctx: dict[str, Any] = {
         "css": _css(),
         "version": version,
+        "noun": _noun(rows),
         "headline": _rank_headline(rows),
+        "notice": rank_notice(rows),
         "chart_png": chart_png,
         "rows": [
             {
-                "rank": r.rank,
+                "label": r.label,
+                "labelled_by": r.labelled_by,
+                "host": r.host,
                 "name": _name(r.summary.path),
                 "peak": r.summary.peak_requested_bytes,
                 "reserved": r.summary.reserved,
@@ -135,7 +194,7 @@ def format_ranks(rows: list[RankRow]) -> str:
         ["rank", "peak in use", "reserved", "allocated", "ext. frag", "flags"],
         [
             [
-                str(r.rank),
+                r.label,
                 format_bytes(r.summary.peak_requested_bytes),
                 format_bytes(r.summary.reserved),
                 format_bytes(r.summary.allocated),
