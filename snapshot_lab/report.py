@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
-from .metrics.categories import CATEGORIES, CategoryBreakdown
+from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
 from .metrics.diagnose import diagnose
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
-from .metrics.sites import alive_at, display_stack, live_sites, top_sites
+from .metrics.sites import alive_at, display_stack, live_sites, snapshot_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
 from .metrics.whatif import WhatIf
@@ -173,7 +174,9 @@ def _device_section(
         histogram_svg=figure_svg(plot_free_histogram(d.fragmentation, oom_req)),
         layout_png=figure_png_data_uri(plot_block_layout(layouts)),
         layout_note=layout_note,
-        live_sites=_site_views(frames, live_sites(blk, frames.stacks, frames.stack_frames, MAX_SITES)),
+        live_sites=_site_views(
+            frames, live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
+        ),
         oom=d.oom,
         oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
         category_rows=_category_rows(cats),
@@ -204,8 +207,10 @@ def _device_section(
         notes.append(f"Dashed lines: starts of '{tl.marker_group}' from the recorded annotations.")
     section.timeline_notes = notes
     alive = alive_at(lifetimes, tl.peak_index)
+    codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
+    alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
     section.peak_sites = _site_views(
-        frames, top_sites(alive["stack_id"], alive["size_bytes"], frames.stacks, frames.stack_frames, MAX_SITES)
+        frames, top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats)
     )
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "

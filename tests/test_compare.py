@@ -31,9 +31,26 @@ def test_diff_of_a_change_ddp_bucket_view():
     after = sample_truth("ddp_bucketview_rank0")["memory_stats"]["0"]["reserved_bytes.all.current"]
     assert (totals["reserved_bytes"].before, totals["reserved_bytes"].after) == (before, after)
     assert d.findings_gone == ["ddp-bucket-duplicate-grads"]
-    # the gradients were allocated on autograd's thread (no Python stack): that site shrank by them
-    (no_stack,) = [s for s in d.sites if s.site == "<no stack recorded>"]
-    assert no_stack.status == "shrunk" and -no_stack.delta_bytes >= param
+    # the gradients were allocated on autograd's thread (no Python stack): they are gone
+    (no_stack,) = [s for s in d.sites if s.site == "<no stack recorded: gradient>"]
+    assert no_stack.status == "gone" and -no_stack.delta_bytes >= param
+
+
+@pytest.mark.parametrize("mode", ["all", "python"])
+def test_diff_names_the_gradients_after_their_autograd_node(mode):
+    """Issue #12, section 1: the +96 MiB of separate gradients between the two gloo DDP rank
+    files sit on the backward op that made them. With C++ stacks the site is the autograd node
+    (not an ATen internal such as create_out); with Python stacks, which record nothing on the
+    autograd thread, the stackless gradients are one group named by their category."""
+    d = api.diff(sample_path(f"gloo_bucketview_{mode}_rank0"), sample_path(f"gloo_nobucketview_{mode}_rank0"))
+    P = sample_truth("gloo_nobucketview_all_rank0")["workload"]["param_bytes"]
+    top = d.sites[0]
+    assert top.delta_bytes == pytest.approx(P, rel=0.01) and top.status in ("new", "grown")
+    if mode == "all":
+        assert (top.site, top.detail) == ("AddmmBackward0 (backward)", "aten::mm")
+    else:
+        assert top.site == "<no stack recorded: gradient>"
+    assert not any("create_out" in s.site for s in d.sites)
 
 
 def test_diff_same_job_two_steps(tmp_path):

@@ -176,12 +176,14 @@ def test_stacks_are_interned(real_frames):
 
 
 def test_cpp_stacks_name_what_allocated(real_frames):
-    """With C++ stacks, allocator and dispatcher frames are internals: the cuBLAS workspace (allocated
-    in C++ without a Python frame) is named by the frame that asked for it."""
-    from snapshot_lab.metrics.sites import display_stack, live_sites
+    """With C++ stacks, allocator and dispatcher frames are internals: the cuBLAS workspaces
+    (one for the main thread, one for autograd's) are named as such, with what first used them."""
+    from snapshot_lab.metrics.sites import display_stack, live_sites, snapshot_sites
 
     fr = real_frames("cpp_stacks")
-    sites = live_sites(fr.blocks, fr.stacks, fr.stack_frames, 10)
-    assert any(s.label.startswith("at::cuda::setWorkspaceForHandle") for s in sites)
+    sites = live_sites(fr.blocks, snapshot_sites(fr), 10)
+    labels = {s.label: s.detail for s in sites}
+    assert labels["cuBLAS workspace, first used by AddmmBackward0 (backward)"].startswith("at::cuda::")
+    assert any(s.startswith("cuBLAS workspace, first used at ") and "workloads.py" in s for s in labels)
     shown = display_stack(fr.stack(sites[0].stack_id))
     assert shown and not any("CUDACachingAllocator" in str(f["name"]) for f in shown)

@@ -10,12 +10,14 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
 from ..units import format_bytes, format_percent
+from .categories import categorize
 from .diagnose import Diagnosis
-from .sites import frame_label, innermost_frames, site_frames
+from .sites import snapshot_sites
 from .summary import SnapshotStats
 
 MiB = 1024 * 1024
@@ -26,16 +28,19 @@ MiB = 1024 * 1024
 
 def site_table(frames: SnapshotFrames) -> pd.DataFrame:
     """Allocated bytes at the dump per allocation site, keyed by text (comparable across files):
-    columns site, detail, bytes, blocks."""
+    columns site, detail, bytes, blocks (stackless blocks grouped by category)."""
     b = frames.blocks[frames.blocks["state"] == "active_allocated"]
-    site_of = site_frames(frames.stacks, frames.stack_frames)
-    inner_of = innermost_frames(frames.stacks, frames.stack_frames)
-    sf = frames.stack_frames.set_index("frame_id")
-    labels = {int(fid): frame_label(str(r["filename"]), int(r["line"]), str(r["name"])) for fid, r in sf.iterrows()}
-    site = b["stack_id"].map(site_of).map(labels).fillna("<no stack recorded>")
-    detail = b["stack_id"].map(inner_of).map(labels).fillna("")
-    detail = detail.where(detail != site, "")
-    df = pd.DataFrame({"site": site.to_numpy(), "detail": detail.to_numpy(), "bytes": b["size_bytes"].to_numpy()})
+    sites = snapshot_sites(frames)
+    cats = categorize(frames).block_category[b.index]
+    sid = b["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    table = sites.table
+    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
+    site = np.empty(sid.size, dtype=object)
+    detail = np.full(sid.size, "", dtype=object)
+    site[known] = table["label"].reindex(sid[known]).to_numpy()
+    detail[known] = table["detail"].reindex(sid[known]).fillna("").to_numpy()
+    site[~known] = [sites.label(None, c) for c in cats.to_numpy(dtype=object)[~known]]
+    df = pd.DataFrame({"site": site, "detail": detail, "bytes": b["size_bytes"].to_numpy()})
     return df.groupby(["site", "detail"], as_index=False).agg(bytes=("bytes", "sum"), blocks=("bytes", "size"))
 
 

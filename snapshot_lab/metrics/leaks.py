@@ -20,7 +20,7 @@ import pandas as pd
 from ..frames import SnapshotFrames
 from .iterations import Iterations, find_iterations
 from .lifetimes import device_lifetimes
-from .sites import frame_label, site_frames
+from .sites import snapshot_sites
 
 MIN_STEADY_ITERATIONS = 2
 MIN_GROWING_SHARE = 0.6
@@ -75,7 +75,7 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
     if survivors.empty or steady.size < MIN_STEADY_ITERATIONS:
         return []
     interval = np.searchsorted(it.starts, survivors["event_index"].to_numpy(), side="right") - 1
-    site_of = site_frames(frames.stacks, frames.stack_frames)
+    site_of = snapshot_sites(frames).table["label"]
     df = survivors.assign(interval=interval, site=survivors["stack_id"].map(site_of))
     in_steady = df[(df["interval"] >= 1) & (df["interval"] <= k - 2)]
     if in_steady.empty:
@@ -87,19 +87,17 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
     suspects_sites = growing[growing >= need].index
     live = frames.blocks[(frames.blocks["device"] == device) & (frames.blocks["state"] != "inactive")]
     live_site = live["stack_id"].map(site_of)
-    sf = frames.stack_frames.set_index("frame_id")
     out = []
     for site in suspects_sites:
         rows = df[df["site"] == site]
         biggest_stack = int(rows.groupby("stack_id")["size_bytes"].sum().idxmax())
-        f = sf.loc[int(site)]
         mask = (live_site == site).fillna(False).to_numpy(dtype=bool)
         times = rows["time_us"].dropna()
         share = float(growing[site]) / steady.size
         out.append(
             LeakSuspect(
                 device=device,
-                site=frame_label(str(f["filename"]), int(f["line"]), str(f["name"])),
+                site=str(site),
                 frames=frames.stack(biggest_stack),
                 bytes=int(live.loc[mask, "size_bytes"].sum()),
                 count=int(mask.sum()),

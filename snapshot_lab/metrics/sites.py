@@ -4,14 +4,26 @@ A *site* is the innermost frame of a stack that is the user's own code (not PyTo
 installed library, not the interpreter); when a stack has no such frame, its innermost library
 frame. Interpreter and allocator internals (the C++ unwinder, CPython's eval loop, dispatcher
 boxing) are filtered out of displayed stacks; the full stack stays available.
+
+Allocations made on autograd's thread are named after the autograd node that made them
+(``AddmmBackward0 (backward)``): its C++ stack holds no user frame, and the innermost library
+frame is an ATen internal such as ``create_out`` that says nothing to a user. Where the
+recording has them (anomaly mode), the forward frames that created the node follow. The detail
+of a site is the ATen operator that allocated (``aten::mm``) when the stack names one.
+Allocations recorded with no stack are grouped by their category (``<no stack recorded:
+gradient>``): with ``stacks='python'`` the backward pass records none.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from ..frames import SnapshotFrames
+from ._memo import memo
 
 # frames that only say "the interpreter / the recorder was running" (as the stock viewers filter)
 INTERNAL_NAMES = (
@@ -45,6 +57,7 @@ INTERNAL_NAME_PARTS = (
 INTERNAL_FILES = (
     "core/boxing",
     "/Register",
+    "Register",  # C++ frames carry bare file names (RegisterCUDA_0.cpp): generated dispatch wrappers
     "/Redispatch",
     "pythonrun.c",
     "Modules/main.c",
@@ -57,6 +70,10 @@ INTERNAL_FILES = (
 LIBRARY_FILES = ("/torch/", "site-packages/", "dist-packages/", "<frozen ", "/lib/python3", "/lib64/python3")
 
 NO_STACK_LABEL = "<no stack recorded>"
+_NODE_RE = re.compile(r"torch::autograd::(?:generated::)?(\w+?)(?:_apply_functional)?(?:::apply|\()")
+_GENERIC_NODES = {"Node", "Engine", "python", "VariableType", "details", "GraphTask"}
+_CACHE_PARTS = ("setWorkspaceForHandle", "getCUDABlasLtWorkspace", "getNewWorkspace")
+_OP_RE = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)")
 
 
 @dataclass(frozen=True)
@@ -130,48 +147,147 @@ def short_path(filename: str, parts: int = 3) -> str:
     return "/".join(bits[-parts:]) if len(bits) > parts else filename
 
 
+def autograd_nodes(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Series:
+    """The innermost autograd node of every stack that has one (``AddmmBackward0``); ``autograd
+    engine`` for the engine's own work outside any node (reducing a gradient to its input's
+    shape, for instance)."""
+    nm = stack_frames["name"].astype(str)
+    node = nm.str.extract(_NODE_RE, expand=False)
+    node = node.where(~node.isin(list(_GENERIC_NODES)) & nm.str.contains("apply", regex=False))
+    engine = pd.Series("autograd engine", index=nm.index).where(nm.str.contains("autograd::Engine::", regex=False))
+    node = node.fillna(engine)
+    node_of_frame = pd.Series(node.to_numpy(), index=stack_frames["frame_id"].to_numpy()).dropna()
+    if node_of_frame.empty or stacks.empty:
+        return pd.Series([], dtype=object)
+    st = stacks[stacks["frame_id"].isin(node_of_frame.index)].sort_values(["stack_id", "depth"])
+    st = st.drop_duplicates("stack_id")
+    return pd.Series(node_of_frame.reindex(st["frame_id"]).to_numpy(), index=st["stack_id"].to_numpy(), dtype=object)
+
+
+def aten_ops(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Series:
+    """The innermost ATen operator of every stack whose C++ frames name one (``aten::mm``)."""
+    op = stack_frames["name"].astype(str).str.extract(_OP_RE, expand=False)
+    op_of_frame = pd.Series(op.to_numpy(), index=stack_frames["frame_id"].to_numpy()).dropna()
+    if op_of_frame.empty or stacks.empty:
+        return pd.Series([], dtype=object)
+    st = stacks[stacks["frame_id"].isin(op_of_frame.index)].sort_values(["stack_id", "depth"])
+    st = st.drop_duplicates("stack_id")
+    return pd.Series(
+        ["aten::" + o for o in op_of_frame.reindex(st["frame_id"]).to_numpy()], index=st["stack_id"].to_numpy()
+    )
+
+
+@dataclass(frozen=True)
+class StackSites:
+    """For every stack_id: the site's text label, its detail (what the site's line called, or the
+    operator), and the site frame (filename, line, name; empty for an autograd node)."""
+
+    table: pd.DataFrame  # index stack_id; columns label, detail, filename, line, name
+
+    def label(self, stack_id: int | None, category: str | None = None) -> str:
+        if stack_id is None or stack_id not in self.table.index:
+            return f"{NO_STACK_LABEL[:-1]}: {category}>" if category else NO_STACK_LABEL
+        return str(self.table.at[stack_id, "label"])
+
+
+def stack_sites(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> StackSites:
+    """Labels of every stack's site (see the module docstring)."""
+    cols = ["label", "detail", "filename", "line", "name"]
+    if stacks.empty:
+        return StackSites(pd.DataFrame(columns=cols))
+    site_of = site_frames(stacks, stack_frames)
+    inner_of = innermost_frames(stacks, stack_frames)
+    sf = stack_frames.set_index("frame_id")
+    labels = {
+        int(fid): frame_label(str(f), int(ln), str(n))
+        for fid, f, ln, n in zip(sf.index, sf["filename"], sf["line"], sf["name"], strict=True)
+    }
+    ids = site_of.index.to_numpy()
+    site_fid = site_of.to_numpy()
+    table = pd.DataFrame(
+        {
+            "label": [labels[int(f)] for f in site_fid],
+            "detail": [labels.get(int(inner_of.get(i, f)), "") for i, f in zip(ids, site_fid, strict=True)],
+            "filename": sf.loc[site_fid, "filename"].astype(str).to_numpy(),
+            "line": sf.loc[site_fid, "line"].to_numpy(),
+            "name": sf.loc[site_fid, "name"].astype(str).to_numpy(),
+        },
+        index=ids,
+    )
+    ops = aten_ops(stacks, stack_frames)
+    if len(ops):
+        table.loc[ops.index, "detail"] = ops.to_numpy()
+    nodes = autograd_nodes(stacks, stack_frames)
+    kind = classify_frames(stack_frames)
+    user = stacks.assign(kind=stacks["frame_id"].map(kind).to_numpy())
+    has_user = set(user.loc[user["kind"] == "user", "stack_id"].astype(int))
+    named = [i for i in nodes.index if int(i) not in has_user]  # a user frame still names the site best
+    if named:
+        table.loc[named, "label"] = [f"{nodes[i]} (backward)" for i in named]
+        table.loc[named, ["filename", "name"]] = ""
+        table.loc[named, "line"] = 0
+    # library caches kept for the process's life (cuBLAS workspaces): named as such, with the
+    # operation that first needed them
+    cache = stack_frames["name"].astype(str).str.contains("|".join(_CACHE_PARTS), regex=True)
+    cache_frames = set(stack_frames.loc[cache, "frame_id"].astype(int))
+    st = stacks[stacks["frame_id"].isin(cache_frames)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
+    for sid_, fid in zip(st["stack_id"].astype(int), st["frame_id"].astype(int), strict=True):
+        if sid_ in table.index:
+            first = table.at[sid_, "label"]
+            table.at[sid_, "label"] = f"cuBLAS workspace, first used {'by' if '(backward)' in first else 'at'} {first}"
+            table.at[sid_, "detail"] = labels[fid]
+    table["detail"] = table["detail"].where(table["detail"] != table["label"], "")
+    return StackSites(table)
+
+
+def snapshot_sites(frames: SnapshotFrames) -> StackSites:
+    """:func:`stack_sites` of a snapshot's stacks (computed once)."""
+    return memo(frames, "sites", lambda: stack_sites(frames.stacks, frames.stack_frames))
+
+
 def top_sites(
     stack_ids: pd.Series,
     sizes: pd.Series,
-    stacks: pd.DataFrame,
-    stack_frames: pd.DataFrame,
+    sites: StackSites,
     limit: int = 15,
+    categories: pd.Series | None = None,
 ) -> list[Site]:
-    """Group allocations (their stack ids and byte sizes) by site, largest first."""
+    """Group allocations (their stack ids and byte sizes) by site label, largest first;
+    ``categories`` (aligned with ``stack_ids``) names the groups of stackless allocations."""
     total = int(sizes.sum())
     if total == 0:
         return []
-    site_of = site_frames(stacks, stack_frames)
-    inner_of = innermost_frames(stacks, stack_frames)
-    df = pd.DataFrame({"stack_id": stack_ids.to_numpy(), "bytes": sizes.to_numpy()})
-    df["site"] = df["stack_id"].map(site_of).astype("Int64")
-    by_stack = df.groupby(["site", "stack_id"], dropna=False)["bytes"].agg(["sum", "count"]).reset_index()
-    frames = stack_frames.set_index("frame_id")
+    sid = stack_ids.to_numpy(dtype=np.int64, na_value=-1) if len(stack_ids) else np.zeros(0, dtype=np.int64)
+    cats = categories.to_numpy(dtype=object) if categories is not None else np.full(sid.size, None, dtype=object)
+    table = sites.table
+    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
+    labels = np.empty(sid.size, dtype=object)
+    labels[known] = table["label"].reindex(sid[known]).to_numpy()
+    labels[~known] = [sites.label(None, c) for c in cats[~known]]
+    df = pd.DataFrame({"label": labels, "stack_id": sid, "bytes": sizes.to_numpy()})
+    by_stack = df.groupby(["label", "stack_id"])["bytes"].agg(["sum", "count"]).reset_index()
     out = []
-    for site, grp in by_stack.groupby("site", dropna=False):
+    for label, grp in by_stack.groupby("label"):
         nbytes, count = int(grp["sum"].sum()), int(grp["count"].sum())
-        best = grp.sort_values("sum", ascending=False).iloc[0]
-        best_stack = None if pd.isna(best["stack_id"]) else int(best["stack_id"])
-        detail = None
-        if pd.isna(site):
-            label, fn, line, name = NO_STACK_LABEL, "", 0, ""
+        best = int(grp.sort_values("sum", ascending=False).iloc[0]["stack_id"])
+        if best >= 0 and best in table.index:
+            r = table.loc[best]
+            fn, line, name, detail = str(r["filename"]), int(r["line"]), str(r["name"]), str(r["detail"]) or None
+            out.append(Site(str(label), detail, fn, line, name, nbytes, count, best, nbytes / total))
         else:
-            f = frames.loc[int(site)]
-            fn, line, name = str(f["filename"]), int(f["line"]), str(f["name"])
-            label = frame_label(fn, line, name)
-            inner = inner_of.get(best_stack) if best_stack is not None else None
-            if inner is not None and int(inner) != int(site):
-                g = frames.loc[int(inner)]
-                detail = frame_label(str(g["filename"]), int(g["line"]), str(g["name"]))
-        out.append(Site(label, detail, fn, line, name, nbytes, count, best_stack, nbytes / total))
+            out.append(Site(str(label), None, "", 0, "", nbytes, count, None, nbytes / total))
     out.sort(key=lambda s: (-s.bytes, s.label))
     return out[:limit]
 
 
-def live_sites(blocks: pd.DataFrame, stacks: pd.DataFrame, stack_frames: pd.DataFrame, limit: int = 15) -> list[Site]:
-    """Sites of the blocks allocated at dump time, by block size."""
-    live = blocks[blocks["state"] == "active_allocated"]
-    return top_sites(live["stack_id"], live["size_bytes"], stacks, stack_frames, limit)
+def live_sites(
+    blocks: pd.DataFrame, sites: StackSites, limit: int = 15, categories: pd.Series | None = None
+) -> list[Site]:
+    """Sites of the blocks allocated at dump time, by block size (``categories`` aligned with
+    ``blocks``)."""
+    live = blocks["state"] == "active_allocated"
+    cats = categories[live] if categories is not None else None
+    return top_sites(blocks.loc[live, "stack_id"], blocks.loc[live, "size_bytes"], sites, limit, cats)
 
 
 def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:

@@ -24,6 +24,7 @@ class DeviceStats:
     # (total_size_bytes, n_blocks) of the large pool's non-expandable segments, for advice
     large_segments: tuple[tuple[int, int], ...] = ()
     categories: dict[str, int] | None = None  # allocated bytes at the dump by category
+    categories_requested: dict[str, int] | None = None  # what those blocks' tensors requested
 
     def split_segments_larger_than(self, size_bytes: int) -> int:
         """How many large-pool segments bigger than ``size_bytes`` are split into several blocks."""
@@ -37,6 +38,7 @@ class DeviceStats:
             "private_pool_reserved_bytes": self.private_pool_reserved_bytes,
             "expandable_reserved_bytes": self.expandable_reserved_bytes,
             "categories": self.categories,
+            "categories_requested": self.categories_requested,
         }
 
 
@@ -52,6 +54,7 @@ class SnapshotStats:
     oom: OomAnalysis | None
     devices: dict[int, DeviceStats]
     categories: dict[str, int]
+    categories_requested: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,7 @@ class SnapshotStats:
             "fragmentation": {k: v.to_dict() for k, v in self.fragmentation.items()},
             "oom": self.oom.to_dict() if self.oom else None,
             "categories": self.categories,
+            "categories_requested": self.categories_requested,
             "devices": {str(d): s.to_dict() for d, s in self.devices.items()},
         }
 
@@ -126,7 +130,8 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
                     (s["pool"] == "large") & ~s["is_expandable"], ["total_size_bytes", "n_blocks"]
                 ].itertuples(index=False)
             ),
-            categories=compute_categories(frames, d, with_timeline=False).live_bytes,
+            categories=(cats := compute_categories(frames, d, with_timeline=False)).live_bytes,
+            categories_requested=cats.live_requested_bytes,
         )
     if len(per_device) == 1:
         only = next(iter(per_device.values()))
@@ -144,4 +149,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         oom=oom,
         devices=per_device,
         categories={c: sum((ds.categories or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES},
+        categories_requested={
+            c: sum((ds.categories_requested or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES
+        },
     )

@@ -347,8 +347,8 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
     )
     if isinstance(oom, dict) and isinstance(oom.get("limit_bytes"), int) and oom.get("device", device) == device:
         limit = int(oom["limit_bytes"])
-        totals = cap.get("device_total_bytes") if isinstance(cap.get("device_total_bytes"), dict) else {}
-        total = totals.get(str(device))
+        totals = cap.get("device_total_bytes")
+        total = totals.get(str(device)) if isinstance(totals, dict) else None
         is_cap = limit < total if isinstance(total, int) else device_had_room
         return MemoryLimit(limit, "capture sidecar (the OOM observer's limit)", is_cap)
     if last is None:
