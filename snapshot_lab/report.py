@@ -12,8 +12,10 @@ from .frames import SnapshotFrames
 from .metrics import SnapshotStats
 from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
 from .metrics.diagnose import diagnose
+from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
+from .metrics.moments import oom_moment
 from .metrics.sites import alive_at, display_stack, live_sites, snapshot_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
@@ -158,7 +160,12 @@ def _device_section(
     d = stats.devices[dev]
     seg = frames.segments[frames.segments["device"] == dev]
     blk = frames.blocks[frames.blocks["device"] == dev]
-    layouts = select_layout(seg, blk)
+    sites = snapshot_sites(frames)
+    # an OOM dumped after the stack unwound: the layout, holes and sites of the moment it happened
+    moment = oom_moment(frames, dev) if d.oom is not None else None
+    at_oom = moment is not None and not moment.at_dump
+    shown_seg, shown_blk = (moment.segments, moment.blocks) if at_oom and moment is not None else (seg, blk)
+    layouts = select_layout(shown_seg, shown_blk)
     hidden = sum(p.hidden_segments for p in layouts)
     layout_note = (
         "Each bar is one segment (a cudaMalloc'd or mapped range), scaled to its own size, largest first; "
@@ -166,23 +173,32 @@ def _device_section(
         + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None
+    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom else d.fragmentation
     section = DeviceSection(
         device=dev,
         cards=_cards(d, tl),
         counter_rows=_counter_rows(d.torch_stats),
         fragmentation_rows=_fragmentation_rows(d),
-        histogram_svg=figure_svg(plot_free_histogram(d.fragmentation, oom_req)),
+        histogram_svg=figure_svg(plot_free_histogram(histogram_frag, oom_req)),
         layout_png=figure_png_data_uri(plot_block_layout(layouts)),
         layout_note=layout_note,
-        live_sites=_site_views(
-            frames, live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
-        ),
+        live_sites=_site_views(frames, live_sites(blk, sites, MAX_SITES, categorize(frames).block_category[blk.index])),
         oom=d.oom,
         oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
         category_rows=_category_rows(cats),
         leaks=_leak_view(frames, la),
         whatif=_whatif_view(wi),
     )
+    if at_oom and moment is not None and d.oom is not None:
+        section.layout_title = "Block layout at the OOM"
+        section.histogram_title = "Free (cached) blocks by size at the OOM."
+        section.oom_moment_note = (
+            f"This snapshot was dumped after the OOM, once the stack had unwound and freed what the failing step "
+            f"held. The explanation above, the free-block histogram, the block layout and the sites live at the "
+            f"OOM are those of the moment of the OOM, {moment.description}; the counters and the other tables "
+            "are those of the dump."
+        )
+        section.oom_sites = _site_views(frames, live_sites(moment.blocks, sites, MAX_SITES))
     if tl is None:
         rec = stats.recording
         section.timeline_missing = (

@@ -11,7 +11,7 @@ from snapshot_lab import api
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_USAGE
 from snapshot_lab.metrics.allocator_model import AllocatorSettings, allocation_size, round_size
-from snapshot_lab.metrics.whatif import analyse_whatif, apply_conf, recorded_settings
+from snapshot_lab.metrics.whatif import analyse_whatif, apply_conf, recorded_settings, settings_label
 
 from .conftest import SAMPLES, sample_names, sample_path, sample_truth
 
@@ -262,3 +262,30 @@ def test_report_names_the_better_setting(tmp_path):
     # stated assumption (the cap inferred as the peak reserved before the OOM)
     oom = api.report(sample_path("oom_fragmentation"), output=tmp_path / "o.html").read_text()
     assert "allocator-settings" in oom and "assuming a per-process cap of" in oom
+
+
+def test_defaults_without_settings_include_the_plain_defaults(real_frames):
+    """Issue #12, section 6: --defaults with no --set compares PyTorch's plain defaults too when
+    the recording used other settings (whatif_gc_uncapped ran with garbage_collection_threshold)."""
+    r = runner.invoke(app, ["whatif", str(sample_path("whatif_gc_uncapped")), "--defaults", "--json"])
+    assert r.exit_code == 0, r.output
+    labels = [settings_label(s["settings"]) for s in json.loads(r.stdout)["scenarios"]]
+    assert labels[0] == "garbage_collection_threshold:0.6" and "(defaults)" in labels[1:]
+
+
+def test_an_oom_under_an_unrecorded_cap_gets_a_labelled_grid(real_frames):
+    """Issue #12, section 6: oom_fragmentation ran under set_per_process_memory_fraction, which the
+    snapshot does not record (the device had room). The grid runs anyway under the inferred cap,
+    labelled as such, and the OOM finding names the settings that served the failing request."""
+    from snapshot_lab.metrics import compute_stats
+    from snapshot_lab.metrics.diagnose import diagnose
+
+    fr = real_frames("oom_fragmentation")
+    dg = diagnose(fr, compute_stats(fr), False)
+    w = dg.whatifs[0]
+    assert w.memory_limit_inferred and w.memory_limit_source.startswith("inferred")
+    true_cap = sample_truth("oom_fragmentation")["workload"]["memory_cap_bytes"]
+    assert w.memory_limit_bytes <= true_cap  # the smallest cap consistent with the recording
+    (oom,) = [f for f in dg.findings if f.id == "oom-fragmentation"]
+    assert "expandable_segments:True" in oom.evidence["settings_that_serve_the_request"]
+    assert "assuming it was" in oom.advice and oom.evidence["memory_limit_inferred"] is True

@@ -60,6 +60,10 @@ class DeviceSection:
     category_png: str | None = None
     leaks: dict[str, Any] = field(default_factory=dict)
     whatif: dict[str, Any] | None = None
+    layout_title: str = "Block layout"
+    histogram_title: str = "Free (cached) blocks by size."
+    oom_moment_note: str = ""  # where the OOM explanation, layout and sites come from, when not the dump
+    oom_sites: list[SiteView] = field(default_factory=list)
 
 
 @dataclass

@@ -147,10 +147,16 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
             }
         )
     c = w.replay_check
+    limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
+    if w.memory_limit_bytes and w.memory_limit_inferred:
+        limit += (
+            " (inferred: the snapshot does not record the per-process cap the OOM happened under; the peak "
+            "reserved before it stands in)"
+        )
     return {
         "rows": rows,
-        "check": "exact" if c.exact else "approximate: " + "; ".join(c.reasons),
-        "limit": format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited",
+        "check": ("exact" if c.exact else "approximate: " + "; ".join(c.reasons)) + f"; started from {c.start}",
+        "limit": limit,
     }
 
 
