@@ -55,7 +55,7 @@ def replay_rate(snap: Path) -> float:
         "from snapshot_lab import load_frames\n"
         "from snapshot_lab.metrics.whatif import _program, _replay, recorded_settings\n"
         "fr = load_frames(sys.argv[1]); s = recorded_settings(fr.info.allocator_settings)\n"
-        "t = time.perf_counter(); p = _program(fr.events, 0, s); _replay(p, s, None, True)\n"
+        "t = time.perf_counter(); p = _program(fr, 0); _replay(p, s, None)\n"
         "print(len(p.kind) / (time.perf_counter() - t))\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True, check=True)
