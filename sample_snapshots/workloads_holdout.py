@@ -525,23 +525,39 @@ def run_pool(
     return results
 
 
+# caps as shares of a family's uncapped peak reserved: "gcwhatif" squeezes every run into an OOM;
+# "gcretry" sits just under the default run's peak, where its out-of-memory retries succeed
+GC_FAMILIES = {
+    "gcwhatif": lambda peaks, lo: {"capH": int(peaks["default"] * 0.93), "capM": int(lo * 0.82), "capL": int(lo * 0.68)},
+    "gcretry": lambda peaks, lo: {f"cap{int(f * 1000)}": int(peaks["default"] * f) for f in (0.99, 0.975, 0.96)},
+}
+GC_RETRY_SETTINGS = ("default", "gc06", "gc08", "split64gc06")
+
+
+def _family_settings(family: str) -> dict[str, str]:
+    return GC_SETTINGS if family == "gcwhatif" else {k: GC_SETTINGS[k] for k in GC_RETRY_SETTINGS}
+
+
 def _gc_caps(label: str, results: dict[str, int]) -> list[tuple[str, list[str], dict[str, str]]]:
-    """Once every uncapped GC run is in, the capped runs: caps placed from their peaks."""
-    uncapped = [f"gcwhatif_{k}_uncapped" for k in GC_SETTINGS]
-    if label not in uncapped or not all(u in results for u in uncapped) or DRY:
+    """Once every uncapped run of a GC family is in, its capped runs: caps placed from the peaks."""
+    family = label.split("_")[0]
+    if family not in GC_FAMILIES or DRY:
+        return []
+    settings = _family_settings(family)
+    uncapped = [f"{family}_{k}_uncapped" for k in settings]
+    if label not in uncapped or not all(u in results for u in uncapped):
         return []
     peaks = {}
-    for k in GC_SETTINGS:
-        t = OUT / f"gcwhatif_{k}_uncapped.truth.json"
+    for k in settings:
+        t = OUT / f"{family}_{k}_uncapped.truth.json"
         if t.exists():
             peaks[k] = json.loads(t.read_text())["memory_stats"]["0"]["reserved_bytes.all.peak"]
     if "default" not in peaks:
         return []
-    lo = min(peaks.values())
-    caps = {"capH": int(peaks["default"] * 0.93), "capM": int(lo * 0.82), "capL": int(lo * 0.68)}
-    (OUT / "gcwhatif_caps.json").write_text(json.dumps({"peaks": peaks, "caps": caps}, indent=1))
-    return [(f"gcwhatif_{k}_{c}", ["gc-one", f"gcwhatif_{k}_{c}", str(cb), "--out", str(OUT)],
-             {"PYTORCH_CUDA_ALLOC_CONF": v}) for c, cb in caps.items() for k, v in GC_SETTINGS.items()]
+    caps = GC_FAMILIES[family](peaks, min(peaks.values()))
+    (OUT / f"{family}_caps.json").write_text(json.dumps({"peaks": peaks, "caps": caps}, indent=1))
+    return [(f"{family}_{k}_{c}", ["gc-one", f"{family}_{k}_{c}", str(cb), "--out", str(OUT)],
+             {"PYTORCH_CUDA_ALLOC_CONF": v}) for c, cb in caps.items() for k, v in settings.items()]
 
 
 def main() -> None:
@@ -575,9 +591,10 @@ def main() -> None:
     names.sort(key=lambda n: (0 if ("compile" in n or n.endswith("_all")) else 1, n))
     jobs = [(n, ["one", n, "--out", str(OUT)], ENV[n]) for n in names]
     gc_jobs = []
-    if groups is None or "gc" in groups:
-        gc_jobs = [(f"gcwhatif_{k}_uncapped", ["gc-one", f"gcwhatif_{k}_uncapped", "none", "--out", str(OUT)],
-                    {"PYTORCH_CUDA_ALLOC_CONF": v}) for k, v in GC_SETTINGS.items()]
+    for family in GC_FAMILIES:
+        if groups is None or family in groups:
+            gc_jobs += [(f"{family}_{k}_uncapped", ["gc-one", f"{family}_{k}_uncapped", "none", "--out", str(OUT)],
+                         {"PYTORCH_CUDA_ALLOC_CONF": v}) for k, v in _family_settings(family).items()]
     res = run_pool(gc_jobs + jobs, a.jobs, deadline, on_done=_gc_caps)
     print(json.dumps(res, indent=1))
     bad = {k: v for k, v in res.items() if v != 0}
