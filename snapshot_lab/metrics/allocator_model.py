@@ -160,7 +160,19 @@ def allocation_size(size: int) -> int:
 
 
 class Block:
-    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "prev", "segment", "size", "small", "stream")
+    __slots__ = (
+        "addr",
+        "allocated",
+        "gc_base",
+        "mapped",
+        "next",
+        "pool_key",
+        "prev",
+        "segment",
+        "size",
+        "small",
+        "stream",
+    )
 
     def __init__(self, addr: int, size: int, stream: int, small: bool, segment: int) -> None:
         self.addr = addr
@@ -173,12 +185,10 @@ class Block:
         self.mapped = True
         self.segment = segment  # id of the cudaMalloc'd segment or expandable range
         self.gc_base = 0
+        self.pool_key: tuple[int, int, int] = (stream, size, addr)
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.stream, self.size, self.addr)
 
 
 class _Pool:
@@ -194,16 +204,15 @@ class _Pool:
         self.gc_calls = 0
 
     def insert(self, b: Block) -> None:
-        k = b.key()
+        k = b.pool_key = (b.stream, b.size, b.addr)  # unchanged while the block is in the pool
         bisect.insort(self.keys, k)
         self.blocks[k] = b
         self.at[b.addr] = b
         b.gc_base = self.gc_calls
 
     def remove(self, b: Block) -> None:
-        k = b.key()
-        i = bisect.bisect_left(self.keys, k)
-        del self.keys[i]
+        k = b.pool_key
+        del self.keys[bisect.bisect_left(self.keys, k)]
         del self.blocks[k]
         del self.at[b.addr]
 
@@ -244,6 +253,8 @@ class CachingAllocatorModel:
         # a per-process cap (set_per_process_memory_fraction), not the device's capacity: the
         # allocator garbage-collects only under a cap
         self.limit_is_cap = limit_is_cap
+        self._plain_rounding = not any(d > 1 for d in settings.roundup_power2_divisions)
+        self._gc = memory_limit is not None and limit_is_cap and settings.garbage_collection_threshold > 0
         self.small = _Pool(True)
         self.large = _Pool(False)
         self.stats = ReplayStats()
@@ -295,18 +306,21 @@ class CachingAllocatorModel:
 
     @property
     def gc_enabled(self) -> bool:
-        return self.limit is not None and self.limit_is_cap and self.s.garbage_collection_threshold > 0
+        return self._gc
 
     # ----------------------------------------------------------------------- malloc
 
     def malloc(self, orig_size: int, stream: int, event_index: int = -1) -> Block:
-        size = round_size(orig_size, self.s)
+        if self._plain_rounding:
+            size = MIN_BLOCK if orig_size < MIN_BLOCK else -(-orig_size // MIN_BLOCK) * MIN_BLOCK
+        else:
+            size = round_size(orig_size, self.s)
         small = size <= SMALL_SIZE
         pool = self._pool(small)
         alloc_size = allocation_size(size)
         block = self._get_free_block(pool, size, stream)
         if block is None:
-            if self.gc_enabled:
+            if self._gc:
                 self._garbage_collect()
             block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None and self._release_available_cached_blocks(pool, size, stream):
@@ -327,7 +341,7 @@ class CachingAllocatorModel:
         return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
     def _get_free_block(self, pool: _Pool, size: int, stream: int) -> Block | None:
-        if self.gc_enabled:
+        if self._gc:
             pool.gc_calls += 1
         keys = pool.keys
         i = bisect.bisect_left(keys, (stream, size, -1))
@@ -388,9 +402,12 @@ class CachingAllocatorModel:
     def free(self, b: Block) -> None:
         b.allocated = False
         self.stats.allocated_bytes -= b.size
-        pool = self._pool(b.small)
-        for other in (b.prev, b.next):
-            self._try_merge(b, other, pool)
+        pool = self.small if b.small else self.large
+        prev, nxt = b.prev, b.next
+        if prev is not None and not prev.allocated:
+            self._try_merge(b, prev, pool)
+        if nxt is not None and not nxt.allocated:
+            self._try_merge(b, nxt, pool)
         pool.insert(b)
 
     def _try_merge(self, dst: Block, src: Block | None, pool: _Pool) -> int:

@@ -238,7 +238,7 @@ def analyse_whatif(
     start = start_state(frames, device, base)
     # replay check: the recorded settings and segment addresses under the same limit (a limit
     # the recorded run never met shows up here as a mismatch: it is not the one it ran under)
-    model, live, _, explicit = _replay(prog, base, memory_limit, start, None, limit_is_cap)
+    model, live, base_avoided, explicit = _replay(prog, base, memory_limit, start, None, limit_is_cap)
     replayed = model.layout(list(live.values()))
     recorded = _recorded_layout(frames, device)
     reasons = []
@@ -264,7 +264,10 @@ def analyse_whatif(
     )
     results = []
     for s in scenarios:
-        m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
+        if s == base:  # the check replayed exactly this already
+            m, avoided = model, base_avoided
+        else:
+            m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
         results.append(
             ScenarioResult(
                 settings=s.describe(),
