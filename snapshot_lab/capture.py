@@ -24,9 +24,10 @@ The sidecar's ``"parallel"`` key says how this rank's job was split (what is kno
       "world_size": 2, "rank": 0,
       "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0], "device_type": "cuda"},
       "meshes": [...],                   # every root DeviceMesh of the process, when there are several
-      "degrees": {"dp": 1, "fsdp": 1, "tp": 2, "pp": 1, "cp": 1},
+      "degrees": {"dp": 1, "fsdp": 1, "tp": 2, "pp": 1, "cp": 1},   # + "ep" when a mesh names it
       "coordinates": {"dp": 0, "tp": 0},  # this rank's index along each degree, when known
-      "strategies": ["tensor_parallel"],  # of ddp, fsdp1, fsdp2, tensor_parallel, pipeline
+      "strategies": ["tensor_parallel"],  # of ddp, fsdp1, fsdp2, tensor_parallel, context_parallel,
+                                          # pipeline, and the strategy describe_parallel() named
       "sources": {"tp": "mesh"},         # where each degree came from: mesh, fsdp2, fsdp1, ddp,
                                          # pipeline, declared, or rest (1: the others fill the world)
       "ddp": {"gradient_as_bucket_view": true, "bucket_cap_bytes": 26214400},
@@ -36,12 +37,13 @@ The sidecar's ``"parallel"`` key says how this rank's job was split (what is kno
       "declared": {...}                  # what describe_parallel() was told, verbatim
     }
 
-Keys other than ``world_size`` and ``rank`` appear only when known. They are read, at dump time,
-from the objects of torch.distributed that the process holds (DeviceMesh: dimension names,
-shape, coordinate; DistributedDataParallel; FullyShardedDataParallel; fully_shard modules;
-pipelining stages and schedules); what cannot be seen that way (a pipeline driven by hand, a
-layout spread over process groups without a mesh) is declared with :func:`describe_parallel`,
-whose values win over detection.
+Keys other than ``world_size`` and ``rank`` appear only when known (the degrees not seen are set
+to 1 only when those seen account for the whole world; if detection itself fails, ``"error"``
+says why). They are read, at dump time, from the objects of torch.distributed that the process
+holds (DeviceMesh: dimension names, shape, coordinate; DistributedDataParallel;
+FullyShardedDataParallel; fully_shard modules; pipelining stages and schedules); what cannot be
+seen that way (a pipeline driven by hand, a layout spread over process groups without a mesh) is
+declared with :func:`describe_parallel`, whose values win over detection.
 """
 
 from __future__ import annotations
