@@ -14,13 +14,42 @@ snapshot when the block exits (normally or by an exception), when an out-of-memo
 happens (from the allocator's OOM observer, before anything is unwound) and every N steps if
 asked. Files are named per rank and host (``<prefix>_rank<R>_<host>_<time>[_<why>].pickle``),
 each with a ``.meta.json`` sidecar (torch version, ``memory_stats()``, allocator settings, world
-size, step) that the analyzer shows. Dumping never crashes the training job: failures are
-logged and swallowed. torch is imported here only, and lazily: analysis never needs it.
+size, step, parallel layout) that the analyzer shows. Dumping never crashes the training job:
+failures are logged and swallowed. torch is imported here only, and lazily: analysis never needs
+it.
+
+The sidecar's ``"parallel"`` key says how this rank's job was split (what is known of it)::
+
+    "parallel": {
+      "world_size": 2, "rank": 0,
+      "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0], "device_type": "cuda"},
+      "meshes": [...],                   # every root DeviceMesh of the process, when there are several
+      "degrees": {"dp": 1, "fsdp": 1, "tp": 2, "pp": 1, "cp": 1},   # + "ep" when a mesh names it
+      "coordinates": {"dp": 0, "tp": 0},  # this rank's index along each degree, when known
+      "strategies": ["tensor_parallel"],  # of ddp, fsdp1, fsdp2, tensor_parallel, context_parallel,
+                                          # pipeline, and the strategy describe_parallel() named
+      "sources": {"tp": "mesh"},         # where each degree came from: mesh, fsdp2, fsdp1, ddp,
+                                         # pipeline, declared, or rest (1: the others fill the world)
+      "ddp": {"gradient_as_bucket_view": true, "bucket_cap_bytes": 26214400},
+      "fsdp": {"version": 2, "units": 9, "reshard_after_forward": true},   # or version 1 with
+                                         # "sharding_strategy": "FULL_SHARD"
+      "pp": {"stage": 0, "num_stages": 2, "schedule": "1F1B", "microbatches": 8},
+      "declared": {...}                  # what describe_parallel() was told, verbatim
+    }
+
+Keys other than ``world_size`` and ``rank`` appear only when known (the degrees not seen are set
+to 1 only when those seen account for the whole world; if detection itself fails, ``"error"``
+says why). They are read, at dump time, from the objects of torch.distributed that the process
+holds (DeviceMesh: dimension names, shape, coordinate; DistributedDataParallel;
+FullyShardedDataParallel; fully_shard modules; pipelining stages and schedules); what cannot be
+seen that way (a pipeline driven by hand, a layout spread over process groups without a mesh) is
+declared with :func:`describe_parallel`, whose values win over detection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -263,6 +292,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "recording": {"max_entries": self.max_entries, "stacks": self.stacks, "context": self.context},
             "memory_stats": stats,
             "device_total_bytes": totals,
+            "parallel": _parallel_layout_or_error(rank, world),
             **extra,
         }
         sidecar = path.with_name(path.name[: -len(".pickle")] + SIDECAR_SUFFIX)
@@ -281,3 +311,358 @@ def step() -> None:
     """Count a training iteration for every active recording (see ``every_n_steps``)."""
     for rec in list(_ACTIVE):
         rec.step()
+
+
+# --------------------------------------------------------------------------- parallel layout
+
+# the degrees every layout has (1 when unused); "ep" appears only when a mesh or the user names it
+_DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
+_DECLARED: dict[str, Any] = {}
+
+# where torch keeps the classes whose instances say how a job is split; only modules the program
+# already imported are looked at (importing them here would be slow and could fail)
+_WATCHED: dict[str, tuple[tuple[str, str], ...]] = {
+    "torch.distributed.device_mesh": (("DeviceMesh", "mesh"),),
+    "torch.nn.parallel.distributed": (("DistributedDataParallel", "ddp"),),
+    "torch.distributed.fsdp.fully_sharded_data_parallel": (("FullyShardedDataParallel", "fsdp1"),),
+    "torch.distributed.fsdp._fully_shard._fully_shard": (("FSDPModule", "fsdp2"),),  # 2.6+
+    "torch.distributed._composable.fsdp.fully_shard": (("FSDPModule", "fsdp2"),),  # 2.4-2.5
+    "torch.distributed.pipelining.stage": (("_PipelineStageBase", "stage"),),
+    "torch.distributed.pipelining.schedules": (("_PipelineSchedule", "schedule"),),
+}
+
+
+def describe_parallel(
+    *,
+    dp: int | None = None,
+    fsdp: int | None = None,
+    tp: int | None = None,
+    cp: int | None = None,
+    ep: int | None = None,
+    pp_degree: int | None = None,
+    pp_stage: int | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    strategy: str | None = None,
+    coordinates: dict[str, int] | None = None,
+    **notes: Any,
+) -> None:
+    """Declare what the sidecar cannot detect by itself, e.g. for a pipeline driven by hand:
+    ``describe_parallel(pp_stage=rank, pp_degree=2, schedule="1F1B", microbatches=8)``.
+
+    Degrees are ``dp`` (replicas), ``fsdp`` (shards), ``tp``, ``pp_degree``, ``cp``, ``ep``;
+    ``coordinates`` this rank's index along them (``{"tp": 1}``); ``notes`` anything JSON can
+    hold. Calls add up; declared values win over detected ones in the sidecar's ``"parallel"``."""
+    given = {
+        "dp": dp,
+        "fsdp": fsdp,
+        "tp": tp,
+        "cp": cp,
+        "ep": ep,
+        "pp_degree": pp_degree,
+        "pp_stage": pp_stage,
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "strategy": strategy,
+    }
+    for key, value in given.items():
+        if value is not None:
+            _DECLARED[key] = value
+    if coordinates:
+        _DECLARED.setdefault("coordinates", {}).update(coordinates)
+    if notes:
+        _DECLARED.setdefault("notes", {}).update(notes)
+
+
+def _dim_kind(name: str) -> str | None:
+    """The degree a mesh dimension stands for, from its name (torchtitan, tutorials, Megatron)."""
+    n = name.lower().replace("-", "_")
+    if n in ("tp", "tensor", "tensor_parallel", "model", "mp"):
+        return "tp"
+    if n in ("pp", "pipe", "pipeline", "pipeline_parallel"):
+        return "pp"
+    if n in ("cp", "context", "context_parallel"):
+        return "cp"
+    if n in ("ep", "expert", "expert_parallel"):
+        return "ep"
+    if n in ("fsdp", "shard", "dp_shard", "sharded", "zero"):
+        return "fsdp"
+    if n in ("dp", "ddp", "data", "data_parallel", "replicate", "dp_replicate", "hsdp"):
+        return "dp"
+    return None
+
+
+def _parallel_objects() -> dict[str, list[Any]]:
+    """The live DeviceMesh, DDP, FSDP, pipeline stage and schedule objects of this process."""
+    classes: list[tuple[type, str]] = []
+    for mod_name, attrs in _WATCHED.items():
+        mod = sys.modules.get(mod_name)
+        for attr, kind in attrs:
+            cls = getattr(mod, attr, None) if mod is not None else None
+            if isinstance(cls, type):
+                classes.append((cls, kind))
+    if not classes:
+        return {}
+    wanted = tuple(cls for cls, _ in classes)
+    found: dict[str, list[Any]] = {}
+    for obj in gc.get_objects():
+        cls_of = type(obj)  # not isinstance: it would ask proxies (deprecated modules) for __class__
+        if not issubclass(cls_of, wanted):
+            continue
+        for cls, kind in classes:
+            if issubclass(cls_of, cls):
+                bucket = found.setdefault(kind, [])
+                if all(o is not obj for o in bucket):
+                    bucket.append(obj)
+    return found
+
+
+def _root_mesh(mesh: Any) -> Any:
+    root = getattr(mesh, "_root_mesh", None)  # 2.9+: slices and flattened meshes know their root
+    if root is None:  # 2.4-2.8: a registry of the process
+        resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+        mapping = getattr(resources, "child_to_root_mapping", None)
+        if isinstance(mapping, dict):
+            with contextlib.suppress(Exception):
+                root = mapping.get(mesh)
+    return mesh if root is None else root
+
+
+def _mesh_shape(mesh: Any) -> list[int]:
+    shape = getattr(mesh, "shape", None)
+    if shape is None or callable(shape):
+        shape = tuple(mesh.mesh.shape)
+    return [int(x) for x in shape]
+
+
+def _describe_mesh(mesh: Any) -> dict[str, Any]:
+    names = getattr(mesh, "mesh_dim_names", None)
+    desc: dict[str, Any] = {"dim_names": [str(n) for n in names] if names else None}
+    desc["shape"] = _mesh_shape(mesh)
+    coord = None
+    with contextlib.suppress(Exception):
+        c = mesh.get_coordinate()
+        coord = None if c is None else [int(x) for x in c]
+    desc["coordinate"] = coord
+    with contextlib.suppress(Exception):
+        desc["device_type"] = str(mesh.device_type)
+    return desc
+
+
+def _mesh_dim(desc: dict[str, Any], dim: int | None) -> tuple[str | None, int, int | None] | None:
+    """(name, size, this rank's coordinate) of one dimension of a described mesh."""
+    if dim is None or dim >= len(desc["shape"]):
+        return None
+    names, coord = desc.get("dim_names"), desc.get("coordinate")
+    return (
+        names[dim] if names else None,
+        desc["shape"][dim],
+        coord[dim] if coord is not None else None,
+    )
+
+
+class _Layout:
+    """Degrees, coordinates and where each came from, filled by the detectors in turn."""
+
+    def __init__(self) -> None:
+        self.degrees: dict[str, int] = {}
+        self.coordinates: dict[str, int] = {}
+        self.sources: dict[str, str] = {}
+        self.strategies: list[str] = []
+
+    def set(self, kind: str, size: int | None, coord: int | None, source: str, *, override: bool = False) -> None:
+        if size is None or (kind in self.degrees and not override):
+            return
+        self.degrees[kind] = int(size)
+        self.sources[kind] = source
+        if coord is not None:
+            self.coordinates[kind] = int(coord)
+        elif override:
+            self.coordinates.pop(kind, None)
+
+    def strategy(self, name: str) -> None:
+        if name not in self.strategies:
+            self.strategies.append(name)
+
+
+def _fsdp2_info(units: list[Any], lay: _Layout, kind_of_name: dict[str, str]) -> dict[str, Any]:
+    info: dict[str, Any] = {"version": 2, "units": len(units)}
+    reshard: list[bool] = []
+    mesh_done = False
+    for mod in units:
+        try:
+            state = mod._get_fsdp_state()
+            group = getattr(state, "_fsdp_param_group", None)
+        except Exception:
+            continue
+        if group is None:
+            continue
+        if getattr(state, "_is_root", None) is not True and hasattr(group, "post_forward_mesh_info"):
+            reshard.append(group.post_forward_mesh_info is not None)
+        mesh_info = getattr(group, "mesh_info", None)
+        if mesh_done or mesh_info is None:
+            continue
+        with contextlib.suppress(Exception):
+            desc = _describe_mesh(mesh_info.mesh)
+            for kind, attr in (("fsdp", "shard_mesh_dim"), ("dp", "replicate_mesh_dim")):
+                dim = _mesh_dim(desc, getattr(mesh_info, attr, None))
+                if dim is None:
+                    continue
+                name, size, coord = dim
+                if name is not None:
+                    kind_of_name[name] = kind  # FSDP shards over it, whatever the name says
+                lay.set(kind, size, coord, "fsdp2", override=True)
+            mesh_done = True
+    if reshard:
+        info["reshard_after_forward"] = any(reshard)
+    return info
+
+
+def _fsdp1_info(units: list[Any], lay: _Layout) -> dict[str, Any]:
+    root = next((u for u in units if getattr(u, "_is_root", None) is True), units[0])
+    info: dict[str, Any] = {"version": 1, "units": len(units)}
+    strategy = getattr(root, "sharding_strategy", None)
+    name = getattr(strategy, "name", None if strategy is None else str(strategy))
+    if name:
+        info["sharding_strategy"] = name
+    size, rank = getattr(root, "world_size", None), getattr(root, "rank", None)
+    if name == "NO_SHARD":
+        lay.set("dp", size, rank, "fsdp1")
+    elif name and "HYBRID" in name and isinstance(size, int) and size > 0:
+        lay.set("fsdp", size, rank, "fsdp1")
+        world = _rank_info()[1]
+        lay.set("dp", world // size if world % size == 0 else None, None, "fsdp1")
+    else:
+        lay.set("fsdp", size, rank, "fsdp1")
+    return info
+
+
+def _pipeline_info(stages: list[Any], schedules: list[Any], lay: _Layout) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    if stages:
+        indices = sorted({int(s.stage_index) for s in stages if hasattr(s, "stage_index")})
+        if len(indices) == 1:
+            info["stage"] = indices[0]
+        elif indices:
+            info["stages"] = indices  # interleaved / looped schedules: several stages per rank
+        num = getattr(stages[0], "num_stages", None)
+        if num is not None:
+            info["num_stages"] = int(num)
+        size = getattr(stages[0], "group_size", None)
+        coord = getattr(stages[0], "group_rank", None)
+        if size is None and num is not None and indices:
+            size = int(num) // len(indices)
+        if coord is None and len(indices) == 1:
+            coord = indices[0]
+        lay.set("pp", size, coord, "pipeline")
+    if schedules:
+        sched = schedules[0]
+        name = type(sched).__name__
+        info["schedule"] = name[len("Schedule") :] if name.startswith("Schedule") and len(name) > 8 else name
+        n = getattr(sched, "_n_microbatches", None)
+        if n is not None:
+            info["microbatches"] = int(n)
+    return info
+
+
+def parallel_layout() -> dict[str, Any]:
+    """How this rank's job is split, as the sidecar's ``"parallel"`` key records it (see the
+    module docstring). Detection reads live torch.distributed objects; never imports torch."""
+    rank, world = _rank_info()
+    out: dict[str, Any] = {"world_size": world, "rank": rank}
+    found = _parallel_objects()
+    lay = _Layout()
+    kind_of_name: dict[str, str] = {}
+
+    roots: list[Any] = []
+    for mesh in found.get("mesh", []):
+        root = _root_mesh(mesh)
+        if all(r is not root for r in roots):
+            roots.append(root)
+    descs = []
+    for root in roots:
+        with contextlib.suppress(Exception):
+            descs.append(_describe_mesh(root))
+    descs.sort(key=lambda d: (-_prod(d["shape"]), -len(d["shape"]), d.get("dim_names") is None))
+    if descs:
+        out["mesh"] = descs[0]
+        if len(descs) > 1:
+            out["meshes"] = descs
+
+    if found.get("fsdp2"):
+        lay.strategy("fsdp2")
+        out["fsdp"] = _fsdp2_info(found["fsdp2"], lay, kind_of_name)
+    if found.get("fsdp1"):
+        lay.strategy("fsdp1")
+        out["fsdp"] = _fsdp1_info(found["fsdp1"], lay)
+    for desc in descs:  # named mesh dimensions, the main mesh first
+        for dim, name in enumerate(desc.get("dim_names") or []):
+            kind = kind_of_name.get(name) or _dim_kind(name)
+            spec = _mesh_dim(desc, dim)
+            if kind is not None and spec is not None:
+                lay.set(kind, spec[1], spec[2], "mesh")
+                if kind == "tp" and spec[1] > 1:
+                    lay.strategy("tensor_parallel")
+                if kind == "cp" and spec[1] > 1:
+                    lay.strategy("context_parallel")
+    if found.get("ddp"):
+        lay.strategy("ddp")
+        ddp = found["ddp"][0]
+        out["ddp"] = {
+            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+            "bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
+        }
+        size = coord = None
+        with contextlib.suppress(Exception):
+            size, coord = int(ddp.process_group.size()), int(ddp.process_group.rank())
+        lay.set("dp", size, coord, "ddp")
+    if found.get("stage") or found.get("schedule"):
+        lay.strategy("pipeline")
+        out["pp"] = _pipeline_info(found.get("stage", []), found.get("schedule", []), lay)
+
+    if _DECLARED:
+        decl = dict(_DECLARED)
+        out["declared"] = decl
+        coords = decl.get("coordinates") or {}
+        for kind in (*_DEGREES, "ep"):
+            key = "pp_degree" if kind == "pp" else kind
+            if decl.get(key) is not None:
+                lay.set(kind, decl[key], coords.get(kind), "declared", override=True)
+        if decl.get("pp_stage") is not None:
+            out.setdefault("pp", {})["stage"] = decl["pp_stage"]
+            lay.coordinates.setdefault("pp", int(decl["pp_stage"]))
+        for key in ("schedule", "microbatches"):
+            if decl.get(key) is not None:
+                out.setdefault("pp", {})[key] = decl[key]
+        if decl.get("pp_degree") is not None:
+            out.setdefault("pp", {})["num_stages"] = decl["pp_degree"]
+        for kind, c in coords.items():
+            lay.coordinates[kind] = c
+        if isinstance(decl.get("strategy"), str):
+            lay.strategy(decl["strategy"])
+
+    if lay.degrees or world == 1:
+        if _prod(list(lay.degrees.values())) == world:  # the rest of the world is accounted for
+            for kind in _DEGREES:
+                if kind not in lay.degrees:
+                    lay.set(kind, 1, 0, "rest")
+        out["degrees"] = {k: lay.degrees[k] for k in (*_DEGREES, "ep") if k in lay.degrees}
+        out["coordinates"] = {k: lay.coordinates[k] for k in out["degrees"] if k in lay.coordinates}
+        out["sources"] = {k: lay.sources[k] for k in out["degrees"]}
+    if lay.strategies:
+        out["strategies"] = lay.strategies
+    return out
+
+
+def _prod(xs: list[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+def _parallel_layout_or_error(rank: int, world: int) -> dict[str, Any]:
+    try:
+        return parallel_layout()
+    except Exception as exc:  # detection is a nicety: the dump goes on without it
+        return {"world_size": world, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}

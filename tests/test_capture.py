@@ -315,3 +315,154 @@ def test_run_module_from_the_command_line(torch, tmp_path, monkeypatch):
     r = runner.invoke(app, ["run", "--out", str(tmp_path / "s"), "-m", "cli_train", "--epochs", "2"])
     assert r.exit_code == 7, r.output
     assert len(list((tmp_path / "s").glob("*.pickle"))) == 1
+
+
+# --------------------------------------------------------------------------- the parallel layout (issue #14)
+
+
+@pytest.fixture
+def declared(monkeypatch):
+    monkeypatch.setattr("snapshot_lab.capture._DECLARED", {})
+
+
+def _parallel(torch, tmp_path, monkeypatch):
+    torch.install(monkeypatch)  # again: the modules distributed() added
+    with recording(tmp_path) as rec:
+        pass
+    return _meta(rec.written[0])["parallel"]
+
+
+ONES = {"dp": 1, "fsdp": 1, "tp": 1, "pp": 1, "cp": 1}
+
+
+def test_parallel_of_a_single_process(torch, tmp_path, declared):
+    with recording(tmp_path) as rec:
+        pass
+    assert _meta(rec.written[0])["parallel"] == {
+        "world_size": 1,
+        "rank": 0,
+        "degrees": ONES,
+        "coordinates": dict.fromkeys(ONES, 0),
+        "sources": dict.fromkeys(ONES, "rest"),
+    }
+
+
+def test_parallel_from_a_named_2d_mesh(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=3, world=4)
+    root = par.DeviceMesh((2, 2), ("dp", "tp"), (1, 1))
+    tp_slice = par.DeviceMesh((2,), ("tp",), (1,), root=root)  # a slice: not a mesh of its own
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert (p["world_size"], p["rank"]) == (4, 3)
+    assert p["mesh"] == {"dim_names": ["dp", "tp"], "shape": [2, 2], "coordinate": [1, 1], "device_type": "cuda"}
+    assert "meshes" not in p
+    assert p["degrees"] == {**ONES, "dp": 2, "tp": 2}
+    assert p["coordinates"] == {"dp": 1, "fsdp": 0, "tp": 1, "pp": 0, "cp": 0}
+    assert p["sources"]["tp"] == "mesh" and p["sources"]["pp"] == "rest"
+    assert p["strategies"] == ["tensor_parallel"]
+    del tp_slice
+
+
+def test_parallel_fsdp2_on_an_unnamed_mesh(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=1, world=2)
+    mesh = par.DeviceMesh((2,), None, (1,))
+    units = [par.FSDPModule(mesh, reshard=True, is_root=False) for _ in range(3)]
+    units.append(par.FSDPModule(mesh, reshard=False, is_root=True))  # the root never reshards
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["mesh"]["dim_names"] is None
+    assert p["fsdp"] == {"version": 2, "units": 4, "reshard_after_forward": True}
+    assert p["degrees"] == {**ONES, "fsdp": 2} and p["coordinates"]["fsdp"] == 1
+    assert p["sources"]["fsdp"] == "fsdp2" and p["strategies"] == ["fsdp2"]
+    del units
+
+
+def test_parallel_fsdp2_shards_over_a_dim_named_dp(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=0, world=2)
+    mesh = par.DeviceMesh((2,), ("dp",), (0,))
+    units = [par.FSDPModule(mesh, reshard=False, is_root=False)]
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["degrees"] == {**ONES, "fsdp": 2}  # the tutorial name "dp", but FSDP shards over it
+    assert p["fsdp"]["reshard_after_forward"] is False
+    del units
+
+
+def test_parallel_hsdp(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=5, world=8)
+    mesh = par.DeviceMesh((2, 4), ("replicate", "shard"), (1, 1))
+    units = [par.FSDPModule(mesh, reshard=True, is_root=False, replicate_dim=0)]
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["degrees"] == {**ONES, "dp": 2, "fsdp": 4}
+    assert p["coordinates"]["dp"] == 1 and p["coordinates"]["fsdp"] == 1
+    del units
+
+
+def test_parallel_fsdp1_and_ddp(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=1, world=2)
+    units = [par.FSDP("SHARD_GRAD_OP", 2, 1, is_root=True), par.FSDP("SHARD_GRAD_OP", 2, 1, is_root=False)]
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["fsdp"] == {"version": 1, "units": 2, "sharding_strategy": "SHARD_GRAD_OP"}
+    assert p["degrees"] == {**ONES, "fsdp": 2} and p["coordinates"]["fsdp"] == 1
+    del units
+
+    par = torch.distributed(rank=1, world=2)
+    ddp = par.DDP(size=2, rank=1, bucket_view=True)
+    p = _parallel(torch, tmp_path / "ddp", monkeypatch)
+    assert p["ddp"] == {"gradient_as_bucket_view": True, "bucket_cap_bytes": 25 * 2**20}
+    assert p["degrees"] == {**ONES, "dp": 2} and p["sources"]["dp"] == "ddp" and p["strategies"] == ["ddp"]
+    del ddp
+
+
+def test_parallel_pipeline_detected_then_declared(torch, tmp_path, monkeypatch, declared):
+    from snapshot_lab.capture import describe_parallel
+
+    par = torch.distributed(rank=1, world=2)
+    stage, schedule = par.Stage(1, 2), par.Schedule1F1B(8)
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["pp"] == {"stage": 1, "num_stages": 2, "schedule": "1F1B", "microbatches": 8}
+    assert p["degrees"] == {**ONES, "pp": 2} and p["coordinates"]["pp"] == 1 and p["sources"]["pp"] == "pipeline"
+    assert p["strategies"] == ["pipeline"]
+
+    describe_parallel(schedule="ZeroBubble", microbatches=16, run="r42")  # what the user says wins
+    p = _parallel(torch, tmp_path / "b", monkeypatch)
+    assert p["pp"] == {"stage": 1, "num_stages": 2, "schedule": "ZeroBubble", "microbatches": 16}
+    assert p["declared"] == {"schedule": "ZeroBubble", "microbatches": 16, "notes": {"run": "r42"}}
+    del stage, schedule
+
+
+def test_parallel_declared_by_hand(torch, tmp_path, monkeypatch, declared):
+    from snapshot_lab.capture import describe_parallel, parallel_layout
+
+    torch.distributed(rank=2, world=4)
+    torch.install(monkeypatch)
+    assert "degrees" not in parallel_layout()  # a world of 4 and nothing to see: unknown, not guessed
+    describe_parallel(pp_stage=1, pp_degree=2, schedule="1F1B", microbatches=8)
+    describe_parallel(dp=2, coordinates={"dp": 0}, strategy="ddp+pp")
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["degrees"] == {**ONES, "dp": 2, "pp": 2}
+    assert p["coordinates"] == {"dp": 0, "fsdp": 0, "tp": 0, "pp": 1, "cp": 0}
+    assert p["pp"] == {"stage": 1, "schedule": "1F1B", "microbatches": 8, "num_stages": 2}
+    assert p["sources"]["pp"] == p["sources"]["dp"] == "declared"
+    assert p["strategies"] == ["ddp+pp"]
+
+
+def test_parallel_detection_never_fails_the_dump(torch, tmp_path, monkeypatch, declared):
+    par = torch.distributed(rank=0, world=2)
+
+    broken = par.DeviceMesh((2,), ("tp",), (0,))
+    broken.shape = None  # neither a shape nor the .mesh tensor of older torch
+    half = par.DeviceMesh((2,), ("tp",), (0,))
+    half.get_coordinate = lambda: 1 / 0  # a mesh whose process groups are gone
+    p = _parallel(torch, tmp_path, monkeypatch)
+    assert p["mesh"] == {"dim_names": ["tp"], "shape": [2], "coordinate": None, "device_type": "cuda"}
+    assert "meshes" not in p and p["degrees"] == {**ONES, "tp": 2}  # the broken mesh is skipped
+    assert "tp" not in p["coordinates"]
+
+    def boom():
+        raise RuntimeError("gc is broken")
+
+    monkeypatch.setattr("snapshot_lab.capture.gc.get_objects", boom)
+    with recording(tmp_path / "b") as rec:
+        pass
+    meta = _meta(rec.written[0])
+    assert meta["parallel"] == {"world_size": 2, "rank": 0, "error": "RuntimeError: gc is broken"}
+    assert meta["memory_stats"]  # the rest of the sidecar is there
+    del broken, half
