@@ -194,27 +194,32 @@ class Block:
 class _Pool:
     """Free blocks ordered like ``BlockComparatorSize`` (stream, size, address)."""
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, index_addresses: bool = False) -> None:
         self.small = small
+        self.index_addresses = index_addresses
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], Block] = {}
         self.unmapped: list[tuple[int, int]] = []  # (stream, addr) of unmapped expandable blocks
         self.unmapped_blocks: dict[tuple[int, int], Block] = {}
-        self.at: dict[int, Block] = {}  # free mapped blocks by address (following a trace)
+        # free mapped blocks by address, when following a trace as recorded (addresses are then
+        # the real ones, unique); a replay that decides for itself may reuse an address
+        self.at: dict[int, Block] = {}
         self.gc_calls = 0
 
     def insert(self, b: Block) -> None:
         k = b.pool_key = (b.stream, b.size, b.addr)  # unchanged while the block is in the pool
         bisect.insort(self.keys, k)
         self.blocks[k] = b
-        self.at[b.addr] = b
+        if self.index_addresses:
+            self.at[b.addr] = b
         b.gc_base = self.gc_calls
 
     def remove(self, b: Block) -> None:
         k = b.pool_key
         del self.keys[bisect.bisect_left(self.keys, k)]
         del self.blocks[k]
-        del self.at[b.addr]
+        if self.index_addresses:
+            del self.at[b.addr]
 
     def insert_unmapped(self, b: Block) -> None:
         k = (b.stream, b.addr)
@@ -247,7 +252,13 @@ class CachingAllocatorModel:
     """One device's allocator. ``malloc``/``free`` mirror the real calls; ``empty_cache`` is
     ``release_cached_blocks``."""
 
-    def __init__(self, settings: AllocatorSettings, memory_limit: int | None = None, limit_is_cap: bool = True) -> None:
+    def __init__(
+        self,
+        settings: AllocatorSettings,
+        memory_limit: int | None = None,
+        limit_is_cap: bool = True,
+        follows_trace: bool = False,
+    ) -> None:
         self.s = settings
         self.limit = memory_limit  # None: cudaMalloc never fails
         # a per-process cap (set_per_process_memory_fraction), not the device's capacity: the
@@ -255,8 +266,9 @@ class CachingAllocatorModel:
         self.limit_is_cap = limit_is_cap
         self._plain_rounding = not any(d > 1 for d in settings.roundup_power2_divisions)
         self._gc = memory_limit is not None and limit_is_cap and settings.garbage_collection_threshold > 0
-        self.small = _Pool(True)
-        self.large = _Pool(False)
+        self.small = _Pool(True, follows_trace)
+        self.large = _Pool(False, follows_trace)
+        self._segment_starts: set[int] = set()  # cudaMalloc'd segments alive, by address
         self.stats = ReplayStats()
         self._next_addr = 1 << 40
         self._free_va: list[tuple[int, int]] = []  # (address, length) freed synthetic ranges
@@ -282,8 +294,11 @@ class CachingAllocatorModel:
         segment of the same size gives the best guess (the driver is deterministic for the same
         sequence), else the lowest freed range that fits, else fresh address space."""
         reuse = self.recorded_addresses.get(size)
-        if reuse:
-            return reuse.pop(0)
+        while reuse:
+            addr = reuse.pop(0)
+            # a scenario may still hold the segment the recording freed there: not that one
+            if addr not in self._segment_starts:
+                return addr
         need = -(-size // (2 << 20)) * (2 << 20)
         for i, (start, length) in enumerate(self._free_va):
             if length >= need:
@@ -371,7 +386,9 @@ class CachingAllocatorModel:
         if not self._reserve(alloc_size):
             return None
         self.stats.cuda_malloc_calls += 1
-        return Block(self._new_address(alloc_size), alloc_size, stream, pool.small, next(self._segment_ids))
+        addr = self._new_address(alloc_size)
+        self._segment_starts.add(addr)
+        return Block(addr, alloc_size, stream, pool.small, next(self._segment_ids))
 
     def _should_split(self, b: Block, size: int) -> bool:
         remaining = b.size - size
@@ -433,6 +450,7 @@ class CachingAllocatorModel:
 
     def _release_block(self, b: Block, pool: _Pool) -> None:
         pool.remove(b)
+        self._segment_starts.discard(b.addr)
         self._unreserve(b.size)
         self._return_address(b.addr, b.size)
         self.stats.cuda_free_calls += 1
@@ -618,6 +636,7 @@ class CachingAllocatorModel:
         tile it. Returns its allocated blocks."""
         seg = next(self._segment_ids)
         chain = [Block(a, n, stream, small, seg) for a, n, _ in blocks]
+        self._segment_starts.add(addr)
         self._link(chain)
         self._book(sum(n for _, n, _ in blocks))
         return self._place(chain, {a for a, _, alloc in blocks if alloc})
@@ -654,6 +673,7 @@ class CachingAllocatorModel:
         """cudaMalloc as recorded: a new segment at ``addr``."""
         self._book(size)
         self.stats.cuda_malloc_calls += 1
+        self._segment_starts.add(addr)
         self._pool(small).insert(Block(addr, size, stream, small, next(self._segment_ids)))
 
     def follow_segment_free(self, addr: int) -> bool:

@@ -203,7 +203,7 @@ def follow(frames: SnapshotFrames, device: int, settings: AllocatorSettings, sto
     """The trace applied as recorded from :func:`start_state`, through event ``stop_after``
     (inclusive; all events when None)."""
     state = start_state(frames, device, settings)
-    model = CachingAllocatorModel(settings, None)
+    model = CachingAllocatorModel(settings, None, follows_trace=True)
     blocks = seed(model, state)
     dump = frames.blocks[frames.blocks["device"] == device]
     dump_info = {
