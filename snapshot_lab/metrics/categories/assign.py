@@ -17,7 +17,8 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..lifetimes import device_lifetimes
-from .gradients import gradient_mask
+from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
+from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
 from .stacks import cache_stacks, stack_categories, stack_threads, stacks_with_frame
 
 CATEGORIES = (
@@ -25,6 +26,9 @@ CATEGORIES = (
     "gradient",
     "optimizer_state",
     "activation",
+    "inflight_activation",
+    "fsdp_unsharded_params",
+    "comm_buffer",
     "ddp_bucket",
     "cuda_graph_pool",
     "other",
@@ -81,15 +85,25 @@ def _before_trace(sizes: np.ndarray, param_sizes: frozenset[int], params_have_st
     return out
 
 
+@dataclass(frozen=True)
+class _StackFacts:
+    """What the stacks say, computed once per snapshot."""
+
+    category: pd.Series  # stack_id -> category (the parallel libraries' rules over the generic ones)
+    threads: pd.Series  # stack_id -> main / autograd / other
+    eligible: set[int]  # stacks whose category the gradient rule may override
+    zero_grad: set[int]  # stacks of zero_grad()
+    reduce_scatter: set[int]  # FSDP reduce-scatters: their outputs are sharded gradients
+    pipeline_forward: set[int]  # a pipeline stage's forward
+
+
 def _device(
     frames: SnapshotFrames,
     device: int,
-    stack_cat: pd.Series,
-    threads: pd.Series,
-    eligible: set[int],
-    zero_grad: set[int],
+    facts: _StackFacts,
     block_codes: np.ndarray,
 ) -> tuple[np.ndarray, frozenset[int]]:
+    stack_cat = facts.category
     lt = device_lifetimes(frames, device)
     ev = frames.events[frames.events["device"] == device]
     seg = frames.segments[frames.segments["device"] == device]
@@ -104,15 +118,25 @@ def _device(
     code = _codes(sid, stack_cat)
     sizes = lt["size_bytes"].to_numpy(dtype=np.int64)
     surviving = lt["free_index"].isna().to_numpy()
-    # parameter sizes: parameters, and optimizer state (it mirrors them; temporaries excluded)
+    # parameter sizes: parameters still alive (FSDP frees the unsharded originals once it has
+    # sharded them: their sizes are no parameter's any more), and the optimizer state that
+    # mirrors them (its temporaries excluded)
     param_sizes = frozenset(
-        set(sizes[code == CODES["parameter"]].tolist())
+        set(sizes[(code == CODES["parameter"]) & surviving].tolist())
         | set(b_req[live & (b_base == CODES["parameter"])].tolist())
         | set(sizes[(code == CODES["optimizer_state"]) & surviving].tolist())
         | set(b_req[live & (b_base == CODES["optimizer_state"])].tolist())
     ) - {-1}
-    grad = gradient_mask(lt, ev, threads, eligible, set(param_sizes), zero_grad)
+    grad = gradient_mask(lt, ev, facts.threads, facts.eligible, set(param_sizes), facts.zero_grad)
+    if facts.reduce_scatter:
+        grad |= gradient_mask(lt, ev, facts.threads, facts.reduce_scatter, None, set())
     code[grad] = CODES["gradient"]
+    if facts.pipeline_forward:
+        free_thread = thread_codes(free_stack_ids(lt, ev), facts.threads)
+        freed = lt["free_index"].notna().to_numpy()
+        by_backward = freed & ((free_thread == THREAD_CODES["autograd"]) | (free_thread == THREAD_CODES["none"]))
+        inflight = inflight_mask(sid, by_backward, facts.pipeline_forward)
+        code[inflight & (code == CODES["activation"])] = CODES["inflight_activation"]
     stackless = (code == _NONE) & ~grad
     code[stackless & ~surviving] = CODES["activation"]  # backward temporaries: made and freed again
     code[stackless & surviving] = CODES["other"]
@@ -139,18 +163,32 @@ def categorize(frames: SnapshotFrames) -> Categorization:
     return memo(frames, "categories", lambda: _categorize(frames))
 
 
-def _categorize(frames: SnapshotFrames) -> Categorization:
-    stack_cat = stack_categories(frames)
-    threads = stack_threads(frames)
+def _stack_facts(frames: SnapshotFrames) -> _StackFacts:
+    generic = stack_categories(frames)
+    library = parallel_stack_categories(frames)
+    stack_cat = generic.copy()
+    if len(library):
+        stack_cat.loc[library.index] = library.to_numpy()
     caches = cache_stacks(frames)
     eligible = set(stack_cat.index[stack_cat.isin(["activation", "other", "gradient"])].astype(int)) - caches
-    zero_grad = stacks_with_frame(frames, "zero_grad")
+    return _StackFacts(
+        category=stack_cat,
+        threads=stack_threads(frames),
+        eligible=eligible,
+        zero_grad=stacks_with_frame(frames, "zero_grad"),
+        reduce_scatter=reduce_scatter_stacks(frames),
+        pipeline_forward=pipeline_forward_stacks(frames),
+    )
+
+
+def _categorize(frames: SnapshotFrames) -> Categorization:
+    facts = _stack_facts(frames)
     block_codes = np.full(len(frames.blocks), _NONE, dtype=np.int64)
     alloc_codes: dict[int, np.ndarray] = {}
     param_sizes: dict[int, frozenset[int]] = {}
     devices = sorted(set(frames.info.devices) | set(frames.blocks["device"].unique().tolist()))
     for d in devices:
-        alloc_codes[d], param_sizes[d] = _device(frames, d, stack_cat, threads, eligible, zero_grad, block_codes)
+        alloc_codes[d], param_sizes[d] = _device(frames, d, facts, block_codes)
     names = np.array([*CATEGORIES, None], dtype=object)
     block_category = pd.Series(names[block_codes], index=frames.blocks.index, name="category")
     return Categorization(block_category, alloc_codes, param_sizes)

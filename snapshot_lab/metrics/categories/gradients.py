@@ -52,12 +52,23 @@ def next_main_event(alloc_index: np.ndarray, main_index: np.ndarray) -> np.ndarr
     return out
 
 
+def free_stack_ids(lifetimes: pd.DataFrame, events: pd.DataFrame) -> np.ndarray:
+    """The stack id recorded at each allocation's free (-1: none, or never freed)."""
+    ev_sid = events["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    base = int(events["event_index"].iloc[0]) if len(events) else 0
+    free = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
+    out = np.full(free.size, -1, dtype=np.int64)
+    freed = free >= 0
+    out[freed] = ev_sid[free[freed] - base]
+    return out
+
+
 def gradient_mask(
     lifetimes: pd.DataFrame,
     events: pd.DataFrame,
     thread_of: pd.Series,
     eligible_stacks: set[int] | None,
-    param_sizes: set[int],
+    param_sizes: set[int] | None,
     zero_grad_stacks: set[int],
 ) -> np.ndarray:
     """Which allocations of ``lifetimes`` (one device) are gradients.
@@ -65,7 +76,8 @@ def gradient_mask(
     ``eligible_stacks``: stack ids whose own category may be overridden (activation, other,
     gradient; never parameters, optimizer state or DDP buckets, nor library caches); stackless
     allocations are always eligible. ``param_sizes``: requested sizes of parameters and of the
-    optimizer state that mirrors them."""
+    optimizer state that mirrors them; None: any size (a reduce-scatter output that outlives
+    backward is a sharded gradient whatever its size)."""
     n = len(lifetimes)
     if n == 0:
         return np.zeros(0, dtype=bool)
@@ -74,7 +86,9 @@ def gradient_mask(
     # with Python stacks, an allocation without a stack came from a thread with no Python frames
     backward = (th == THREAD_CODES["autograd"]) | (th == THREAD_CODES["none"])
     if eligible_stacks is not None:
-        backward &= (sid < 0) | np.isin(sid, np.fromiter(eligible_stacks, dtype=np.int64, count=len(eligible_stacks)))
+        listed = np.isin(sid, np.fromiter(eligible_stacks, dtype=np.int64, count=len(eligible_stacks)))
+        # stackless allocations may be gradients of the ordinary kind, never a library's buffer
+        backward &= listed | ((sid < 0) & (param_sizes is not None))
     if not backward.any():
         return backward
     ev_sid = events["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
@@ -85,12 +99,10 @@ def gradient_mask(
     free = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
     survives = free >= nxt  # freed by the program's thread, after backward returned, or never
     sizes = lifetimes["size_bytes"].to_numpy(dtype=np.int64)
+    if param_sizes is None:
+        return backward & survives
     shaped = np.isin(sizes, np.fromiter(param_sizes, dtype=np.int64, count=len(param_sizes)))
     if zero_grad_stacks:
-        base = int(events["event_index"].iloc[0])
-        freed = free != np.iinfo(np.int64).max
-        free_sid = np.full(n, -1, dtype=np.int64)
-        free_sid[freed] = ev_sid[free[freed] - base]
-        by_zero_grad = np.isin(free_sid, np.fromiter(zero_grad_stacks, dtype=np.int64, count=len(zero_grad_stacks)))
-        shaped |= by_zero_grad
+        free_sid = free_stack_ids(lifetimes, events)
+        shaped |= np.isin(free_sid, np.fromiter(zero_grad_stacks, dtype=np.int64, count=len(zero_grad_stacks)))
     return backward & survives & shaped
