@@ -113,10 +113,13 @@ def _site_views(frames: SnapshotFrames, sites: list[Any]) -> list[SiteView]:
 
 
 CATEGORY_HELP = {
-    "parameter": "model weights (allocated while building or moving the model)",
-    "gradient": "parameter gradients (AccumulateGrad; or parameter-sized blocks from backward)",
+    "parameter": "model weights, or this rank's shards of them (FSDP, tensor parallel)",
+    "gradient": "parameter gradients (made in backward and kept past it), or their shards",
     "optimizer_state": "allocated inside torch.optim (e.g. Adam's moments)",
     "activation": "allocated in forward or backward (saved activations, temporaries, workspaces)",
+    "inflight_activation": "activations a pipeline stage keeps for microbatches whose backward has not run",
+    "fsdp_unsharded_params": "FSDP's all-gathered (unsharded) parameters, alive until the unit reshards",
+    "comm_buffer": "buffers of collectives: FSDP all-gather/reduce-scatter, tensor-parallel and pipeline transfers",
     "ddp_bucket": "DistributedDataParallel's gradient buckets",
     "cuda_graph_pool": "private pools of CUDA graphs / MemPool",
     "other": "everything else, including blocks with no recorded stack",

@@ -106,3 +106,21 @@ def test_pipeline_stage_params(real_frames, model, rank):
     cats = _cats(real_frames, f"pp_1f1b_{model}_rank{rank}")
     assert cats["parameter"] == pytest.approx(w["pp_stage_param_bytes"], rel=0.01)
     assert cats["inflight_activation"] == 0  # nothing in flight after the step
+
+
+def test_every_category_has_words_and_a_colour():
+    from snapshot_lab.metrics.categories import CATEGORIES
+    from snapshot_lab.plots.categories import CATEGORY_COLORS
+    from snapshot_lab.report import CATEGORY_HELP
+
+    assert set(CATEGORY_HELP) == set(CATEGORIES) == set(CATEGORY_COLORS)
+
+
+@pytest.mark.parametrize("name", ["pp_gpipe_transformer_rank1", "fsdp2_noreshard_transformer_rank0", "tp_mlp_rank0"])
+def test_reports_of_parallel_runs(tmp_path, name):
+    from snapshot_lab import api
+
+    from .conftest import sample_path
+
+    html = api.report(sample_path(name), output=tmp_path / "r.html").read_text()
+    assert "What the memory is" in html
