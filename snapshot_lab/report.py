@@ -263,6 +263,21 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
         ),
         ("stacks", {"python": "Python", "python+cpp": "Python + C++", "none": "none recorded"}[rec.stacks]),
     ]
+    if stats.parallel:
+        layout = stats.parallel
+        degrees = ", ".join(f"{k} {v}" for k, v in (layout.get("degrees") or {}).items() if v and v > 1)
+        seen = "stacks" if layout.get("from_stacks") else ""
+        seen += (" and " if seen and layout.get("from_sidecar") else "") + (
+            "capture sidecar" if layout.get("from_sidecar") else ""
+        )
+        rows.append(
+            (
+                "parallel training",
+                str(layout["description"])
+                + (f"; degrees: {degrees}" if degrees else "")
+                + (f" (from the {seen})" if seen else ""),
+            )
+        )
     cap = f.get("capture")
     if cap:
         rows.append(
@@ -319,8 +334,12 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
     if rec.mode == "trace":
         parts.append("history complete" if rec.history_complete else "early history missing (ring buffer wrapped)")
     cap = f.get("capture")
+    if stats.parallel and stats.parallel.get("strategies"):
+        parts.append(str(stats.parallel["description"]))
+    elif cap:
+        parts.append(f"rank {cap.get('rank', '?')}/{cap.get('world_size', '?')}")
     if cap:
-        parts.append(f"rank {cap.get('rank', '?')}/{cap.get('world_size', '?')}, torch {cap.get('torch_version', '?')}")
+        parts.append(f"torch {cap.get('torch_version', '?')}")
     conf = (frames.info.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF")
     parts.append(f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "default allocator settings")
     return " · ".join(parts)

@@ -69,19 +69,16 @@ EXPECTED = {
     **{f"ddp_nccl_bucketview_{m}_rank{r}": set() for m in ("python", "all") for r in (0, 1)},
     **{f"ddp_nobucketview_{m}_rank{r}": {"ddp-bucket-duplicate-grads"} for m in ("mlp", "transformer") for r in (0, 1)},
     **{f"ddp_bucketview_{m}_rank{r}": set() for m in ("mlp", "transformer") for r in (0, 1)},
+    **{f"fsdp1_fullshard_{m}_rank{r}": {"pending-frees"} for m in ("mlp", "transformer") for r in (0, 1)},
     **{
-        f"fsdp1_{s}_{m}_rank{r}": {"pending-frees"}
-        for s in ("fullshard", "shardgradop")
+        f"fsdp1_shardgradop_{m}_rank{r}": {"pending-frees", "fsdp-unsharded-kept"}
         for m in ("mlp", "transformer")
         for r in (0, 1)
     },
-    **{
-        f"fsdp2_{s}_{m}_rank{r}": set()
-        for s in ("reshard", "noreshard")
-        for m in ("mlp", "transformer")
-        for r in (0, 1)
-    },
-    **{f"tp_{m}_rank{r}": set() for m in ("mlp", "transformer") for r in (0, 1)},
+    **{f"fsdp2_reshard_{m}_rank{r}": set() for m in ("mlp", "transformer") for r in (0, 1)},
+    **{f"fsdp2_noreshard_{m}_rank{r}": {"fsdp-unsharded-kept"} for m in ("mlp", "transformer") for r in (0, 1)},
+    **{f"tp_mlp_rank{r}": set() for r in (0, 1)},
+    **{f"tp_transformer_rank{r}": {"tp-replicated-params"} for r in (0, 1)},
     "pp_1f1b_mlp_rank0": {"pending-frees"},
     "pp_1f1b_mlp_rank1": {"pending-frees"},
     "pp_gpipe_mlp_rank0": set(),
@@ -102,6 +99,8 @@ SITUATIONS = {
     "history-incomplete",
     "pending-frees",
     "cuda-graph-pool",
+    "fsdp-unsharded-kept",
+    "tp-replicated-params",
 }
 
 

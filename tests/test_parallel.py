@@ -59,7 +59,7 @@ def test_fsdp_shards(real_frames, name):
 
 
 def _unit_sums(units):
-    sizes = [u["allgather_output_bytes"] for u in units if u["allgather_output_bytes"]]
+    sizes = [u["allgather_output_bytes"] for u in units if u.get("allgather_output_bytes")]
     return {sum(c) for k in range(len(sizes) + 1) for c in itertools.combinations(sizes, k)}
 
 
@@ -70,7 +70,7 @@ def test_unsharded_parameters_at_the_peak_are_whole_units(real_frames, name):
     w = sample_truth(name)["workload"]
     unsharded = int(_at_peak(real_frames, name)["fsdp_unsharded_params"])
     assert unsharded in _unit_sums(w["fsdp_units"])
-    everything = sum(u["allgather_output_bytes"] for u in w["fsdp_units"])
+    everything = sum(u.get("allgather_output_bytes") or 0 for u in w["fsdp_units"])
     keeps = w.get("reshard_after_forward") is False or w.get("sharding_strategy") == "SHARD_GRAD_OP"
     assert (unsharded == everything) == keeps
 
@@ -124,3 +124,53 @@ def test_reports_of_parallel_runs(tmp_path, name):
 
     html = api.report(sample_path(name), output=tmp_path / "r.html").read_text()
     assert "What the memory is" in html
+
+
+def _findings(real_frames, name):
+    from snapshot_lab.metrics.diagnose import diagnose
+
+    fr = real_frames(name)
+    return {f.id: f for f in diagnose(fr, compute_stats(fr), False).findings}
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_unsharded_kept_fires_for_the_setting_only(real_frames, name):
+    """FSDP2 reshard_after_forward=False and FSDP1 SHARD_GRAD_OP keep the unsharded parameters
+    from forward into backward; reshard_after_forward=True and FULL_SHARD do not (FULL_SHARD still
+    keeps its root and last units: the finding must not take that for the setting)."""
+    w = sample_truth(name)["workload"]
+    keeps = w.get("reshard_after_forward") is False or w.get("sharding_strategy") == "SHARD_GRAD_OP"
+    f = _findings(real_frames, name).get("fsdp-unsharded-kept")
+    assert (f is not None) == keeps
+    if f is not None:
+        full = sum(u.get("allgather_output_bytes") or 0 for u in w["fsdp_units"])
+        assert f.evidence["kept_bytes_at_peak"] == full  # the whole model, unsharded, at the peak
+        assert f.savings_bytes == full
+        # what the setting really cost: the same job's peak with resharding is lower by about that
+        other = name.replace("noreshard", "reshard").replace("shardgradop", "fullshard")
+        real = w["peak_allocated_bytes"] - sample_truth(other)["workload"]["peak_allocated_bytes"]
+        assert f.savings_bytes == pytest.approx(real, rel=0.35)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_replicated_params(real_frames, model, rank):
+    """The transformer replicates its embeddings, norms and head on each TP rank (31% of its
+    parameters): named, with the bytes; the MLP replicates only its row-parallel biases: silent."""
+    name = f"tp_{model}_rank{rank}"
+    w = sample_truth(name)["workload"]
+    f = _findings(real_frames, name).get("tp-replicated-params")
+    assert (f is not None) == (model == "transformer")
+    if f is not None:
+        assert f.evidence["replicated_parameter_bytes"] == pytest.approx(w["tp_replicated_bytes"], rel=0.01)
+        assert f.evidence["tp_degree"] == 2
+
+
+def test_parallel_findings_nowhere_else(real_frames):
+    from .conftest import sample_names
+
+    for name in sample_names():
+        if name.startswith(("fsdp", "tp_")):
+            continue
+        ids = set(_findings(real_frames, name))
+        assert not ids & {"fsdp-unsharded-kept", "tp-replicated-params"}, name

@@ -9,6 +9,7 @@ from ..frames import SnapshotFrames
 from .categories import CATEGORIES, compute_categories
 from .fragmentation import PoolFragmentation, compute_fragmentation
 from .oom import OomAnalysis, analyse_device_oom
+from .parallelism import detect_parallel
 from .recording import Recording, describe_recording
 from .torch_stats import compute_torch_stats
 
@@ -55,6 +56,7 @@ class SnapshotStats:
     devices: dict[int, DeviceStats]
     categories: dict[str, int]
     categories_requested: dict[str, int] | None = None
+    parallel: dict[str, Any] | None = None  # the parallel layout (metrics.parallelism)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +67,7 @@ class SnapshotStats:
             "oom": self.oom.to_dict() if self.oom else None,
             "categories": self.categories,
             "categories_requested": self.categories_requested,
+            "parallel": self.parallel,
             "devices": {str(d): s.to_dict() for d, s in self.devices.items()},
         }
 
@@ -152,4 +155,5 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         categories_requested={
             c: sum((ds.categories_requested or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES
         },
+        parallel=detect_parallel(frames).to_dict(),
     )

@@ -123,3 +123,8 @@ def inflight_mask(sid: np.ndarray, freed_by_backward: np.ndarray, forward_stacks
         return np.zeros(sid.size, dtype=bool)
     fwd = np.fromiter(forward_stacks, dtype=np.int64, count=len(forward_stacks))
     return np.isin(sid, fwd) & freed_by_backward
+
+
+def sharded_parameter_stacks(frames: SnapshotFrames) -> set[int]:
+    """Stacks of DTensor shards made by ``distribute_tensor`` (tensor-parallel parameters)."""
+    return stacks_with(frames, (("distributed/tensor/placement_types.py", "_shard_tensor"),))

@@ -16,13 +16,28 @@ from ..leaks import LeakAnalysis
 from ..summary import SnapshotStats
 from ..timeline import Timeline
 from ..whatif import WhatIf
-from . import allocator, churn, dataparallel, ddp, fragmentation, graphs, leaks, oom, recording, streams
+from . import (
+    allocator,
+    churn,
+    dataparallel,
+    ddp,
+    fragmentation,
+    fsdp,
+    graphs,
+    leaks,
+    oom,
+    recording,
+    streams,
+    tensor_parallel,
+)
 from .base import SEVERITY_ORDER, Finding, FindingContext
 
 RULES: list[Callable[[FindingContext], list[Finding]]] = [
     oom.find,
     allocator.find,
     ddp.find,
+    fsdp.find,
+    tensor_parallel.find,
     dataparallel.find,
     leaks.find,
     fragmentation.find,
