@@ -158,6 +158,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self._torch: Any = None
         self._oom_dumped = False
         self._oom_path: Path | None = None  # the snapshot the OOM observer wrote
+        self._oom_record: dict[str, int] = {}
 
     # -- recording state -------------------------------------------------------------------
 
@@ -223,17 +224,13 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if not self.on_oom or self._oom_dumped:
             return
         self._oom_dumped = True  # one dump per recording: later OOMs while unwinding add nothing
-        self._oom_path = self.dump(
-            "oom",
-            extra={
-                "oom": {
-                    "device": device,
-                    "alloc_bytes": alloc,
-                    "limit_bytes": device_allocated,
-                    "device_free_bytes": device_free,
-                }
-            },
-        )
+        self._oom_record = {
+            "device": device,
+            "alloc_bytes": alloc,
+            "limit_bytes": device_allocated,
+            "device_free_bytes": device_free,
+        }
+        self._oom_path = self.dump("oom", extra={"oom": self._oom_record})
 
     def _incident(self) -> dict[str, Any]:
         """For the dump made after the program died of an out-of-memory error that the observer
@@ -242,7 +239,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         moment of the OOM from its trace)."""
         if self._oom_path is None or self.exception_type not in ("OutOfMemoryError", "OutOfMemory"):
             return {}
-        return {"incident": {"same_as": self._oom_path.name, "moment": "after the out-of-memory error unwound"}}
+        return {
+            "incident": {"same_as": self._oom_path.name, "moment": "after the out-of-memory error unwound"},
+            "oom": self._oom_record,  # the observer's record: the limit the OOM happened under
+        }
 
     def dump(self, why: str | None = None, extra: dict[str, Any] | None = None) -> Path | None:
         """Write a snapshot now (and its sidecar); returns its path, or None if it failed."""

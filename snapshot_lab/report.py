@@ -192,6 +192,8 @@ def _device_section(
         leaks=_leak_view(frames, la),
         whatif=_whatif_view(wi),
     )
+    if stats.parallel and stats.parallel.get("strategies"):
+        section.parallel = str(stats.parallel["description"])
     if at_oom and moment is not None and d.oom is not None:
         section.layout_title = "Block layout at the OOM"
         section.histogram_title = "Free (cached) blocks by size at the OOM."

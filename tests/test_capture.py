@@ -91,6 +91,17 @@ def test_exception_dump_of_an_oom_names_its_incident(torch, tmp_path):
     oom, exc = rec.written
     assert oom.name.endswith("_oom.pickle") and exc.name.endswith("_exception.pickle")
     assert _meta(exc)["incident"] == {"same_as": oom.name, "moment": "after the out-of-memory error unwound"}
+    # the limit the OOM happened under travels with it, so the analysis of either file knows it
+    assert (
+        _meta(exc)["oom"]
+        == _meta(oom)["oom"]
+        == {
+            "device": 0,
+            "alloc_bytes": 2**30,
+            "limit_bytes": 3 * 2**30,
+            "device_free_bytes": 10 * 2**30,
+        }
+    )
     assert "incident" not in _meta(oom)
     assert _meta(oom)["device_total_bytes"] == {"0": 80 * 2**30}
 

@@ -64,6 +64,7 @@ class DeviceSection:
     histogram_title: str = "Free (cached) blocks by size."
     oom_moment_note: str = ""  # where the OOM explanation, layout and sites come from, when not the dump
     oom_sites: list[SiteView] = field(default_factory=list)
+    parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
 
 
 @dataclass
