@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -34,12 +34,14 @@ from .metrics.compare import (
     check_limits,
     diff_summaries,
     host_of,
+    rank_pipeline,
     rank_rows,
     summarize,
 )
 from .metrics.diagnose import Diagnosis, diagnose
-from .metrics.findings import Finding
+from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
 from .metrics.leaks import LeakAnalysis
+from .metrics.pipeline import PipelineSkew
 from .metrics.whatif import MemoryLimit, WhatIf
 from .progress import NullProgress, ProgressSink
 from .units import parse_bytes
@@ -72,9 +74,42 @@ def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> dict
     return _diagnosis(snapshot, progress)[1].leaks
 
 
-def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> list[Finding]:
-    """Findings with evidence and advice, most severe first."""
-    return _diagnosis(snapshot, progress)[1].findings
+Files = list[str] | list[Path] | list[str | Path] | tuple[str | Path, ...]  # several snapshot files
+
+
+@overload
+def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> list[Finding]: ...
+@overload
+def findings(snapshot: Files, *, progress: ProgressSink | None = None) -> FleetFindings: ...
+def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = None) -> list[Finding] | FleetFindings:
+    """Findings with evidence and advice, most severe first.
+
+    Given several files (a list; the ranks of one job), each file's own findings and the
+    findings across them (``pipeline-stage-imbalance``, from the pipeline stages the capture
+    sidecars or the file names tell): a :class:`FleetFindings`, whose ``errors`` name the files
+    that could not be read (the others are still analysed). A file given twice is read once."""
+    if isinstance(snapshot, (str, os.PathLike)):
+        return _diagnosis(snapshot, progress)[1].findings
+    progress = progress or NullProgress()
+    paths = list(dict.fromkeys(str(p) for p in snapshot))
+    own: dict[str, list[Finding]] = {}
+    summaries: dict[str, SnapshotSummary] = {}
+    errors: dict[str, str] = {}
+    for i, p in enumerate(paths):
+        progress.stage(f"Analysing {i + 1} of {len(paths)}: {Path(p).name}")
+        try:
+            own[p], summaries[p] = _findings_and_summary(p)
+        except SnaplabError as exc:
+            errors[p] = exc.message()
+    return FleetFindings(own, compute_fleet_findings(summaries), errors)
+
+
+def _findings_and_summary(snapshot: str) -> tuple[list[Finding], SnapshotSummary]:
+    """One file's findings and its small summary (its frames go when this returns)."""
+    frames = load_frames(snapshot)
+    stats_ = compute_stats(frames)
+    dg = diagnose(frames, stats_, with_category_timelines=False)
+    return dg.findings, summarize(frames, stats_, dg, with_sites=False)
 
 
 def default_report_path(snapshot: str | Path) -> Path:
@@ -209,6 +244,9 @@ def ranks(
     an address, or 'local'). The rank comes from ``rank<N>`` in the file name; files that share a
     number, or have none, are all compared too, each row labelled by its host (from the capture
     sidecar or the name) or its file name (``RankRow.label``). A file given twice is read once.
+    When the files span several pipeline stages (from the capture sidecars' parallel layout, or
+    ``pp1``/``stage1`` in the names), each rank is compared only with the ranks of its own stage
+    (``RankRow.group``) and the stages with each other: :func:`pipeline`.
     Returns the rows and, per file that could not be read, its error."""
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshots))
@@ -241,6 +279,7 @@ def ranks(
     read = {p: summaries[p] for p in paths if p in summaries}
     rows = rank_rows(read, {p: host_of(p, load_sidecar(p)) for p in read})
     if output is not None and rows:
+        skew, across = rank_pipeline(rows)
         import pandas as pd
 
         from . import __version__
@@ -256,8 +295,16 @@ def ranks(
                 "outlier": [bool(r.flags) for r in rows],
             }
         )
-        write_atomic(Path(output), render_ranks_html(rows, errors, figure_png_data_uri(plot_ranks(chart)), __version__))
+        png = figure_png_data_uri(plot_ranks(chart))
+        write_atomic(Path(output), render_ranks_html(rows, errors, png, __version__, skew, across))
     return rows, errors
+
+
+def pipeline(rows: list[RankRow]) -> tuple[PipelineSkew | None, list[Finding]]:
+    """For the rows ``ranks`` returned: the pipeline's stages side by side (None unless the
+    files span two pipeline stages; stages come from the capture sidecars or the file names)
+    and the findings across the files (``pipeline-stage-imbalance``)."""
+    return rank_pipeline(rows)
 
 
 def check(

@@ -130,19 +130,45 @@ def leaks(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = Fa
 
 @app.command()
 def findings(
-    snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = False, debug: DebugOpt = False
+    snapshot: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Snapshot file(s). Several (the ranks of one job): each file's findings, plus those across"
+            " the files (pipeline stages from the capture sidecars or 'pp1'/'stage1' in the names).",
+            show_default=False,
+        ),
+    ],
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Findings with evidence and advice: OOM cause, fragmentation, leaks, DDP, churn, imbalance."""
 
     def work() -> None:
+        paths = list(dict.fromkeys(snapshot))
         with progress_bar(quiet) as progress:
-            result = api.findings(snapshot, progress=progress)
-        if json_out:
-            _print_json({"findings": [f.to_dict() for f in result]})
-        else:
-            from .render.text import format_findings
+            if len(paths) == 1:  # one file: as it always was
+                one = api.findings(paths[0], progress=progress)
+            else:
+                several = api.findings(paths, progress=progress)
+        if len(paths) == 1:
+            if json_out:
+                _print_json({"findings": [f.to_dict() for f in one]})
+            else:
+                from .render.text import format_findings
 
-            sys.stdout.write(format_findings(result))
+                sys.stdout.write(format_findings(one))
+            return
+        if json_out:
+            _print_json(several.to_dict())
+        elif several.files:
+            from .render.text import format_fleet_findings
+
+            sys.stdout.write(format_fleet_findings(several))
+        for e in several.errors.values():
+            typer.echo(f"snaplab: error: {e}", err=True)
+        if several.errors:
+            raise typer.Exit(EXIT_BAD_INPUT)
 
     _run(work, debug)
 
@@ -192,17 +218,25 @@ def ranks(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """One row per rank: peak, reserved, allocated, fragmentation, OOM; outlier ranks flagged."""
+    """One row per rank: peak, reserved, allocated, fragmentation, OOM; outliers flagged within their pipeline stage."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
             rows, errors = api.ranks(list(snapshots), jobs=jobs, scheduler=scheduler, output=output, progress=progress)
+        skew, across = api.pipeline(rows)
         if json_out and rows:
-            _print_json({"ranks": [r.to_dict() for r in rows], "errors": errors})
+            _print_json(
+                {
+                    "ranks": [r.to_dict() for r in rows],
+                    "errors": errors,
+                    "pipeline": skew.to_dict() if skew is not None else None,
+                    "findings": [f.to_dict() for f in across],
+                }
+            )
         elif rows:
             from .render.compare import format_ranks
 
-            sys.stdout.write(format_ranks(rows))
+            sys.stdout.write(format_ranks(rows, skew, across))
         from .render.compare import rank_notice
 
         notice = rank_notice(rows)

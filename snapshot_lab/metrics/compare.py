@@ -15,9 +15,13 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from ..units import format_bytes, format_percent
-from .categories import categorize
+from .categories import CATEGORIES, categorize, category_levels_at
 from .diagnose import Diagnosis
-from .sites import snapshot_sites
+from .findings import Finding, compute_fleet_findings
+from .lifetimes import device_lifetimes
+from .parallel import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
+from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
+from .sites import alive_at, snapshot_sites
 from .summary import SnapshotStats
 
 MiB = 1024 * 1024
@@ -44,6 +48,27 @@ def site_table(frames: SnapshotFrames) -> pd.DataFrame:
     return df.groupby(["site", "detail"], as_index=False).agg(bytes=("bytes", "sum"), blocks=("bytes", "size"))
 
 
+def peak_site_table(frames: SnapshotFrames, device: int, peak_index: int) -> pd.DataFrame:
+    """Requested bytes of the allocations alive at the device's peak (event ``peak_index``) per
+    allocation site and category, keyed by text (comparable across files): columns site,
+    detail, category, bytes; largest first."""
+    alive = alive_at(device_lifetimes(frames, device), peak_index)
+    sites = snapshot_sites(frames)
+    codes = categorize(frames).alloc_codes[device][alive.index.to_numpy()]
+    cats = np.array(CATEGORIES, dtype=object)[np.where(codes < 0, len(CATEGORIES) - 1, codes)]
+    sid = alive["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    table = sites.table
+    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
+    site = np.empty(sid.size, dtype=object)
+    detail = np.full(sid.size, "", dtype=object)
+    site[known] = table["label"].reindex(sid[known]).to_numpy()
+    detail[known] = table["detail"].reindex(sid[known]).fillna("").to_numpy()
+    site[~known] = [sites.label(None, c) for c in cats[~known]]
+    df = pd.DataFrame({"site": site, "detail": detail, "category": cats, "bytes": alive["size_bytes"].to_numpy()})
+    out = df.groupby(["site", "detail", "category"], as_index=False)["bytes"].sum()
+    return out.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)
+
+
 @dataclass(frozen=True)
 class SnapshotSummary:
     """What ``diff``, ``ranks`` and ``check`` need of one snapshot (small, picklable)."""
@@ -62,6 +87,13 @@ class SnapshotSummary:
     findings: list[str]
     leak_growth_bytes_per_iteration: int
     sites: list[dict[str, Any]] = field(default_factory=list)
+    # where the rank sits in the parallel layout (from the capture sidecar), when it says
+    layout: ParallelLayout | None = None
+    # at each device's peak of requested bytes (summed over devices): requested bytes per
+    # category, and the largest sites alive then ({site, detail, category, bytes}, at most
+    # PEAK_SITES_LIMIT); empty without a trace
+    peak_categories: dict[str, int] = field(default_factory=dict)
+    peak_sites: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def reserved(self) -> int:
@@ -78,6 +110,16 @@ class SnapshotSummary:
 def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_sites: bool = True) -> SnapshotSummary:
     peaks = [tl for tl in dg.timelines.values() if tl is not None]
     frag = stats.fragmentation["all"]
+    peak_categories: dict[str, int] = {}
+    tables = []
+    for tl in peaks:
+        for c, v in category_levels_at(frames, tl.device, tl.peak_index).items():
+            peak_categories[c] = peak_categories.get(c, 0) + v
+        tables.append(peak_site_table(frames, tl.device, tl.peak_index))
+    peak_sites = tables[0] if len(tables) == 1 else pd.DataFrame(columns=["site", "detail", "category", "bytes"])
+    if len(tables) > 1:
+        both = pd.concat(tables, ignore_index=True).groupby(["site", "detail", "category"], as_index=False).sum()
+        peak_sites = both.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)
     return SnapshotSummary(
         path=stats.file["path"],
         devices=list(stats.devices),
@@ -93,6 +135,12 @@ def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_
         findings=[f.id for f in dg.findings],
         leak_growth_bytes_per_iteration=sum(la.growth_bytes_per_iteration for la in dg.leaks.values()),
         sites=[{str(k): v for k, v in r.items()} for r in site_table(frames).to_dict("records")] if with_sites else [],
+        layout=layout_from_sidecar(frames.info.capture),
+        peak_categories=peak_categories,
+        peak_sites=[
+            {"site": str(r.site), "detail": str(r.detail), "category": str(r.category), "bytes": int(r.bytes)}
+            for r in peak_sites.head(PEAK_SITES_LIMIT).itertuples(index=False)
+        ],
     )
 
 
@@ -251,13 +299,23 @@ class RankRow:
     host: str | None
     summary: SnapshotSummary
     flags: list[str]
+    # where the rank sits in the parallel layout (sidecar, else file name), and the group of
+    # rows it was compared with ('pp stage 1'; None: all rows, as without a pipeline)
+    layout: ParallelLayout | None = None
+    group: str | None = None
+    group_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         s = self.summary
+        lay = self.layout
         return {
             "rank": self.rank,
             "label": self.label,
             "host": self.host,
+            "coordinates": dict(lay.coordinates) if lay is not None else {},
+            "coordinates_from": lay.source if lay is not None else None,
+            "group": self.group,
+            "group_size": self.group_size,
             "path": s.path,
             "devices": s.devices,
             "reserved_bytes": s.reserved,
@@ -266,15 +324,20 @@ class RankRow:
             "peak_reserved_bytes": s.peak_reserved_bytes,
             "external_fragmentation": s.external_fragmentation,
             "oom": s.oom_cause,
+            "inflight_activation_bytes_at_peak": (
+                s.peak_categories.get("inflight_activation", 0) if s.peak_categories else None
+            ),
             "findings": s.findings,
             "outlier": bool(self.flags),
             "flags": self.flags,
         }
 
 
-def rank_outliers(summaries: dict[K, SnapshotSummary]) -> dict[K, list[str]]:
+def rank_outliers(summaries: dict[K, SnapshotSummary], within: str | None = None) -> dict[K, list[str]]:
     """Why each file stands out from the others (empty list: it does not); keys are anything
-    that names a file (its rank, its path)."""
+    that names a file (its rank, its path). ``within`` names the group they form in the
+    messages ('pp stage 1': '... above the median ... of pp stage 1')."""
+    of_group = f" of {within}" if within else ""
     flags: dict[K, list[str]] = {r: [] for r in summaries}
     metrics: dict[str, dict[K, int | None]] = {
         "peak in use": {r: s.peak_requested_bytes for r, s in summaries.items()},
@@ -294,7 +357,7 @@ def rank_outliers(summaries: dict[K, SnapshotSummary]) -> dict[K, list[str]]:
                     word = "above" if diff > 0 else "below"
                     flags[r].append(
                         f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} the median "
-                        f"{format_bytes(med)}"
+                        f"{format_bytes(med)}{of_group}"
                     )
     for r, s in summaries.items():
         if s.oom_cause:
@@ -341,14 +404,38 @@ def rank_labels(paths: list[str], hosts: dict[str, str | None]) -> dict[str, tup
     return out
 
 
+def rank_layouts(summaries: dict[str, SnapshotSummary]) -> dict[str, ParallelLayout | None]:
+    """Each file's place in the parallel layout: its capture sidecar's, else its file name's."""
+    return {p: s.layout if s.layout is not None else layout_from_name(p) for p, s in summaries.items()}
+
+
+def rank_groups(layouts: dict[str, ParallelLayout | None]) -> dict[str, str | None]:
+    """The group each file is compared within: its pipeline stage ('pp stage 1') when the files
+    span several stages, else None (every file with every other). The replicas, FSDP shards and
+    tensor-parallel peers of one stage hold the same; different stages do not."""
+    stage = pipeline_stages(layouts)
+    if stage is None:
+        return dict.fromkeys(layouts)
+    return {p: group_label(st) for p, st in stage.items()}
+
+
 def rank_rows(summaries: dict[str, SnapshotSummary], hosts: dict[str, str | None] | None = None) -> list[RankRow]:
     """One row per file (``summaries`` keyed by path), labelled (see ``RankRow``) and flagged
-    against the median of all rows, ordered by rank, then host, then file name (numbers in them
-    by value); files without a rank number come last."""
+    against the median of the rows that should look like it: the other ranks of its pipeline
+    stage when the files span several stages (see :func:`rank_groups`), else all rows. Rows are
+    ordered by rank, then host, then file name (numbers in them by value); files without a rank
+    number come last."""
     hosts = hosts or {}
     paths = list(summaries)
     labels = rank_labels(paths, hosts)
-    flags = rank_outliers(summaries)
+    layouts = rank_layouts(summaries)
+    groups = rank_groups(layouts)
+    members: dict[str | None, list[str]] = {}
+    for p in paths:
+        members.setdefault(groups[p], []).append(p)
+    flags: dict[str, list[str]] = {}
+    for g, ps in members.items():
+        flags.update(rank_outliers({p: summaries[p] for p in ps}, within=g))
 
     def natural(text: str) -> list[str | int]:  # node2 before node10
         return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", text))]
@@ -358,9 +445,27 @@ def rank_rows(summaries: dict[str, SnapshotSummary], hosts: dict[str, str | None
         return (r is None, r if r is not None else 0, natural(hosts.get(p) or ""), natural(_file_name(p)), p)
 
     return [
-        RankRow(labels[p][0], labels[p][1], labels[p][2], hosts.get(p), summaries[p], flags[p])
+        RankRow(
+            labels[p][0],
+            labels[p][1],
+            labels[p][2],
+            hosts.get(p),
+            summaries[p],
+            flags[p],
+            layouts[p],
+            groups[p],
+            len(members[groups[p]]) if groups[p] is not None else None,
+        )
         for p in sorted(paths, key=order)
     ]
+
+
+def rank_pipeline(rows: list[RankRow]) -> tuple[PipelineSkew | None, list[Finding]]:
+    """The pipeline's stages side by side (None unless the rows span two pipeline stages) and
+    the findings across the files of ``rows`` (``pipeline-stage-imbalance``)."""
+    summaries = {r.summary.path: r.summary for r in rows}
+    layouts = {r.summary.path: r.layout for r in rows}
+    return pipeline_skew(summaries, layouts), compute_fleet_findings(summaries, layouts)
 
 
 # --------------------------------------------------------------------------- check

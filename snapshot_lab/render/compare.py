@@ -6,9 +6,12 @@ from collections import Counter
 from typing import Any
 
 from ..metrics.compare import Change, RankRow, SnapshotDiff
+from ..metrics.findings import Finding
+from ..metrics.parallel import KINDS, ParallelLayout
+from ..metrics.pipeline import PipelineSkew
 from ..units import format_bytes, format_percent
 from .html import _css, _environment
-from .text import table
+from .text import format_findings, table
 
 
 def _fmt(name: str, v: float | None) -> str:
@@ -161,7 +164,78 @@ def _rank_headline(rows: list[RankRow]) -> str:
     )
 
 
-def render_ranks_html(rows: list[RankRow], errors: dict[str, str], chart_png: str, version: str) -> str:
+def layout_text(lay: ParallelLayout | None) -> str:
+    """'pp 1 · tp 0' (the coordinates along the degrees above 1, or all of them when the
+    degrees are unknown); '' without a layout."""
+    if lay is None:
+        return ""
+    shown = [k for k in KINDS if k in lay.coordinates and lay.degrees.get(k, 2) > 1]
+    return " · ".join(f"{k} {lay.coordinates[k]}" for k in shown)
+
+
+def _mb(n: int | None) -> str:
+    return "" if n is None else f"{n} microbatch{'es' if n != 1 else ''}"
+
+
+def _schedule_rule(skew: PipelineSkew) -> str:
+    name = (skew.schedule or "").lower()
+    if name == "1f1b":
+        return "1F1B keeps up to S-s microbatches in flight on stage s"
+    if name == "gpipe":
+        return "GPipe keeps every microbatch in flight on every stage"
+    return ""
+
+
+def pipeline_view(skew: PipelineSkew, rows: list[RankRow]) -> dict[str, Any]:
+    """The pipeline's stages as display strings (shared by the terminal and the HTML page)."""
+    label = {r.summary.path: _who(r) for r in rows}
+    how = [x for x in (skew.schedule, f"{skew.microbatches} microbatches" if skew.microbatches else None) if x]
+    stages = [
+        {
+            "stage": str(s.stage),
+            "ranks": ", ".join(label.get(p, _name(p)) for p in s.files),
+            "peak": format_bytes(s.peak_requested_bytes),
+            "inflight": format_bytes(s.inflight_activation_bytes),
+            "in_flight_mb": _mb(s.microbatches_in_flight),
+        }
+        for s in skew.stages
+    ]
+    h, lo = skew.heaviest, skew.lightest
+    parts = []
+    if skew.inflight_difference_bytes:
+        d = skew.inflight_difference_bytes
+        parts.append(f"in-flight activations {'+' if d > 0 else '-'}{format_bytes(abs(d))}")
+    for c, d in skew.by_category.items():
+        if c != "inflight_activation" and abs(d) >= skew.spread_bytes * 0.05:
+            parts.append(f"{c.replace('_', ' ')} {'+' if d > 0 else '-'}{format_bytes(abs(d))}")
+    sites = "; ".join(f"{d.site} +{format_bytes(d.delta_bytes)}" for d in skew.by_site[:2])
+    rule = _schedule_rule(skew)
+    skew_text = (
+        f"Pipeline skew across {len(skew.stages)} stages"
+        + (f" ({', '.join(how)})" if how else " (schedule unknown)")
+        + ", not outliers: each rank is compared with the ranks of its own stage, the stages with each other. "
+        + (
+            f"Stage {h.stage} peaks {format_bytes(skew.spread_bytes)} ({format_percent(skew.spread_ratio, 0)}) "
+            f"above stage {lo.stage}"
+            + (f": {', '.join(parts)} at the peak" if parts else "")
+            + (f" (largest: {sites})" if sites else "")
+            + "."
+            if skew.spread_bytes
+            else "The stages peak alike."
+        )
+        + (f" {rule}." if rule else "")
+    )
+    return {"stages": stages, "text": skew_text}
+
+
+def render_ranks_html(
+    rows: list[RankRow],
+    errors: dict[str, str],
+    chart_png: str,
+    version: str,
+    pipeline: PipelineSkew | None = None,
+    findings: list[Finding] | None = None,
+) -> str:
     ctx: dict[str, Any] = {
         "css": _css(),
         "version": version,
@@ -169,11 +243,16 @@ def render_ranks_html(rows: list[RankRow], errors: dict[str, str], chart_png: st
         "headline": _rank_headline(rows),
         "notice": rank_notice(rows),
         "chart_png": chart_png,
+        "with_layout": any(r.layout is not None for r in rows),
+        "pipeline": pipeline_view(pipeline, rows) if pipeline is not None else None,
+        "findings": findings or [],
         "rows": [
             {
                 "label": r.label,
                 "labelled_by": r.labelled_by,
                 "host": r.host,
+                "layout": layout_text(r.layout),
+                "group": r.group or "",
                 "name": _name(r.summary.path),
                 "peak": r.summary.peak_requested_bytes,
                 "reserved": r.summary.reserved,
@@ -189,12 +268,17 @@ def render_ranks_html(rows: list[RankRow], errors: dict[str, str], chart_png: st
     return _environment().get_template("ranks.html.j2").render(ctx=ctx)
 
 
-def format_ranks(rows: list[RankRow]) -> str:
+def format_ranks(
+    rows: list[RankRow], pipeline: PipelineSkew | None = None, findings: list[Finding] | None = None
+) -> str:
+    """The table of ``ranks``; with a pipeline, its stages and the findings across the files below."""
+    with_layout = any(r.layout is not None for r in rows)
     body = table(
-        ["rank", "peak in use", "reserved", "allocated", "ext. frag", "flags"],
+        ["rank", *(["layout"] if with_layout else []), "peak in use", "reserved", "allocated", "ext. frag", "flags"],
         [
             [
                 r.label,
+                *([layout_text(r.layout)] if with_layout else []),
                 format_bytes(r.summary.peak_requested_bytes),
                 format_bytes(r.summary.reserved),
                 format_bytes(r.summary.allocated),
@@ -204,4 +288,14 @@ def format_ranks(rows: list[RankRow]) -> str:
             for r in rows
         ],
     )
-    return f"{_rank_headline(rows)}\n\n{body}\n"
+    out = f"{_rank_headline(rows)}\n\n{body}\n"
+    if pipeline is not None:
+        view = pipeline_view(pipeline, rows)
+        stages = table(
+            ["stage", "ranks", "peak in use", "in flight at peak", "schedule keeps in flight"],
+            [[s["stage"], s["ranks"], s["peak"], s["inflight"], s["in_flight_mb"]] for s in view["stages"]],
+        )
+        out += f"\n{view['text']}\n\n{stages}\n"
+    if findings:
+        out += "\n" + format_findings(findings)
+    return out

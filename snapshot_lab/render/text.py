@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..metrics import SnapshotStats
-from ..metrics.findings import Finding
+from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import LeakAnalysis
 from ..metrics.summary import DeviceStats
 from ..metrics.whatif import WhatIf, settings_label
@@ -127,6 +127,16 @@ def format_findings(findings: list[Finding]) -> str:
             lines.append(f"         at stake: {format_bytes(f.savings_bytes)}")
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
+
+
+def format_fleet_findings(result: FleetFindings) -> str:
+    """``findings`` over several files: those across the files, then each file's."""
+    out = []
+    if result.across_files:
+        out.append(f"== across the {len(result.files)} files\n{format_findings(result.across_files)}")
+    for path, found in result.files.items():
+        out.append(f"== {path}\n{format_findings(found)}")
+    return "\n".join(out)
 
 
 def whatif_view(w: WhatIf) -> dict[str, Any]:

@@ -56,6 +56,22 @@ def category_timeline(frames: SnapshotFrames, device: int) -> pd.DataFrame | Non
     return pd.DataFrame(levels, columns=list(CATEGORIES), copy=False)
 
 
+def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) -> dict[str, int]:
+    """Requested bytes per category just after event ``event_index`` of ``device``: the row of
+    :func:`category_timeline` at that event, from the allocations alive then, without building
+    the whole timeline (``ranks`` wants one row, at the peak, of every rank's file)."""
+    lifetimes = device_lifetimes(frames, device)
+    alive = (lifetimes["event_index"] <= event_index) & (
+        lifetimes["free_index"].isna() | (lifetimes["free_index"] > event_index)
+    )
+    mask = alive.to_numpy(dtype=bool)
+    code = categorize(frames).alloc_codes[device][mask]
+    code = np.where(code < 0, len(CATEGORIES) - 1, code)  # as the timeline indexes it
+    sums = np.zeros(len(CATEGORIES), dtype=np.int64)
+    np.add.at(sums, code, lifetimes["size_bytes"].to_numpy(dtype=np.int64)[mask])
+    return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
+
+
 def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool = True) -> CategoryBreakdown:
     """Live bytes per category at the dump and, with ``with_timeline``, over the trace."""
     cats = categorize(frames).block_category
@@ -81,6 +97,7 @@ __all__ = [
     "CategoryBreakdown",
     "categorize",
     "categorize_blocks",
+    "category_levels_at",
     "category_timeline",
     "compute_categories",
     "stack_categories",

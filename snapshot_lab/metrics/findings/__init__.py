@@ -1,18 +1,23 @@
 """Findings: what the numbers mean for the user, each with its evidence and advice.
 
 One module per family of findings, each with a ``find(context)`` rule; :func:`compute_findings`
-runs them all. A finding is raised only when the snapshot shows the situation, and carries the
-numbers that show it; ``savings_bytes`` is the memory the advice would free or make usable, when
-the snapshot tells.
+runs them all on one snapshot, :func:`compute_fleet_findings` runs the rules over several files
+(the ranks of one job: ``pipeline``) on their summaries. A finding is raised only when the
+snapshot shows the situation, and carries the numbers that show it; ``savings_bytes`` is the
+memory the advice would free or make usable, when the snapshot tells.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ...frames import SnapshotFrames
 from ..categories import CategoryBreakdown
 from ..leaks import LeakAnalysis
+from ..parallel import ParallelLayout, layout_from_name
+from ..pipeline import pipeline_skew
 from ..summary import SnapshotStats
 from ..timeline import Timeline
 from ..whatif import WhatIf
@@ -26,11 +31,15 @@ from . import (
     graphs,
     leaks,
     oom,
+    pipeline,
     recording,
     streams,
     tensor_parallel,
 )
-from .base import SEVERITY_ORDER, Finding, FindingContext
+from .base import SEVERITY_ORDER, Finding, FindingContext, FleetContext
+
+if TYPE_CHECKING:
+    from ..compare import SnapshotSummary
 
 RULES: list[Callable[[FindingContext], list[Finding]]] = [
     oom.find,
@@ -45,6 +54,11 @@ RULES: list[Callable[[FindingContext], list[Finding]]] = [
     streams.find,
     graphs.find,
     recording.find,
+]
+
+# rules over several files, on their summaries
+FLEET_RULES: list[Callable[[FleetContext], list[Finding]]] = [
+    pipeline.find,
 ]
 
 
@@ -63,4 +77,51 @@ def compute_findings(
     return out
 
 
-__all__ = ["RULES", "SEVERITY_ORDER", "Finding", "FindingContext", "compute_findings"]
+def compute_fleet_findings(
+    summaries: Mapping[str, SnapshotSummary], layouts: Mapping[str, ParallelLayout | None] | None = None
+) -> list[Finding]:
+    """Findings across several files (``summaries`` keyed by path), most severe first. Each
+    file's place in the parallel layout is ``layouts``' or, by default, its summary's (from the
+    capture sidecar), else its file name's."""
+    lays = {p: (layouts or {}).get(p) or s.layout or layout_from_name(p) for p, s in summaries.items()}
+    ctx = FleetContext(dict(summaries), lays, pipeline_skew(summaries, lays))
+    out = [f for rule in FLEET_RULES for f in rule(ctx)]
+    out.sort(key=lambda f: SEVERITY_ORDER[f.severity])
+    return out
+
+
+@dataclass(frozen=True)
+class FleetFindings:
+    """``findings`` over several files: each file's own findings (as for one file), the findings
+    across the files, and the files that could not be read."""
+
+    files: dict[str, list[Finding]]  # path -> its findings, most severe first; in the order given
+    across_files: list[Finding]
+    errors: dict[str, str]  # path -> why it could not be read
+
+    def to_dict(self) -> dict[str, Any]:
+        """One list of findings, each tagged with the file it is about (``file``, null for one
+        across the files) and the files it rests on (``files``): the findings across the files
+        first, then each file's in the order given."""
+        read = list(self.files)
+        return {
+            "files": read,
+            "findings": [
+                *({"file": None, "files": read, **f.to_dict()} for f in self.across_files),
+                *({"file": p, "files": [p], **f.to_dict()} for p, fs in self.files.items() for f in fs),
+            ],
+            "errors": self.errors,
+        }
+
+
+__all__ = [
+    "FLEET_RULES",
+    "RULES",
+    "SEVERITY_ORDER",
+    "Finding",
+    "FindingContext",
+    "FleetContext",
+    "FleetFindings",
+    "compute_findings",
+    "compute_fleet_findings",
+]

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...frames import SnapshotFrames
 from ..categories import CategoryBreakdown
 from ..leaks import LeakAnalysis
+from ..parallel import ParallelLayout
+from ..pipeline import PipelineSkew
 from ..summary import SnapshotStats
 from ..timeline import Timeline
 from ..whatif import WhatIf
+
+if TYPE_CHECKING:  # compare imports diagnose, which imports the findings
+    from ..compare import SnapshotSummary
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 MiB = 1024 * 1024
@@ -40,3 +45,13 @@ class FindingContext:
     categories: dict[int, CategoryBreakdown] = field(default_factory=dict)
     leaks: dict[int, LeakAnalysis] = field(default_factory=dict)
     whatifs: dict[int, WhatIf] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FleetContext:
+    """What a rule over several files reads: each file's summary (keyed by path), its place in
+    the parallel layout, and the pipeline's stages when the files span several."""
+
+    summaries: dict[str, SnapshotSummary]
+    layouts: dict[str, ParallelLayout | None]
+    pipeline: PipelineSkew | None

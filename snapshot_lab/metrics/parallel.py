@@ -1,0 +1,119 @@
+"""Where a rank sits in its job's parallel layout, and which ranks should look alike (``ranks``).
+
+The layout comes from the capture sidecar's ``"parallel"`` key (``snaplab run`` records the
+degrees and this rank's coordinates, see :mod:`snapshot_lab.capture`) or, without one, from the
+file name (``pp1``, ``stage1``, ``tp0``, ``dp3``...). Ranks of one pipeline stage are peers: data
+parallel replicas, FSDP shards and tensor-parallel peers of a stage hold the same amounts, so a
+rank is compared with them; different stages hold different layers and different numbers of
+microbatches in flight, so stages are compared with each other as the pipeline's skew.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
+
+LayoutSource = Literal["sidecar", "file name"]
+
+# the spellings a file name uses for a coordinate: pp1, pp_1, pp-rank1, stage1, pipe1, tp0,
+# tp_rank0, dp3, cp1, ep2. The token must stand on its own ('fsdp2' names FSDP's version, and
+# 'pp_1f1b' a schedule), so neither a letter or digit before it nor after its number.
+_NAME_TOKEN = re.compile(
+    r"(?<![A-Za-z0-9])(pp|stage|pipe|tp|dp|cp|ep)[_-]?(?:rank[_-]?)?(\d{1,6})(?![A-Za-z0-9])", re.IGNORECASE
+)
+_NAME_KIND = {"pp": "pp", "stage": "pp", "pipe": "pp", "tp": "tp", "dp": "dp", "cp": "cp", "ep": "ep"}
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """One rank's place in the layout: its coordinates (``{"pp": 1, "tp": 0, ...}``, only those
+    known), the degrees when known, and the pipeline's schedule and microbatches. Small and
+    picklable: it travels inside :class:`~snapshot_lab.metrics.compare.SnapshotSummary`."""
+
+    source: LayoutSource
+    coordinates: dict[str, int] = field(default_factory=dict)
+    degrees: dict[str, int] = field(default_factory=dict)
+    strategies: list[str] = field(default_factory=list)
+    world_size: int | None = None
+    num_stages: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+
+    @property
+    def pp_stage(self) -> int | None:
+        return self.coordinates.get("pp")
+
+
+def _int(value: Any) -> int | None:
+    # JSON from a file: bool is an int to Python, and neither it nor a float is a coordinate
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31 else None
+
+
+def _text(value: Any, limit: int = 40) -> str | None:
+    """A short printable string (sidecars are files anyone can edit: these go into one-line
+    messages and HTML)."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return "".join(c if c.isprintable() and not c.isspace() else "-" for c in value.strip())[:limit]
+
+
+def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | None:
+    """The layout the capture sidecar records (None for an old sidecar without ``"parallel"``,
+    one whose detection failed, or one that says nothing about coordinates or a pipeline)."""
+    par = capture.get("parallel") if isinstance(capture, Mapping) else None
+    if not isinstance(par, Mapping):
+        return None
+
+    def mapping(key: str) -> Mapping[str, Any]:
+        value = par.get(key)
+        return value if isinstance(value, Mapping) else {}
+
+    degrees_in, coords_in, pp_in = mapping("degrees"), mapping("coordinates"), mapping("pp")
+    degrees = {k: v for k in KINDS if (v := _int(degrees_in.get(k))) is not None and v >= 1}
+    coords = {k: v for k in KINDS if (v := _int(coords_in.get(k))) is not None}
+    stage = _int(pp_in.get("stage"))
+    if stage is not None:
+        coords.setdefault("pp", stage)
+    num_stages = _int(pp_in.get("num_stages")) or degrees.get("pp")
+    if not coords and not pp_in:
+        return None
+    listed = par.get("strategies")
+    strategies: list[Any] = listed if isinstance(listed, list) else []
+    return ParallelLayout(
+        source="sidecar",
+        coordinates=coords,
+        degrees=degrees,
+        strategies=[t for s in strategies[:16] if (t := _text(s)) is not None],
+        world_size=_int(par.get("world_size")),
+        num_stages=num_stages if num_stages and num_stages >= 1 else None,
+        schedule=_text(pp_in.get("schedule")),
+        microbatches=_int(pp_in.get("microbatches")) or None,
+    )
+
+
+def layout_from_name(path: str) -> ParallelLayout | None:
+    """Coordinates spelled in a file's name (``job_pp1_tp0_rank3.pickle``: pp 1, tp 0); the last
+    spelling of a kind wins, as for ``rank<N>``. None when the name has none."""
+    name = path.replace("\\", "/").split("/")[-1]
+    coords: dict[str, int] = {}
+    for m in _NAME_TOKEN.finditer(name):
+        coords[_NAME_KIND[m.group(1).lower()]] = int(m.group(2))
+    return ParallelLayout(source="file name", coordinates=coords) if coords else None
+
+
+def pipeline_stages(layouts: Mapping[str, ParallelLayout | None]) -> dict[str, int | None] | None:
+    """Each file's pipeline stage when the files span at least two stages (files whose stage is
+    unknown map to None); None when there is no pipeline to speak of, and every file is a peer
+    of every other."""
+    stage = {p: (lay.pp_stage if lay is not None else None) for p, lay in layouts.items()}
+    if len({s for s in stage.values() if s is not None}) < 2:
+        return None
+    return stage
+
+
+def group_label(stage: int | None) -> str:
+    return f"pp stage {stage}" if stage is not None else "pp stage unknown"
