@@ -19,7 +19,7 @@ from .categories import CATEGORIES, categorize, category_levels_at
 from .diagnose import Diagnosis
 from .findings import Finding, compute_fleet_findings
 from .lifetimes import device_lifetimes
-from .parallel import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
+from .parallelism import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
 from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
 from .sites import alive_at, snapshot_sites
 from .summary import SnapshotStats

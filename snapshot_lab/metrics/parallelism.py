@@ -1,19 +1,32 @@
-"""Which parallel training strategy a snapshot came from.
+"""Which parallel training strategy a snapshot came from, where its rank sits in the job's
+layout, and which ranks should look alike (``ranks``).
 
-Two sources, both kept: the capture sidecar's ``parallel`` key (``snaplab run`` records the world
-size, the mesh, degrees and coordinates it could see, and what ``describe_parallel()`` declared),
-and the allocation stacks, whose library frames show what ran in this process even without a
+The layout comes from the capture sidecar's ``"parallel"`` key (``snaplab run`` records the
+degrees and this rank's coordinates, see :mod:`snapshot_lab.capture`) or, without one, from the
+file name (``pp1``, ``stage1``, ``tp0``, ``dp3``...). The strategies come from the sidecar and
+from the allocation stacks, whose library frames show what ran in the process even without a
 sidecar: DistributedDataParallel, FSDP2 (``fully_shard``), FSDP1 (``FullyShardedDataParallel``),
 DTensor tensor parallelism, ``torch.distributed.pipelining``, ``nn.DataParallel``.
+
+Ranks of one pipeline stage are peers: data parallel replicas, FSDP shards and tensor-parallel
+peers of a stage hold the same amounts, so a rank is compared with them; different stages hold
+different layers and different numbers of microbatches in flight, so stages are compared with
+each other as the pipeline's skew.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 from ..frames import SnapshotFrames
 from ._memo import memo
+
+KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
+
+LayoutSource = Literal["sidecar", "file name", "none"]
 
 # strategy -> path fragments of the library's Python files
 _STACK_MARKS: dict[str, tuple[str, ...]] = {
@@ -24,7 +37,7 @@ _STACK_MARKS: dict[str, tuple[str, ...]] = {
     "pp": ("torch/distributed/pipelining/",),
     "dataparallel": ("torch/nn/parallel/data_parallel.py",),
 }
-NAMES = {
+STRATEGY_NAMES = {
     "ddp": "DistributedDataParallel",
     "fsdp2": "FSDP2 (fully_shard)",
     "fsdp1": "FSDP1 (FullyShardedDataParallel)",
@@ -33,23 +46,43 @@ NAMES = {
     "dataparallel": "nn.DataParallel",
 }
 
+# the spellings a file name uses for a coordinate: pp1, pp_1, pp-rank1, stage1, pipe1, tp0,
+# tp_rank0, dp3, cp1, ep2. The token must stand on its own ('fsdp2' names FSDP's version, and
+# 'pp_1f1b' a schedule), so neither a letter or digit before it nor after its number.
+_NAME_TOKEN = re.compile(
+    r"(?<![A-Za-z0-9])(pp|stage|pipe|tp|dp|cp|ep)[_-]?(?:rank[_-]?)?(\d{1,6})(?![A-Za-z0-9])", re.IGNORECASE
+)
+_NAME_KIND = {"pp": "pp", "stage": "pp", "pipe": "pp", "tp": "tp", "dp": "dp", "cp": "cp", "ep": "ep"}
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    strategies: tuple[str, ...]  # keys of NAMES, in that order
-    world_size: int | None
-    rank: int | None
-    degrees: dict[str, int] = field(default_factory=dict)  # from the sidecar
-    settings: dict[str, Any] = field(default_factory=dict)  # fsdp / pp / ddp settings from the sidecar
-    from_stacks: tuple[str, ...] = ()
-    from_sidecar: tuple[str, ...] = ()
+    """One rank's place in the layout: its coordinates (``{"pp": 1, "tp": 0, ...}``, only those
+    known), the degrees when known, and the pipeline's schedule and microbatches. Small and
+    picklable: it travels inside :class:`~snapshot_lab.metrics.compare.SnapshotSummary`."""
+
+    source: LayoutSource
+    coordinates: dict[str, int] = field(default_factory=dict)
+    degrees: dict[str, int] = field(default_factory=dict)
+    strategies: list[str] = field(default_factory=list)  # keys of STRATEGY_NAMES once detected
+    world_size: int | None = None
+    num_stages: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    rank: int | None = None
+    from_stacks: list[str] = field(default_factory=list)  # the strategies the stacks showed
+
+    @property
+    def pp_stage(self) -> int | None:
+        return self.coordinates.get("pp")
 
     @property
     def description(self) -> str:
-        if not self.strategies:
+        known = [s for s in self.strategies if s in STRATEGY_NAMES]
+        if not known:
             return "single process, no parallel training library seen"
-        names = " + ".join(NAMES[s] for s in self.strategies)
-        where = f", rank {self.rank} of {self.world_size}" if self.world_size else ""
+        names = " + ".join(STRATEGY_NAMES[s] for s in known)
+        where = f", rank {self.rank} of {self.world_size}" if self.world_size and self.rank is not None else ""
         return names + where
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,50 +91,116 @@ class ParallelLayout:
         return d
 
 
-def _from_stacks(frames: SnapshotFrames) -> tuple[str, ...]:
-    fn = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    return tuple(s for s, marks in _STACK_MARKS.items() if any(fn.str.contains(m, regex=False).any() for m in marks))
+def _int(value: Any) -> int | None:
+    # JSON from a file: bool is an int to Python, and neither it nor a float is a coordinate
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31 else None
 
 
-def _from_sidecar(parallel: dict[str, Any]) -> tuple[str, ...]:
-    named = {str(s).lower() for s in parallel.get("strategies") or [] if isinstance(s, str)}
-    raw = parallel.get("degrees")
-    degrees: dict[Any, Any] = raw if isinstance(raw, dict) else {}
+def _text(value: Any, limit: int = 40) -> str | None:
+    """A short printable string (sidecars are files anyone can edit: these go into one-line
+    messages and HTML)."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return "".join(c if c.isprintable() and not c.isspace() else "-" for c in value.strip())[:limit]
+
+
+def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | None:
+    """The layout the capture sidecar records (None for an old sidecar without ``"parallel"``,
+    one whose detection failed, or one that says nothing about coordinates or a pipeline)."""
+    par = capture.get("parallel") if isinstance(capture, Mapping) else None
+    if not isinstance(par, Mapping):
+        return None
+
+    def mapping(key: str) -> Mapping[str, Any]:
+        value = par.get(key)
+        return value if isinstance(value, Mapping) else {}
+
+    degrees_in, coords_in, pp_in = mapping("degrees"), mapping("coordinates"), mapping("pp")
+    degrees = {k: v for k in KINDS if (v := _int(degrees_in.get(k))) is not None and v >= 1}
+    coords = {k: v for k in KINDS if (v := _int(coords_in.get(k))) is not None}
+    stage = _int(pp_in.get("stage"))
+    if stage is not None:
+        coords.setdefault("pp", stage)
+    num_stages = _int(pp_in.get("num_stages")) or degrees.get("pp")
+    if not coords and not pp_in:
+        return None
+    listed = par.get("strategies")
+    strategies: list[Any] = listed if isinstance(listed, list) else []
+    return ParallelLayout(
+        source="sidecar",
+        coordinates=coords,
+        degrees=degrees,
+        strategies=[t for s in strategies[:16] if (t := _text(s)) is not None],
+        world_size=_int(par.get("world_size")),
+        num_stages=num_stages if num_stages and num_stages >= 1 else None,
+        schedule=_text(pp_in.get("schedule")),
+        microbatches=_int(pp_in.get("microbatches")) or None,
+    )
+
+
+def layout_from_name(path: str) -> ParallelLayout | None:
+    """Coordinates spelled in a file's name (``job_pp1_tp0_rank3.pickle``: pp 1, tp 0); the last
+    spelling of a kind wins, as for ``rank<N>``. None when the name has none."""
+    name = path.replace("\\", "/").split("/")[-1]
+    coords: dict[str, int] = {}
+    for m in _NAME_TOKEN.finditer(name):
+        coords[_NAME_KIND[m.group(1).lower()]] = int(m.group(2))
+    return ParallelLayout(source="file name", coordinates=coords) if coords else None
+
+
+def pipeline_stages(layouts: Mapping[str, ParallelLayout | None]) -> dict[str, int | None] | None:
+    """Each file's pipeline stage when the files span at least two stages (files whose stage is
+    unknown map to None); None when there is no pipeline to speak of, and every file is a peer
+    of every other."""
+    stage = {p: (lay.pp_stage if lay is not None else None) for p, lay in layouts.items()}
+    if len({s for s in stage.values() if s is not None}) < 2:
+        return None
+    return stage
+
+
+def group_label(stage: int | None) -> str:
+    return f"pp stage {stage}" if stage is not None else "pp stage unknown"
+
+
+def _normalised(strategies: list[str]) -> list[str]:
     out = set()
-    for s in named:
+    for raw in strategies:
+        s = raw.lower()
         if s in _STACK_MARKS:
             out.add(s)
         elif s.startswith("fsdp"):
             out.add("fsdp2" if "2" in s else "fsdp1")
-    for key, strategy in (("tp", "tp"), ("pp", "pp")):
-        if isinstance(degrees.get(key), int) and degrees[key] > 1:
-            out.add(strategy)
-    return tuple(s for s in _STACK_MARKS if s in out)
+    return [s for s in _STACK_MARKS if s in out]
+
+
+def strategies_in_stacks(stack_frames: Any) -> list[str]:
+    """The strategies whose library frames appear in a snapshot's stacks."""
+    fn = stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    return [s for s, marks in _STACK_MARKS.items() if any(fn.str.contains(m, regex=False).any() for m in marks)]
 
 
 def detect_parallel(frames: SnapshotFrames) -> ParallelLayout:
-    """The parallel layout of one snapshot (computed once)."""
+    """One snapshot's layout and strategies, from its sidecar (or file name) and its stacks
+    (computed once)."""
 
     def compute() -> ParallelLayout:
-        cap: dict[str, Any] = frames.info.capture if isinstance(frames.info.capture, dict) else {}
-        raw_parallel = cap.get("parallel")
-        parallel: dict[str, Any] = raw_parallel if isinstance(raw_parallel, dict) else {}
-        stacks = _from_stacks(frames)
-        sidecar = _from_sidecar(parallel)
-        strategies = tuple(s for s in _STACK_MARKS if s in set(stacks) | set(sidecar))
-        world = parallel.get("world_size", cap.get("world_size"))
-        rank = parallel.get("rank", cap.get("rank"))
-        raw = parallel.get("degrees")
-        degrees: dict[Any, Any] = raw if isinstance(raw, dict) else {}
-        settings = {k: parallel[k] for k in ("fsdp", "pp", "ddp", "mesh") if isinstance(parallel.get(k), dict)}
-        return ParallelLayout(
+        cap = frames.info.capture if isinstance(frames.info.capture, Mapping) else {}
+        layout = layout_from_sidecar(cap) or layout_from_name(frames.info.source.path) or ParallelLayout("none")
+        par = cap.get("parallel") if isinstance(cap.get("parallel"), Mapping) else {}
+        stacks = strategies_in_stacks(frames.stack_frames)
+        degrees = dict(layout.degrees)
+        for kind in ("tp", "pp"):  # a degree the sidecar saw counts as the strategy even if no stack shows it
+            if degrees.get(kind, 1) > 1:
+                stacks = stacks if kind in stacks else [*stacks, kind]
+        strategies = [s for s in _STACK_MARKS if s in set(_normalised(layout.strategies)) | set(stacks)]
+        rank = _int(par.get("rank")) if par else None
+        world = layout.world_size or (_int(par.get("world_size")) if par else None) or _int(cap.get("world_size"))
+        return replace(
+            layout,
             strategies=strategies,
-            world_size=world if isinstance(world, int) else None,
-            rank=rank if isinstance(rank, int) else None,
-            degrees={str(k): v for k, v in degrees.items() if isinstance(v, int)},
-            settings=settings,
-            from_stacks=stacks,
-            from_sidecar=sidecar,
+            rank=rank if rank is not None else _int(cap.get("rank")),
+            world_size=world,
+            from_stacks=strategies_in_stacks(frames.stack_frames),
         )
 
     return memo(frames, "parallel", compute)

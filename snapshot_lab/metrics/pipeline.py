@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .parallel import ParallelLayout, pipeline_stages
+from .parallelism import ParallelLayout, pipeline_stages
 
 if TYPE_CHECKING:
     from .compare import SnapshotSummary

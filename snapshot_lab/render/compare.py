@@ -7,7 +7,7 @@ from typing import Any
 
 from ..metrics.compare import Change, RankRow, SnapshotDiff
 from ..metrics.findings import Finding
-from ..metrics.parallel import KINDS, ParallelLayout
+from ..metrics.parallelism import KINDS, ParallelLayout
 from ..metrics.pipeline import PipelineSkew
 from ..units import format_bytes, format_percent
 from .html import _css, _environment

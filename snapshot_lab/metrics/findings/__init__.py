@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ...frames import SnapshotFrames
 from ..categories import CategoryBreakdown
 from ..leaks import LeakAnalysis
-from ..parallel import ParallelLayout, layout_from_name
+from ..parallelism import ParallelLayout, layout_from_name
 from ..pipeline import pipeline_skew
 from ..summary import SnapshotStats
 from ..timeline import Timeline

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ...frames import SnapshotFrames
 from ..categories import CategoryBreakdown
 from ..leaks import LeakAnalysis
-from ..parallel import ParallelLayout
+from ..parallelism import ParallelLayout
 from ..pipeline import PipelineSkew
 from ..summary import SnapshotStats
 from ..timeline import Timeline
