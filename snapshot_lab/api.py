@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from . import notebook
 from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
@@ -57,7 +58,7 @@ def stats(snapshot: str | Path, *, progress: ProgressSink | None = None) -> Snap
     """Torch's memory counters, fragmentation and OOM cause for one snapshot file."""
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
-    return compute_stats(frames)
+    return notebook.Stats.of(compute_stats(frames))
 
 
 def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
@@ -74,7 +75,7 @@ def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> dict
 
 def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> list[Finding]:
     """Findings with evidence and advice, most severe first."""
-    return _diagnosis(snapshot, progress)[1].findings
+    return notebook.Findings(_diagnosis(snapshot, progress)[1].findings)
 
 
 def default_report_path(snapshot: str | Path) -> Path:
@@ -105,7 +106,7 @@ def report(
     (progress or NullProgress()).stage("Computing statistics")
     html = build_report(frames, compute_stats(frames), progress)
     write_atomic(out, html)
-    return out
+    return notebook.ReportFile(out)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -162,7 +163,7 @@ def diff(
         from .render.compare import render_diff_html
 
         write_atomic(Path(output), render_diff_html(result, __version__))
-    return result
+    return notebook.Diff.of(result)
 
 
 def _ranks_on_dask(

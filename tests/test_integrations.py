@@ -169,7 +169,7 @@ def test_core_imports_no_framework():
         "import sys\n"
         "for m in ('torch', 'lightning', 'pytorch_lightning', 'transformers'): sys.modules[m] = None\n"
         "import snapshot_lab, snapshot_lab.integrations, snapshot_lab.cli, snapshot_lab.module_tags\n"
-        "import snapshot_lab.pytest_plugin\n"
+        "import snapshot_lab.pytest_plugin, snapshot_lab.notebook\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
