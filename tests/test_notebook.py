@@ -105,3 +105,17 @@ def test_the_example_notebook_runs_top_to_bottom():
     assert len(html) == 5
     assert any("Memory statistics" in h for h in html) and any('id="recording"' in h for h in html)
     assert any("<table" in h and "active_allocated" in h for h in html)  # a DataFrame
+
+
+def test_report_can_be_called_again(tmp_path):
+    """``snapshot_lab/report.py`` shares the API function's name: importing it (the first report
+    does) must not replace ``snapshot_lab.report``, or a notebook's second report fails."""
+    import snapshot_lab.report
+
+    assert callable(snapshot_lab.report)
+    first = snapshot_lab.report(OOM, output=tmp_path / "a.html")
+    second = snapshot_lab.report(OOM, output=tmp_path / "b.html")
+    assert first.exists() and second.exists() and callable(snapshot_lab.report)
+    from snapshot_lab.report import build_report
+
+    assert callable(build_report)
