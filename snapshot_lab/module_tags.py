@@ -219,7 +219,12 @@ def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | Non
         torch.cuda.init()  # the setter indexes the device's allocator: it must exist first
     except Exception as exc:  # a broken driver must not stop training
         return None, f"CUDA could not be initialised: {exc}"
-    return getattr(torch._C, "_cuda_setMemoryMetadata", None) or mem._set_memory_metadata, None
+    setter = getattr(torch._C, "_cuda_setMemoryMetadata", None) or mem._set_memory_metadata
+    try:
+        setter(OUTSIDE)  # an allocator backend without metadata (cudaMallocAsync) refuses here, not in a hook
+    except Exception as exc:
+        return None, f"the CUDA allocator does not take metadata: {exc}"
+    return setter, None
 
 
 def tag_modules(
@@ -249,6 +254,9 @@ def tag_modules(
         torch = _torch()
     except ImportError:
         return ModuleTags(enabled=False, reason="PyTorch is not installed", mode="model" if model else "process")
+    nn_module = getattr(getattr(torch, "nn", None), "Module", None)
+    if model is not None and nn_module is not None and not isinstance(model, nn_module):
+        raise TypeError(f"tag_modules needs a torch.nn.Module (or None for every module), not {type(model).__name__}")
     setter = set_metadata
     if setter is None:
         setter, reason = _metadata_setter(torch)
