@@ -120,10 +120,16 @@ def install_fake_lightning(monkeypatch: Any, name: str = "lightning") -> types.M
         monkeypatch.setitem(sys.modules, pl.__name__, pl)
     monkeypatch.setitem(sys.modules, name, top)
     monkeypatch.setitem(sys.modules, callbacks.__name__, callbacks)
-    # a module imported against another fake must be imported again against this one
-    for mod_name in ("snapshot_lab.integrations.lightning", "snapshot_lab.integrations.pytorch_lightning"):
-        monkeypatch.delitem(sys.modules, mod_name, raising=False)
+    _forget(monkeypatch, "snapshot_lab.integrations.lightning", "snapshot_lab.integrations.pytorch_lightning")
     return top
+
+
+def _forget(monkeypatch: Any, *names: str) -> None:
+    """Import these modules afresh against the fake, and forget that import after the test (a
+    later test may have the real framework)."""
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)  # remembers whether it was there, and what
+        del sys.modules[name]
 
 
 # --------------------------------------------------------------------------- transformers
@@ -207,5 +213,5 @@ def install_fake_transformers(monkeypatch: Any) -> types.ModuleType:
     mod.TrainingArguments = TrainingArguments  # type: ignore[attr-defined]
     mod.Trainer = FakeHFTrainer  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers", mod)
-    monkeypatch.delitem(sys.modules, "snapshot_lab.integrations.transformers", raising=False)
+    _forget(monkeypatch, "snapshot_lab.integrations.transformers")
     return mod
