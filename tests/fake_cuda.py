@@ -6,10 +6,16 @@ sees the allocations of the test. Builds on tests/fake_torch.py."""
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 from .conftest import block, event, make_snapshot, segment
 from .fake_torch import FakeTorch
+
+
+class FakeTensor:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
 
 
 class FakeCudaTorch(FakeTorch):
@@ -34,6 +40,21 @@ class FakeCudaTorch(FakeTorch):
         }
         cuda._fake_alloc = self.alloc
         cuda._fake_free = self.free
+        self.module.empty = self.empty
+        self.module.float32 = "float32"
+        self.module.bfloat16 = "bfloat16"
+
+    def empty(self, *shape: int, dtype: Any = "float32", device: Any = None) -> FakeTensor:
+        """A tensor-like handle: allocates its bytes now, frees them when it is garbage."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        caller = sys._getframe(1)
+        frames = [{"filename": caller.f_code.co_filename, "line": caller.f_lineno, "name": caller.f_code.co_name}]
+        t = FakeTensor(n * (2 if dtype == "bfloat16" else 4))
+        addr = self.alloc(t.nbytes, frames)
+        weakref.finalize(t, self.free, addr)
+        return t
 
     def _reset_peak(self, d: Any = None) -> None:
         self.peak = self.allocated
