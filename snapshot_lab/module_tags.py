@@ -121,8 +121,10 @@ class _ThreadState(threading.local):
 
 
 _STATE = _ThreadState()
-# modules tagged by an explicit tag_modules(model): the process-wide tagger leaves them alone
-_EXPLICIT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# modules tagged by an explicit tag_modules(model), and by which handle: a module is tagged once
+# (a second tagger would unbalance the first one's stack), and the process-wide tagger leaves them
+_EXPLICIT: weakref.WeakKeyDictionary[Any, ModuleTags] = weakref.WeakKeyDictionary()
+_PROCESS: list[ModuleTags] = []  # the active process-wide tagger (one at a time)
 _WARNED: set[str] = set()
 
 
@@ -171,11 +173,11 @@ class ModuleTags:
         self._handles.clear()
         for ref in self._explicit:
             mod = ref()
-            if mod is not None and mod in _EXPLICIT:
-                _EXPLICIT[mod] -= 1
-                if _EXPLICIT[mod] <= 0:
-                    del _EXPLICIT[mod]
+            if mod is not None and _EXPLICIT.get(mod) is self:
+                del _EXPLICIT[mod]
         self._explicit.clear()
+        if self in _PROCESS:
+            _PROCESS.remove(self)
         st = _STATE
         if not st.stack and st.tag:
             st.mod, st.tag = None, OUTSIDE
@@ -263,6 +265,10 @@ def tag_modules(
         if setter is None:
             _warn_once(str(reason))
             return ModuleTags(enabled=False, reason=reason, mode="process" if model is None else "model")
+    if model is None and _PROCESS:  # nested recordings: the outer one already tags everything
+        inner = ModuleTags(enabled=True, reason="already tagged by an enclosing tag_modules(None)", mode="process")
+        inner._mods = _PROCESS[0]._mods
+        return inner
     handle = ModuleTags(enabled=True, mode="process" if model is None else "model", backward=backward)
     handle._set = setter
     _Installer(torch, handle, setter, backward, max_depth).install(model, prefix)
@@ -431,6 +437,8 @@ class _Installer:
         handle = self.handle
         is_compiling = self.is_compiling
         for mod, m in self._walk(model, prefix, None, attach):
+            if mod in _EXPLICIT:  # already tagged by another live handle: it keeps its names
+                continue
             handle._mods.setdefault(m.fqn, m)
 
             def pre(module: Any, args: Any, m: _Mod = m) -> None:
@@ -445,7 +453,7 @@ class _Installer:
 
             handle._handles.append(mod.register_forward_pre_hook(pre))
             handle._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
-            _EXPLICIT[mod] = _EXPLICIT.get(mod, 0) + 1
+            _EXPLICIT[mod] = handle
             handle._explicit.append(weakref.ref(mod))
 
     def _install_process(self, enter: Any, leave: Any, attach: Any) -> None:
@@ -506,6 +514,7 @@ class _Installer:
         handle._handles.append(
             _GlobalHookHandle(register_module_forward_hook(post, with_kwargs=True, always_call=True))
         )
+        _PROCESS.append(handle)
 
 
 class _GlobalHookHandle:

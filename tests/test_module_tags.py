@@ -293,3 +293,31 @@ def test_the_real_setter_is_used_when_cuda_is_there(torch, monkeypatch):
     monkeypatch.setattr(module_tags, "_torch", lambda: types.SimpleNamespace(**{**vars(torch), "_C": fake_c}))
     setter, reason = module_tags._metadata_setter(module_tags._torch())
     assert reason is None and setter == seen.append
+
+
+def test_a_module_is_tagged_once_however_many_taggers(torch):
+    """Nested recordings, or a callback and a recording both tagging: the hooks of a second
+    tagger would unbalance the first one's stack, so a module keeps its first tagger."""
+    rec = Recorder(torch)
+    net = _net(torch)
+    outer = tag_modules(net, set_metadata=rec.set)
+    inner = tag_modules(net, prefix="again", set_metadata=rec.set)
+    assert inner.modules == {}
+    assert all(len(m._forward_pre_hooks) == 1 for m in net.modules())
+    with rec.mode():
+        net(torch.randn(2, 4)).backward()
+    assert "fwd:b.lin" in rec.runs() and not any("again" in t for t in rec.runs())
+    inner.remove()
+    outer.remove()
+    assert all(not m._forward_pre_hooks for m in net.modules())
+
+    from torch.nn.modules import module
+
+    everything = tag_modules(None, set_metadata=rec.set)
+    nested = tag_modules(None, set_metadata=rec.set)
+    assert nested.enabled and nested.reason == "already tagged by an enclosing tag_modules(None)"
+    assert len(module._global_forward_pre_hooks) == 1
+    nested.remove()
+    assert everything.active and len(module._global_forward_pre_hooks) == 1
+    everything.remove()
+    assert not module._global_forward_pre_hooks
