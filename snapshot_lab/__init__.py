@@ -1,5 +1,8 @@
 """snaplab: answers from PyTorch CUDA memory snapshots, offline and without torch."""
 
+import sys as _sys
+import types as _types
+
 from .api import check, diff, export, findings, leaks, load_frames, ranks, report, stats
 from .errors import OutputError, SnaplabError, SnapshotFormatError
 from .frames import SnapshotFrames, build_frames
@@ -29,3 +32,17 @@ __all__ = [
     "report",
     "stats",
 ]
+
+
+class _Package(_types.ModuleType):
+    """``snapshot_lab.report`` is the API function, and ``snapshot_lab/report.py`` a module of the
+    same name: the first import of that module (by the first report made) would make the package
+    attribute the module, so a second ``snapshot_lab.report(...)`` failed. The function stays."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "report" and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
 
+from . import notebook
 from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
@@ -59,7 +60,7 @@ def stats(snapshot: str | Path, *, progress: ProgressSink | None = None) -> Snap
     """Torch's memory counters, fragmentation and OOM cause for one snapshot file."""
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
-    return compute_stats(frames)
+    return notebook.Stats.of(compute_stats(frames))
 
 
 def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
@@ -89,7 +90,7 @@ def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = No
     sidecars or the file names tell): a :class:`FleetFindings`, whose ``errors`` name the files
     that could not be read (the others are still analysed). A file given twice is read once."""
     if isinstance(snapshot, (str, os.PathLike)):
-        return _diagnosis(snapshot, progress)[1].findings
+        return notebook.Findings(_diagnosis(snapshot, progress)[1].findings)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshot))
     own: dict[str, list[Finding]] = {}
@@ -140,7 +141,7 @@ def report(
     (progress or NullProgress()).stage("Computing statistics")
     html = build_report(frames, compute_stats(frames), progress)
     write_atomic(out, html)
-    return out
+    return notebook.ReportFile(out)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -197,7 +198,7 @@ def diff(
         from .render.compare import render_diff_html
 
         write_atomic(Path(output), render_diff_html(result, __version__))
-    return result
+    return notebook.Diff.of(result)
 
 
 def _ranks_on_dask(

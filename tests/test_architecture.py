@@ -17,7 +17,13 @@ ALLOWED = {
     "typer": ("cli.py",),
     "jinja2": ("render/",),
     "matplotlib": ("plots/",),
-    "torch": ("capture",),
+    # torch, lazily, only where a training job runs: capture, its module tags, the framework
+    # callbacks and the pytest plugin; never the analysis
+    "torch": ("capture", "module_tags.py", "integrations/", "pytest_plugin.py"),
+    "lightning": ("integrations/",),
+    "pytorch_lightning": ("integrations/",),
+    "transformers": ("integrations/",),
+    "pytest": ("pytest_plugin.py",),
     "pickle": ("load/", "capture.py"),  # capture writes snapshots; only load/ reads them
 }
 

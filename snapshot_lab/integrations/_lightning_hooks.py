@@ -1,0 +1,97 @@
+"""The hooks of ``SnaplabCallback`` for Lightning, framework-free so that both package names
+(``lightning.pytorch`` and ``pytorch_lightning``) share them.
+
+Lightning 2.x calls, for ``trainer.fit``: ``setup(stage='fit')`` (before the model moves to the
+GPU: its parameters are recorded with their stacks), ``on_fit_start``, ``on_train_start``, per
+batch ``on_train_batch_start`` ... ``on_train_batch_end`` (``trainer.global_step`` counts optimizer
+steps, not batches), ``on_train_end`` (the model is still on the GPU: the final snapshot is taken
+here), then its own teardown (the model moves back to the CPU), ``on_fit_end`` and
+``teardown``. On an exception: ``on_exception``, then teardown.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ._session import CaptureSession
+
+
+class LightningHooks:
+    def __init__(
+        self,
+        out: str | os.PathLike[str] = "snapshots",
+        *,
+        every_n_steps: int | None = None,
+        on_oom: bool = True,
+        max_entries: int = 100_000,
+        stacks: str = "python",
+        context: str = "all",
+        prefix: str = "snapshot",
+        report: bool = False,
+        tag_modules: bool = True,
+    ) -> None:
+        self.session = CaptureSession(
+            out,
+            max_entries=max_entries,
+            stacks=stacks,
+            context=context,
+            on_oom=on_oom,
+            every_n_steps=every_n_steps,
+            prefix=prefix,
+            report=report,
+            tag_modules=tag_modules,
+        )
+        self._stage: str | None = None
+        self._last_step = 0
+
+    @property
+    def written(self) -> list[Path]:
+        """Every snapshot written so far (all ranks write their own, named by rank)."""
+        return list(self.session.written)
+
+    @property
+    def reports(self) -> list[Path]:
+        """The HTML reports written (with ``report=True``)."""
+        return list(self.session.reports)
+
+    # -- start -------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: Any) -> None:
+        self._stage = str(getattr(stage, "value", stage))
+        self.session.start(pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last_step = int(getattr(trainer, "global_step", 0))  # resumed runs start past 0
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = int(getattr(trainer, "global_step", self._last_step + 1))
+        while self._last_step < step:  # gradient accumulation: no step for some batches
+            self._last_step += 1
+            self.session.step()
+
+    # -- stop --------------------------------------------------------------------------------
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.session.stop()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._stage == "validate":  # not the validation inside fit
+            self.session.stop()
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._stage == "test":
+            self.session.stop()
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._stage == "predict":
+            self.session.stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.session.stop(exception)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any) -> None:
+        self.session.stop()  # a no-op unless the run ended before its end hook

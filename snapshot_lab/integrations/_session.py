@@ -1,0 +1,118 @@
+"""What every framework callback does, whatever the framework: one recording per training run.
+
+Start (once the framework knows the model), count optimizer steps, stop at the end of training or
+on an exception, then optionally write the HTML report of the last snapshot beside it. Nothing in
+here may stop a training job: without CUDA, or when a dump or the report fails, it logs and goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+from ..capture import CaptureError, recording
+from ..module_tags import ModuleTags, tag_modules
+
+log = logging.getLogger("snapshot_lab.integrations")
+
+
+class CaptureSession:
+    """One ``recording`` per training run, driven by a framework's callback hooks."""
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str] = "snapshots",
+        *,
+        max_entries: int = 100_000,
+        stacks: str = "python",
+        context: str = "all",
+        on_oom: bool = True,
+        every_n_steps: int | None = None,
+        prefix: str = "snapshot",
+        report: bool = False,
+        tag_modules: bool = True,
+    ) -> None:
+        self.options: dict[str, Any] = {
+            "max_entries": max_entries,
+            "stacks": stacks,
+            "context": context,
+            "on_oom": on_oom,
+            "every_n_steps": every_n_steps,
+            "prefix": prefix,
+        }
+        self.out = Path(out)
+        self.report = report
+        self.tag = tag_modules
+        recording(self.out, **self.options)  # bad options fail here, when the callback is made
+        self.rec: recording | None = None
+        self.tags: ModuleTags | None = None
+        self.written: list[Path] = []  # snapshots of every run of this callback
+        self.reports: list[Path] = []
+        self.disabled: str | None = None  # why nothing is recorded (no CUDA...)
+        self._atexit = False
+
+    @property
+    def active(self) -> bool:
+        return self.rec is not None
+
+    def start(self, model: Any = None) -> None:
+        """Begin recording (a no-op when already recording)."""
+        if self.rec is not None:
+            return
+        rec = recording(self.out, **self.options)
+        try:
+            rec.__enter__()
+        except CaptureError as exc:
+            self.disabled = exc.message()
+            log.warning("snaplab: not recording GPU memory: %s", self.disabled)
+            return
+        self.rec = rec
+        self.disabled = None
+        if self.tag and model is not None:
+            self.tags = tag_modules(model)
+        if not self._atexit:  # a run that dies without telling its callbacks still leaves a snapshot
+            atexit.register(self.stop)
+            self._atexit = True
+
+    def step(self) -> None:
+        """One optimizer step (dumps every ``every_n_steps``)."""
+        if self.rec is not None:
+            self.rec.step()
+
+    def stop(self, exception: BaseException | None = None) -> Path | None:
+        """Dump the final snapshot (``_exception`` with one), stop recording, write the report if
+        asked; returns the report's path, if one was written. A no-op when not recording."""
+        rec = self.rec
+        if rec is None:
+            return None
+        self.rec = None
+        if self.tags is not None:
+            self.tags.remove()
+            self.tags = None
+        tb: types.TracebackType | None = exception.__traceback__ if exception is not None else None
+        try:
+            rec.__exit__(type(exception) if exception is not None else None, exception, tb)
+        except Exception as exc:  # recording never raises from a dump; this is belt and braces
+            log.warning("snaplab: stopping the recording failed: %s", exc)
+        self.written.extend(rec.written)
+        return self.write_report(rec.written)
+
+    def write_report(self, written: list[Path]) -> Path | None:
+        if not self.report or not written:
+            return None
+        snapshot = written[-1]
+        output = snapshot.with_name(snapshot.name.removesuffix(".pickle") + ".html")
+        try:
+            from ..api import report
+
+            path = Path(report(snapshot, output=output))
+        except Exception as exc:  # the training finished: a report that fails must not fail it
+            log.warning("snaplab: could not write the report of %s: %s", snapshot, exc)
+            return None
+        self.reports.append(path)
+        log.info("snaplab: wrote %s", path)
+        return path

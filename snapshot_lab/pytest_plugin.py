@@ -1,0 +1,326 @@
+"""pytest plugin: fail a test whose CUDA memory peak exceeds a limit, and keep the evidence.
+
+Installed with snaplab (entry point ``pytest11``), inert until asked::
+
+    @pytest.mark.limit_cuda_memory("2 GiB")
+    def test_forward_fits():
+        ...
+
+    pytest --snaplab-max-peak 20GiB                 # every test (a marker's own limit wins)
+    pytest --snaplab-keep all --snaplab-dir snaps/  # keep a snapshot + report of every measured test
+
+The peak is ``torch.cuda.max_memory_allocated()`` of each device, after
+``torch.cuda.reset_peak_memory_stats()`` when the test starts (memory allocated before the test,
+by a fixture say, counts: the peak is the device's, not the test's increment). While a measured
+test runs, the allocator's history is recorded (``snapshot_lab.capture.recording``, Python stacks):
+a test over its limit fails with a message that names the allocation sites live at the peak and
+the paths of its snapshot and HTML report (``--snaplab-keep failed``, the default, keeps them for
+tests that failed, ``all`` for every measured test, ``none`` for none). Without torch or without a
+GPU, a marked test is skipped with the reason; ``--snaplab-max-peak`` then measures nothing and
+says so in the header. Without ``pip install``, load it with ``-p snapshot_lab.pytest_plugin``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .units import format_bytes, parse_bytes
+
+MARKER = "limit_cuda_memory"
+KEEP_CHOICES = ("failed", "all", "none")
+DEFAULT_DIR = "snaplab-pytest"
+MAX_SITES = 5
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("snaplab", "CUDA memory limits (snaplab)")
+    group.addoption(
+        "--snaplab-max-peak",
+        metavar="SIZE",
+        default=None,
+        help="fail every test whose CUDA memory peak (torch.cuda.max_memory_allocated) exceeds SIZE, "
+        f"e.g. 20GiB; @pytest.mark.{MARKER}(SIZE) sets one test's limit",
+    )
+    group.addoption(
+        "--snaplab-keep",
+        choices=KEEP_CHOICES,
+        default="failed",
+        help="keep a memory snapshot and its HTML report for the measured tests that failed (default), "
+        "for all measured tests, or none",
+    )
+    group.addoption(
+        "--snaplab-dir",
+        metavar="DIR",
+        default=DEFAULT_DIR,
+        help=f"where kept snapshots and reports go (default: {DEFAULT_DIR}/ under the rootdir)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(size): fail the test if its CUDA memory peak exceeds size (e.g. '2 GiB'); "
+        "skipped without a GPU (snaplab)",
+    )
+    config.pluginmanager.register(CudaMemoryLimits(config), "snaplab-cuda-memory")
+
+
+def _size(value: object, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    try:
+        return parse_bytes(str(value))
+    except ValueError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
+
+
+@dataclass
+class Measured:
+    """One measured test, for the terminal summary."""
+
+    nodeid: str
+    limit_bytes: int
+    source: str
+    peaks: dict[int, int]
+    over: dict[int, int]
+    snapshot: Path | None = None
+    report: Path | None = None
+    sites: list[str] = field(default_factory=list)
+
+
+class CudaMemoryLimits:
+    """The plugin's state: options, whether CUDA is there, what was measured."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        max_peak = config.getoption("snaplab_max_peak")
+        self.max_peak = _size(max_peak, "--snaplab-max-peak") if max_peak is not None else None
+        self.keep: str = config.getoption("snaplab_keep")
+        out = Path(config.getoption("snaplab_dir"))
+        self.dir = out if out.is_absolute() else config.rootpath / out
+        self.results: list[Measured] = []
+        self._cuda: tuple[Any, str | None] | None = None
+
+    def cuda(self) -> tuple[Any, str | None]:
+        """(torch, None) when CUDA can be measured, else (None, why not); asked once."""
+        if self._cuda is None:
+            try:
+                import torch
+            except ImportError:
+                self._cuda = (None, "torch is not installed")
+            else:
+                try:
+                    ok = bool(torch.cuda.is_available())
+                except Exception as exc:  # a broken driver: say so, do not crash the session
+                    self._cuda = (None, f"CUDA is not usable: {exc}")
+                else:
+                    self._cuda = (torch, None) if ok else (None, "CUDA is not available")
+        return self._cuda
+
+    def limit_of(self, item: pytest.Item) -> tuple[int, str] | None:
+        marker = item.get_closest_marker(MARKER)
+        if marker is not None:
+            size = marker.args[0] if marker.args else marker.kwargs.get("size")
+            if size is None:
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} needs a size, e.g. '2 GiB'")
+            return _size(size, f"{item.nodeid}: @pytest.mark.{MARKER}"), f"@pytest.mark.{MARKER}({size!r})"
+        if self.max_peak is not None:
+            return self.max_peak, f"--snaplab-max-peak {format_bytes(self.max_peak)}"
+        return None
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        if self.max_peak is None:
+            return None
+        torch, why = self.cuda()
+        if torch is None:
+            return f"snaplab: --snaplab-max-peak measures nothing: {why}"
+        return f"snaplab: CUDA memory peak limit {format_bytes(self.max_peak)}, keep {self.keep}, dir {self.dir}"
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if item.get_closest_marker(MARKER) is None:
+            return
+        self.limit_of(item)  # a bad size is a usage error, before the test runs
+        torch, why = self.cuda()
+        if torch is None:
+            pytest.skip(f"{MARKER}: {why}")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
+        limit = self.limit_of(item) if (self.max_peak is not None or item.get_closest_marker(MARKER)) else None
+        torch = self.cuda()[0] if limit is not None else None
+        if limit is None or torch is None:
+            return (yield)
+        return (yield from self._measure(item, torch, *limit))
+
+    def _measure(self, item: pytest.Item, torch: Any, limit: int, source: str) -> Generator[None, object, object]:
+        from .capture import CaptureError, recording
+
+        out = Path(tempfile.mkdtemp(prefix="snaplab-")) if self.keep == "none" else self.dir
+        prefix = re.sub(r"[^A-Za-z0-9._-]+", "_", item.nodeid).strip("_")[:120] or "test"
+        rec = recording(out, stacks="python", on_oom=True, dump_on_exit=False, prefix=prefix)
+        recorded = True
+        try:
+            rec.__enter__()
+        except CaptureError as exc:  # measured anyway, without a snapshot
+            item.add_report_section("call", "snaplab", f"no memory history recorded: {exc.message()}")
+            recorded = False
+        devices = range(int(torch.cuda.device_count()))
+        # the allocator counts on the host, at each request: no synchronisation needed
+        start = {d: int(torch.cuda.memory_allocated(d)) for d in devices}
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
+        error: BaseException | None = None
+        result: object = None
+        snapshot: Path | None = None
+        peaks: dict[int, int] = {}
+        over: dict[int, int] = {}
+        failed = False
+        try:
+            try:
+                result = yield
+            except BaseException as exc:  # the test's own failure: reported as it is, evidence added
+                error = exc
+            peaks = {d: int(torch.cuda.max_memory_allocated(d)) for d in devices}
+            over = {d: p for d, p in peaks.items() if p > limit}
+            failed = bool(over) or error is not None
+            if recorded and (over or self.keep == "all" or (failed and self.keep == "failed")):
+                oom = [p for p in rec.written if p.name.endswith("_oom.pickle")]
+                # an OOM's snapshot was taken at the failing request: better evidence than the aftermath
+                snapshot = oom[-1] if error is not None and oom else rec.dump("peak" if over else "test")
+        finally:
+            if recorded:
+                rec.__exit__(None, None, None)  # history off (dump_on_exit=False: nothing more written)
+        measured = Measured(item.nodeid, limit, source, peaks, over)
+        self.results.append(measured)
+        keep_files = self.keep == "all" or (self.keep == "failed" and failed)
+        message = self._explain(measured, start, snapshot, keep_files)
+        if self.keep == "none":
+            shutil.rmtree(out, ignore_errors=True)
+        if error is not None:
+            if message:
+                item.add_report_section("call", "snaplab", message)
+            raise error
+        if over:
+            pytest.fail(message, pytrace=False)
+        if measured.snapshot is not None:
+            item.add_report_section("call", "snaplab", message)
+        return result
+
+    def _explain(self, m: Measured, start: dict[int, int], snapshot: Path | None, keep_files: bool) -> str:
+        """The failure message (and, when files are kept, their paths in ``m``)."""
+        lines = []
+        worst = max(m.peaks, key=lambda d: m.peaks[d]) if m.peaks else 0
+        for d, peak in sorted(m.over.items()):
+            lines.append(
+                f"CUDA memory peak {format_bytes(peak)} on device {d} exceeds the limit of "
+                f"{format_bytes(m.limit_bytes)} ({m.source}); {format_bytes(start.get(d, 0))} were already "
+                "allocated when the test started"
+            )
+        if not m.over and m.peaks:
+            shown, cap = format_bytes(m.peaks[worst]), format_bytes(m.limit_bytes)
+            lines.append(f"CUDA memory peak {shown} on device {worst}, limit {cap}")
+        if snapshot is not None:
+            device = max(m.over, key=lambda d: m.over[d]) if m.over else worst
+            try:
+                sites, at = peak_sites(snapshot, device, MAX_SITES)
+            except Exception as exc:  # the analysis must not hide the verdict
+                sites, at = [], None
+                lines.append(f"(the snapshot could not be analysed: {exc})")
+            if sites:
+                lines.append(
+                    "Top allocation sites live at the peak"
+                    + (
+                        f" ({format_bytes(at)} requested in the recorded trace):"
+                        if at is not None
+                        else " (at the dump):"
+                    )
+                )
+                for s in sites:
+                    text = f"{format_bytes(s.bytes):>12}  {100 * s.share:5.1f}%  {s.label}"
+                    if s.detail:
+                        text += f" -> {s.detail}"
+                    lines.append(text)
+                    m.sites.append(s.label)
+            if keep_files:
+                m.snapshot = snapshot
+                lines.append(f"Snapshot: {_shown(snapshot)}")
+                try:
+                    from .api import report
+
+                    m.report = Path(
+                        report(snapshot, output=snapshot.with_name(snapshot.name.removesuffix(".pickle") + ".html"))
+                    )
+                    lines.append(f"Report:   {_shown(m.report)}")
+                except Exception as exc:
+                    lines.append(f"(no report: {exc})")
+        return "\n".join(lines)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.results:
+            return
+        tr = terminalreporter
+        tr.write_sep("=", "snaplab: CUDA memory peaks")
+        rows = sorted(self.results, key=lambda m: -max(m.peaks.values(), default=0))
+        for m in rows[:30]:
+            peak = max(m.peaks.values(), default=0)
+            verdict = "OVER" if m.over else "ok"
+            tail = (
+                f"  report: {_shown(m.report)}"
+                if m.report
+                else (f"  snapshot: {_shown(m.snapshot)}" if m.snapshot else "")
+            )
+            tr.write_line(f"{verdict:4}  {format_bytes(peak):>11} / {format_bytes(m.limit_bytes):<11} {m.nodeid}{tail}")
+        if len(rows) > 30:
+            tr.write_line(f"... and {len(rows) - 30} more measured tests")
+
+
+def _shown(path: Path | None) -> str:
+    if path is None:
+        return "—"
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return str(path)
+    return rel if not rel.startswith("..") else str(path)
+
+
+def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tuple[list[Any], int | None]:
+    """The allocation sites live at the device's requested-bytes peak of the recorded trace,
+    largest first, and that peak; without a trace, the sites live at the dump and None."""
+    import numpy as np
+    import pandas as pd
+
+    from .api import load_frames
+    from .metrics import compute_stats
+    from .metrics.categories import CATEGORIES, categorize
+    from .metrics.lifetimes import device_lifetimes
+    from .metrics.sites import alive_at, live_sites, snapshot_sites, top_sites
+    from .metrics.timeline import compute_timeline
+
+    frames = load_frames(snapshot)
+    stats = compute_stats(frames)
+    if device not in stats.devices:
+        return [], None
+    ts = stats.devices[device].torch_stats
+    tl = compute_timeline(
+        frames.events, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"], frames.annotations
+    )
+    sites = snapshot_sites(frames)
+    if tl is None:
+        blocks = frames.blocks[frames.blocks["device"] == device]
+        return live_sites(blocks, sites, limit), None
+    alive = alive_at(device_lifetimes(frames, device), tl.peak_index)
+    codes = categorize(frames).alloc_codes[device][alive.index.to_numpy()]
+    cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
+    return top_sites(alive["stack_id"], alive["size_bytes"], sites, limit, cats), tl.peak_requested_bytes

@@ -1,0 +1,115 @@
+"""HTML for Jupyter: what ``stats``, ``findings``, ``diff`` and ``report`` show in a notebook.
+
+A notebook output is a fragment of the notebook's own page, not a document: everything sits in one
+``<div class="snaplab-nb">`` whose stylesheet is the report's, scoped to that div (so it styles
+nothing else of the notebook). No script, no external resource; everything that came from a
+snapshot is escaped by jinja2. The report and the diff page are shown as they are written to
+disk: their ``<main>`` in the scoped stylesheet.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+from ..metrics.findings import Finding
+from ..metrics.summary import SnapshotStats
+from ..units import format_bytes, format_percent
+from .html import _css, _environment
+
+SCOPE = "snaplab-nb"
+# the page-level rules of the report's stylesheet, and what they become inside a notebook
+_PAGE_SELECTORS = {":root", "html", "body", "main"}
+_NOTEBOOK_CSS = f".{SCOPE} {{ max-width:none; margin:0; padding:4px 0 8px; }}"
+
+_COUNTERS = (
+    ("allocated_bytes", "in blocks handed to tensors"),
+    ("reserved_bytes", "held from CUDA, in use or cached"),
+    ("active_bytes", "allocated + freed blocks still waiting for another stream"),
+    ("requested_bytes", "what tensors asked for, before rounding"),
+    ("inactive_split_bytes", "free bytes inside split segments"),
+)
+_POOLS = ("all", "large_pool", "small_pool")
+
+
+def scope_css(css: str, scope: str = SCOPE) -> str:
+    """Every rule of ``css`` limited to ``.scope`` (the page rules become rules of ``.scope``)."""
+
+    def scoped(selector: str) -> str:
+        sel = selector.strip()
+        if sel in _PAGE_SELECTORS:
+            return f".{scope}"
+        return f".{scope} {sel}"
+
+    def rule(m: re.Match[str]) -> str:
+        selectors = ", ".join(scoped(s) for s in m.group(1).split(",") if s.strip())
+        return f"{selectors} {{{m.group(2)}}}"
+
+    return re.sub(r"([^{}]+)\{([^{}]*)\}", rule, css).strip() + "\n" + _NOTEBOOK_CSS
+
+
+def _wrap(body: str) -> str:
+    return f'<div class="{SCOPE}"><style>{scope_css(_css())}</style>{body}</div>'
+
+
+def page_fragment(page: str) -> str:
+    """A page snaplab wrote (report, diff) as a notebook fragment: its ``<main>``, restyled.
+    Anything else (a file edited by hand, with a script in it) is not shown."""
+    m = re.search(r"<main>(.*)</main>", page, re.DOTALL)
+    if m is None or re.search(r"<\s*script", page, re.IGNORECASE):
+        return _wrap('<p class="note">This file is not a page snaplab wrote: not shown here.</p>')
+    return _wrap(m.group(1))
+
+
+def missing_fragment(path: str) -> str:
+    return _wrap(f'<p class="note">No report at <span class="mono">{html.escape(path)}</span>.</p>')
+
+
+def _device_view(dev: int, d: Any) -> dict[str, Any]:
+    ts = d.torch_stats
+    fr = d.fragmentation
+    cats = d.categories or {}
+    total = sum(cats.values()) or 1
+    return {
+        "device": dev,
+        "cards": [
+            ("reserved", format_bytes(ts["reserved_bytes.all.current"])),
+            ("allocated", format_bytes(ts["allocated_bytes.all.current"])),
+            ("free in reserved", format_bytes(fr["all"].free_bytes)),
+            ("requested", format_bytes(ts["requested_bytes.all.current"])),
+            ("external fragmentation", format_percent(fr["all"].external_fragmentation)),
+        ],
+        "counters": [
+            (name, [format_bytes(ts.get(f"{name}.{p}.current")) for p in _POOLS], help_text)
+            for name, help_text in _COUNTERS
+        ],
+        "fragmentation": [
+            ("free blocks", [f"{fr[p].free_blocks:,}" for p in _POOLS]),
+            ("largest free block", [format_bytes(fr[p].largest_free_block_bytes) for p in _POOLS]),
+            ("external fragmentation", [format_percent(fr[p].external_fragmentation) for p in _POOLS]),
+            ("stranded", [format_bytes(fr[p].stranded_bytes) for p in _POOLS]),
+            ("releasable", [format_bytes(fr[p].releasable_bytes) for p in _POOLS]),
+        ],
+        "categories": [(c, format_bytes(b), format_percent(b / total)) for c, b in cats.items() if b],
+        "oom": d.oom,
+    }
+
+
+def render_stats_fragment(stats: SnapshotStats) -> str:
+    """``snaplab stats`` as a notebook fragment: per device, the cards, counters, fragmentation,
+    categories and the OOM, if any."""
+    name = str(stats.file.get("path", "")).replace("\\", "/").split("/")[-1]
+    body = (
+        _environment()
+        .get_template("notebook_stats.html.j2")
+        .render(name=name, devices=[_device_view(dev, d) for dev, d in stats.devices.items()])
+    )
+    return _wrap(body)
+
+
+def render_findings_fragment(findings: list[Finding]) -> str:
+    """``snaplab findings`` as a notebook fragment, in the report's style."""
+    multi = len({f.device for f in findings if f.device is not None}) > 1
+    body = _environment().get_template("notebook_findings.html.j2").render(findings=findings, multi_device=multi)
+    return _wrap(body)
