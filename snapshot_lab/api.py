@@ -413,6 +413,7 @@ def run(
     stacks: str = "python",
     on_oom: bool = True,
     every_n_steps: int | None = None,
+    tag_modules: bool = True,
 ) -> int:
     """Run a Python program (``python target args...``, or ``python -m target`` with ``module``)
     with memory recording on; returns its exit code. Snapshots go to ``out``."""
@@ -429,7 +430,14 @@ def run(
         sys.path.insert(0, str(Path(target).resolve().parent))
     code = 0
     try:
-        with recording(out, max_entries=max_entries, stacks=stacks, on_oom=on_oom, every_n_steps=every_n_steps) as rec:
+        with recording(
+            out,
+            max_entries=max_entries,
+            stacks=stacks,
+            on_oom=on_oom,
+            every_n_steps=every_n_steps,
+            tag_modules=tag_modules,
+        ) as rec:
             try:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -62,6 +62,7 @@ from contextlib import ContextDecorator
 from pathlib import Path
 from typing import Any
 
+from . import module_tags
 from .errors import SnaplabError
 
 log = logging.getLogger("snapshot_lab.capture")
@@ -134,6 +135,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         every_n_steps: int | None = None,
         prefix: str = "snapshot",
         dump_on_exit: bool = True,
+        tag_modules: bool = True,
+        model: Any = None,
     ) -> None:
         if stacks not in ("python", "all"):
             raise CaptureError(f"stacks must be 'python' or 'all', not {stacks!r}")
@@ -151,6 +154,11 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.dump_on_exit = dump_on_exit
+        # memory by module: allocations tagged with the module that made them (torch >= 2.10);
+        # ``model=None`` tags every module of the process (what ``snaplab run`` does)
+        self.tag_modules = tag_modules
+        self.model = model
+        self._tags: Any = None
         self.steps = 0
         self.written: list[Path] = []
         self.exit_reason: str | None = None  # set by a runner that caught the program's exception
@@ -187,6 +195,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if not torch.cuda.is_available():
             raise CaptureError("CUDA is not available: there is no GPU memory to record")
         self._enable()
+        if self.tag_modules:
+            self._tags = module_tags.tag_modules(self.model)  # never raises: says why when it cannot
         _ACTIVE.append(self)
         if self.on_oom and not _OBSERVER_ATTACHED:
             try:
@@ -204,6 +214,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
                     self.exception_type = exc_type.__name__
                 self.dump("exception" if failed else self.exit_reason, extra=self._incident())
         finally:
+            if self._tags is not None:
+                with contextlib.suppress(Exception):
+                    self._tags.remove()
+                self._tags = None
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
             with contextlib.suppress(Exception):
@@ -290,6 +304,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "argv": list(sys.argv),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
             "recording": {"max_entries": self.max_entries, "stacks": self.stacks, "context": self.context},
+            "module_tags": self._tags.describe() if self._tags is not None else None,
             "memory_stats": stats,
             "device_total_bytes": totals,
             "parallel": _parallel_layout_or_error(rank, world),

@@ -400,6 +400,13 @@ def run(
     every_n_steps: Annotated[
         int | None, typer.Option(help="Also dump every N calls of recording.step() (API use).")
     ] = None,
+    tag_modules: Annotated[
+        bool,
+        typer.Option(
+            "--tag-modules/--no-tag-modules",
+            help="Tag allocations with the module that made them, for memory by module (torch >= 2.10).",
+        ),
+    ] = True,
     debug: DebugOpt = False,
 ) -> None:
     """Run a training program with memory recording; dumps on exit and on OOM, one file per rank.
@@ -417,6 +424,7 @@ def run(
             stacks=stacks,
             on_oom=on_oom,
             every_n_steps=every_n_steps,
+            tag_modules=tag_modules,
         ),
         debug,
     )

@@ -477,3 +477,15 @@ def test_parallel_detection_never_fails_the_dump(torch, tmp_path, monkeypatch, d
     assert meta["parallel"] == {"world_size": 2, "rank": 0, "error": "RuntimeError: gc is broken"}
     assert meta["memory_stats"]  # the rest of the sidecar is there
     del broken, half
+
+
+def test_the_sidecar_says_whether_modules_were_tagged(torch, tmp_path):
+    """recording() tags allocations with their module by default; on a torch that cannot (the
+    stand-in has no _set_memory_metadata), the sidecar says so and why, and recording goes on."""
+    with recording(tmp_path) as rec:
+        pass
+    tags = _meta(rec.written[0])["module_tags"]
+    assert tags["enabled"] is False and tags["reason"]
+    with recording(tmp_path / "off", tag_modules=False) as rec:
+        pass
+    assert _meta(rec.written[0])["module_tags"] is None

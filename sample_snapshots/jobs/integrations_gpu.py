@@ -499,7 +499,7 @@ def overhead_part(folder: Path) -> dict[str, Any]:
 def _recording(folder: Path):
     from snapshot_lab.capture import recording
 
-    return recording(folder / "scratch", stacks="python", dump_on_exit=False, on_oom=False)
+    return recording(folder / "scratch", stacks="python", dump_on_exit=False, on_oom=False, tag_modules=False)
 
 
 class _Both:
@@ -537,7 +537,9 @@ def tags_part(folder: Path) -> dict[str, Any]:
         if not DRY:
             torch.cuda.reset_peak_memory_stats()
         peaks[name] = {"before": requested("current")}
-        with recording(folder, stacks="python", max_entries=200_000, prefix=name, dump_on_exit=False) as rec:
+        with recording(
+            folder, stacks="python", max_entries=200_000, prefix=name, dump_on_exit=False, tag_modules=False
+        ) as rec:
             model = gpt2(n_layer=4, n_embd=512, n_head=8, vocab=8192, positions=512).to(DEVICE)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             handle = tag_modules(None if process_wide else model) if tagged else None
