@@ -32,14 +32,13 @@ import argparse
 import json
 import lzma
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
-import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 OUT = Path(".")
 DRY = bool(os.environ.get("SNAPLAB_DRY"))
@@ -528,7 +527,11 @@ def run_pool(
 # caps as shares of a family's uncapped peak reserved: "gcwhatif" squeezes every run into an OOM;
 # "gcretry" sits just under the default run's peak, where its out-of-memory retries succeed
 GC_FAMILIES = {
-    "gcwhatif": lambda peaks, lo: {"capH": int(peaks["default"] * 0.93), "capM": int(lo * 0.82), "capL": int(lo * 0.68)},
+    "gcwhatif": lambda peaks, lo: {
+        "capH": int(peaks["default"] * 0.93),
+        "capM": int(lo * 0.82),
+        "capL": int(lo * 0.68),
+    },
     "gcretry": lambda peaks, lo: {f"cap{int(f * 1000)}": int(peaks["default"] * f) for f in (0.99, 0.975, 0.96)},
 }
 GC_RETRY_SETTINGS = ("default", "gc06", "gc08", "split64gc06")

@@ -117,7 +117,23 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mod: _Mod | None = None  # the module whose tag is set on this thread
         self.tag = OUTSIDE
-        self.stack: list[tuple[_Mod, _Mod | None, str]] = []  # forward nesting: (module, previous mod, tag)
+        # forward nesting: (module, previous mod, previous tag, the hooked output before it entered)
+        self.stack: list[tuple[_Mod, _Mod | None, str, _Hooked | None]] = []
+        self.hooked: _Hooked | None = None  # the output whose node got the last begin-backward hook
+
+
+class _Hooked:
+    """The last module output whose autograd node got a "backward begins" hook, held weakly (a
+    module's output must not outlive its use because it is being tagged): later modules that take
+    exactly this tensor as input (a chain: ``b(a(x))``), or return it (a parent whose last child
+    made its output), need no hook of their own on that node (see ``leave``)."""
+
+    __slots__ = ("mod", "ref", "version")
+
+    def __init__(self, ref: Any, version: int, mod: _Mod) -> None:
+        self.ref = ref
+        self.version = version  # an in-place op after the hook moves the tensor to another node
+        self.mod = mod
 
 
 _STATE = _ThreadState()
@@ -302,6 +318,7 @@ class _Installer:
         grad_enabled = torch.is_grad_enabled
         engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
         backward = self.backward
+        weakref_ref = weakref.ref
 
         def first_grad_tensor(obj: Any) -> Any:
             if isinstance(obj, tensor_type):
@@ -363,19 +380,22 @@ class _Installer:
         def enter(m: _Mod) -> None:
             st = state
             tag = m.tags[0] if graph_task_id() == -1 else m.tags[2]
-            st.stack.append((m, st.mod, st.tag))
+            st.stack.append((m, st.mod, st.tag, st.hooked))
             st.mod, st.tag = m, tag
             set_md(tag)
 
         def leave(m: _Mod, args: Any, kwargs: Any, output: Any) -> None:
             st = state
             stack = st.stack
+            before: _Hooked | None = None  # the hooked output when m entered
             if stack and stack[-1][0] is m:
-                _, st.mod, st.tag = stack.pop()
+                _, st.mod, st.tag, before = stack.pop()
             else:  # a pre-hook that did not run (hooks added mid-forward): start clean
                 stack.clear()
                 st.mod, st.tag = None, OUTSIDE
             set_md(st.tag)
+            if not stack:
+                st.hooked = None  # the outermost forward is over: nothing to chain to
             if backward and output is not None and grad_enabled():
                 out = first_grad_tensor(output)
                 if out is None:
@@ -385,15 +405,34 @@ class _Installer:
                     inp = first_grad_tensor(kwargs)
                 if inp is out:  # identity modules: their backward is nothing
                     return
+                hooked = st.hooked
                 try:
                     # on the node that made the tensor: it runs once that tensor's gradient is
-                    # complete; cheaper than Tensor.register_hook; leaves have no node
-                    node = out.grad_fn
-                    if node is not None:
-                        node.register_prehook(m.out_hook)
-                    else:
-                        out.register_hook(m.out_hook)
-                    if inp is not None:
+                    # complete; cheaper than Tensor.register_hook; leaves have no node. Skipped
+                    # where a module inside m made the same output (it begins there, m's hook
+                    # would find it current and do nothing)
+                    if (
+                        hooked is None
+                        or hooked.ref() is not out
+                        or hooked.version != out._version
+                        or m not in hooked.mod.ancestors
+                    ):
+                        node = out.grad_fn
+                        if node is not None:
+                            node.register_prehook(m.out_hook)
+                        else:
+                            out.register_hook(m.out_hook)
+                        if stack:  # else the outermost forward is over: nothing chains to it
+                            st.hooked = _Hooked(weakref_ref(out), out._version, m)
+                    # "m's backward has ended" is said by the hook of the module that made m's
+                    # input when there is one (b(a(x)): a's backward begins where b's ends), so
+                    # m needs its own only where m's input came from elsewhere
+                    if inp is not None and (
+                        before is None
+                        or before.ref() is not inp
+                        or before.version != inp._version
+                        or before.mod in m.ancestors
+                    ):
                         node = inp.grad_fn
                         if node is not None:
                             node.register_prehook(m.in_hook)

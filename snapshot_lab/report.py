@@ -334,7 +334,11 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
         {"python": "Python stacks", "python+cpp": "Python + C++ stacks", "none": "no stacks"}[rec.stacks],
     ]
     if rec.mode == "trace":
-        parts.append("history complete" if rec.history_complete else "early history missing (ring buffer wrapped)")
+        parts.append(
+            "history complete"
+            if rec.history_complete
+            else "early history missing (recording started late or the ring buffer wrapped)"
+        )
     cap = f.get("capture")
     if stats.parallel and stats.parallel.get("strategies"):
         parts.append(str(stats.parallel["description"]))

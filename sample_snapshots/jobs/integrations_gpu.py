@@ -20,8 +20,11 @@ Parts (each independent: one that fails is recorded in results.json and the othe
                  and what the trace's user_metadata holds: tags by phase, live bytes per tag at the
                  peak (they must add up to the live bytes), the autograd thread's metadata at the
                  start of each backward (must be '' after the first), the process-wide mode.
+4b. overhead_medium: the same, tagged vs untagged, on GPT-2 medium (355M) at 8 x 1024.
+6. tags_holdout: the same for another family and recipe: a 4-layer Llama with activation
+                 checkpointing (rec: tags), recorded with stacks='all', tagged and untagged.
 
-$OUT gets at most 8 files: log.txt (from the command line's tee), results.json, and one
+$OUT gets at most 9 files: log.txt (from the command line's tee), results.json, and one
 <part>.tar.xz per part holding its snapshots (.pickle.xz), sidecars and reports.
 
 ``--dry-run`` runs every part on the CPU with the capture side stood in for (tests/fake_torch.py)
@@ -412,25 +415,41 @@ def _train_step(model, opt, ids, autocast: bool) -> None:
 
 @part("overhead")
 def overhead_part(folder: Path) -> dict[str, Any]:
+    if DRY:
+        model = gpt2(n_layer=2, n_embd=64, n_head=2, vocab=512, positions=64)
+        return _overhead(folder, model, "tiny GPT-2", {"gpu_bound": (2, 64), "launch_bound": (1, 16)}, 3, 2, 1)
+    model = gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, positions=1024)  # GPT-2 small, 124M
+    return _overhead(
+        folder, model, "GPT-2 small from its config", {"gpu_bound": (8, 1024), "launch_bound": (1, 64)}, 15, 7, 5
+    )
+
+
+@part("overhead_medium")
+def overhead_medium_part(folder: Path) -> dict[str, Any]:
+    """The same measurement on a larger model (GPT-2 medium, 355M, 24 layers: twice the module
+    calls) in a training shape, tagged and not only: how the cost scales with the step."""
+    if DRY:
+        model = gpt2(n_layer=2, n_embd=64, n_head=2, vocab=512, positions=64)
+        return _overhead(folder, model, "tiny GPT-2", {"train": (2, 64)}, 3, 2, 1, recorded=False)
+    model = gpt2(n_layer=24, n_embd=1024, n_head=16, vocab=50257, positions=1024)
+    return _overhead(folder, model, "GPT-2 medium from its config", {"train": (8, 1024)}, 10, 5, 3, recorded=False)
+
+
+def _overhead(
+    folder: Path,
+    model: Any,
+    label: str,
+    shapes: dict[str, tuple[int, int]],
+    steps: int,
+    repeats: int,
+    warm: int,
+    recorded: bool = True,
+) -> dict[str, Any]:
     import torch
 
     from snapshot_lab.module_tags import tag_modules
 
     torch.manual_seed(0)
-    if DRY:
-        model, shapes, steps, repeats, warm = (
-            gpt2(n_layer=2, n_embd=64, n_head=2, vocab=512, positions=64),
-            {
-                "gpu_bound": (2, 64),
-                "launch_bound": (1, 16),
-            },
-            3,
-            2,
-            1,
-        )
-    else:
-        model = gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, positions=1024)  # GPT-2 small, 124M
-        shapes, steps, repeats, warm = {"gpu_bound": (8, 1024), "launch_bound": (1, 64)}, 15, 5, 5
     model = model.to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     n_params = sum(p.numel() for p in model.parameters())
@@ -443,10 +462,11 @@ def overhead_part(folder: Path) -> dict[str, Any]:
         "untagged": lambda: contextlib.nullcontext(),
         "tagged": lambda: tag_modules(model),
         "tagged_forward_only": lambda: tag_modules(model, backward=False),
-        "recorded": lambda: _recording(folder),
-        "recorded_tagged": lambda: _Both(_recording(folder), lambda: tag_modules(model)),
     }
-    out: dict[str, Any] = {"model": "GPT-2 small from its config" if not DRY else "tiny GPT-2", "parameters": n_params}
+    if recorded:
+        modes["recorded"] = lambda: _recording(folder)
+        modes["recorded_tagged"] = lambda: _Both(_recording(folder), lambda: tag_modules(model))
+    out: dict[str, Any] = {"model": label, "parameters": n_params}
     for shape_name, (batch, seq) in shapes.items():
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=DEVICE)
         for _ in range(warm):
@@ -472,27 +492,28 @@ def overhead_part(folder: Path) -> dict[str, Any]:
                         times.append(time.perf_counter() - t)
                 per_repeat[m].append(statistics.median(times))
         med = {m: statistics.median(v) for m, v in per_repeat.items()}
-        base, rec = med["untagged"], med["recorded"]
+        base = med["untagged"]
+        pct = {
+            "tagged": round(100 * (med["tagged"] - base) / base, 2),
+            "tagged_forward_only": round(100 * (med["tagged_forward_only"] - base) / base, 2),
+        }
+        if recorded:
+            rec = med["recorded"]
+            pct["recording_python_stacks"] = round(100 * (rec - base) / base, 2)
+            pct["tagging_on_top_of_recording"] = round(100 * (med["recorded_tagged"] - rec) / rec, 2)
         row = {
             "batch": batch,
             "seq": seq,
             "metadata_sets_per_step": calls["n"],
             "median_step_ms": {m: round(v * 1e3, 3) for m, v in med.items()},
             "repeat_medians_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in per_repeat.items()},
-            "overhead_pct": {
-                "tagged": round(100 * (med["tagged"] - base) / base, 2),
-                "tagged_forward_only": round(100 * (med["tagged_forward_only"] - base) / base, 2),
-                "recording_python_stacks": round(100 * (rec - base) / base, 2),
-                "tagging_on_top_of_recording": round(100 * (med["recorded_tagged"] - rec) / rec, 2),
-            },
+            "overhead_pct": pct,
             "spread_pct_untagged": round(100 * (max(per_repeat["untagged"]) - min(per_repeat["untagged"])) / base, 2),
         }
         out[shape_name] = row
         log(f"   {shape_name} {batch}x{seq}: {row['median_step_ms']} overhead {row['overhead_pct']}")
-    out["checks"] = {
-        "measured": True,
-        "gpu_bound_tagging_within_5pct": DRY or out["gpu_bound"]["overhead_pct"]["tagged"] <= 5.0,
-    }
+    first = out[next(iter(shapes))]
+    out["checks"] = {"measured": True, "tagging_within_5pct": DRY or first["overhead_pct"]["tagged"] <= 5.0}
     return out
 
 
@@ -618,6 +639,99 @@ def tags_part(folder: Path) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- 6. the hold-out tagged sample
+
+
+def llama(layers: int = 4, hidden: int = 512, heads: int = 8, kv_heads: int = 4, vocab: int = 8192):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+@part("tags_holdout")
+def tags_holdout_part(folder: Path) -> dict[str, Any]:
+    """Another model family, stack mode and training recipe than ``tags``: a Llama (RMSNorm,
+    SwiGLU, grouped-query attention) with activation checkpointing (non-reentrant: its recomputed
+    forwards are tagged ``rec:``), recorded with ``stacks='all'`` (C++ frames too), tagged and,
+    for the stack-based approximation, untagged."""
+    import torch
+
+    from snapshot_lab.capture import recording
+    from snapshot_lab.module_tags import tag_modules
+
+    out: dict[str, Any] = {"torch_requested": {}}
+
+    def requested(key: str) -> int:
+        return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
+
+    def run(name: str, tagged: bool) -> Path | None:
+        torch.manual_seed(0)
+        if not DRY:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = requested("current")
+        with recording(
+            folder, stacks="all", max_entries=200_000, prefix=name, dump_on_exit=False, tag_modules=False
+        ) as rec:
+            model = llama().to(DEVICE)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            handle = tag_modules(model) if tagged else None
+            for seq in (256, 384, 320):
+                ids = torch.randint(0, 8192, (8, seq), device=DEVICE)
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not DRY):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec.step()
+            describe = handle.describe() if handle is not None else None
+            if handle is not None:
+                handle.remove()
+            path = rec.dump()
+            out["torch_requested"][name] = {"before": before, "torch_requested_peak": requested("peak")}
+        if describe is not None and path is not None:
+            side = path.with_name(path.name.replace(".pickle", ".meta.json"))
+            meta = json.loads(side.read_text())
+            meta["module_tags"] = describe
+            side.write_text(json.dumps(meta, indent=1))
+        return path
+
+    tagged = run("llama_ckpt_tagged", True)
+    untagged = run("llama_ckpt_untagged", False)
+    census = snapshot_tags(tagged) if tagged else {}
+    phases = census.get("allocs_by_phase", {})
+    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
+    for tag, size in census.get("top_tags_at_peak", [])[:12]:
+        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+    out.update(
+        tagged=tagged.name if tagged else None,
+        untagged=untagged.name if untagged else None,
+        tagged_census=census,
+        files=files(folder),
+        checks={
+            "forward_backward_and_recomputed_tags": DRY or all(phases.get(p, 0) > 0 for p in ("fwd", "bwd", "rec")),
+            "tags_add_up_at_peak": census.get("sum_of_tags_at_peak") == census.get("peak_live_bytes_in_trace"),
+            "trace_peak_is_torchs_peak": DRY
+            or census.get("peak_live_bytes_in_trace")
+            == out["torch_requested"]["llama_ckpt_tagged"]["torch_requested_peak"]
+            - out["torch_requested"]["llama_ckpt_tagged"]["before"],
+        },
+    )
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -664,7 +778,9 @@ def main() -> int:
         "transformers": transformers_part,
         "pytest": pytest_part,
         "overhead": overhead_part,
+        "overhead_medium": overhead_medium_part,
         "tags": tags_part,
+        "tags_holdout": tags_holdout_part,
     }
     for name in args.parts.split(","):
         parts[name](work, args.out)

@@ -241,9 +241,7 @@ def full_param_facts(model: nn.Module) -> dict[str, Any]:
 
 def local_facts(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     params = list(model.parameters())
-    state = [
-        t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and _local(t).device.type == DEV
-    ]
+    state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and _local(t).device.type == DEV]
     return {
         "param_bytes_local": numel_bytes(params),  # this rank's parameters as stored, no padding
         "param_storage_bytes_local": storage_bytes(params),  # with FSDP's padding
@@ -270,17 +268,19 @@ def fsdp2_units(model: nn.Module, world: int) -> list[dict[str, Any]]:
             sharded += math.prod(fp.sharded_size) * elem
             padded += math.prod(fp.padded_sharded_param_size) * elem
             names.append(getattr(fp, "_param_fqn", None))
-        units.append({
-            "module": name or "<root>",
-            "params": len(fparams),
-            "param_names": names,
-            "full_bytes": full,
-            "unsharded_bytes": full,  # the unit's parameters once all-gathered
-            "sharded_bytes": sharded,  # this rank's shard, as the DTensor sees it
-            "sharded_padded_bytes": padded,  # the shard as stored (padded to divide by the world)
-            "allgather_output_bytes": padded * world,  # the flat buffer one all-gather produces
-            "reshard_after_forward": getattr(group, "post_forward_mesh_info", None) is not None,
-        })
+        units.append(
+            {
+                "module": name or "<root>",
+                "params": len(fparams),
+                "param_names": names,
+                "full_bytes": full,
+                "unsharded_bytes": full,  # the unit's parameters once all-gathered
+                "sharded_bytes": sharded,  # this rank's shard, as the DTensor sees it
+                "sharded_padded_bytes": padded,  # the shard as stored (padded to divide by the world)
+                "allgather_output_bytes": padded * world,  # the flat buffer one all-gather produces
+                "reshard_after_forward": getattr(group, "post_forward_mesh_info", None) is not None,
+            }
+        )
     return units
 
 
@@ -297,15 +297,17 @@ def fsdp1_units(model: nn.Module) -> list[dict[str, Any]]:
             continue
         elem = fp.element_size()
         clean = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
-        units.append({
-            "module": clean or "<root>",
-            "params": len(fp._fqns),
-            "param_names": list(fp._fqns),
-            "full_bytes": sum(fp._numels) * elem,  # the original parameters
-            "unsharded_bytes": math.prod(fp._unpadded_unsharded_size) * elem,  # the flat parameter, gathered
-            "allgather_output_bytes": math.prod(fp._padded_unsharded_size) * elem,  # padded to divide by the world
-            "sharded_bytes": math.prod(fp._sharded_size) * elem,  # this rank's flat shard (padded)
-        })
+        units.append(
+            {
+                "module": clean or "<root>",
+                "params": len(fp._fqns),
+                "param_names": list(fp._fqns),
+                "full_bytes": sum(fp._numels) * elem,  # the original parameters
+                "unsharded_bytes": math.prod(fp._unpadded_unsharded_size) * elem,  # the flat parameter, gathered
+                "allgather_output_bytes": math.prod(fp._padded_unsharded_size) * elem,  # padded to divide by the world
+                "sharded_bytes": math.prod(fp._sharded_size) * elem,  # this rank's flat shard (padded)
+            }
+        )
     return units
 
 
@@ -313,8 +315,12 @@ def tp_param_facts(model: nn.Module) -> dict[str, Any]:
     sharded, replicated = [], []
     for name, p in model.named_parameters():
         placements = list(getattr(p, "placements", []))
-        row = {"name": name, "full_bytes": p.numel() * p.element_size(),
-               "local_bytes": _local(p).numel() * p.element_size(), "placements": [repr(pl) for pl in placements]}
+        row = {
+            "name": name,
+            "full_bytes": p.numel() * p.element_size(),
+            "local_bytes": _local(p).numel() * p.element_size(),
+            "placements": [repr(pl) for pl in placements],
+        }
         (sharded if any(pl.is_shard() for pl in placements) else replicated).append(row)
     return {
         "tp_sharded_params": sharded,
@@ -464,8 +470,12 @@ def dump(name: str, facts: dict[str, Any], final_dir: Path) -> None:
         "hostname": socket.gethostname(),
         "dumped_at_unix_s": meta.get("time_unix_s"),
         "memory_stats": stats,  # the sidecar's, taken right before the snapshot
-        "capture": {"sidecar": f"{name}.meta.json", "raw_name": raw.name, "reason": meta.get("reason"),
-                    "parallel": meta.get("parallel")},
+        "capture": {
+            "sidecar": f"{name}.meta.json",
+            "raw_name": raw.name,
+            "reason": meta.get("reason"),
+            "parallel": meta.get("parallel"),
+        },
         "workload": facts,
     }
     (final_dir / f"{name}.truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True, default=str))
@@ -529,16 +539,29 @@ def main() -> None:
         facts["global_batch"] = batch
     elif a.strategy == "ddp":
         run = wrap_ddp(model, bool(a.bucket_view))
-        facts.update(gradient_as_bucket_view=bool(a.bucket_view), bucket_cap_mb=25, global_batch=batch * world,
-                     expect={"ddp_duplicate_grads": not a.bucket_view})
+        facts.update(
+            gradient_as_bucket_view=bool(a.bucket_view),
+            bucket_cap_mb=25,
+            global_batch=batch * world,
+            expect={"ddp_duplicate_grads": not a.bucket_view},
+        )
     elif a.strategy == "fsdp2":
         run = wrap_fsdp2(model, bool(a.reshard), world)
-        facts.update(reshard_after_forward=bool(a.reshard), fsdp_version=2, global_batch=batch * world,
-                     fsdp_wrapping="fully_shard on each block, then on the root (embeddings, final norm, head)")
+        facts.update(
+            reshard_after_forward=bool(a.reshard),
+            fsdp_version=2,
+            global_batch=batch * world,
+            fsdp_wrapping="fully_shard on each block, then on the root (embeddings, final norm, head)",
+        )
     elif a.strategy == "fsdp1":
         run = wrap_fsdp1(model, a.model, a.sharding)
-        facts.update(sharding_strategy=a.sharding, fsdp_version=1, use_orig_params=False, global_batch=batch * world,
-                     fsdp_wrapping=f"ModuleWrapPolicy({{{block_class(a.model).__name__}}}) + the root")
+        facts.update(
+            sharding_strategy=a.sharding,
+            fsdp_version=1,
+            use_orig_params=False,
+            global_batch=batch * world,
+            fsdp_wrapping=f"ModuleWrapPolicy({{{block_class(a.model).__name__}}}) + the root",
+        )
     elif a.strategy == "tp":
         run = wrap_tp(model, a.model, world)
         seed = 0
@@ -549,19 +572,29 @@ def main() -> None:
         seed = 0
         layers = split_stage(model, rank, world)
         model.to(DEV)
-        stage = PipelineStage(model, rank, world, torch.device(DEV, torch.cuda.current_device()) if DEV == "cuda"
-                              else torch.device("cpu"))
+        stage = PipelineStage(
+            model, rank, world, torch.device(DEV, torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
+        )
         cls = ScheduleGPipe if a.schedule == "gpipe" else Schedule1F1B
         schedule = cls(stage, n_microbatches=a.microbatches, loss_fn=loss_fn(a.model))
-        capture.describe_parallel(pp_stage=rank, pp_degree=world, schedule="GPipe" if a.schedule == "gpipe" else "1F1B",
-                                  microbatches=a.microbatches)
+        capture.describe_parallel(
+            pp_stage=rank,
+            pp_degree=world,
+            schedule="GPipe" if a.schedule == "gpipe" else "1F1B",
+            microbatches=a.microbatches,
+        )
         run = model
         inflight = a.microbatches if a.schedule == "gpipe" else world - rank
         stage_info = {
-            "pp_stage": rank, "pp_num_stages": world, "pp_stage_modules": layers,
+            "pp_stage": rank,
+            "pp_num_stages": world,
+            "pp_stage_modules": layers,
             "pp_stage_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "schedule": "GPipe" if a.schedule == "gpipe" else "1F1B", "schedule_class": cls.__name__,
-            "microbatches": a.microbatches, "microbatch_size": batch // a.microbatches, "global_batch": batch,
+            "schedule": "GPipe" if a.schedule == "gpipe" else "1F1B",
+            "schedule_class": cls.__name__,
+            "microbatches": a.microbatches,
+            "microbatch_size": batch // a.microbatches,
+            "global_batch": batch,
             "expect": {"max_microbatches_in_flight": inflight},
         }
         facts.update(stage_info)

@@ -25,14 +25,17 @@ def find(ctx: FindingContext) -> list[Finding]:
     for d in rec.devices:
         if rec.mode != "trace" or d.history_complete:
             continue
+        if d.live_blocks_before_trace:
+            what = f"{format_bytes(d.live_bytes_before_trace)} still live was allocated before its first event"
+        else:  # all that predates the trace was freed inside it
+            n = d.orphan_frees
+            blocks, were = ("blocks", "were") if n != 1 else ("block", "was")
+            what = f"{n} {blocks} allocated before its first event {were} freed inside it"
         out.append(
             Finding(
                 id="history-incomplete",
                 severity="info",
-                title=(
-                    f"The trace of device {d.device} misses the start of the job: "
-                    f"{format_bytes(d.live_bytes_before_trace)} still live was allocated before its first event"
-                ),
+                title=f"The trace of device {d.device} misses the start of the job: {what}",
                 advice=(
                     "The ring buffer wrapped or recording started after the model was built. Timelines are "
                     "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
