@@ -1,0 +1,170 @@
+"""Tensor parallelism (Megatron-style column/row pairs, as ``ColwiseParallel`` /
+``RowwiseParallel`` do): which layers are sharded and which activations shrink.
+
+Which Linear layers: those whose forward allocates inside the repeated blocks (the stacks show
+``torch/nn/modules/linear.py``), by default; ``layers="all"`` also shards the model's other
+matrices (embeddings, head) and the activations after a Linear outside the blocks (a
+vocabulary-parallel head and loss). Norms, biases and every other vector stay replicated.
+
+Pairs: the Linear layers one module calls (a block's attention calls q, k, v, o; its MLP fc1,
+fc2) are column-parallel but the last, which is row-parallel; Linear layers alone in their
+module (an MLP stack of Linear+GELU blocks) alternate column, row. Activations from a
+column-parallel output up to the next row-parallel output are sharded (1/t: the heads, the
+MLP's hidden units); the row-parallel output is all-reduced (its partial sums are one more
+full-size buffer while that happens) and everything else (norms, residual adds, the embedding,
+head and loss) is replicated. The backward's temporaries are gradients of those activations:
+one of the same size as a block's forward tensors scales like them (on average, when several
+such tensors scale differently), others like the block's activations overall. Parameters,
+gradients and optimizer state of sharded matrices are 1/t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...frames import SnapshotFrames
+from ..categories import CODES
+from .rewrite import Rewrite
+from .structure import TrainingStructure, linear_calls, stack_info
+
+TP_LAYERS = ("blocks", "all")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    degree: int
+    row_scale: np.ndarray  # per recorded allocation: its size on one rank / recorded size
+    param_scale: np.ndarray  # per parameter
+    partials: tuple[int, ...]  # rows that are row-parallel outputs (all-reduced)
+    column_layers: int  # Linear calls per pass taken as column-parallel
+    row_layers: int
+
+
+def plan_tensor_parallel(
+    frames: SnapshotFrames, s: TrainingStructure, degree: int, layers: str = "blocks"
+) -> TensorParallel:
+    a = s.allocs
+    n = len(a)
+    scale = np.ones(n)
+    partials: list[int] = []
+    inv = 1.0 / degree
+    code = a["code"].to_numpy()
+    pos = a["pos"].to_numpy()
+    part = a["part"].to_numpy()
+    block = a["block"].to_numpy()
+    phase = a["phase"].to_numpy()
+    pass_id = a["pass_id"].to_numpy()
+    size = a["size"].to_numpy()
+    info = stack_info(frames)
+    sid = a["sid"].to_numpy()
+    n_col = n_row = 0
+    for p in s.passes:
+        calls = linear_calls(frames, s, p.index)
+        role: dict[int, str] = {}
+        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for c in calls:
+            groups.setdefault((c.block, c.parent), []).append(c.row)
+        alone = 0
+        for rows in groups.values():
+            if len(rows) >= 2:
+                for r in rows[:-1]:
+                    role[r] = "col"
+                role[rows[-1]] = "row"
+            else:
+                role[rows[0]] = "col" if alone % 2 == 0 else "row"
+                alone += 1
+        if p.index == 0 or not n_col:
+            n_col = sum(1 for v in role.values() if v == "col")
+            n_row = len(role) - n_col
+        fwd = np.flatnonzero((pass_id == p.index) & (phase == "forward"))
+        fwd = fwd[np.argsort(pos[fwd], kind="stable")]
+        sharded = False
+        for r in fwd.tolist():
+            if code[r] not in (CODES["activation"], CODES["other"]):
+                continue
+            if part[r] == "block":
+                kind = role.get(r)
+                if kind == "col":
+                    sharded = True
+                    scale[r] = inv
+                elif kind == "row":
+                    sharded = False
+                    partials.append(r)
+                elif sharded:
+                    scale[r] = inv
+            elif part[r] == "post" and layers == "all":
+                if info.module_file.get(int(sid[r]), "").endswith("torch/nn/modules/linear.py"):
+                    sharded = True
+                    scale[r] = inv
+                elif sharded:
+                    scale[r] = inv
+            else:
+                sharded = False
+        # backward: like the forward tensors of the same size in the same block
+        for j in range(s.n_blocks):
+            f_rows = fwd[(part[fwd] == "block") & (block[fwd] == j)]
+            if f_rows.size == 0:
+                continue
+            f_size, f_scale = size[f_rows], scale[f_rows]
+            mean = float((f_size * f_scale).sum() / max(int(f_size.sum()), 1))
+            by_size: dict[int, float] = {}
+            for sz in np.unique(f_size).tolist():
+                m = f_size == sz
+                by_size[int(sz)] = float(f_scale[m].mean())
+            b_rows = np.flatnonzero(
+                (pass_id == p.index)
+                & (phase == "backward")
+                & (part == "block")
+                & (block == j)
+                & (code == CODES["activation"])
+            )
+            for r in b_rows.tolist():
+                scale[r] = by_size.get(int(size[r]), mean)
+    p_scale = np.ones(len(s.params))
+    matrix = s.params["matrix"].to_numpy()
+    pb = s.params["block"].to_numpy()
+    shard = matrix & ((pb >= 0) | (layers == "all"))
+    p_scale[shard] = inv
+    # gradients and optimizer state: like the parameter they mirror
+    param = a["param"].to_numpy()
+    mirrors = np.flatnonzero(np.isin(code, [CODES["gradient"], CODES["optimizer_state"]]) & (param >= 0))
+    scale[mirrors] = p_scale[param[mirrors]]
+    return TensorParallel(degree, scale, p_scale, tuple(partials), n_col, n_row)
+
+
+def apply_tensor_parallel(rw: Rewrite, tp: TensorParallel, local: np.ndarray) -> None:
+    """Rescale the recorded allocations; the all-reduces of row-parallel outputs get their
+    partial-sum buffers. ``local``: parameter bytes per rank after tensor parallelism."""
+    s = rw.structure
+    t = tp.degree
+    a = s.allocs
+    code = a["code"].to_numpy()
+    changed = np.flatnonzero((tp.row_scale != 1.0) & (code != CODES["parameter"]))
+    new = np.ceil(a["size"].to_numpy()[changed] * tp.row_scale[changed]).astype(np.int64)
+    rw.size[changed] = new
+    for r, c in zip(changed.tolist(), code[changed].tolist(), strict=True):
+        if c == CODES["gradient"]:
+            rw.rule[r] = f"gradients of sharded matrices, 1/{t} (tensor parallel)"
+        elif c == CODES["optimizer_state"]:
+            rw.rule[r] = f"optimizer state of sharded matrices, 1/{t} (tensor parallel)"
+        elif tp.row_scale[r] == 1.0 / t:
+            rw.rule[r] = f"activations between column- and row-parallel layers, 1/{t} (tensor parallel)"
+        else:
+            rw.rule[r] = "backward temporaries, scaled like the block's forward tensors of their size (tensor parallel)"
+    pos = a["pos"].to_numpy()
+    for r in tp.partials:
+        p = int(pos[r])
+        k = rw.alloc_at(
+            p,
+            int(rw.size[r]),
+            int(rw.stream[r]),
+            "comm_buffer",
+            "tensor-parallel all-reduce input: a row-parallel layer's partial sums",
+        )
+        rw.free_at(p, k, before=False)
+        rw.rule[r] = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
+    from .data_parallel import shard_at_wrap
+
+    shard_at_wrap(rw, local, f"parameters: sharded matrices 1/{t}, the rest replicated (tensor parallel)")
