@@ -86,7 +86,7 @@ def shard_at_wrap(rw: Rewrite, local: np.ndarray, rule: str) -> None:
     for i, r in enumerate(rows.tolist()):
         if local[i] != rw.size[r]:
             if local[i] > 0:
-                rw.alloc_at(s.wrap_pos, int(local[i]), int(rw.stream[r]), "parameter", rule)
+                rw.alloc_at(s.wrap_pos, int(local[i]), int(rw.stream[r]), "parameter", rule, source_row=int(r))
             rw.add(s.wrap_pos, ("f", int(r)))
             rw.free_after[r] = -1
 
@@ -272,8 +272,9 @@ class _FsdpPass:
 
     def _copy_out(self, u: Unit, at: int, before: bool) -> list[int]:
         what = f"{self.label} unsharded parameters of a unit (copied out of the all-gather)"
+        rows = self.rw.structure.params["row"].to_numpy()
         return [
-            self.rw.alloc_at(at, int(self.local[i]), 0, "fsdp_unsharded_params", what, before)
+            self.rw.alloc_at(at, int(self.local[i]), 0, "fsdp_unsharded_params", what, before, source_row=int(rows[i]))
             for i in u.params.tolist()
         ]
 
@@ -360,6 +361,14 @@ class _FsdpPass:
         root = by_block.get(-1)
         if root is not None:
             self.gather_forward(root, p.forward_start)
+            out = int(self.rw.structure.allocs["pos"].to_numpy()[p.output_row]) if p.output_row >= 0 else -1
+            if self.reshard and not self.flat and out >= 0:
+                # FSDP2 reshards the root after its forward too (the model's output is made), and
+                # gathers it again once the loss's backward is done (FSDP1 keeps the root)
+                self.release(root, out, False)
+                self.gather_backward(root, p.loss_backward_end + 1)
+                if self.p.block_backward and len(self.p.block_backward) - 1 in by_block:
+                    self.prefetch(by_block[len(self.p.block_backward) - 1], p.loss_backward_end + 1)
         nb = len(p.block_forward)
         for j, (first, last) in enumerate(p.block_forward):
             u = by_block.get(j)

@@ -307,8 +307,10 @@ def programs_for(
         for k in range(st.stages or 1):
             blocks = [j for j, x in enumerate(assign.block_stage) if x == k]
             where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
-            extra = " + embeddings" if k == 0 else ""
-            extra += " + final layers, head and loss" if k == (st.stages or 1) - 1 else ""
+            parts = set(s.params.loc[s.params["block"] < 0, "part"].tolist())
+            extra = " + the layers before the blocks" if k == 0 and "pre" in parts else ""
+            if k == (st.stages or 1) - 1:
+                extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
             label = f"stage {k} (rank {k}: {where}{extra})"
             out.append((label, pp.build_stage(s, assign, k, st.stages or 1, st.microbatches or 1, st.schedule)))
         notes.append(

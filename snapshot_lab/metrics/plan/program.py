@@ -105,12 +105,16 @@ class PeakPart:
     last_event: int
 
     def to_dict(self) -> dict[str, Any]:
+        """``from_recorded_events``: the recorded allocations these rescale (their event
+        indexes), or, for what the plan adds (``recorded_bytes`` 0), the recorded moments it is
+        placed at."""
         return {
             "category": self.category,
             "what": self.rule,
             "planned_bytes": self.planned_bytes,
             "recorded_bytes": self.recorded_bytes,
             "allocations": self.count,
+            "added_by_the_plan": self.recorded_bytes == 0,
             "from_recorded_events": [self.first_event, self.last_event],
         }
 

@@ -69,10 +69,20 @@ class Rewrite:
         (self.before if before else self.after).setdefault(int(pos), []).append(op)
 
     def alloc_at(
-        self, pos: int, size: int, stream: int, category: str, rule: str, before: bool = True, key: int | None = None
+        self,
+        pos: int,
+        size: int,
+        stream: int,
+        category: str,
+        rule: str,
+        before: bool = True,
+        key: int | None = None,
+        source_row: int = -1,
     ) -> int:
+        """An allocation the strategy adds at recorded position ``pos``; ``source_row``: the
+        recorded allocation it stands for (a parameter's shard), for the record."""
         k = self.new_key() if key is None else key
-        self.add(pos, ("a", k, int(size), int(stream), category, rule), before)
+        self.add(pos, ("a", k, int(size), int(stream), category, rule, int(source_row)), before)
         return k
 
     def free_at(self, pos: int, key: int, before: bool = True) -> None:
@@ -124,7 +134,11 @@ class Rewrite:
 
         def emit(op: Op, p: int) -> None:
             if op[0] == "a":
-                prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), origin(p), 0)
+                r = op[6]
+                if r >= 0:  # stands for a recorded allocation: that is where it came from
+                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), int(event_index[r]), int(recorded[r]))
+                else:
+                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), origin(p), 0)
             elif op[0] == "f":
                 prog.free(op[1], origin(p))
             elif op[0] == "r":

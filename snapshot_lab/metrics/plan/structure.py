@@ -115,6 +115,7 @@ class Pass:
     block_forward: tuple[tuple[int, int], ...]  # per block: first and last position of its forward allocations
     block_backward: tuple[tuple[int, int], ...]  # per block: first and last position of its backward span
     post_backward: tuple[int, int]  # the post part's backward (loss, head), first
+    loss_backward_end: int  # last position of the backward of what the program computed outside modules (the loss)
     pre_backward: tuple[int, int]  # the pre part's backward (embeddings), last
     output_row: int  # allocation row of the model's output (last allocation inside a module's forward)
     end: int  # exclusive: the next pass's data starts here
@@ -444,6 +445,7 @@ def _passes_and_blocks(
                 p_.block_forward,
                 p_.block_backward,
                 p_.post_backward,
+                p_.loss_backward_end,
                 p_.pre_backward,
                 p_.output_row,
                 passes[k + 1].forward_start if k + 1 < len(passes) else n,
@@ -539,6 +541,11 @@ def _make_pass(
 
     post_end = last_before(post_frees, meds[-1] if meds else np.nan)
     post_end = max(post_end, b - 1)
+    # the loss: what the program computed after the model's output, outside any module
+    out_pos = pos[fwd_rows[-1]] if fwd_rows.size else f
+    loss_rows = np.flatnonzero((pos > out_pos) & (pos < b) & main & ~module & in_bwd)
+    loss_end = last_before(np.sort(free_pos[loss_rows]), post_end + 1.0)
+    loss_end = min(max(loss_end, b - 1), post_end)
     # backward order: post, blocks n-1 .. 0, pre; each span ends no earlier than the one before
     bwd_spans: list[tuple[int, int]] = [(0, 0)] * len(blocks)
     lo = post_end + 1
@@ -557,6 +564,7 @@ def _make_pass(
         block_forward=block_fwd,
         block_backward=tuple(bwd_spans),
         post_backward=(b, post_end),
+        loss_backward_end=loss_end,
         pre_backward=pre,
         output_row=output_row,
         end=nxt,
