@@ -205,8 +205,11 @@ def apply_fsdp(
     units = fsdp_units(s, local, world, flat=version == 1)
     if not units:
         return units
-    shards = np.array([ceil_div(int(x), world) for x in local.tolist()], dtype=np.int64)
-    shard_at_wrap(rw, shards, f"parameters, 1/{world} shard per rank ({label})")
+    if version == 1:
+        _flatten_at_wrap(rw, units, world, label)
+    else:
+        shards = np.array([ceil_div(int(x), world) for x in local.tolist()], dtype=np.int64)
+        shard_at_wrap(rw, shards, f"parameters, 1/{world} shard per rank ({label})")
     rows = optimizer_rows(s)
     ratio = param_ratio(s, local, s.allocs["param"].to_numpy()[rows]) / world
     rw.set(
@@ -218,6 +221,32 @@ def apply_fsdp(
     for p in s.passes:
         _FsdpPass(rw, p, units, local, world, reshard_after_forward, version == 1, label).run()
     return units
+
+
+def _flatten_at_wrap(rw: Rewrite, units: list[Unit], world: int, label: str) -> None:
+    """FSDP1 wraps a unit by flattening its parameters into one flat tensor, copying this rank's
+    shard out of it and freeing both the flat tensor and the original parameters."""
+    s = rw.structure
+    rows = param_rows(s)
+    stream = int(rw.stream[rows[0]]) if rows.size else 0
+    at = s.wrap_pos
+    for u in units:
+        flat = rw.alloc_at(
+            at, u.local, stream, "parameter", f"{label} wrapping: a unit's parameters flattened (temporary)"
+        )
+        first = int(rows[u.params[0]])
+        rw.alloc_at(
+            at,
+            u.shard,
+            stream,
+            "parameter",
+            f"parameters, one flat 1/{world} shard per unit ({label})",
+            source_row=first,
+        )
+        rw.free_at(at, flat)
+        for i in u.params.tolist():
+            rw.add(at, ("f", int(rows[i])))
+            rw.free_after[rows[i]] = -1
 
 
 def param_ratio(s: TrainingStructure, local: np.ndarray, param: np.ndarray) -> np.ndarray:
@@ -254,6 +283,8 @@ class _FsdpPass:
         self.prefetched: dict[int, int] = {}  # unit -> all-gather buffer issued ahead
         self.rs_input: int | None = None
         self.grad_pending: list[int] = []
+        self.rs_pending: list[int] = []
+        self.flat_pending: list[int] = []
         a = rw.structure.allocs
         code, pass_id, param = a["code"].to_numpy(), a["pass_id"].to_numpy(), a["param"].to_numpy()
         self.grads = np.flatnonzero((code == CODES["gradient"]) & (pass_id == p.index))
@@ -266,7 +297,11 @@ class _FsdpPass:
     def _ag(self, u: Unit, at: int, before: bool, why: str = "") -> int:
         if self.flat:
             what = f"{self.label} unsharded flat parameter of a unit (all-gathered, padded)"
-            return self.rw.alloc_at(at, u.gathered, AG_STREAM, "fsdp_unsharded_params", what, before)
+            k = self.rw.alloc_at(at, u.gathered, AG_STREAM, "fsdp_unsharded_params", what, before)
+            for old in self.flat_pending:  # freed before: their blocks are back once the next is issued
+                self.rw.free_at(at, old, before)
+            self.flat_pending = []
+            return k
         what = f"{self.label} all-gather output (flat, one unit{why})"
         return self.rw.alloc_at(at, u.gathered, AG_STREAM, "comm_buffer", what, before)
 
@@ -311,7 +346,11 @@ class _FsdpPass:
 
     def release(self, u: Unit, at: int, before: bool) -> None:
         for k in self.unsharded.pop(u.block, []):
-            self.rw.free_at(at, k, before)
+            if self.flat:  # the compute stream used it (record_stream): the block comes back later
+                self.rw.add(at, ("r", k), before)
+                self.flat_pending.append(k)
+            else:
+                self.rw.free_at(at, k, before)
 
     def free_consumed(self, at: int) -> None:
         for b, k in list(self.consumed.items()):
@@ -341,6 +380,9 @@ class _FsdpPass:
                 rw.add(at, ("r", int(r)), False)
             for r in self.grad_pending:
                 rw.add(at, ("f", int(r)), False)
+            for k in self.rs_pending:
+                rw.free_at(at, k, False)
+            self.rs_pending = []
             self.grad_pending = mine.tolist()
         else:
             for r in mine.tolist():
@@ -353,8 +395,9 @@ class _FsdpPass:
         out = rw.alloc_at(at, u.shard, RS_STREAM, "gradient", what, False)
         if lives >= 0:
             rw.free_at(lives, out, False)
-        if self.flat:
-            rw.free_at(at, rs_in, False)
+        if self.flat:  # like the gradients: its block comes back at the next unit's reduce-scatter
+            rw.add(at, ("r", rs_in), False)
+            self.rs_pending.append(rs_in)
 
     def run(self) -> None:
         p, by_block = self.p, self.by_block
@@ -407,6 +450,10 @@ class _FsdpPass:
         for r in self.grad_pending:
             self.rw.add(last, ("f", int(r)), False)
         self.grad_pending = []
+        for k in [*self.rs_pending, *self.flat_pending]:
+            self.rw.free_at(last, k, False)
+        self.rs_pending = []
+        self.flat_pending = []
         for u in list(by_block.values()):
             self.release(u, last, False)
         for k in self.prefetched.values():

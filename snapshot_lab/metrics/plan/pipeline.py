@@ -227,12 +227,15 @@ def build_stage(
                 if k in keys:
                     keys.remove(k)
                     prog.free(k, origin(p))
-                elif fr not in in_pass and final:  # made once (inputs): freed after the last microbatch
-                    free_all(fr, p)
+                elif fr not in in_pass and final:
+                    # made once (inputs) and freed by the program after its backward call: in a
+                    # pipeline that is after the schedule's step() returned
+                    after_step.append(fr)
             if p in releases:
                 prog.empty_cache(origin(p))
 
     lo_b = [0]
+    after_step: list[int] = []
     recv_done = False
     for i, p_ in enumerate(s.passes):
         once(p_.data_start, p_.forward_start)
@@ -275,6 +278,9 @@ def build_stage(
         for r in list(live):
             if r in outputs:
                 free_all(r, p_.backward_end - 1)
+        for r in after_step:
+            free_all(r, p_.backward_end - 1)
+        after_step.clear()
         if i == len(s.passes) - 1:
             once(p_.backward_end, n)
     return prog
