@@ -51,26 +51,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --------------------------------------------------------------------------- inputs
-
-
-def normalize_input(rw: Rewrite, notes: list[str]) -> None:
-    """A snapshot of one rank of a DDP run: its buckets are the recorded run's own, not the
-    plan's. With ``gradient_as_bucket_view`` the buckets held the gradients: they stay, as
-    gradients."""
-    a = rw.structure.allocs
-    code = a["code"].to_numpy()
-    buckets = np.flatnonzero(code == CODES["ddp_bucket"])
-    if buckets.size == 0:
-        return
-    if (code == CODES["gradient"]).any():
-        rw.set(buckets, 0, None, "DDP buckets of the recorded run: left out")
-        notes.append("the recorded run used DDP: its buckets are left out, the plan adds its own")
-    else:
-        rw.set(buckets, rw.size[buckets], "gradient", "gradients (the recorded run's DDP buckets, as recorded)")
-        notes.append("the recorded run used DDP with gradient_as_bucket_view: its buckets are taken as its gradients")
-
-
 # --------------------------------------------------------------------------- parameters
 
 

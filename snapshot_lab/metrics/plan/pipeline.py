@@ -142,7 +142,7 @@ def build_stage(
     origin = s.origin
     live: dict[int, list[int]] = {}  # recorded row -> live keys (its copies)
     cats = np.array(CATEGORIES, dtype=object)
-    mine = (row_stage == stage) | (row_stage < 0)
+    mine = ((row_stage == stage) | (row_stage < 0)) & ~a["dropped"].to_numpy()
     releases = set(s.releases)
     # every stage keeps each microbatch's output until the step ends (the schedule's output
     # chunks): the model's output on the last stage, its last block's output on the others

@@ -319,7 +319,6 @@ def programs_for(
         )
         return out
     rw = Rewrite.identity(s)
-    dp.normalize_input(rw, notes)
     tp = None
     if st.name in ("tp", "fsdp+tp") and (st.tp or 1) > 1:
         tp = tpm.plan_tensor_parallel(frames, s, st.tp or 1, st.tp_layers)
@@ -398,7 +397,7 @@ def plan_memory(
     settings = recorded_settings(frames.info.allocator_settings)
     limit, source = _limit(frames, dev, memory_limit, memory_limit_source)
     notes: list[str] = list(s.notes)
-    recorded = _rank("recorded run", replay(Rewrite.identity(s).build(), settings), s, None)
+    recorded = _rank("recorded run", replay(Rewrite.identity(s, as_recorded=True).build(), settings), s, None)
     ranks = []
     for label, prog in programs_for(frames, s, st, notes):
         ranks.append(_rank(label, replay(prog, settings), s, limit))

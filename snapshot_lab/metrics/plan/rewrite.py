@@ -49,16 +49,25 @@ class Rewrite:
     _next_key: int = -2
 
     @classmethod
-    def identity(cls, structure: TrainingStructure) -> Rewrite:
+    def identity(cls, structure: TrainingStructure, as_recorded: bool = False) -> Rewrite:
+        """Every recorded allocation as the single-GPU run made it (``as_recorded``: exactly as
+        recorded, a DDP rank's own buckets included)."""
         a = structure.allocs
-        cats = np.array(CATEGORIES, dtype=object)[a["code"].to_numpy()]
+        code = a["code_recorded" if as_recorded else "code"].to_numpy()
+        cats = np.array(CATEGORIES, dtype=object)[code]
+        size = a["size"].to_numpy(dtype=np.int64).copy()
+        rule = np.array([recorded_rule(c) for c in cats], dtype=object)
+        if not as_recorded:
+            dropped = a["dropped"].to_numpy()
+            size[dropped] = 0
+            rule[dropped] = "the recorded run's DDP buckets: left out"
         return cls(
             structure=structure,
-            size=a["size"].to_numpy(dtype=np.int64).copy(),
+            size=size,
             stream=a["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
-            rule=np.array([recorded_rule(c) for c in cats], dtype=object),
-            free_after=a["free_pos"].to_numpy(dtype=np.int64).copy(),
+            rule=rule,
+            free_after=a["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
         )
 
     def new_key(self) -> int:

@@ -307,8 +307,11 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
             "part": "",
             "block": -1,
             "param": -1,
+            "dropped": False,  # the recorded run's own parallel machinery (DDP's buckets): left out of plans
         }
     )
+    allocs["code_recorded"] = allocs["code"]
+    allocs["free_pos_recorded"] = allocs["free_pos"]
     stream_of = ev["stream"].to_numpy()
     allocs["stream"] = stream_of[np.minimum(pos, max(n - 1, 0))] if n else np.zeros(0, dtype=np.int64)
     passes: list[Pass] = []
@@ -316,6 +319,7 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     if raw:
         passes, n_blocks, period, site_label = _passes_and_blocks(allocs, raw, info, n, notes)
     params = _params(allocs, passes, n_blocks, notes)
+    _from_ddp(allocs, params, passes, notes)
     wrap = _wrap_pos(allocs, passes)
     _map_mirrors(allocs, params, steps)
     from ..releases import find_releases
@@ -661,6 +665,49 @@ def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list
     allocs.loc[sel, "param"] = np.arange(sel.size)
     allocs.loc[sel, "phase"] = "setup"
     return params
+
+
+def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]) -> None:
+    """A snapshot of one rank of a DDP run, made the single-GPU run it stands for: DDP's buckets
+    are left out (a plan adds its own). With ``gradient_as_bucket_view`` the gradients were views
+    into those buckets, and the tensors the backward made were freed once copied in: those
+    (parameter-sized, made on autograd's thread and freed within the backward) are taken as the
+    gradients, alive until the next forward (``zero_grad``), as without DDP."""
+    code = allocs["code"].to_numpy().copy()
+    buckets = code == CODES["ddp_bucket"]
+    if not buckets.any():
+        return
+    allocs["dropped"] = buckets
+    notes.append("the recorded run used DDP: its buckets are left out, the plan adds its own")
+    if (code == CODES["gradient"]).any() or params.empty:
+        return
+    sizes = set(params["size"].tolist())
+    pos = allocs["pos"].to_numpy()
+    free_pos = allocs["free_pos"].to_numpy().copy()
+    phase = allocs["phase"].to_numpy()
+    grad_thread = allocs["grad_thread"].to_numpy()
+    size = allocs["size"].to_numpy()
+    found = 0
+    for k, p in enumerate(passes):
+        nxt = passes[k + 1].forward_start - 1 if k + 1 < len(passes) else -1
+        sel = np.flatnonzero(
+            (phase == "backward")
+            & grad_thread
+            & (pos >= p.backward_start)
+            & (pos < p.backward_end)
+            & (free_pos >= 0)
+            & (free_pos < p.backward_end)
+            & np.isin(size, list(sizes))
+        )
+        code[sel] = CODES["gradient"]
+        free_pos[sel] = nxt
+        found += sel.size
+    allocs["code"] = code
+    allocs["free_pos"] = free_pos
+    notes.append(
+        f"it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied into the buckets "
+        "are taken as its gradients, alive until the next forward"
+    )
 
 
 def _wrap_pos(allocs: pd.DataFrame, passes: list[Pass]) -> int:
