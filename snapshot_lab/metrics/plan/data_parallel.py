@@ -32,6 +32,7 @@ stay as recorded; what changes is the model state and the communication buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,17 @@ def ceil_div(a: int, b: int) -> int:
 
 
 # --------------------------------------------------------------------------- parameters
+
+
+def untracked_sharded(categories: tuple[str, ...], world: int, label: str) -> Callable[[int, str], tuple[int, str]]:
+    """How memory older than the trace is planned when the strategy shards ``categories``."""
+
+    def scale(size: int, category: str) -> tuple[int, str]:
+        if category in categories:
+            return ceil_div(size, world), f"{category.replace('_', ' ')}, 1/{world} per rank ({label})"
+        return size, f"{category.replace('_', ' ')}, as recorded"
+
+    return scale
 
 
 def param_rows(s: TrainingStructure) -> np.ndarray:
@@ -198,8 +210,9 @@ def apply_fsdp(
         "optimizer_state",
         f"optimizer state, 1/{world} per rank ({label})",
     )
+    sharded_grads: dict[int, int] = {}  # unit -> where its sharded gradient is freed (-1: never)
     for p in s.passes:
-        _FsdpPass(rw, p, units, local, world, reshard_after_forward, version == 1, label).run()
+        _FsdpPass(rw, p, units, local, world, reshard_after_forward, version == 1, label, sharded_grads).run()
     return units
 
 
@@ -254,8 +267,10 @@ class _FsdpPass:
         reshard: bool,
         flat: bool,
         label: str,
+        sharded_grads: dict[int, int],
     ) -> None:
         self.rw, self.p, self.local, self.world = rw, p, local, world
+        self.sharded_grads = sharded_grads
         self.reshard, self.flat, self.label = reshard, flat, label
         self.by_block = {u.block: u for u in units}
         self.unsharded: dict[int, list[int]] = {}  # unit -> keys of its unsharded parameters
@@ -368,13 +383,22 @@ class _FsdpPass:
             for r in mine.tolist():
                 rw.add(at, ("f", int(r)), False)
         ends = rw.free_after[mine]
-        lives = -1 if mine.size == 0 or (ends < 0).any() else int(ends.max())
         rw.free_after[mine] = -1
         rw.rule[mine] = f"gradients, unsharded, until their unit's reduce-scatter ({label})"
-        what = f"gradients, 1/{self.world} shard per rank ({label})"
-        out = rw.alloc_at(at, u.shard, RS_STREAM, "gradient", what, False)
-        if lives >= 0:
-            rw.free_at(lives, out, False)
+        if mine.size == 0 and (self.sharded_grads.get(u.block, -2) < 0 or self.sharded_grads[u.block] > at):
+            # no new gradient this pass (accumulation): the reduce-scatter's output is added to the
+            # sharded gradient that is already there
+            what = f"reduce-scatter output, accumulated into the sharded gradient ({label})"
+            out = rw.alloc_at(at, u.shard, RS_STREAM, "comm_buffer", what, False)
+            rw.free_at(at, out, False)
+        else:
+            lives = -1 if mine.size == 0 or (ends < 0).any() else int(ends.max())
+            lives = at if 0 <= lives < at else lives  # the recorded gradients were gone already
+            what = f"gradients, 1/{self.world} shard per rank ({label})"
+            out = rw.alloc_at(at, u.shard, RS_STREAM, "gradient", what, False)
+            if lives >= 0:
+                rw.free_at(lives, out, False)
+            self.sharded_grads[u.block] = lives
         if self.flat:  # like the gradients: its block comes back at the next unit's reduce-scatter
             rw.add(at, ("r", rs_in), False)
             self.rs_pending.append(rs_in)
@@ -388,25 +412,23 @@ class _FsdpPass:
             if self.reshard and not self.flat and out >= 0:
                 # FSDP2 reshards the root after its forward too (the model's output is made), and
                 # gathers it again once the loss's backward is done (FSDP1 keeps the root)
+                again = min(p.loss_backward_end + 1, p.backward_end - 1)
                 self.release(root, out, False)
-                self.gather_backward(root, p.loss_backward_end + 1)
+                self.gather_backward(root, again)
                 if self.p.block_backward and len(self.p.block_backward) - 1 in by_block:
-                    self.prefetch(by_block[len(self.p.block_backward) - 1], p.loss_backward_end + 1)
+                    self.prefetch(by_block[len(self.p.block_backward) - 1], again)
         nb = len(p.block_forward)
         for j, (first, last) in enumerate(p.block_forward):
             u = by_block.get(j)
-            if u is None:
-                continue
-            self.gather_forward(u, first)
-            if self.reshard:
-                if j + 1 < nb:
-                    self.release(u, p.block_forward[j + 1][0], True)
-                else:
-                    self.release(u, last, False)
-            if j + 1 == nb:
-                self.free_consumed(last)
-        if not p.block_forward:
-            self.free_consumed(p.backward_start)
+            if u is not None:
+                self.gather_forward(u, first)
+                if self.reshard:
+                    if j + 1 < nb:
+                        self.release(u, p.block_forward[j + 1][0], True)
+                    else:
+                        self.release(u, last, False)
+        # the last all-gather's buffer goes once the forward is done
+        self.free_consumed(p.block_forward[-1][1] if p.block_forward else p.backward_start)
         for j in range(len(p.block_backward) - 1, -1, -1):
             u = by_block.get(j)
             if u is None:

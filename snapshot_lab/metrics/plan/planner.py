@@ -340,10 +340,12 @@ def programs_for(
     elif st.name == "zero1":
         dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, local, label="DDP (under ZeRO-1)")
         dp.apply_zero1(rw, st.world_size)
+        rw.untracked = dp.untracked_sharded(("optimizer_state",), st.world_size, "ZeRO-1")
     elif st.name in ("fsdp", "fsdp1", "fsdp+tp"):
         world = st.dp if st.name == "fsdp+tp" else st.world_size
         if world > 1:
             units = dp.apply_fsdp(rw, world, st.reshard_after_forward, 1 if st.name == "fsdp1" else 2, local)
+            rw.untracked = dp.untracked_sharded(("parameter", "gradient", "optimizer_state"), world, "FSDP")
             notes.append(
                 f"FSDP units: {len(units)} ("
                 + (", ".join(u.name for u in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}")

@@ -39,6 +39,7 @@ class Program:
     source: list[int] = field(default_factory=list)  # index into sources
     origin: list[int] = field(default_factory=list)  # recorded event index it comes from (or is placed at)
     recorded: list[int] = field(default_factory=list)  # recorded bytes it rescales (0: added by the plan)
+    placed: list[int] = field(default_factory=list)  # recorded event index where it happens in the plan
     sources: list[Source] = field(default_factory=list)
     _source_ids: dict[Source, int] = field(default_factory=dict)
 
@@ -50,7 +51,10 @@ class Program:
             self.sources.append(s)
         return sid
 
-    def alloc(self, key: int, size: int, stream: int, source: int, origin: int, recorded: int) -> None:
+    def alloc(
+        self, key: int, size: int, stream: int, source: int, origin: int, recorded: int, placed: int | None = None
+    ) -> None:
+        self.placed.append(int(origin if placed is None else placed))
         self.kind.append(ALLOC)
         self.key.append(key)
         self.size.append(int(size))
@@ -60,6 +64,7 @@ class Program:
         self.recorded.append(int(recorded))
 
     def free(self, key: int, origin: int) -> None:
+        self.placed.append(int(origin))
         self.kind.append(FREE)
         self.key.append(key)
         self.size.append(0)
@@ -71,6 +76,7 @@ class Program:
     def free_requested(self, key: int, origin: int) -> None:
         """The tensor is freed but its block stays held until a later :meth:`free` (a stream
         still uses it: ``record_stream``); torch counts it as no longer allocated from now."""
+        self.placed.append(int(origin))
         self.kind.append(FREE_REQUESTED)
         self.key.append(key)
         self.size.append(0)
@@ -80,6 +86,7 @@ class Program:
         self.recorded.append(0)
 
     def empty_cache(self, origin: int) -> None:
+        self.placed.append(int(origin))
         self.kind.append(EMPTY_CACHE)
         self.key.append(-1)
         self.size.append(0)
@@ -125,13 +132,13 @@ class Replayed:
     peak_reserved_bytes: int
     final_allocated_bytes: int
     peak_op: int  # index of the operation at which the allocated peak is reached
-    peak_origin: int  # recorded event index that operation comes from
+    peak_origin: int  # the recorded event index where the plan reaches its peak
     parts: tuple[PeakPart, ...]  # alive at the peak, largest first
     by_category: dict[str, int]  # planned bytes at the peak per category
     cuda_malloc_calls: int
     oom_at: int | None  # recorded event index where the replay ran out of memory (under a limit)
     levels: np.ndarray  # allocated bytes after every allocation or free (for a picture)
-    origins: np.ndarray  # recorded event index of each of those operations
+    origins: np.ndarray  # recorded event index where each of those operations happens
 
 
 def replay(
@@ -186,13 +193,13 @@ def replay(
             model.empty_cache()
         levels[i] = allocated
     parts, by_cat = _at_peak(program, block_size, peak_op)
-    origins = np.asarray(program.origin[:last], dtype=np.int64)
+    origins = np.asarray(program.placed[:last], dtype=np.int64)
     return Replayed(
         peak_allocated_bytes=peak,
         peak_reserved_bytes=model.stats.peak_reserved_bytes,
         final_allocated_bytes=allocated,
         peak_op=peak_op,
-        peak_origin=program.origin[peak_op] if peak_op >= 0 else -1,
+        peak_origin=program.placed[peak_op] if peak_op >= 0 else -1,
         parts=parts,
         by_category=by_cat,
         cuda_malloc_calls=model.stats.cuda_malloc_calls,

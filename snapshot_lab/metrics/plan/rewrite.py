@@ -145,7 +145,7 @@ class Rewrite:
             if op[0] == "a":
                 r = op[6]
                 if r >= 0:  # stands for a recorded allocation: that is where it came from
-                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), int(event_index[r]), int(recorded[r]))
+                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), int(event_index[r]), int(recorded[r]), origin(p))
                 else:
                     prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), origin(p), 0)
             elif op[0] == "f":

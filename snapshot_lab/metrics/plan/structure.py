@@ -623,7 +623,7 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
 
 def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]) -> pd.DataFrame:
     """Parameter tensors built before the first pass, in allocation order, with their block."""
-    first_fwd = passes[0].forward_start if passes else int(allocs["pos"].max(initial=0)) + 1
+    first_fwd = passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
     first_bwd_end = passes[0].backward_end if passes else first_fwd
     code = allocs["code"].to_numpy()
     pos = allocs["pos"].to_numpy()
