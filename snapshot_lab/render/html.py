@@ -64,6 +64,7 @@ class DeviceSection:
     histogram_title: str = "Free (cached) blocks by size."
     oom_moment_note: str = ""  # where the OOM explanation, layout and sites come from, when not the dump
     oom_sites: list[SiteView] = field(default_factory=list)
+    would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
 
 
 @dataclass

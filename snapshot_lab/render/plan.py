@@ -53,8 +53,8 @@ def _rank_rows(p: MemoryPlan) -> list[list[str]]:
             "recorded run (1 GPU, replayed)",
             format_bytes(rec.peak_allocated_bytes),
             format_bytes(rec.peak_reserved_bytes),
-            "",
-            "",
+            _fits(rec),
+            _headroom(rec),
         ]
     ]
     for k, name in (("allocated_bytes.all.peak", "allocated"), ("reserved_bytes.all.peak", "reserved")):
@@ -129,8 +129,8 @@ def _table_rows(t: PlanTable) -> list[list[str]]:
                 "recorded run (1 GPU)",
                 format_bytes(rec.peak_allocated_bytes),
                 format_bytes(rec.peak_reserved_bytes),
-                "",
-                "",
+                _fits(rec),
+                _headroom(rec),
             ]
         )
     for p in t.plans:
@@ -185,8 +185,8 @@ def plan_view(result: MemoryPlan | PlanTable) -> dict[str, Any]:
                 "label": r.label,
                 "allocated": r.peak_allocated_bytes,
                 "reserved": r.peak_reserved_bytes,
-                "fits": _fits(r) if r is not p.recorded else "",
-                "headroom": _headroom(r) if r is not p.recorded else "",
+                "fits": _fits(r),
+                "headroom": _headroom(r),
                 "moment": r.peak_moment,
                 "event": r.peak_event,
                 "bars": bars,

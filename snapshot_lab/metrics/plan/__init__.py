@@ -24,6 +24,7 @@ from .planner import (
     plan_memory,
     plan_table,
     usual_strategies,
+    would_it_fit,
 )
 from .program import PeakPart
 from .structure import TrainingStructure, training_structure
@@ -42,4 +43,5 @@ __all__ = [
     "plan_table",
     "training_structure",
     "usual_strategies",
+    "would_it_fit",
 ]

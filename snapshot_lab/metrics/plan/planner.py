@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ...frames import SnapshotFrames
-from ..allocator_model import recorded_settings
+from ..allocator_model import AllocatorSettings, recorded_settings
 from ..categories import CATEGORIES
 from . import data_parallel as dp
 from . import pipeline as pp
@@ -256,17 +256,34 @@ def _moment(s: TrainingStructure, event: int) -> str:
     return "before the first iteration (model set-up)" if s.passes and p < s.passes[0].forward_start else ""
 
 
-def _rank(label: str, r: Replayed, s: TrainingStructure, limit: int | None) -> RankPlan:
+def _rank(
+    label: str,
+    r: Replayed,
+    s: TrainingStructure,
+    limit: int | None,
+    prog: Program | None = None,
+    settings: AllocatorSettings | None = None,
+    limit_is_cap: bool = False,
+) -> RankPlan:
+    """The plan of one rank; under ``limit``, whether it fits: without releasing anything when
+    the peak reserved stays under it, else only if the allocator, replayed under the limit,
+    can release cached blocks and retry instead of running out."""
     fits = headroom = None
     note = ""
     if limit is not None:
         headroom = limit - r.peak_reserved_bytes
         fits = headroom >= 0
-        if not fits and r.peak_allocated_bytes <= limit:
-            note = (
-                "the allocator would have to release its cache (and retry) to stay under the limit: "
-                "see the replay under the limit"
-            )
+        if not fits and prog is not None and settings is not None:
+            capped = replay(prog, settings, limit, limit_is_cap)
+            if capped.oom_at is None:
+                fits = True
+                headroom = limit - capped.peak_reserved_bytes
+                note = (
+                    f"fits only because the allocator releases cached blocks under the limit (peak reserved "
+                    f"{capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc retries"
+                )
+            else:
+                note = f"under the limit the replay runs out of memory at recorded event {capped.oom_at:,}"
     return RankPlan(
         label=label,
         peak_allocated_bytes=r.peak_allocated_bytes,
@@ -397,12 +414,19 @@ def plan_memory(
     if s.missing:
         raise PlanUnsupported(list(s.missing))
     settings = recorded_settings(frames.info.allocator_settings)
-    limit, source = _limit(frames, dev, memory_limit, memory_limit_source)
     notes: list[str] = list(s.notes)
-    recorded = _rank("recorded run", replay(Rewrite.identity(s, as_recorded=True).build(), settings), s, None)
+    rec_prog = Rewrite.identity(s, as_recorded=True).build()
+    rec_replay = replay(rec_prog, settings)
+    limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
+    recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
     ranks = []
     for label, prog in programs_for(frames, s, st, notes):
-        ranks.append(_rank(label, replay(prog, settings), s, limit))
+        ranks.append(_rank(label, replay(prog, settings), s, limit, prog, settings, is_cap))
+    if s.ooms:
+        notes.append(
+            "the recorded run ran out of memory: the plan replays it up to that moment (the failing request "
+            "included); what the rest of that iteration would have needed is not in the trace"
+        )
     notes.append(
         f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated blocks "
         f"(called from {s.block_call_site or 'an unnamed site'}), parameters assigned to blocks by their order"
@@ -429,19 +453,37 @@ def _device(frames: SnapshotFrames) -> int:
     return int(frames.info.devices[0]) if frames.info.devices else 0
 
 
-def _limit(frames: SnapshotFrames, dev: int, given: int | None, given_source: str) -> tuple[int | None, str]:
+def _limit(
+    frames: SnapshotFrames, dev: int, given: int | None, given_source: str, reserved_peak: int
+) -> tuple[int | None, str, bool]:
+    """The memory each GPU has: ``--memory-limit``; else what the recorded run ran out of (the
+    limit the OOM observer saw, or the device's capacity at the OOM, or, under a per-process cap
+    the snapshot does not record, the peak reserved before the OOM, labelled inferred); else the
+    device's capacity from the capture sidecar."""
     if given is not None:
-        return given, given_source or "--memory-limit"
+        return given, given_source or "--memory-limit", False
+    from ..whatif import infer_memory_limit
+
+    ml = infer_memory_limit(frames, dev, reserved_peak)
+    if ml.bytes is not None:
+        return ml.bytes, ml.source, ml.is_cap
     cap = frames.info.capture if isinstance(frames.info.capture, dict) else {}
     totals = cap.get("device_total_bytes")
     if isinstance(totals, dict) and isinstance(totals.get(str(dev)), int):
-        return int(totals[str(dev)]), "the device's capacity (capture sidecar)"
-    from ..whatif import infer_memory_limit
+        return int(totals[str(dev)]), "the device's capacity (capture sidecar)", False
+    return None, "none known (give --memory-limit)", False
 
-    ml = infer_memory_limit(frames, dev, None)
-    if ml.bytes is not None and not ml.inferred:
-        return ml.bytes, ml.source
-    return None, "none known (give --memory-limit)"
+
+def _recorded_reserved_peak(frames: SnapshotFrames, dev: int) -> int:
+    """The most the recorded run reserved (from its trace, anchored at the dump): before an OOM,
+    the smallest per-process cap consistent with it."""
+    from ..timeline import compute_timeline
+
+    seg = frames.segments[frames.segments["device"] == dev]
+    blk = frames.blocks[(frames.blocks["device"] == dev) & (frames.blocks["state"] != "inactive")]
+    requested = int(blk["requested_size_bytes"].fillna(0).sum())
+    tl = compute_timeline(frames.events, dev, requested, int(seg["total_size_bytes"].sum()))
+    return tl.peak_reserved_bytes if tl is not None else int(seg["total_size_bytes"].sum())
 
 
 def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
@@ -488,6 +530,32 @@ class PlanTable:
             "plans": [p.to_dict() for p in self.plans],
             "skipped": self.skipped,
         }
+
+
+WOULD_IT_FIT_WORLD_SIZES = (2, 4)
+WOULD_IT_FIT_FULL_EVENTS = 200_000  # above this, the report plans for 2 GPUs only
+
+
+def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
+    """The report's table for a snapshot that ran out of memory: the strategies that shard
+    or split the model, for 2 and 4 GPUs (2 only for a long trace). Empty when the trace
+    cannot support a plan."""
+    s = training_structure(frames, device)
+    if s.missing:
+        return []
+    sizes = WOULD_IT_FIT_WORLD_SIZES if s.n_events <= WOULD_IT_FIT_FULL_EVENTS else WOULD_IT_FIT_WORLD_SIZES[:1]
+    out = []
+    for n in sizes:
+        choices = [
+            Strategy("zero1", n),
+            Strategy("fsdp", n, reshard_after_forward=False),
+            Strategy("fsdp", n),
+            Strategy("tp", n),
+        ]
+        if s.n_blocks >= n:
+            choices.append(Strategy("pp", n))
+        out.append(plan_table(frames, n, device, strategies=choices))
+    return out
 
 
 def plan_table(
