@@ -778,7 +778,15 @@ def linear_calls(frames: SnapshotFrames, structure: TrainingStructure, pass_inde
     """The Linear layers' outputs in one pass's forward (in order), inside blocks."""
     info = stack_info(frames)
     a = structure.allocs
-    sel = a[(a["pass_id"] == pass_index) & (a["phase"] == "forward") & (a["part"] == "block") & a["main"]]
+    # a tensor the Linear returns is freed some time; what its first call keeps for good is
+    # cuBLAS's workspace
+    sel = a[
+        (a["pass_id"] == pass_index)
+        & (a["phase"] == "forward")
+        & (a["part"] == "block")
+        & a["main"]
+        & (a["free_pos"] >= 0)
+    ]
     out = []
     for r, s, b in zip(sel["row"].to_numpy(), sel["sid"].to_numpy(), sel["block"].to_numpy(), strict=True):
         if info.module_file.get(int(s), "").endswith(_LINEAR_PY):

@@ -75,9 +75,8 @@ def plan_tensor_parallel(
             else:
                 role[rows[0]] = "col" if alone % 2 == 0 else "row"
                 alone += 1
-        if p.index == 0 or not n_col:
-            n_col = sum(1 for v in role.values() if v == "col")
-            n_row = len(role) - n_col
+        n_col = sum(1 for v in role.values() if v == "col")  # the last pass's: a steady iteration
+        n_row = len(role) - n_col
         fwd = np.flatnonzero((pass_id == p.index) & (phase == "forward"))
         fwd = fwd[np.argsort(pos[fwd], kind="stable")]
         sharded = False
