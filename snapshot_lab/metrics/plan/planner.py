@@ -350,8 +350,8 @@ def programs_for(
             + ")"
         )
     local = _local_after_tp(s, tp)
-    if tp is not None:
-        tpm.apply_tensor_parallel(rw, tp, local)
+    if tp is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps them
+        tpm.apply_tensor_parallel(rw, tp, local, wrap=st.name == "tp" or st.dp == 1)
     if st.name == "ddp":
         dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, local)
     elif st.name == "zero1":

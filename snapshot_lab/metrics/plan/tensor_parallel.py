@@ -40,6 +40,7 @@ class TensorParallel:
     partials: tuple[int, ...]  # rows that are row-parallel outputs (all-reduced)
     column_layers: int  # Linear calls per pass taken as column-parallel
     row_layers: int
+    row_params: frozenset[int] = frozenset()  # parameters of row-parallel layers (sharded along columns)
 
 
 def plan_tensor_parallel(
@@ -60,6 +61,7 @@ def plan_tensor_parallel(
     info = stack_info(frames)
     sid = a["sid"].to_numpy()
     n_col = n_row = 0
+    last_roles: list[tuple[int, str]] = []
     for p in s.passes:
         calls = linear_calls(frames, s, p.index)
         role: dict[int, str] = {}
@@ -77,6 +79,7 @@ def plan_tensor_parallel(
                 alone += 1
         n_col = sum(1 for v in role.values() if v == "col")  # the last pass's: a steady iteration
         n_row = len(role) - n_col
+        last_roles = [(c.block, role[c.row]) for c in calls]
         fwd = np.flatnonzero((pass_id == p.index) & (phase == "forward"))
         fwd = fwd[np.argsort(pos[fwd], kind="stable")]
         sharded = False
@@ -124,16 +127,25 @@ def plan_tensor_parallel(
     p_scale = np.ones(len(s.params))
     matrix = s.params["matrix"].to_numpy()
     pb = s.params["block"].to_numpy()
+    # a block's matrices, in parameter order, are its Linear layers in forward order (when the
+    # counts agree): which weights are row-parallel
+    row_params: set[int] = set()
+    if s.passes:
+        for j in range(s.n_blocks):
+            mats = np.flatnonzero(matrix & (pb == j))
+            roles = [r for b, r in last_roles if b == j]
+            if len(roles) == mats.size:
+                row_params.update(int(i) for i, r in zip(mats.tolist(), roles, strict=True) if r == "row")
     shard = matrix & ((pb >= 0) | (layers == "all"))
     p_scale[shard] = inv
     # gradients and optimizer state: like the parameter they mirror
     param = a["param"].to_numpy()
     mirrors = np.flatnonzero(np.isin(code, [CODES["gradient"], CODES["optimizer_state"]]) & (param >= 0))
     scale[mirrors] = p_scale[param[mirrors]]
-    return TensorParallel(degree, scale, p_scale, tuple(partials), n_col, n_row)
+    return TensorParallel(degree, scale, p_scale, tuple(partials), n_col, n_row, frozenset(row_params))
 
 
-def apply_tensor_parallel(rw: Rewrite, tp: TensorParallel, local: np.ndarray) -> None:
+def apply_tensor_parallel(rw: Rewrite, tp: TensorParallel, local: np.ndarray, wrap: bool = True) -> None:
     """Rescale the recorded allocations; the all-reduces of row-parallel outputs get their
     partial-sum buffers. ``local``: parameter bytes per rank after tensor parallelism."""
     s = rw.structure
@@ -164,6 +176,32 @@ def apply_tensor_parallel(rw: Rewrite, tp: TensorParallel, local: np.ndarray) ->
         )
         rw.free_at(p, k, before=False)
         rw.rule[r] = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
-    from .data_parallel import shard_at_wrap
+    if wrap:
+        _shard_at_wrap(rw, tp, local)
 
-    shard_at_wrap(rw, local, f"parameters: sharded matrices 1/{t}, the rest replicated (tensor parallel)")
+
+def _shard_at_wrap(rw: Rewrite, tp: TensorParallel, local: np.ndarray) -> None:
+    """``distribute_tensor``: each sharded matrix's shard is copied out and the full one freed; a
+    weight sharded along its columns (row-parallel) is first split into every rank's chunk, each
+    copied out (a column slice is not contiguous), then the chunks are freed."""
+    s = rw.structure
+    rows = s.params["row"].to_numpy()
+    t = tp.degree
+    at = s.wrap_pos
+    rule = f"parameters: sharded matrices 1/{t}, the rest replicated (tensor parallel)"
+    for i, r in enumerate(rows.tolist()):
+        if local[i] == rw.size[r]:
+            continue
+        chunks = []
+        if i in tp.row_params:
+            chunks = [
+                rw.alloc_at(
+                    at, int(local[i]), int(rw.stream[r]), "parameter", "distribute_tensor: column chunks (temporary)"
+                )
+                for _ in range(t)
+            ]
+        rw.alloc_at(at, int(local[i]), int(rw.stream[r]), "parameter", rule, source_row=int(r))
+        for k in chunks:
+            rw.free_at(at, k)
+        rw.add(at, ("f", int(r)))
+        rw.free_after[r] = -1
