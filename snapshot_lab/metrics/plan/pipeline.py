@@ -234,6 +234,13 @@ def build_stage(
             if p in releases:
                 prog.empty_cache(origin(p))
 
+    # memory older than the trace: the model state split between the stages, the rest on each
+    for k, (nbytes, cat, st_) in enumerate(s.untracked):
+        shared = cat in ("parameter", "gradient", "optimizer_state")
+        what = f"{cat.replace('_', ' ')} older than the trace" + (
+            f", 1/{stages} per stage" if shared else ", as recorded"
+        )
+        prog.alloc(-(100_000 + k), -(-nbytes // stages) if shared else nbytes, st_, src(cat, what), origin(0), nbytes)
     lo_b = [0]
     after_step: list[int] = []
     recv_done = False

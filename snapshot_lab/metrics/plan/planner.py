@@ -350,12 +350,20 @@ def programs_for(
             + ")"
         )
     local = _local_after_tp(s, tp)
+    older = np.array([n for n, cat, _ in s.untracked if cat == "parameter"], dtype=np.int64)
+    if not len(s.params) and older.size:
+        notes.append(
+            f"the parameters ({int(older.sum()):,} bytes) were allocated before the trace began: which block each "
+            "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are not planned "
+            "(DDP's buckets are)"
+        )
     if tp is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps them
         tpm.apply_tensor_parallel(rw, tp, local, wrap=st.name == "tp" or st.dp == 1)
+    bucketed = local if len(s.params) else older
     if st.name == "ddp":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, local)
+        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed)
     elif st.name == "zero1":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, local, label="DDP (under ZeRO-1)")
+        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed, label="DDP (under ZeRO-1)")
         dp.apply_zero1(rw, st.world_size)
         rw.untracked = dp.untracked_sharded(("optimizer_state",), st.world_size, "ZeRO-1")
     elif st.name in ("fsdp", "fsdp1", "fsdp+tp"):

@@ -26,7 +26,7 @@ on an MLP stack (``tests/test_plan.py``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -39,10 +39,8 @@ from ..lifetimes import device_lifetimes
 
 _MODULE_PY = "torch/nn/modules/module.py"
 _CALL_IMPL = frozenset({"_call_impl", "_wrapped_call_impl"})
-_LINEAR_PY = "torch/nn/modules/linear.py"
-
-PHASES = ("setup", "data", "forward", "backward", "step")
-PARTS = ("", "pre", "block", "post")
+# every allocation's phase: setup (before the first forward), data, forward, backward or step;
+# its part of the model: pre (before the blocks), block or post (after them; the loss too)
 
 
 @dataclass(frozen=True)
@@ -159,17 +157,16 @@ class TrainingStructure:
 
 def tandem_repeat(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int]:
     """The run of ``seq`` that repeats one period most often: (period, start, count); count 0
-    when nothing repeats ``min_count`` times. Candidate periods are the distances between
-    successive occurrences of the commonest values (a block's stacks recur once per block)."""
+    when nothing repeats ``min_count`` times."""
     n = int(seq.size)
     if n < 2 * min_count:
         return 0, 0, 0
-    values, counts = np.unique(seq, return_counts=True)
-    order = np.argsort(-counts, kind="stable")[:6]
-    candidates: set[int] = set()
-    for v in values[order]:
-        where = np.flatnonzero(seq == v)
-        candidates.update(int(g) for g in np.unique(np.diff(where)) if 0 < g <= n // min_count)
+    # the distance from every element to the next equal one (a block's stacks recur once per
+    # block, so the block's period is among them)
+    order = np.argsort(seq, kind="stable")
+    same = seq[order][1:] == seq[order][:-1]
+    gaps = (order[1:] - order[:-1])[same]
+    candidates = {int(g) for g in np.unique(gaps) if 0 < g <= n // min_count}
     best = (0, 0, 0, 0)  # coverage, -period, start, count
     for p in sorted(candidates):
         eq = seq[:-p] == seq[p:]
@@ -209,7 +206,7 @@ class _Scan:
     optim: np.ndarray  # optimizer step
 
 
-def _find_passes(scan: _Scan, n_events: int) -> list[tuple[int, int, int]]:
+def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
     """(forward_start, backward_start, backward_end) positions of every pass whose backward
     was recorded."""
     out: list[tuple[int, int, int]] = []
@@ -268,7 +265,7 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
             "(record with torch.cuda.memory._record_memory_history(stacks='python') or snaplab run)"
         )
     scan = _Scan(pos, sid, main, grad_thread & (sid < 0) | (thread == THREAD_CODES["autograd"]), module, optim)
-    raw = _find_passes(scan, n) if not missing else []
+    raw = _find_passes(scan) if not missing else []
     if not raw and not missing:
         missing.append(
             "no whole training iteration in the trace (a forward pass followed by its backward): the plan "
@@ -278,7 +275,6 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     opos = pos[optim & main]
     steps: list[tuple[int, int]] = []
     if opos.size:
-        cut = np.flatnonzero(np.diff(opos) > 0)
         # a step is interrupted only by a forward: split where a pass starts in between
         starts_f = [f for f, _, _ in raw]
         s0 = int(opos[0])
@@ -289,7 +285,6 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
                 s0 = p
             prev = p
         steps.append((s0, prev))
-        del cut
     allocs = pd.DataFrame(
         {
             "row": np.arange(len(lt)),
@@ -321,7 +316,7 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     params = _params(allocs, passes, n_blocks, notes)
     _from_ddp(allocs, params, passes, notes)
     wrap = _wrap_pos(allocs, passes)
-    _map_mirrors(allocs, params, steps)
+    _map_mirrors(allocs, params)
     from ..releases import find_releases
 
     releases = tuple(r.start for r in find_releases(frames, device) if r.cause == "empty_cache")
@@ -378,6 +373,9 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
     return tuple(out)
 
 
+MIN_BLOCK_SHARE = 0.2  # of a forward's allocations the repeated blocks must make
+
+
 def _passes_and_blocks(
     allocs: pd.DataFrame, raw: list[tuple[int, int, int]], info: StackInfo, n: int, notes: list[str]
 ) -> tuple[list[Pass], int, int, str]:
@@ -398,6 +396,8 @@ def _passes_and_blocks(
         if c * p > best[0] * best[1] or (c * p == best[0] * best[1] and c >= best[0] and c >= 2):
             best = (c, p, s, k)
     count, period, start, kbest = best
+    if count * period < MIN_BLOCK_SHARE * len(fwd_sets[kbest]):
+        count = 0  # a few equal neighbours (a ResNet stage's first layers), not a model made of blocks
     site_depth, site_frame = -1, -1
     signature: np.ndarray = np.zeros(0, dtype=np.int64)
     if count >= 2:
@@ -558,7 +558,6 @@ def _make_pass(
         bwd_spans[j] = (lo, end)
         lo = end + 1
     pre = (lo, bwd_end - 1)
-    del prev
     return Pass(
         index=k,
         data_start=0,
@@ -721,7 +720,7 @@ def _wrap_pos(allocs: pd.DataFrame, passes: list[Pass]) -> int:
     return int(before.max()) + 1 if before.size else passes[0].forward_start
 
 
-def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame, steps: list[tuple[int, int]]) -> None:
+def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
     """The parameter each gradient and each optimizer-state allocation mirrors: the next
     parameter of the same size in parameter order (cyclically: the optimizer walks the
     parameter list once per state tensor or per foreach operation), gradients in reverse order
@@ -732,7 +731,6 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame, steps: list[tuple[i
     p_block = params["block"].to_numpy()
     code = allocs["code"].to_numpy()
     size = allocs["size"].to_numpy()
-    phase = allocs["phase"].to_numpy()
     block = allocs["block"].to_numpy()
     pass_id = allocs["pass_id"].to_numpy()
     out = allocs["param"].to_numpy().copy()
@@ -754,7 +752,6 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame, steps: list[tuple[i
         out[r] = pick
     # optimizer state: in parameter order, cyclically
     ptr = 0
-    n = p_size.size
     for r in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
         cands = by_size.get(int(size[r]))
         if cands is None:
@@ -763,44 +760,4 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame, steps: list[tuple[i
         pick = int(later[0]) if later.size else int(cands[0])
         out[r] = pick
         ptr = pick
-    del phase, n
     allocs["param"] = out
-
-
-@dataclass(frozen=True)
-class LinearCall:
-    row: int
-    block: int
-    parent: tuple[int, ...]  # call path of the module that called the Linear
-
-
-def linear_calls(frames: SnapshotFrames, structure: TrainingStructure, pass_index: int) -> list[LinearCall]:
-    """The Linear layers' outputs in one pass's forward (in order), inside blocks."""
-    info = stack_info(frames)
-    a = structure.allocs
-    # a tensor the Linear returns is freed some time; what its first call keeps for good is
-    # cuBLAS's workspace
-    sel = a[
-        (a["pass_id"] == pass_index)
-        & (a["phase"] == "forward")
-        & (a["part"] == "block")
-        & a["main"]
-        & (a["free_pos"] >= 0)
-    ]
-    out = []
-    for r, s, b in zip(sel["row"].to_numpy(), sel["sid"].to_numpy(), sel["block"].to_numpy(), strict=True):
-        if info.module_file.get(int(s), "").endswith(_LINEAR_PY):
-            path = info.call_path.get(int(s), ())
-            out.append(LinearCall(int(r), int(b), path[:-1]))
-    return out
-
-
-@dataclass
-class Notes:
-    """Assumptions collected while building a plan."""
-
-    items: list[str] = field(default_factory=list)
-
-    def add(self, text: str) -> None:
-        if text not in self.items:
-            self.items.append(text)

@@ -2,7 +2,8 @@
 ``RowwiseParallel`` do): which layers are sharded and which activations shrink.
 
 Which Linear layers: those whose forward allocates inside the repeated blocks (the stacks show
-``torch/nn/modules/linear.py``), by default; ``layers="all"`` also shards the model's other
+a module from a ``linear.py``, as ``torch.nn.Linear`` and Transformer Engine's are, or
+Hugging Face's ``Conv1D``, GPT-2's Linear), by default; ``layers="all"`` also shards the model's other
 matrices (embeddings, head) and the activations after a Linear outside the blocks (a
 vocabulary-parallel head and loss). Norms, biases and every other vector stay replicated.
 
@@ -27,9 +28,12 @@ import numpy as np
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from .rewrite import Rewrite
-from .structure import TrainingStructure, linear_calls, stack_info
+from .structure import TrainingStructure, stack_info
 
 TP_LAYERS = ("blocks", "all")
+# where Linear-like modules are defined: torch.nn.Linear, Transformer Engine / apex (linear.py),
+# Hugging Face's Conv1D (pytorch_utils.py)
+LINEAR_FILES = ("/linear.py", "transformers/pytorch_utils.py")
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,6 @@ def plan_tensor_parallel(
     partials: list[int] = []
     inv = 1.0 / degree
     code = a["code"].to_numpy()
-    pos = a["pos"].to_numpy()
     part = a["part"].to_numpy()
     block = a["block"].to_numpy()
     phase = a["phase"].to_numpy()
@@ -60,14 +63,28 @@ def plan_tensor_parallel(
     size = a["size"].to_numpy()
     info = stack_info(frames)
     sid = a["sid"].to_numpy()
+    main = a["main"].to_numpy()
+    free_pos = a["free_pos"].to_numpy()
+    is_linear = np.array(
+        [info.module_file.get(int(x), "").replace("\\", "/").endswith(LINEAR_FILES) for x in sid], dtype=bool
+    )
+    # a tensor the Linear returns is freed some time; what its first call keeps for good is
+    # cuBLAS's workspace
+    call = is_linear & main & (phase == "forward") & (part == "block") & (free_pos >= 0)
+    activation_like = np.isin(code, [CODES["activation"], CODES["other"]])
+    order = np.argsort(pass_id, kind="stable")  # rows are in event order already
+    bounds = np.searchsorted(pass_id[order], [p.index for p in s.passes] + [len(s.passes)])
     n_col = n_row = 0
     last_roles: list[tuple[int, str]] = []
-    for p in s.passes:
-        calls = linear_calls(frames, s, p.index)
+    for k in range(len(s.passes)):
+        rows_p = np.sort(order[bounds[k] : bounds[k + 1]])
+        fwd = rows_p[phase[rows_p] == "forward"]
         role: dict[int, str] = {}
         groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for c in calls:
-            groups.setdefault((c.block, c.parent), []).append(c.row)
+        calls = fwd[call[fwd]]
+        for r in calls.tolist():
+            parent = info.call_path.get(int(sid[r]), ())[:-1]
+            groups.setdefault((int(block[r]), parent), []).append(r)
         alone = 0
         for rows in groups.values():
             if len(rows) >= 2:
@@ -79,12 +96,10 @@ def plan_tensor_parallel(
                 alone += 1
         n_col = sum(1 for v in role.values() if v == "col")  # the last pass's: a steady iteration
         n_row = len(role) - n_col
-        last_roles = [(c.block, role[c.row]) for c in calls]
-        fwd = np.flatnonzero((pass_id == p.index) & (phase == "forward"))
-        fwd = fwd[np.argsort(pos[fwd], kind="stable")]
+        last_roles = [(int(block[r]), role[r]) for r in calls.tolist()]
         sharded = False
         for r in fwd.tolist():
-            if code[r] not in (CODES["activation"], CODES["other"]):
+            if not activation_like[r]:
                 continue
             if part[r] == "block":
                 kind = role.get(r)
@@ -97,7 +112,7 @@ def plan_tensor_parallel(
                 elif sharded:
                     scale[r] = inv
             elif part[r] == "post" and layers == "all":
-                if info.module_file.get(int(sid[r]), "").endswith("torch/nn/modules/linear.py"):
+                if is_linear[r]:
                     sharded = True
                     scale[r] = inv
                 elif sharded:
@@ -105,24 +120,18 @@ def plan_tensor_parallel(
             else:
                 sharded = False
         # backward: like the forward tensors of the same size in the same block
-        for j in range(s.n_blocks):
-            f_rows = fwd[(part[fwd] == "block") & (block[fwd] == j)]
-            if f_rows.size == 0:
-                continue
+        f_blk = fwd[part[fwd] == "block"]
+        bwd = rows_p[(phase[rows_p] == "backward") & (part[rows_p] == "block") & (code[rows_p] == CODES["activation"])]
+        for j in np.unique(block[f_blk]).tolist():
+            f_rows = f_blk[block[f_blk] == j]
             f_size, f_scale = size[f_rows], scale[f_rows]
+            if (f_scale == 1.0).all():
+                continue
             mean = float((f_size * f_scale).sum() / max(int(f_size.sum()), 1))
             by_size: dict[int, float] = {}
             for sz in np.unique(f_size).tolist():
-                m = f_size == sz
-                by_size[int(sz)] = float(f_scale[m].mean())
-            b_rows = np.flatnonzero(
-                (pass_id == p.index)
-                & (phase == "backward")
-                & (part == "block")
-                & (block == j)
-                & (code == CODES["activation"])
-            )
-            for r in b_rows.tolist():
+                by_size[int(sz)] = float(f_scale[f_size == sz].mean())
+            for r in bwd[block[bwd] == j].tolist():
                 scale[r] = by_size.get(int(size[r]), mean)
     p_scale = np.ones(len(s.params))
     matrix = s.params["matrix"].to_numpy()
