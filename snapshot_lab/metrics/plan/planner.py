@@ -319,6 +319,8 @@ def programs_for(
                     f"the trace shows {s.n_blocks}"
                 ]
             )
+        if st.pp_split is not None and sum(st.pp_split) != s.n_blocks:
+            raise ValueError(f"--pp-split {','.join(map(str, st.pp_split))} does not add up to the {s.n_blocks} blocks")
         assign = pp.assign_stages(s, st.stages or 1, st.pp_split)
         out = []
         for k in range(st.stages or 1):
