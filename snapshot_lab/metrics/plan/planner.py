@@ -118,11 +118,11 @@ class Strategy:
         return self.world_size // max(self.tp or 1, 1) // max(self.stages or 1, 1)
 
     def label(self) -> str:
-        n = self.world_size
+        n = f"{self.world_size} GPU" + ("s" if self.world_size != 1 else "")
         if self.name == "ddp":
-            return f"DDP over {n} GPUs" + (", gradient_as_bucket_view" if self.bucket_view else "")
+            return f"DDP over {n}" + (", gradient_as_bucket_view" if self.bucket_view else "")
         if self.name == "zero1":
-            return f"ZeRO-1 (optimizer state sharded) over {n} GPUs"
+            return f"ZeRO-1 (optimizer state sharded) over {n}"
         if self.name in ("fsdp", "fsdp1"):
             v = "FSDP2" if self.name == "fsdp" else "FSDP1"
             how = (
@@ -131,12 +131,12 @@ class Strategy:
                 else ("FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
             )
             zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2"
-            return f"{v}, {how} ({zero}), over {n} GPUs"
+            return f"{v}, {how} ({zero}), over {n}"
         if self.name == "tp":
             return f"tensor parallel, degree {self.tp}"
         if self.name == "pp":
             return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {self.schedule.upper()}"
-        return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {n} GPUs"
+        return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {n}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
