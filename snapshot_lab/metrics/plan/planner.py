@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ...frames import SnapshotFrames
+from .._memo import memo
 from ..allocator_model import AllocatorSettings, recorded_settings
 from ..categories import CATEGORIES
 from . import data_parallel as dp
@@ -425,8 +426,7 @@ def plan_memory(
         raise PlanUnsupported(list(s.missing))
     settings = recorded_settings(frames.info.allocator_settings)
     notes: list[str] = list(s.notes)
-    rec_prog = Rewrite.identity(s, as_recorded=True).build()
-    rec_replay = replay(rec_prog, settings)
+    rec_prog, rec_replay = memo(frames, ("plan.recorded", dev), lambda: _recorded(s, settings))
     limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
     recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
     ranks = []
@@ -453,6 +453,11 @@ def plan_memory(
         assumptions=tuple(dict.fromkeys(notes)),
         events=s.n_events,
     )
+
+
+def _recorded(s: TrainingStructure, settings: AllocatorSettings) -> tuple[Program, Replayed]:
+    prog = Rewrite.identity(s, as_recorded=True).build()
+    return prog, replay(prog, settings)
 
 
 def _device(frames: SnapshotFrames) -> int:
@@ -543,17 +548,18 @@ class PlanTable:
 
 
 WOULD_IT_FIT_WORLD_SIZES = (2, 4)
-WOULD_IT_FIT_FULL_EVENTS = 200_000  # above this, the report plans for 2 GPUs only
+WOULD_IT_FIT_FULL_EVENTS = 200_000  # above this, the report plans for 2 GPUs only, without a pipeline
 
 
 def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
     """The report's table for a snapshot that ran out of memory: the strategies that shard
-    or split the model, for 2 and 4 GPUs (2 only for a long trace). Empty when the trace
-    cannot support a plan."""
+    or split the model, for 2 and 4 GPUs (for a long trace: 2, and no pipeline). Empty when the
+    trace cannot support a plan."""
     s = training_structure(frames, device)
     if s.missing:
         return []
-    sizes = WOULD_IT_FIT_WORLD_SIZES if s.n_events <= WOULD_IT_FIT_FULL_EVENTS else WOULD_IT_FIT_WORLD_SIZES[:1]
+    long = s.n_events > WOULD_IT_FIT_FULL_EVENTS
+    sizes = WOULD_IT_FIT_WORLD_SIZES[:1] if long else WOULD_IT_FIT_WORLD_SIZES
     out = []
     for n in sizes:
         choices = [
@@ -562,7 +568,7 @@ def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
             Strategy("fsdp", n),
             Strategy("tp", n),
         ]
-        if s.n_blocks >= n:
+        if s.n_blocks >= n and not long:  # a pipeline replays every microbatch: too slow for a report here
             choices.append(Strategy("pp", n))
         out.append(plan_table(frames, n, device, strategies=choices))
     return out
