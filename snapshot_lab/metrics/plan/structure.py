@@ -264,7 +264,7 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
             "the trace has no stacks: the plan needs them to tell the forward, the backward and the layers apart "
             "(record with torch.cuda.memory._record_memory_history(stacks='python') or snaplab run)"
         )
-    scan = _Scan(pos, sid, main, grad_thread & (sid < 0) | (thread == THREAD_CODES["autograd"]), module, optim)
+    scan = _Scan(pos, sid, main, grad_thread, module, optim)
     raw = _find_passes(scan) if not missing else []
     if not raw and not missing:
         missing.append(
@@ -276,15 +276,10 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     steps: list[tuple[int, int]] = []
     if opos.size:
         # a step is interrupted only by a forward: split where a pass starts in between
-        starts_f = [f for f, _, _ in raw]
-        s0 = int(opos[0])
-        prev = s0
-        for p in opos[1:].tolist():
-            if any(prev < f <= p for f in starts_f):
-                steps.append((s0, prev))
-                s0 = p
-            prev = p
-        steps.append((s0, prev))
+        after = np.searchsorted(np.array([f for f, _, _ in raw], dtype=np.int64), opos, side="left")
+        cuts = np.flatnonzero(np.diff(after)) + 1
+        for chunk in np.split(opos, cuts):
+            steps.append((int(chunk[0]), int(chunk[-1])))
     allocs = pd.DataFrame(
         {
             "row": np.arange(len(lt)),
@@ -430,7 +425,7 @@ def _passes_and_blocks(
             blocks = _split_blocks(s_ids, region, signature)
             blocks = [sel[b_] for b_ in blocks]
         counts.append(len(blocks))
-        passes.append(_make_pass(k, allocs, f, b, last_grad, nxt, blocks, raw[k - 1] if k else None))
+        passes.append(_make_pass(k, allocs, f, b, last_grad, nxt, blocks))
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
         notes.append(f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken")
@@ -507,7 +502,6 @@ def _make_pass(
     last_grad: int,
     nxt: int,
     blocks: list[np.ndarray],
-    prev: tuple[int, int, int] | None,
 ) -> Pass:
     pos = allocs["pos"].to_numpy()
     free_pos = allocs["free_pos"].to_numpy()
