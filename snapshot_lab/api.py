@@ -506,3 +506,90 @@ def whatif(
         w = analyse_whatif(frames, dev, scenarios, dev_limit.bytes, dev_limit.is_cap)
         out.append(replace(w, memory_limit_source=dev_limit.source, memory_limit_inferred=dev_limit.inferred))
     return out
+
+
+# --------------------------------------------------------------------------- parallel plan
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from .metrics.plan import MemoryPlan, PlanTable
+
+
+def plan(
+    snapshot: str | Path,
+    *,
+    world_size: int,
+    strategy: str | None = None,
+    bucket_view: bool = False,
+    bucket_cap_mb: float = 25.0,
+    reshard_after_forward: bool = True,
+    tp: int | None = None,
+    tp_layers: str = "blocks",
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    pp_split: str | None = None,
+    memory_limit: str | None = None,
+    output: str | Path | None = None,
+    progress: ProgressSink | None = None,
+) -> MemoryPlan | PlanTable:
+    """Memory per GPU if the recorded single-GPU job ran under ``strategy`` over ``world_size``
+    GPUs: ``ddp``, ``zero1``, ``fsdp`` (FSDP2; ``zero2``/``zero3`` are FSDP2 without/with
+    ``reshard_after_forward``), ``fsdp1``, ``tp``, ``pp`` or ``fsdp+tp``; without ``strategy``,
+    a :class:`PlanTable` of the usual choices. ``pp_split`` like ``"4,4"`` (blocks per stage);
+    ``memory_limit`` like ``80GiB`` (default: the device's capacity from the capture sidecar).
+    With ``output``, also written as HTML."""
+    from .errors import SnapshotFormatError
+    from .metrics.plan import PlanUnsupported, Strategy, plan_memory, plan_table
+
+    limit: int | None = None
+    if memory_limit is not None:
+        try:
+            limit = parse_bytes(memory_limit)
+        except ValueError as exc:
+            raise UsageError(f"--memory-limit: {exc}") from None
+    split: tuple[int, ...] | None = None
+    if pp_split is not None:
+        try:
+            split = tuple(int(x) for x in pp_split.split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"--pp-split: blocks per stage, like 4,4 (got {pp_split!r})") from None
+    if world_size < 1:
+        raise UsageError("--world-size must be at least 1")
+    chosen = None
+    if strategy is not None:
+        chosen = Strategy(
+            strategy,
+            world_size,
+            bucket_view=bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+            reshard_after_forward=reshard_after_forward,
+            tp=tp,
+            tp_layers=tp_layers,
+            microbatches=microbatches,
+            schedule=schedule,
+            pp_split=split,
+        )
+        try:
+            chosen = chosen.resolved()
+        except ValueError as exc:
+            raise UsageError(f"--strategy: {exc}") from None
+    frames = load_frames(snapshot, progress=progress)
+    (progress or NullProgress()).stage("Planning")
+    source = "--memory-limit" if limit is not None else ""
+    result: MemoryPlan | PlanTable
+    try:
+        if chosen is not None:
+            result = plan_memory(frames, chosen, memory_limit=limit, memory_limit_source=source)
+        else:
+            result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source)
+    except PlanUnsupported as exc:
+        raise SnapshotFormatError(snapshot, f"cannot plan from this snapshot: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if output is not None:
+        from . import __version__
+        from .render.plan import render_plan_html
+
+        write_atomic(Path(output), render_plan_html(result, Path(snapshot).name, __version__))
+    return result

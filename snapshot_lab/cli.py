@@ -431,6 +431,81 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command()
+def plan(
+    snapshot: SnapshotArg,
+    world_size: Annotated[int, typer.Option(help="GPUs to plan for.", show_default=False)],
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            help="ddp, zero1, fsdp (FSDP2; zero2/zero3 = without/with reshard after forward), fsdp1, tp, pp or "
+            "fsdp+tp [default: a table of the usual choices].",
+        ),
+    ] = None,
+    bucket_view: Annotated[
+        bool, typer.Option("--bucket-view/--no-bucket-view", help="DDP's gradient_as_bucket_view.")
+    ] = False,
+    bucket_cap_mb: Annotated[float, typer.Option(help="DDP's bucket_cap_mb.")] = 25.0,
+    reshard_after_forward: Annotated[
+        bool,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="FSDP2 reshard_after_forward; FSDP1: FULL_SHARD / SHARD_GRAD_OP.",
+        ),
+    ] = True,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree (tp: the world size; fsdp+tp: 2).")] = None,
+    tp_layers: Annotated[
+        str,
+        typer.Option(
+            help="Which layers tensor parallelism shards: blocks (Linear layers of the repeated blocks) or all."
+        ),
+    ] = "blocks",
+    microbatches: Annotated[int | None, typer.Option(help="Pipeline microbatches [default: 4 per stage].")] = None,
+    schedule: Annotated[str, typer.Option(help="Pipeline schedule: 1f1b or gpipe.")] = "1f1b",
+    pp_split: Annotated[
+        str | None, typer.Option(help="Blocks per pipeline stage, e.g. 4,4 [default: even, rest to the last].")
+    ] = None,
+    memory_limit: Annotated[
+        str | None,
+        typer.Option(help="Memory per GPU to fit in, e.g. 80GiB [default: the device's capacity from the sidecar]."),
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the plan as HTML.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """How much memory per GPU under DDP, FSDP/ZeRO, tensor or pipeline parallelism: the recorded run, replayed."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.plan(
+                snapshot,
+                world_size=world_size,
+                strategy=strategy,
+                bucket_view=bucket_view,
+                bucket_cap_mb=bucket_cap_mb,
+                reshard_after_forward=reshard_after_forward,
+                tp=tp,
+                tp_layers=tp_layers,
+                microbatches=microbatches,
+                schedule=schedule,
+                pp_split=pp_split,
+                memory_limit=memory_limit,
+                output=output,
+                progress=progress,
+            )
+        if json_out:
+            _print_json(result.to_dict())
+        else:
+            from .render.plan import format_plan
+
+            sys.stdout.write(format_plan(result, snapshot.name))
+        if output is not None:
+            typer.echo(f"wrote {output}", err=True)
+
+    _run(work, debug)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -385,6 +385,7 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
                 dg.whatifs.get(dev),
             )
         )
+    _would_it_fit(frames, stats, sections)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
@@ -413,6 +414,21 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
         ctx.compare_rows = rows
         ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
     return render_report(ctx)
+
+
+def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[DeviceSection]) -> None:
+    """For a device that ran out of memory: the plans of the layouts that shard or split the
+    model (issue #15), when the trace holds a whole iteration."""
+    from .metrics.plan import PlanUnsupported, would_it_fit
+    from .render.plan import plan_view
+
+    for section in sections:
+        if stats.devices[section.device].oom is None:
+            continue
+        try:
+            section.would_it_fit = [plan_view(t) for t in would_it_fit(frames, section.device) if t.plans]
+        except (PlanUnsupported, ValueError):
+            section.would_it_fit = []
 
 
 __all__ = ["build_report"]

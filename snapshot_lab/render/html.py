@@ -65,6 +65,7 @@ class DeviceSection:
     oom_moment_note: str = ""  # where the OOM explanation, layout and sites come from, when not the dump
     oom_sites: list[SiteView] = field(default_factory=list)
     parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
+    would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
 
 
 @dataclass

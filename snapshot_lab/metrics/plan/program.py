@@ -1,0 +1,242 @@
+"""A planned program: the recorded run's allocations and frees, rescaled, moved and
+supplemented by a strategy, replayed through the caching-allocator model.
+
+Every planned allocation carries where it came from: the recorded allocation it rescales (its
+event index and recorded size) or, for what a strategy adds (FSDP's all-gather buffers, DDP's
+buckets...), the recorded moment it is placed at, and the rule that made it. The replay keeps
+the allocated bytes after every operation, so the peak is found where it happens, and the
+allocations alive at that moment say what the peak is made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from ..categories import CATEGORIES
+
+ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
+MB_KEY = 1 << 32  # key of microbatch m's copy of recorded allocation r: r + (m + 1) * MB_KEY
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a planned allocation is: its category, and the rule that made it from the recording."""
+
+    category: str
+    rule: str
+
+
+@dataclass
+class Program:
+    kind: list[int] = field(default_factory=list)
+    key: list[int] = field(default_factory=list)
+    size: list[int] = field(default_factory=list)
+    stream: list[int] = field(default_factory=list)
+    source: list[int] = field(default_factory=list)  # index into sources
+    origin: list[int] = field(default_factory=list)  # recorded event index it comes from (or is placed at)
+    recorded: list[int] = field(default_factory=list)  # recorded bytes it rescales (0: added by the plan)
+    placed: list[int] = field(default_factory=list)  # recorded event index where it happens in the plan
+    sources: list[Source] = field(default_factory=list)
+    _source_ids: dict[Source, int] = field(default_factory=dict)
+
+    def source_id(self, category: str, rule: str) -> int:
+        s = Source(category, rule)
+        sid = self._source_ids.get(s)
+        if sid is None:
+            sid = self._source_ids[s] = len(self.sources)
+            self.sources.append(s)
+        return sid
+
+    def alloc(
+        self, key: int, size: int, stream: int, source: int, origin: int, recorded: int, placed: int | None = None
+    ) -> None:
+        self.placed.append(int(origin if placed is None else placed))
+        self.kind.append(ALLOC)
+        self.key.append(key)
+        self.size.append(int(size))
+        self.stream.append(int(stream))
+        self.source.append(source)
+        self.origin.append(int(origin))
+        self.recorded.append(int(recorded))
+
+    def free(self, key: int, origin: int) -> None:
+        self.placed.append(int(origin))
+        self.kind.append(FREE)
+        self.key.append(key)
+        self.size.append(0)
+        self.stream.append(0)
+        self.source.append(-1)
+        self.origin.append(int(origin))
+        self.recorded.append(0)
+
+    def free_requested(self, key: int, origin: int) -> None:
+        """The tensor is freed but its block stays held until a later :meth:`free` (a stream
+        still uses it: ``record_stream``); torch counts it as no longer allocated from now."""
+        self.placed.append(int(origin))
+        self.kind.append(FREE_REQUESTED)
+        self.key.append(key)
+        self.size.append(0)
+        self.stream.append(0)
+        self.source.append(-1)
+        self.origin.append(int(origin))
+        self.recorded.append(0)
+
+    def empty_cache(self, origin: int) -> None:
+        self.placed.append(int(origin))
+        self.kind.append(EMPTY_CACHE)
+        self.key.append(-1)
+        self.size.append(0)
+        self.stream.append(0)
+        self.source.append(-1)
+        self.origin.append(int(origin))
+        self.recorded.append(0)
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+
+@dataclass(frozen=True)
+class PeakPart:
+    """One kind of memory alive at the predicted peak."""
+
+    category: str
+    rule: str
+    planned_bytes: int  # as the allocator holds them (rounded blocks)
+    recorded_bytes: int  # what the recorded allocations it rescales asked for (0: added by the plan)
+    count: int
+    first_event: int  # recorded event indexes these allocations come from (or are placed at)
+    last_event: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """``from_recorded_events``: the recorded allocations these rescale (their event
+        indexes), or, for what the plan adds (``recorded_bytes`` 0), the recorded moments it is
+        placed at."""
+        return {
+            "category": self.category,
+            "what": self.rule,
+            "planned_bytes": self.planned_bytes,
+            "recorded_bytes": self.recorded_bytes,
+            "allocations": self.count,
+            "added_by_the_plan": self.recorded_bytes == 0,
+            "from_recorded_events": [self.first_event, self.last_event],
+        }
+
+
+@dataclass(frozen=True)
+class Replayed:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    final_allocated_bytes: int
+    peak_op: int  # index of the operation at which the allocated peak is reached
+    peak_origin: int  # the recorded event index where the plan reaches its peak
+    parts: tuple[PeakPart, ...]  # alive at the peak, largest first
+    by_category: dict[str, int]  # planned bytes at the peak per category
+    cuda_malloc_calls: int
+    oom_at: int | None  # recorded event index where the replay ran out of memory (under a limit)
+    levels: np.ndarray  # allocated bytes after every allocation or free (for a picture)
+    origins: np.ndarray  # recorded event index where each of those operations happens
+
+
+def replay(
+    program: Program, settings: AllocatorSettings, memory_limit: int | None = None, limit_is_cap: bool = False
+) -> Replayed:
+    """Replay through the allocator model; peak allocated (block sizes, like torch's
+    ``allocated_bytes.all.peak``) and peak reserved. Under ``memory_limit`` the replay stops at
+    the first allocation the allocator could not serve."""
+    model = CachingAllocatorModel(settings, memory_limit, limit_is_cap)
+    live: dict[int, Any] = {}
+    pending: set[int] = set()  # freed, block still held
+    n = len(program)
+    block_size = np.zeros(n, dtype=np.int64)
+    levels = np.zeros(n, dtype=np.int64)
+    kind, key, size, stream = program.kind, program.key, program.size, program.stream
+    allocated = 0
+    peak, peak_op = 0, -1
+    oom_at: int | None = None
+    last = n
+    for i in range(n):
+        k = kind[i]
+        if k == ALLOC:
+            try:
+                b = model.malloc(size[i], stream[i], i)
+            except OutOfMemory:
+                oom_at = program.origin[i]
+                last = i
+                break
+            old: Any = live.pop(key[i], None)
+            if old is not None:  # a key allocated twice: the first is lost (should not happen)
+                allocated -= old.size
+                model.free(old)
+            live[key[i]] = b
+            block_size[i] = b.size
+            allocated += b.size
+            if allocated > peak:
+                peak, peak_op = allocated, i
+        elif k == FREE:
+            b = live.pop(key[i], None)
+            if b is not None:
+                if key[i] in pending:
+                    pending.discard(key[i])
+                else:
+                    allocated -= b.size
+                model.free(b)
+        elif k == FREE_REQUESTED:
+            held: Any = live.get(key[i])
+            if held is not None and key[i] not in pending:
+                pending.add(key[i])
+                allocated -= held.size
+        else:
+            model.empty_cache()
+        levels[i] = allocated
+    parts, by_cat = _at_peak(program, block_size, peak_op)
+    origins = np.asarray(program.placed[:last], dtype=np.int64)
+    return Replayed(
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=model.stats.peak_reserved_bytes,
+        final_allocated_bytes=allocated,
+        peak_op=peak_op,
+        peak_origin=program.placed[peak_op] if peak_op >= 0 else -1,
+        parts=parts,
+        by_category=by_cat,
+        cuda_malloc_calls=model.stats.cuda_malloc_calls,
+        oom_at=oom_at,
+        levels=levels[:last],
+        origins=origins,
+    )
+
+
+def _at_peak(program: Program, block_size: np.ndarray, peak_op: int) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
+    alive: dict[int, int] = {}
+    kind, key = program.kind, program.key
+    for i in range(peak_op + 1):
+        if kind[i] == ALLOC:
+            alive[key[i]] = i
+        elif kind[i] in (FREE, FREE_REQUESTED):
+            alive.pop(key[i], None)
+    groups: dict[int, list[int]] = {}
+    for i in alive.values():
+        groups.setdefault(program.source[i], []).append(i)
+    parts = []
+    by_cat = dict.fromkeys(CATEGORIES, 0)
+    for sid, ops in groups.items():
+        src = program.sources[sid]
+        planned = int(block_size[ops].sum())
+        origins = [program.origin[i] for i in ops]
+        parts.append(
+            PeakPart(
+                category=src.category,
+                rule=src.rule,
+                planned_bytes=planned,
+                recorded_bytes=int(sum(program.recorded[i] for i in ops)),
+                count=len(ops),
+                first_event=min(origins),
+                last_event=max(origins),
+            )
+        )
+        by_cat[src.category] = by_cat.get(src.category, 0) + planned
+    parts.sort(key=lambda p: -p.planned_bytes)
+    return tuple(parts), by_cat

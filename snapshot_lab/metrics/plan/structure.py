@@ -1,0 +1,757 @@
+"""What a recorded training run shows of its own structure, as far as a plan needs it.
+
+From one device's trace and the allocation categories (:mod:`..categories`):
+
+- the *passes*: each forward (from the first allocation inside a module's forward on the
+  program's thread) and its backward (from the first allocation on autograd's thread, or
+  without a stack, which with Python stacks is the same thing, to the optimizer step or the
+  next forward);
+- the *blocks*: the layers the model repeats (a GPT's decoder blocks, an MLP's Linear+GELU
+  pairs), found as the longest run of forward allocations whose stacks repeat with one period,
+  all made inside modules called from one call site (``x = blk(x)``); a block instance starts
+  where the block's first stack follows its last. Before the blocks is the model's ``pre``
+  part (embeddings), after them its ``post`` part (final norm, head, loss);
+- which *parameter* belongs to which block: parameters are allocated in module order, so the
+  same repeat, found in the (size, stack) sequence of the parameter allocations with as many
+  repetitions as the forward has blocks, cuts them into the blocks' parameters; those before
+  are the ``pre`` part's, those after the ``post`` part's;
+- each block's *backward*: the span in which the activations its forward saved are freed;
+- which parameter each *gradient* and each piece of *optimizer state* mirrors (same size, in
+  parameter order).
+
+Nothing here is specific to one model: the tests run the same rules on a config-built GPT and
+on an MLP stack (``tests/test_plan.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from ...frames import SnapshotFrames
+from .._memo import memo
+from ..categories import CODES, categorize, stack_threads
+from ..categories.gradients import THREAD_CODES, thread_codes
+from ..lifetimes import device_lifetimes
+
+_MODULE_PY = "torch/nn/modules/module.py"
+_CALL_IMPL = frozenset({"_call_impl", "_wrapped_call_impl"})
+# every allocation's phase: setup (before the first forward), data, forward, backward or step;
+# its part of the model: pre (before the blocks), block or post (after them; the loss too)
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    """Per stack_id: the module call sites on the stack (outermost first, as frame ids) and the
+    file of the innermost module's ``forward``."""
+
+    call_path: dict[int, tuple[int, ...]]
+    callee: dict[int, tuple[str, ...]]  # per call site: the called module's forward ("file:function")
+    module_file: dict[int, str]
+    frame_label: dict[int, str]  # frame_id -> "file:function:line"
+
+    def in_module(self, sid: int) -> bool:
+        return bool(self.call_path.get(sid))
+
+
+def stack_info(frames: SnapshotFrames) -> StackInfo:
+    return memo(frames, "plan.stack_info", lambda: _stack_info(frames))
+
+
+def _stack_info(frames: SnapshotFrames) -> StackInfo:
+    sf = frames.stack_frames
+    fname = sf["filename"].astype(str).str.replace("\\", "/", regex=False).to_numpy()
+    name = sf["name"].astype(str).to_numpy()
+    line = sf["line"].to_numpy()
+    fid_pos = {int(f): i for i, f in enumerate(sf["frame_id"].to_numpy())}
+    label = {int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}" for f, i in fid_pos.items()}
+    call_path: dict[int, tuple[int, ...]] = {}
+    callee: dict[int, tuple[str, ...]] = {}
+    module_file: dict[int, str] = {}
+    st = frames.stacks.sort_values(["stack_id", "depth"])
+    for sid, g in st.groupby("stack_id", sort=False):
+        fids = g["frame_id"].to_numpy()
+        pos = [fid_pos.get(int(f), -1) for f in fids]
+        is_call = [p >= 0 and fname[p].endswith(_MODULE_PY) and name[p] in _CALL_IMPL for p in pos]
+        sites: list[int] = []
+        callees: list[str] = []
+        innermost_forward = None
+        run_start = -1
+        for i in range(len(pos)):
+            if not is_call[i]:
+                continue
+            if run_start < 0:
+                run_start = i
+            if innermost_forward is None and i > 0 and pos[i - 1] >= 0:
+                innermost_forward = fname[pos[i - 1]]
+            # the call site: the first frame outside this run of module.py call frames; the
+            # module's forward: the frame just inside it
+            if i + 1 < len(pos) and not is_call[i + 1] and pos[i + 1] >= 0:
+                sites.append(int(fids[i + 1]))
+                inner = pos[run_start - 1] if run_start > 0 else -1
+                callees.append(f"{fname[inner]}:{name[inner]}" if inner >= 0 else "")
+                run_start = -1
+        call_path[int(sid)] = tuple(reversed(sites))
+        callee[int(sid)] = tuple(reversed(callees))
+        if innermost_forward is not None:
+            module_file[int(sid)] = innermost_forward
+    return StackInfo(call_path, callee, module_file, label)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward and its backward (positions are rows of the device's trace)."""
+
+    index: int
+    data_start: int  # first position after the previous pass (its data loading starts here)
+    forward_start: int
+    backward_start: int
+    backward_end: int  # exclusive: the optimizer step or the next pass begins here
+    block_forward: tuple[tuple[int, int], ...]  # per block: first and last position of its forward allocations
+    block_backward: tuple[tuple[int, int], ...]  # per block: first and last position of its backward span
+    post_backward: tuple[int, int]  # the post part's backward (loss, head), first
+    loss_backward_end: int  # last position of the backward of what the program computed outside modules (the loss)
+    pre_backward: tuple[int, int]  # the pre part's backward (embeddings), last
+    output_row: int  # allocation row of the model's output (last allocation inside a module's forward)
+    end: int  # exclusive: the next pass's data starts here
+
+
+@dataclass(frozen=True)
+class TrainingStructure:
+    device: int
+    n_events: int
+    event_index: np.ndarray  # event_index of every position of the device's trace
+    allocs: pd.DataFrame  # one row per allocation of the trace (see _annotate)
+    params: pd.DataFrame  # one row per parameter tensor: row, size, block (-1: none), part, matrix
+    passes: tuple[Pass, ...]
+    n_blocks: int
+    block_period: int  # forward allocations per block
+    block_call_site: str  # where the blocks are called from
+    wrap_pos: int  # the model is built: parameters allocated before this position
+    steps: tuple[tuple[int, int], ...]  # optimizer steps: first and last position
+    releases: tuple[int, ...]  # positions of the program's own empty_cache() calls
+    ooms: tuple[tuple[int, int, int], ...]  # (position, requested bytes, stream) of the recorded OOMs
+    untracked: tuple[tuple[int, str, int], ...]  # blocks alive before the trace: (bytes, category, stream)
+    notes: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+
+    @property
+    def usable(self) -> bool:
+        return not self.missing
+
+    def origin(self, pos: int) -> int:
+        """The recorded event index at trace position ``pos`` (clipped to the trace)."""
+        if self.n_events == 0:
+            return 0
+        return int(self.event_index[min(max(pos, 0), self.n_events - 1)])
+
+    def position(self, event_index: int) -> int:
+        return int(np.searchsorted(self.event_index, event_index))
+
+
+# --------------------------------------------------------------------------- repeats
+
+
+def tandem_repeat(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int]:
+    """The run of ``seq`` that repeats one period most often: (period, start, count); count 0
+    when nothing repeats ``min_count`` times."""
+    n = int(seq.size)
+    if n < 2 * min_count:
+        return 0, 0, 0
+    # the distance from every element to the next equal one (a block's stacks recur once per
+    # block, so the block's period is among them)
+    order = np.argsort(seq, kind="stable")
+    same = seq[order][1:] == seq[order][:-1]
+    gaps = (order[1:] - order[:-1])[same]
+    candidates = {int(g) for g in np.unique(gaps) if 0 < g <= n // min_count}
+    best = (0, 0, 0, 0)  # coverage, -period, start, count
+    for p in sorted(candidates):
+        eq = seq[:-p] == seq[p:]
+        if not eq.any():
+            continue
+        # longest run of True
+        padded = np.r_[False, eq, False]
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        starts, ends = edges[::2], edges[1::2]
+        k = int(np.argmax(ends - starts))
+        run, s = int(ends[k] - starts[k]), int(starts[k])
+        count = (run + p) // p
+        if count < min_count:
+            continue
+        key = (count * p, -p, s, count)
+        if key > best:
+            best = key
+    if best[0] == 0:
+        return 0, 0, 0
+    return -best[1], best[2], best[3]
+
+
+# --------------------------------------------------------------------------- passes
+
+
+def _threads(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
+    return thread_codes(sid, stack_threads(frames))
+
+
+@dataclass
+class _Scan:
+    pos: np.ndarray  # alloc positions
+    sid: np.ndarray
+    main: np.ndarray  # on the program's own thread
+    grad_thread: np.ndarray  # on autograd's thread (or stackless)
+    module: np.ndarray  # inside a module's forward
+    optim: np.ndarray  # optimizer step
+
+
+def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
+    """(forward_start, backward_start, backward_end) positions of every pass whose backward
+    was recorded."""
+    out: list[tuple[int, int, int]] = []
+    fwd = -1
+    bwd = -1
+    last_grad = -1
+    for i in range(scan.pos.size):
+        p = int(scan.pos[i])
+        if scan.main[i] and scan.module[i]:
+            if bwd >= 0:  # a new forward after a backward: the pass before is complete
+                out.append((fwd, bwd, last_grad))
+                fwd, bwd = p, -1
+            elif fwd < 0:
+                fwd = p
+        elif scan.grad_thread[i] and fwd >= 0:
+            if bwd < 0:
+                bwd = p
+            last_grad = p
+        elif scan.optim[i] and bwd >= 0:
+            out.append((fwd, bwd, last_grad))
+            fwd, bwd = -1, -1
+    if fwd >= 0 and bwd >= 0:
+        out.append((fwd, bwd, last_grad))
+    return out
+
+
+# --------------------------------------------------------------------------- the structure
+
+
+def training_structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
+    """The structure of the run on ``device`` (computed once per snapshot and device)."""
+    return memo(frames, ("plan.structure", device), lambda: _structure(frames, device))
+
+
+def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
+    ev = frames.events[frames.events["device"] == device]
+    n = len(ev)
+    base_index = ev["event_index"].to_numpy()
+    lt = device_lifetimes(frames, device).reset_index(drop=True)
+    codes = categorize(frames).alloc_codes.get(device, np.zeros(0, dtype=np.int64))
+    notes: list[str] = []
+    missing: list[str] = []
+    pos = np.searchsorted(base_index, lt["event_index"].to_numpy())
+    free_idx = lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)
+    free_pos = np.where(free_idx >= 0, np.searchsorted(base_index, np.maximum(free_idx, 0)), -1)
+    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    info = stack_info(frames)
+    thread = _threads(frames, sid)
+    module = np.array([info.in_module(int(s)) for s in sid], dtype=bool)
+    main = thread == THREAD_CODES["main"]
+    grad_thread = (thread == THREAD_CODES["autograd"]) | (thread == THREAD_CODES["none"])
+    optim = codes == CODES["optimizer_state"]
+    if frames.stacks.empty or not (sid >= 0).any():
+        missing.append(
+            "the trace has no stacks: the plan needs them to tell the forward, the backward and the layers apart "
+            "(record with torch.cuda.memory._record_memory_history(stacks='python') or snaplab run)"
+        )
+    scan = _Scan(pos, sid, main, grad_thread, module, optim)
+    raw = _find_passes(scan) if not missing else []
+    if not raw and not missing:
+        missing.append(
+            "no whole training iteration in the trace (a forward pass followed by its backward): the plan "
+            "replays at least one; record longer (max_entries) or from before a step"
+        )
+    # optimizer steps: runs of optimizer allocations
+    opos = pos[optim & main]
+    steps: list[tuple[int, int]] = []
+    if opos.size:
+        # a step is interrupted only by a forward: split where a pass starts in between
+        after = np.searchsorted(np.array([f for f, _, _ in raw], dtype=np.int64), opos, side="left")
+        cuts = np.flatnonzero(np.diff(after)) + 1
+        for chunk in np.split(opos, cuts):
+            steps.append((int(chunk[0]), int(chunk[-1])))
+    allocs = pd.DataFrame(
+        {
+            "row": np.arange(len(lt)),
+            "event_index": lt["event_index"].to_numpy(),
+            "pos": pos,
+            "free_pos": free_pos,
+            "size": lt["size_bytes"].to_numpy(dtype=np.int64),
+            "sid": sid,
+            "code": codes if codes.size == len(lt) else np.full(len(lt), CODES["other"]),
+            "main": main,
+            "grad_thread": scan.grad_thread,
+            "module": module,
+            "pass_id": -1,
+            "phase": "setup",
+            "part": "",
+            "block": -1,
+            "param": -1,
+            "dropped": False,  # the recorded run's own parallel machinery (DDP's buckets): left out of plans
+        }
+    )
+    allocs["code_recorded"] = allocs["code"]
+    allocs["free_pos_recorded"] = allocs["free_pos"]
+    stream_of = ev["stream"].to_numpy()
+    allocs["stream"] = stream_of[np.minimum(pos, max(n - 1, 0))] if n else np.zeros(0, dtype=np.int64)
+    passes: list[Pass] = []
+    n_blocks, period, site_label = 0, 0, ""
+    if raw:
+        passes, n_blocks, period, site_label = _passes_and_blocks(allocs, raw, info, n, notes)
+    params = _params(allocs, passes, n_blocks, notes)
+    _from_ddp(allocs, params, passes, notes)
+    wrap = _wrap_pos(allocs, passes)
+    _map_mirrors(allocs, params)
+    from ..releases import find_releases
+
+    releases = tuple(r.start for r in find_releases(frames, device) if r.cause == "empty_cache")
+    action = ev["action"].astype(str).to_numpy()
+    oom_pos = np.flatnonzero(action == "oom")
+    ooms = tuple((int(p), int(ev["size_bytes"].iloc[p]), int(ev["stream"].iloc[p])) for p in oom_pos.tolist())
+    untracked = _untracked(frames, device)
+    if untracked:
+        notes.append(
+            f"{len(untracked)} blocks ({sum(u[0] for u in untracked):,} bytes) were allocated before the trace "
+            "began: they are kept, rescaled by their category only"
+        )
+    if n_blocks == 0 and raw:
+        notes.append(
+            "no repeated layers found in the forward pass: the model is taken as one unit (FSDP wraps the root "
+            "only, tensor parallelism shards nothing, pipeline parallelism cannot split it)"
+        )
+    return TrainingStructure(
+        device=device,
+        n_events=n,
+        event_index=base_index,
+        allocs=allocs,
+        params=params,
+        passes=tuple(passes),
+        n_blocks=n_blocks,
+        block_period=period,
+        block_call_site=site_label,
+        wrap_pos=wrap,
+        steps=tuple(steps),
+        releases=releases,
+        ooms=ooms,
+        untracked=untracked,
+        notes=tuple(notes),
+        missing=tuple(missing),
+    )
+
+
+def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int], ...]:
+    """Blocks alive just before the trace's first event (memory older than the trace), with the
+    category of the block at the dump when it survives there."""
+    from ..allocator_model import recorded_settings
+    from ..allocator_state import start_state
+
+    state = start_state(frames, device, recorded_settings(frames.info.allocator_settings))
+    if not any(s.live for s in state.segments):
+        return ()
+    b = frames.blocks[frames.blocks["device"] == device]
+    cats = categorize(frames).block_category.reindex(b.index)
+    cat_at = {int(a): (c if isinstance(c, str) else "other") for a, c in zip(b["address"], cats, strict=True)}
+    out = []
+    for seg in state.segments:
+        for addr, size in sorted(seg.live.items()):
+            out.append((int(size), cat_at.get(int(addr), "other"), int(seg.stream)))
+    return tuple(out)
+
+
+MIN_BLOCK_SHARE = 0.2  # of a forward's allocations the repeated blocks must make
+
+
+def _passes_and_blocks(
+    allocs: pd.DataFrame, raw: list[tuple[int, int, int]], info: StackInfo, n: int, notes: list[str]
+) -> tuple[list[Pass], int, int, str]:
+    pos = allocs["pos"].to_numpy()
+    sid = allocs["sid"].to_numpy()
+    main = allocs["main"].to_numpy()
+    module = allocs["module"].to_numpy()
+    # boundaries: a pass ends where the next one's data loading begins (after its step)
+    fwd_sets = []
+    for f, b, _ in raw:
+        sel = np.flatnonzero((pos >= f) & (pos < b) & main & module)
+        fwd_sets.append(sel)
+    # the canonical block: the pass whose forward repeats most (the latest of equals: the first
+    # pass makes one-off allocations, such as cuBLAS's workspace, inside its first block)
+    best = (0, 0, 0, -1)
+    for k, sel in enumerate(fwd_sets):
+        p, s, c = tandem_repeat(sid[sel])
+        if c * p > best[0] * best[1] or (c * p == best[0] * best[1] and c >= best[0] and c >= 2):
+            best = (c, p, s, k)
+    count, period, start, kbest = best
+    if count * period < MIN_BLOCK_SHARE * len(fwd_sets[kbest]):
+        count = 0  # a few equal neighbours (a ResNet stage's first layers), not a model made of blocks
+    site_depth, site_frame = -1, -1
+    signature: np.ndarray = np.zeros(0, dtype=np.int64)
+    if count >= 2:
+        sel = fwd_sets[kbest][start : start + count * period]
+        paths = [info.call_path.get(int(s), ()) for s in sid[sel]]
+        common = _common_prefix(paths)
+        # the blocks' call site: the deepest common one that calls one and the same module (the
+        # MLP's Linear and GELU share the block's call line, but not their module)
+        callees = [info.callee.get(int(s), ()) for s in sid[sel]]
+        while common and len({c[len(common) - 1] if len(c) >= len(common) else "" for c in callees}) > 1:
+            common = common[:-1]
+        if common:
+            site_depth, site_frame = len(common) - 1, common[-1]
+            region = _region(sid[fwd_sets[kbest]], info, site_depth, site_frame)
+            if region.size >= period:
+                signature = sid[fwd_sets[kbest]][region[0] : region[0] + period]
+        if signature.size == 0:
+            signature = sid[sel][:period]
+    passes: list[Pass] = []
+    counts = []
+    for k, ((f, b, last_grad), sel) in enumerate(zip(raw, fwd_sets, strict=True)):
+        nxt = raw[k + 1][0] if k + 1 < len(raw) else n
+        blocks: list[np.ndarray] = []
+        if signature.size:
+            s_ids = sid[sel]
+            if site_depth >= 0:
+                region = _region(s_ids, info, site_depth, site_frame)
+            else:
+                region = np.arange(start, start + count * period) if k == kbest else np.zeros(0, dtype=np.int64)
+            blocks = _split_blocks(s_ids, region, signature)
+            blocks = [sel[b_] for b_ in blocks]
+        counts.append(len(blocks))
+        passes.append(_make_pass(k, allocs, f, b, last_grad, nxt, blocks))
+    n_blocks = max(set(counts), key=counts.count) if counts else 0
+    if len(set(counts)) > 1:
+        notes.append(f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken")
+    label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
+    # data starts: after the previous pass's backward and step
+    fixed: list[Pass] = []
+    for k, p_ in enumerate(passes):
+        data_start = passes[k - 1].backward_end if k else 0
+        fixed.append(
+            Pass(
+                p_.index,
+                data_start,
+                p_.forward_start,
+                p_.backward_start,
+                p_.backward_end,
+                p_.block_forward,
+                p_.block_backward,
+                p_.post_backward,
+                p_.loss_backward_end,
+                p_.pre_backward,
+                p_.output_row,
+                passes[k + 1].forward_start if k + 1 < len(passes) else n,
+            )
+        )
+    _annotate(allocs, fixed)
+    return fixed, n_blocks, int(period if n_blocks else 0), label
+
+
+def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
+    if not paths:
+        return ()
+    first = paths[0]
+    k = min(len(p) for p in paths)
+    out = []
+    for i in range(k):
+        if all(p[i] == first[i] for p in paths):
+            out.append(first[i])
+        else:
+            break
+    return tuple(out)
+
+
+def _region(s_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
+    """Indices of forward allocations made inside a module called from the blocks' call site."""
+    hit = [len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame for s in s_ids]
+    return np.flatnonzero(np.array(hit, dtype=bool))
+
+
+def _split_blocks(s_ids: np.ndarray, region: np.ndarray, signature: np.ndarray) -> list[np.ndarray]:
+    """Cut the region into block instances: one starts where the block's first stack follows
+    its last (or where the region starts)."""
+    if region.size == 0:
+        return []
+    first, last = int(signature[0]), int(signature[-1])
+    starts = [int(region[0])]
+    for a, b in itertools.pairwise(region):
+        if int(s_ids[b]) == first and int(s_ids[a]) == last:
+            starts.append(int(b))
+    out = []
+    bounds = [*starts, int(region[-1]) + 1]
+    in_region = np.zeros(s_ids.size, dtype=bool)
+    in_region[region] = True
+    for a, b in itertools.pairwise(bounds):
+        idx = np.arange(a, b)
+        out.append(idx[in_region[a:b]])
+    return out
+
+
+def _make_pass(
+    k: int,
+    allocs: pd.DataFrame,
+    f: int,
+    b: int,
+    last_grad: int,
+    nxt: int,
+    blocks: list[np.ndarray],
+) -> Pass:
+    pos = allocs["pos"].to_numpy()
+    free_pos = allocs["free_pos"].to_numpy()
+    main = allocs["main"].to_numpy()
+    module = allocs["module"].to_numpy()
+    code = allocs["code"].to_numpy()
+    # the backward ends where the optimizer step or the next pass begins
+    later = np.flatnonzero((pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module))
+    bwd_end = int(pos[later[0]]) if later.size else nxt
+    # the data of the next pass begins after the step: keep the backward span to the step
+    block_fwd = tuple((int(pos[s[0]]), int(pos[s[-1]])) for s in blocks if s.size)
+    fwd_rows = np.flatnonzero((pos >= f) & (pos < b) & main & module)
+    output_row = int(fwd_rows[-1]) if fwd_rows.size else -1
+    in_bwd = (free_pos >= b) & (free_pos < bwd_end)
+    # what a block saved for backward is freed by its backward, except its output: that is the
+    # next block's input (or the loss's), freed when the backward of what consumed it is done
+    last_fwd = block_fwd[-1][1] if block_fwd else f - 1
+    first_fwd = block_fwd[0][0] if block_fwd else b
+    pre_rows = np.flatnonzero((pos >= f) & (pos < first_fwd) & main)
+    inputs = [pre_rows[-1:]] + [s[-1:] for s in blocks]  # inputs[j]: what block j consumes
+    saved = []
+    for j, s in enumerate(blocks):
+        mine = np.r_[s[:-1], inputs[j]].astype(np.int64)
+        saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
+    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(np.int64)
+    post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
+    frees = saved
+    # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
+    # end) marks no end
+    meds = [float(np.median(fr)) if fr.size else np.nan for fr in frees]
+
+    def last_before(fr: np.ndarray, limit: float) -> int:
+        ok = fr[fr < limit] if not np.isnan(limit) else fr
+        return int(ok[-1]) if ok.size else -1
+
+    post_end = last_before(post_frees, meds[-1] if meds else np.nan)
+    post_end = max(post_end, b - 1)
+    # the loss: what the program computed after the model's output, outside any module
+    out_pos = pos[fwd_rows[-1]] if fwd_rows.size else f
+    loss_rows = np.flatnonzero((pos > out_pos) & (pos < b) & main & ~module & in_bwd)
+    loss_end = last_before(np.sort(free_pos[loss_rows]), post_end + 1.0)
+    loss_end = min(max(loss_end, b - 1), post_end)
+    # backward order: post, blocks n-1 .. 0, pre; each span ends no earlier than the one before
+    bwd_spans: list[tuple[int, int]] = [(0, 0)] * len(blocks)
+    lo = post_end + 1
+    for j in range(len(blocks) - 1, -1, -1):
+        end = max(last_before(frees[j], meds[j - 1] if j >= 1 else np.nan), lo - 1)
+        bwd_spans[j] = (lo, end)
+        lo = end + 1
+    pre = (lo, bwd_end - 1)
+    return Pass(
+        index=k,
+        data_start=0,
+        forward_start=f,
+        backward_start=b,
+        backward_end=bwd_end,
+        block_forward=block_fwd,
+        block_backward=tuple(bwd_spans),
+        post_backward=(b, post_end),
+        loss_backward_end=loss_end,
+        pre_backward=pre,
+        output_row=output_row,
+        end=nxt,
+    )
+
+
+def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
+    """Phase, part and block of every allocation of the passes."""
+    pos = allocs["pos"].to_numpy()
+    main = allocs["main"].to_numpy()
+    code = allocs["code"].to_numpy()
+    phase = allocs["phase"].to_numpy(dtype=object).copy()
+    part = allocs["part"].to_numpy(dtype=object).copy()
+    block = allocs["block"].to_numpy().copy()
+    pass_id = allocs["pass_id"].to_numpy().copy()
+    optim = code == CODES["optimizer_state"]
+    for p in passes:
+        span = (pos >= p.data_start) & (pos < p.end)
+        data = span & (pos < p.forward_start)
+        phase[data & ~optim] = "data"
+        phase[data & optim] = "step"
+        fwd = (pos >= p.forward_start) & (pos < p.backward_start)
+        phase[fwd] = "forward"
+        bwd = (pos >= p.backward_start) & (pos < p.backward_end)
+        phase[bwd] = "backward"
+        after = (pos >= p.backward_end) & (pos < p.end)
+        phase[after & (optim | ~main)] = "step"
+        phase[after & ~optim & main] = "data"
+        pass_id[span] = p.index
+        if p.block_forward:
+            first, last = p.block_forward[0][0], p.block_forward[-1][1]
+            part[fwd & (pos < first)] = "pre"
+            part[fwd & (pos > last)] = "post"
+            for j, (a, b) in enumerate(p.block_forward):
+                end = p.block_forward[j + 1][0] - 1 if j + 1 < len(p.block_forward) else b
+                sel = fwd & (pos >= a) & (pos <= end)
+                part[sel] = "block"
+                block[sel] = j
+            part[bwd & (pos <= p.post_backward[1])] = "post"
+            for j, (a, b) in enumerate(p.block_backward):
+                sel = bwd & (pos >= a) & (pos <= b)
+                part[sel] = "block"
+                block[sel] = j
+            part[bwd & (pos >= p.pre_backward[0])] = "pre"
+        else:
+            part[fwd | bwd] = "pre"
+    allocs["phase"] = phase
+    allocs["part"] = part
+    allocs["block"] = block
+    allocs["pass_id"] = pass_id
+
+
+def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]) -> pd.DataFrame:
+    """Parameter tensors built before the first pass, in allocation order, with their block."""
+    first_fwd = passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
+    first_bwd_end = passes[0].backward_end if passes else first_fwd
+    code = allocs["code"].to_numpy()
+    pos = allocs["pos"].to_numpy()
+    free_pos = allocs["free_pos"].to_numpy()
+    sel = np.flatnonzero(
+        (code == CODES["parameter"]) & (pos < first_fwd) & ((free_pos < 0) | (free_pos > first_bwd_end))
+    )
+    sizes = allocs["size"].to_numpy()[sel]
+    sids = allocs["sid"].to_numpy()[sel]
+    block = np.full(sel.size, -1, dtype=np.int64)
+    part = np.full(sel.size, "pre", dtype=object)
+    if n_blocks >= 2 and sel.size:
+        found = None
+        for keys in (sizes * 1_000_003 + sids, sizes):
+            p, s, c = tandem_repeat(keys)
+            if c >= n_blocks and p:
+                # the run may repeat further by chance (identical neighbours): take n_blocks periods
+                found = (p, s)
+                break
+        if found is None:
+            notes.append(
+                f"the parameters do not repeat {n_blocks} times in allocation order: which parameters belong to "
+                "which block is unknown; every parameter is taken as the model's own (FSDP: the root unit)"
+            )
+        else:
+            p, s = found
+            for j in range(n_blocks):
+                block[s + j * p : s + (j + 1) * p] = j
+            part[:s] = "pre"
+            part[s : s + n_blocks * p] = "block"
+            part[s + n_blocks * p :] = "post"
+    largest = {}
+    for b in np.unique(block):
+        largest[int(b)] = int(sizes[block == b].max())
+    matrix = np.array([sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool)
+    params = pd.DataFrame(
+        {"row": sel, "size": sizes, "block": block, "part": part, "matrix": matrix},
+    )
+    allocs.loc[sel, "param"] = np.arange(sel.size)
+    allocs.loc[sel, "phase"] = "setup"
+    return params
+
+
+def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]) -> None:
+    """A snapshot of one rank of a DDP run, made the single-GPU run it stands for: DDP's buckets
+    are left out (a plan adds its own). With ``gradient_as_bucket_view`` the gradients were views
+    into those buckets, and the tensors the backward made were freed once copied in: those
+    (parameter-sized, made on autograd's thread and freed within the backward) are taken as the
+    gradients, alive until the next forward (``zero_grad``), as without DDP."""
+    code = allocs["code"].to_numpy().copy()
+    buckets = code == CODES["ddp_bucket"]
+    if not buckets.any():
+        return
+    allocs["dropped"] = buckets
+    notes.append("the recorded run used DDP: its buckets are left out, the plan adds its own")
+    if (code == CODES["gradient"]).any() or params.empty:
+        return
+    sizes = set(params["size"].tolist())
+    pos = allocs["pos"].to_numpy()
+    free_pos = allocs["free_pos"].to_numpy().copy()
+    phase = allocs["phase"].to_numpy()
+    grad_thread = allocs["grad_thread"].to_numpy()
+    size = allocs["size"].to_numpy()
+    found = 0
+    for k, p in enumerate(passes):
+        nxt = passes[k + 1].forward_start - 1 if k + 1 < len(passes) else -1
+        sel = np.flatnonzero(
+            (phase == "backward")
+            & grad_thread
+            & (pos >= p.backward_start)
+            & (pos < p.backward_end)
+            & (free_pos >= 0)
+            & (free_pos < p.backward_end)
+            & np.isin(size, list(sizes))
+        )
+        code[sel] = CODES["gradient"]
+        free_pos[sel] = nxt
+        found += sel.size
+    allocs["code"] = code
+    allocs["free_pos"] = free_pos
+    notes.append(
+        f"it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied into the buckets "
+        "are taken as its gradients, alive until the next forward"
+    )
+
+
+def _wrap_pos(allocs: pd.DataFrame, passes: list[Pass]) -> int:
+    """Where a parallel wrapper would take the model over: right after the last parameter
+    allocation before the first forward."""
+    if not passes:
+        return 0
+    code = allocs["code"].to_numpy()
+    pos = allocs["pos"].to_numpy()
+    before = pos[(code == CODES["parameter"]) & (pos < passes[0].forward_start)]
+    return int(before.max()) + 1 if before.size else passes[0].forward_start
+
+
+def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
+    """The parameter each gradient and each optimizer-state allocation mirrors: the next
+    parameter of the same size in parameter order (cyclically: the optimizer walks the
+    parameter list once per state tensor or per foreach operation), gradients in reverse order
+    within their block (backward runs the layers backwards)."""
+    if params.empty:
+        return
+    p_size = params["size"].to_numpy()
+    p_block = params["block"].to_numpy()
+    code = allocs["code"].to_numpy()
+    size = allocs["size"].to_numpy()
+    block = allocs["block"].to_numpy()
+    pass_id = allocs["pass_id"].to_numpy()
+    out = allocs["param"].to_numpy().copy()
+    by_size: dict[int, np.ndarray] = {}
+    for i, s in enumerate(p_size.tolist()):
+        by_size.setdefault(int(s), np.zeros(0, dtype=np.int64))
+        by_size[int(s)] = np.r_[by_size[int(s)], i]
+    # gradients: per pass, within the block the backward was in, last parameters first
+    taken: dict[int, set[int]] = {}
+    for r in np.flatnonzero(code == CODES["gradient"]).tolist():
+        cands = by_size.get(int(size[r]))
+        if cands is None:
+            continue
+        used = taken.setdefault(int(pass_id[r]), set())
+        same = [int(c) for c in cands if p_block[c] == block[r] and int(c) not in used]
+        rest = [int(c) for c in cands if int(c) not in used]
+        pick = same[-1] if same else (rest[-1] if rest else int(cands[-1]))
+        used.add(pick)
+        out[r] = pick
+    # optimizer state: in parameter order, cyclically
+    ptr = 0
+    for r in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
+        cands = by_size.get(int(size[r]))
+        if cands is None:
+            continue
+        later = cands[cands >= ptr]
+        pick = int(later[0]) if later.size else int(cands[0])
+        out[r] = pick
+        ptr = pick
+    allocs["param"] = out
