@@ -73,8 +73,10 @@ def test_marker_fails_the_test_over_its_limit_and_keeps_the_evidence(run, pytest
     out = r.stdout.str()
     assert "CUDA memory peak 4.00 MiB on device 0 exceeds the limit of 1.00 MiB" in out
     assert "@pytest.mark.limit_cuda_memory('1 MiB')" in out
-    # the sites live at the peak, largest first, named by the test's own lines
-    sites = re.findall(r"(\d+\.\d+ MiB)\s+(\d+\.\d)%\s+(\S*test_mem\.py:(\d+) in test_over)", out)
+    # the sites live at the peak, largest first, named by the test's own lines (read from the
+    # failure section: newer pytest repeats the whole message in its short summary)
+    failure = out.split("short test summary info")[0]
+    sites = re.findall(r"(\d+\.\d+ MiB)\s+(\d+\.\d)%\s+(\S*test_mem\.py:(\d+) in test_over)", failure)
     assert [(s[0], s[1], int(s[3])) for s in sites] == [("3.00 MiB", "75.0", 13), ("1.00 MiB", "25.0", 14)]
     snapshot = re.search(r"Snapshot: (\S+\.pickle)", out).group(1)
     report = re.search(r"Report:   (\S+\.html)", out).group(1)
