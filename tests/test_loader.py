@@ -7,6 +7,7 @@ import gzip
 import json
 import lzma
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,7 @@ def test_corrupt_xz(tmp_path):
 
 
 def test_non_dict_pickle(tmp_path):
-    _refused(write_pickle(tmp_path / "int.pickle", 42), "holds a int, expected a dict")
+    _refused(write_pickle(tmp_path / "int.pickle", 42), "holds an int, expected a dict")
 
 
 def test_dict_without_segments(tmp_path):
@@ -170,25 +171,29 @@ def test_dict_without_segments(tmp_path):
 
 def test_state_dict_is_not_a_snapshot(tmp_path):
     # people attach the wrong pickle; one with numbers inside segments must still be refused
-    _refused(write_pickle(tmp_path / "s.pickle", {"segments": [1, 2, 3]}), "segment 0 is a int")
+    _refused(
+        write_pickle(tmp_path / "s.pickle", {"segments": [1, 2, 3]}), "segments[0]: expected a segment (a dict), got 1"
+    )
 
 
 def test_bad_block_fields(tmp_path):
     snap = make_snapshot([segment(0, [block(512)])])
     snap["segments"][0]["blocks"][0]["state"] = "<script>alert(1)</script>"
-    _refused(write_pickle(tmp_path / "s.pickle", snap), "unknown block state")
+    _refused(write_pickle(tmp_path / "s.pickle", snap), "segments[0].blocks[0].state: expected one of")
 
 
 def test_blocks_must_tile_segment(tmp_path):
     snap = make_snapshot([segment(0, [block(512)])])
     snap["segments"][0]["total_size"] = 4096
-    _refused(write_pickle(tmp_path / "s.pickle", snap), "add up to 512 bytes")
+    _refused(write_pickle(tmp_path / "s.pickle", snap), "segments[0].total_size: the blocks add up to 512 bytes")
 
 
 def test_malformed_trace_entry(tmp_path):
     snap = make_snapshot([], [[event("alloc", 0, 512, 1), "not-a-dict"]])
     p = write_pickle(tmp_path / "s.pickle", snap)
-    with pytest.raises(SnapshotFormatError, match="malformed trace entry 1 is a str"):
+    with pytest.raises(
+        SnapshotFormatError, match=re.escape("device_traces[0][1]: expected a trace entry (a dict), got")
+    ):
         build_frames(load_snapshot(p))
 
 
