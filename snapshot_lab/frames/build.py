@@ -230,7 +230,10 @@ class _StackInterner:
         return conform(sf, STACK_FRAMES_SCHEMA), conform(st, STACKS_SCHEMA)
 
 
-def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _collect_segments_blocks(
+    snap: Snapshot, interner: _StackInterner
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """The rows of the segments and blocks frames, column by column, with their stacks interned."""
     seg_rows: dict[str, list[Any]] = {k: [] for k in SEGMENTS_SCHEMA}
     blk_rows: dict[str, list[Any]] = {k: [] for k in BLOCKS_SCHEMA}
     block_id = 0
@@ -288,9 +291,11 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
         seg_rows["is_private_pool"].append(private)
         seg_rows["is_expandable"].append(seg["is_expandable"])
         seg_rows["stack_id"].append(seg_stack)
-    segments = conform(pd.DataFrame(seg_rows), SEGMENTS_SCHEMA) if snap.segments else empty_frame(SEGMENTS_SCHEMA)
-    blocks = conform(pd.DataFrame(blk_rows), BLOCKS_SCHEMA) if block_id else empty_frame(BLOCKS_SCHEMA)
-    return segments, blocks
+    return seg_rows, blk_rows
+
+
+def _frame_of(rows: dict[str, list[Any]], schema: dict[str, object]) -> pd.DataFrame:
+    return conform(pd.DataFrame(rows), schema) if rows["segment_id"] else empty_frame(schema)
 
 
 _CHUNK = 1 << 17  # entries converted at a time: bounds the temporary per-entry Python objects
@@ -469,7 +474,7 @@ def _add_checked(cols: _TraceColumns, chunk: list[Any], offset: int, interner: _
         raise _explain(chunk, offset, interner, exc) from None
 
 
-def _trace_frame(device: int, tr: list[Any], interner: _StackInterner, consume: bool) -> pd.DataFrame:
+def _trace_columns(tr: list[Any], interner: _StackInterner, consume: bool) -> _TraceColumns:
     cols = _TraceColumns()
     if consume:  # free the entry dicts as we go: the peak stays near that of pickle.load
         offset = 0
@@ -482,18 +487,24 @@ def _trace_frame(device: int, tr: list[Any], interner: _StackInterner, consume: 
     else:
         for start in range(0, len(tr), _CHUNK):
             _add_checked(cols, tr[start : start + _CHUNK], start, interner)
-    return cols.frame(device)
+    return cols
 
 
-def _build_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> pd.DataFrame:
-    parts = []
+def _collect_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> list[tuple[int, _TraceColumns]]:
+    """Every device's trace as checked columns."""
+    out = []
     for device, tr in enumerate(snap.device_traces):
         if not tr:
             continue
         try:
-            parts.append(_trace_frame(device, tr, interner, consume))
+            out.append((device, _trace_columns(tr, interner, consume)))
         except FieldError as exc:
             raise exc.under(f"device_traces[{device}]") from None
+    return out
+
+
+def _events_frame(columns: list[tuple[int, _TraceColumns]]) -> pd.DataFrame:
+    parts = [cols.frame(device) for device, cols in columns]
     if not parts:
         return empty_frame(EVENTS_SCHEMA)
     if len(parts) == 1:
@@ -530,6 +541,25 @@ def _stacks_kind(stack_frames: pd.DataFrame) -> str:
     return "python+cpp" if bool(cpp.any()) else "python"
 
 
+def _collect(
+    snap: Snapshot, interner: _StackInterner, consume: bool
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]], list[tuple[int, _TraceColumns]]]:
+    try:
+        with gc_paused():
+            seg_rows, blk_rows = _collect_segments_blocks(snap, interner)
+            columns = _collect_events(snap, interner, consume)
+    except FieldError as exc:
+        raise SnapshotFormatError(snap.source.path, str(exc)) from None
+    return seg_rows, blk_rows, columns
+
+
+def check_frames(snap: Snapshot) -> None:
+    """Every check :func:`build_frames` makes (each trace entry's fields, every stack), without
+    building the pandas frames: raises SnapshotFormatError exactly when build_frames would.
+    The fuzzer runs it on every input; building the frames costs ten times more."""
+    _collect(snap, _StackInterner(), consume=False)
+
+
 def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     """Turn a loaded snapshot into :class:`SnapshotFrames`.
 
@@ -539,12 +569,10 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     grow (use it when the snapshot is not needed after).
     """
     interner = _StackInterner()
-    try:
-        with gc_paused():
-            segments, blocks = _build_segments_blocks(snap, interner)
-            events = _build_events(snap, interner, consume)
-    except FieldError as exc:
-        raise SnapshotFormatError(snap.source.path, str(exc)) from None
+    seg_rows, blk_rows, columns = _collect(snap, interner, consume)
+    segments, blocks = _frame_of(seg_rows, SEGMENTS_SCHEMA), _frame_of(blk_rows, BLOCKS_SCHEMA)
+    events = _events_frame(columns)
+    del columns
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
     # every _snapshot() call leaves a 'snapshot' marker in every device's trace: a device with
@@ -573,4 +601,4 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     )
 
 
-__all__ = ["SnapshotFrames", "SnapshotInfo", "build_frames", "parse_traceback_line"]
+__all__ = ["SnapshotFrames", "SnapshotInfo", "build_frames", "check_frames", "parse_traceback_line"]

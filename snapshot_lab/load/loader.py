@@ -241,7 +241,9 @@ def _read_stream(
 
 
 def _one_line(text: str, limit: int = 120) -> str:
-    return " ".join(text.split())[:limit]
+    """An exception's text made one printable line (it can quote the file's raw bytes)."""
+    text = " ".join(text.split())[:limit]
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else "?" for c in text)
 
 
 def _type_name(obj: Any) -> str:
@@ -492,7 +494,7 @@ def normalise(obj: Any, source: SourceInfo) -> Snapshot:
         )
     raw_segments = data.get("segments")
     if raw_segments is None:
-        keys = ", ".join(sorted(describe(k) if type(k) is not str else k[:30] for k in list(data)[:8]))
+        keys = ", ".join(sorted(k[:30] if type(k) is str and k.isprintable() else describe(k) for k in list(data)[:8]))
         raise SnapshotFormatError(
             path, f"not a PyTorch memory snapshot: no 'segments' key (found keys: {keys or 'none'})"
         )
@@ -525,7 +527,10 @@ def normalise(obj: Any, source: SourceInfo) -> Snapshot:
         _check_record_budget(path, source, "trace entries", sum(map(len, traces)))
         if len(set(map(id, traces))) != len(traces):
             raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
-        settings = normalise_settings(data.get("allocator_settings"))
+        try:
+            settings = normalise_settings(data.get("allocator_settings"))
+        except FieldError as exc:
+            raise exc.under("allocator_settings") from None
         raw_annotations = data.get("external_annotations")
         annotations = []
         if raw_annotations is not None:
