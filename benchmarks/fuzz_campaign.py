@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "snaplab-fuzz-campaign")
-    ap.add_argument("--max-len", type=int, default=2_000_000)
+    ap.add_argument("--max-len", type=int, default=1 << 18)
     ap.add_argument("--rss-limit-mb", type=int, default=3072)
     ap.add_argument("--timeout-s", type=int, default=120, help="libFuzzer's per-input hang limit")
     a = ap.parse_args()

@@ -293,7 +293,7 @@ def _soft(c: Any, k: Any, v: Any, rng: random.Random) -> None:
 
 def encode_any(obj: Any, rng: random.Random, like: str | None = None) -> bytes:
     """``obj`` in a random encoding (mostly pickle 4; JSON only when it can hold it)."""
-    enc = rng.choice(ENCODINGS) if rng.random() < 0.4 else (like or "pickle4")
+    enc = rng.choice(ENCODINGS) if rng.random() < 0.2 else (like or "pickle4")
     for candidate in (enc, "pickle4", "pickle2"):
         try:
             return encode(obj, candidate)

@@ -22,6 +22,7 @@ import zstandard
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "sample_snapshots"
+EXTRA = Path(__file__).resolve().parent / "corpus_extra"  # grad_anomaly_python: forward_frames (torch 2.11)
 
 ENCODINGS = ("pickle4", "pickle2", "pickle5", "pickle0", "gzip", "xz", "zstd", "bz2", "json", "json.gz")
 
@@ -87,6 +88,10 @@ def seed_corpus() -> dict[str, bytes]:
         stem = path.name.split(".pickle")[0]
         for enc in ("pickle4", ENCODINGS[1 + i % (len(ENCODINGS) - 1)]):
             corpus[f"{stem}.{enc}"] = encode(small, enc)
+    for path in sorted(EXTRA.iterdir()):  # real recordings of formats the samples lack, already cut
+        stem = path.name.split(".pickle")[0]
+        for enc in ("pickle4", "xz", "json"):
+            corpus[f"{stem}.{enc}"] = encode(read_sample(path), enc)
     whole = read_sample(SAMPLES / "pending_free.pickle.xz")
     for enc in ENCODINGS:
         corpus[f"pending_free_whole.{enc}"] = encode(whole, enc)
