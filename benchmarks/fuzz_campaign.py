@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_DONE = re.compile(r"Done (\d+) runs in (\d+) second")
+_DONE = re.compile(r"(?:Done (\d+) runs in \d+ second|stat::number_of_executed_units: (\d+))")
 _COV = re.compile(r"#(\d+)\s+\w+\s+cov: (\d+) ft: (\d+)")
 
 
@@ -39,10 +39,15 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1 << 18)
     ap.add_argument("--rss-limit-mb", type=int, default=3072)
     ap.add_argument("--timeout-s", type=int, default=120, help="libFuzzer's per-input hang limit")
+    ap.add_argument("--max-total-time", type=int, default=0, help="stop each worker after this many seconds")
+    ap.add_argument("--corpus-from", type=Path, help="start from the corpus of an earlier campaign")
     a = ap.parse_args()
     out: Path = a.out
     corpus = out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
+    if a.corpus_from:
+        for f in a.corpus_from.iterdir():
+            (corpus / f.name).write_bytes(f.read_bytes())
     (out / "violations").mkdir(exist_ok=True)
     started = time.time()
     procs = []
@@ -65,6 +70,7 @@ def main() -> None:
             f"-rss_limit_mb={a.rss_limit_mb}",
             f"-timeout={a.timeout_s}",
             "-print_final_stats=1",
+            f"-max_total_time={a.max_total_time}",
             f"-artifact_prefix={out}/",
             str(corpus),
         ]
@@ -86,7 +92,7 @@ def summarise(out: Path, a: argparse.Namespace, codes: list[int], wall_s: float)
         text = (out / f"worker{w}.log").read_text(errors="replace")
         done = _DONE.findall(text)
         covs = _COV.findall(text)
-        inputs += int(done[-1][0]) if done else (int(covs[-1][0]) if covs else 0)
+        inputs += int(max(done[-1])) if done else (int(covs[-1][0]) if covs else 0)
         if covs:
             cov, ft = max(cov, int(covs[-1][1])), max(ft, int(covs[-1][2]))
     stages: dict[str, int] = {}
@@ -111,6 +117,7 @@ def summarise(out: Path, a: argparse.Namespace, codes: list[int], wall_s: float)
         "inputs": inputs,
         "workers": a.workers,
         "seed": a.seed,
+        "corpus_from": str(a.corpus_from) if a.corpus_from else None,
         "wall_s": round(wall_s),
         "inputs_per_s": round(inputs / wall_s, 1) if wall_s else None,
         "coverage_edges": cov,

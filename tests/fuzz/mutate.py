@@ -161,7 +161,7 @@ def mutate_inside(data: bytes, rng: random.Random, mutate: Callable[[bytes], byt
 # --------------------------------------------------------------------------- structure
 
 
-def _nodes(root: Any, limit: int = 20000) -> list[tuple[Any, Any]]:
+def _nodes(root: Any, limit: int = 4000) -> list[tuple[Any, Any]]:
     """(container, key) of the nodes of an object tree, each container visited once."""
     out: list[tuple[Any, Any]] = []
     seen: set[int] = set()
