@@ -1,8 +1,9 @@
 """Build pandas frames from a loaded :class:`~snapshot_lab.load.Snapshot`.
 
 The trace can hold millions of entries; each column is pulled out with one C-level pass
-(``map`` over the entry dicts) into a typed ``array('q')``, which refuses anything but an
-integer of int64 range, and checked for its range with numpy at once. Only when a chunk fails
+(``map`` over the entry dicts, through ``operator.index``, which refuses anything but an
+integer, into an int64 array, which refuses anything beyond int64) and checked for its range
+with numpy at once. Only when a chunk fails
 are its entries walked one by one in Python, to name the first bad field. Stack traces are
 interned: the producer shares one list object per distinct traceback, so we key on ``id()``
 first (cheap), then deduplicate by content, giving a ``stack_frames`` table, a ``stacks`` table
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import operator
 import re
-from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -315,11 +316,17 @@ _INT_FIELDS = (
 _NO_FRAMES: list[Any] = []
 
 
+def _values(chunk: list[Any], key: str, default: Any) -> Iterator[Any]:
+    """``entry.get(key, default)`` of every entry, at C speed (TypeError on a non-dict entry)."""
+    return map(dict.get, chunk, repeat(key), repeat(default))
+
+
 def _int_column(chunk: list[Any], key: str, lo: int, default: int | None) -> np.ndarray:
     """One integer column of a chunk, exactly typed and in range, or TypeError/OverflowError/
-    ValueError (the caller then finds the entry at fault)."""
-    get = itemgetter(key) if default is None else methodcaller("get", key, default)
-    col = np.frombuffer(array("q", map(get, chunk)), dtype=np.int64)
+    ValueError (the caller then finds the entry at fault). ``operator.index`` refuses floats,
+    strings and None, which numpy would convert silently; numpy refuses ints beyond int64."""
+    values = map(itemgetter(key), chunk) if default is None else _values(chunk, key, default)
+    col = np.fromiter(map(operator.index, values), dtype=np.int64, count=len(chunk))
     if lo > INT64_MIN:
         low = col < lo
         if default == _MISSING:
@@ -345,7 +352,7 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     differ from their representative are keyed by the identities of all their frames.
     """
     n = len(chunk)
-    lists = list(map(methodcaller("get", "frames", _NO_FRAMES), chunk))
+    lists = list(_values(chunk, "frames", _NO_FRAMES))
     key1 = list(zip(map(len, lists), map(id, map(next, map(iter, lists), repeat(None))), strict=True))
     rep_of = dict(zip(key1, lists, strict=True))
     sid_rep = {}
@@ -369,7 +376,7 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
 def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """``forward_stack_id`` of every entry (``_MISSING`` for none): most entries have no
     ``forward_frames``, so one C-level pass finds the few that do."""
-    forward = list(map(methodcaller("get", "forward_frames"), chunk))
+    forward = list(_values(chunk, "forward_frames", None))
     out = np.full(len(chunk), _MISSING, dtype=np.int64)
     if forward.count(None) != len(forward):
         for i, texts in enumerate(forward):
