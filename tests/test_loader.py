@@ -535,3 +535,14 @@ def test_cycle_in_segments_is_refused(tmp_path):
         _refused_frames(tmp_path, snap)
         == "segments[0].blocks[1]: the same block object appears twice (a shared reference)"
     )
+
+
+def test_sidecar_values_of_the_wrong_type_are_dropped(tmp_path):
+    from snapshot_lab.load import load_sidecar
+
+    p = write_pickle(tmp_path / "run_rank0.pickle", make_snapshot())
+    meta = {"snaplab_capture": 1, "argv": 5, "oom": {"limit_bytes": [1]}, "rank": 0, "host": {"x": 1}, "step": 3}
+    (tmp_path / "run_rank0.meta.json").write_text(json.dumps(meta))
+    assert load_sidecar(p) == {"snaplab_capture": 1, "rank": 0, "step": 3}
+    (tmp_path / "run_rank0.meta.json").write_text("[" * 100000 + "]" * 100000)
+    assert load_sidecar(p) is None
