@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
 import random
@@ -228,7 +229,14 @@ def test_bounded_fuzz_session(tmp_path):
     fixed number of inputs from the real samples; any contract violation fails it. Without
     atheris (a platform it has no wheel for), the same contract over the same mutators driven
     by a seeded random generator instead of coverage."""
-    env = dict(os.environ, SNAPLAB_FUZZ_WORKDIR=str(tmp_path / "work"), PYTHONPATH=str(ROOT))
+    # analysis and outputs sampled more often than in a campaign, so that a short session runs them
+    env = dict(
+        os.environ,
+        SNAPLAB_FUZZ_WORKDIR=str(tmp_path / "work"),
+        SNAPLAB_FUZZ_SAMPLING="8,80,400",
+        SNAPLAB_FUZZ_STATS=str(tmp_path / "stats.json"),
+        PYTHONPATH=str(ROOT),
+    )
     if importlib.util.find_spec("atheris") is None:
         _fallback_session(tmp_path, FUZZ_RUNS // 4)
         pytest.skip("atheris is not installed: ran the contract over seeded random mutations only")
@@ -253,8 +261,10 @@ def test_bounded_fuzz_session(tmp_path):
     done = re.findall(r"#(\d+)\s+DONE\s+cov: (\d+) ft: (\d+)", proc.stderr)
     assert done, tail
     runs, cov, ft = map(int, done[-1])
-    print(f"fuzz session: {runs} inputs, cov {cov} ft {ft}")
+    stats = json.loads((tmp_path / "stats.json").read_text())  # written every 1000 inputs
+    print(f"fuzz session: {runs} inputs, cov {cov} ft {ft}, stages {stats}")
     assert runs >= FUZZ_RUNS and cov > 300
+    assert stats["loaded"] and stats["frames"] and stats["analysed"], stats
 
 
 def _fallback_session(tmp_path: Path, n: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 import time
@@ -40,9 +41,10 @@ from snapshot_lab.load import load_snapshot
 from .pending import known_pending
 
 # how often (1 in N of the inputs that load, by hash) the costlier stages run
-EVERY_FRAMES = 16
-EVERY_ANALYSIS = 1600
-EVERY_OUTPUTS = 16000
+# (SNAPLAB_FUZZ_SAMPLING="16,1600,16000" to change; each must divide the next)
+EVERY_FRAMES, EVERY_ANALYSIS, EVERY_OUTPUTS = (
+    int(x) for x in os.environ.get("SNAPLAB_FUZZ_SAMPLING", "16,1600,16000").split(",")
+)
 
 TIME_FACTOR = 10.0
 TIME_FLOOR_S = 1.0  # timer resolution, caches, the garbage collector: noise no input causes
