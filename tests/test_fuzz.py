@@ -128,6 +128,8 @@ EXPECTED = {
     # messages that were not one printable line
     "keys_with_control_chars": "no 'segments' key (found keys: '\\x01gments', device_traces)",
     "pickle_float_raw_bytes": "not a valid pickle (ValueError: could not convert string to float",
+    # a STACK_GLOBAL name with a newline and an escape code (found by the 1M-input campaign)
+    "global_name_control_chars": "refused: the pickle references the Python global 'os \\x1b[.sys\\x00tem'",
     # 'SystemError: deallocated bytearray object has exported buffers' on stderr besides the line
     "bytearray8_2_54": "refused: reading it needs more memory than 112 bytes of snapshot can",
     # bombs: memory or time far beyond the file's size

@@ -102,11 +102,11 @@ def _pickle_protocol(head: bytes) -> int | None:
 def _describe_unpickle_error(exc: BaseException) -> str:
     if isinstance(exc, ForbiddenGlobalError):
         return (
-            f"refused: the pickle references the Python global '{exc}' — a memory snapshot "
+            f"refused: the pickle references the Python global '{_one_line(str(exc), 80)}' — a memory snapshot "
             "contains only plain data, and loading this file could run code"
         )
     if isinstance(exc, ForbiddenPersistentIdError):
-        return f"refused: the pickle uses persistent references ({exc}); not a memory snapshot"
+        return f"refused: the pickle uses persistent references ({_one_line(str(exc), 80)}); not a memory snapshot"
     if isinstance(exc, EOFError):
         return "truncated file: the data ends before the pickle is complete"
     text = _one_line(str(exc), 400)
