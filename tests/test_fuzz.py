@@ -120,6 +120,8 @@ EXPECTED = {
     "settings_gc_threshold_list": "allocator_settings.garbage_collection_threshold: expected a number in [0, 1], got a",
     "settings_max_split_nan": "allocator_settings.max_split_size: expected an integer in [-1, 2**63), got nan",
     "settings_divisions_str": "allocator_settings.roundup_power2_divisions['32']: expected an integer in [0, 2**31)",
+    # a long key cut inside its quotes, so that the path stays a path (found by the campaign)
+    "settings_divisions_long_key": "allocator_settings.roundup_power2_divisions['" + "+" * 32 + "...']: expected an",
     # values read leniently before (silently 0, or 'no stack'), now named
     "frame_line_nan": "device_traces[0][0].frames[0].line: expected an integer in [-2**63, 2**64), got nan",
     "trace_frames_none": "device_traces[0][0].frames: expected a list of frames, got None",

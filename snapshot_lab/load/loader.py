@@ -49,6 +49,7 @@ from .validate import (
     check_str,
     describe,
     key_path,
+    key_repr,
 )
 
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
@@ -420,7 +421,7 @@ def normalise_settings(settings: Any) -> dict[str, Any] | None:
             clean = {}
             for k, d in divs.items():
                 if type(k) is not str or not k.isdigit() or len(k) > 19:
-                    raise FieldError(f"{where}[{describe(k)}]", "expected an interval label such as '1024' as key")
+                    raise FieldError(f"{where}[{key_repr(k)}]", "expected an interval label such as '1024' as key")
                 clean[k] = check_int(d, 0, 2**31, f"{where}[{k!r}]")
             out[key] = clean
         elif _plain(v):
@@ -429,7 +430,7 @@ def normalise_settings(settings: Any) -> dict[str, Any] | None:
             items = v.items() if type(v) is dict else enumerate(v)
             for k, item in items:
                 if not (_plain(k) and _plain(item)):
-                    raise FieldError(f"{where}[{describe(k)}]", f"expected a plain value, got {describe(item)}")
+                    raise FieldError(f"{where}[{key_repr(k)}]", f"expected a plain value, got {describe(item)}")
             out[key] = dict(v) if type(v) is dict else list(v)
         else:
             raise FieldError(where, f"expected a plain value, got {describe(v)}")

@@ -119,4 +119,14 @@ def key_path(key: Any) -> str:
     """``.name`` for identifier-like string keys, ``['odd key']`` otherwise (bounded)."""
     if isinstance(key, str) and key.isidentifier() and len(key) <= 40:
         return key
-    return f"[{describe(key)}]"
+    return f"[{key_repr(key)}]"
+
+
+def key_repr(key: Any) -> str:
+    """A dict key as it goes between brackets in a field's path: ``'1024'``, ``7``, a long
+    string cut (``'++++...'``), anything else described."""
+    if isinstance(key, str):
+        return repr(key if len(key) <= 40 else key[:32] + "...")
+    if key is None or isinstance(key, (int, float)):
+        return describe(key)
+    return describe(key).replace("[", "(").replace("]", ")")
