@@ -159,6 +159,23 @@ def test_regression_input_keeps_the_contract(tmp_path, path):
     _contract(tmp_path).run(path.read_bytes(), everything=True)
 
 
+ACCEPTED = sorted((FUZZ / "accepted").iterdir())
+
+
+@pytest.mark.parametrize("path", ACCEPTED, ids=lambda p: p.name.split(".")[0])
+def test_accepted_crash_input_now_analyses(tmp_path, path):
+    """Inputs the loader rightly accepts that crashed an analysis stage, found by the campaign.
+    trace_of_frees_only: every trace entry frees memory allocated before recording began, so no
+    category ever rises above 0 and the category plot had nothing to stack (matplotlib:
+    'facecolor must not be an empty sequence', exit 70 from `snaplab report`)."""
+    _contract(tmp_path).run(path.read_bytes(), everything=True)
+    out = tmp_path / "r.html"
+    api.report(path, output=out)
+    html = out.read_text()
+    assert html.startswith("<!DOCTYPE html>")
+    assert 'alt="Memory by category over the trace of device 0" src="data:image/png;base64,' in html
+
+
 def _snaplab() -> list[str]:
     script = Path(sys.executable).with_name("snaplab")
     return [str(script)] if script.exists() else [sys.executable, "-m", "snapshot_lab"]
