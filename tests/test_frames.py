@@ -84,3 +84,70 @@ def test_multi_device_traces(snap_file):
 def test_unknown_action_is_kept(snap_file):
     fr = _frames(snap_file, make_snapshot([], [[event("some_future_action", 0, 1, 1)]]))
     assert fr.events["action"].tolist() == ["some_future_action"]
+
+
+# --------------------------------------------------------------------------- forward_frames (torch >= 2.11)
+
+_FWD = [  # as torch 2.11 writes them under anomaly mode: traceback order, outermost first
+    '  File "train.py", line 588, in <module>\n    main()\n',
+    '  File "train.py", line 566, in main\n    step(model)\n',
+    '  File "/venv/torch/nn/modules/linear.py", line 134, in forward\n    return F.linear(input, self.weight)\n',
+]
+
+
+def test_forward_frames_become_a_forward_stack(snap_file):
+    seg = segment(1 << 20, [block(512, frames=[]), block(512)])
+    seg["blocks"][0]["forward_frames"] = list(_FWD)
+    seg["forward_frames"] = list(_FWD)
+    entry = event("alloc", 1 << 20, 512, 1, frames=[], forward_frames=list(_FWD))
+    fr = _frames(snap_file, make_snapshot([seg], [[entry, event("free_requested", 1 << 20, 512, 2, frames=STACK)]]))
+    _check_schema(fr.blocks, BLOCKS_SCHEMA)
+    _check_schema(fr.events, EVENTS_SCHEMA)
+    fwd = fr.events["forward_stack_id"]
+    assert fwd.isna().tolist() == [False, True]
+    assert fr.events["stack_id"].isna().tolist() == [True, False]  # stack_id keeps its meaning
+    assert fr.blocks["forward_stack_id"].isna().tolist() == [False, True]
+    assert fr.blocks["forward_stack_id"].iloc[0] == fwd.iloc[0]  # one stack, interned once
+    assert fr.stack(fwd.iloc[0]) == [  # innermost first, like every stack
+        {"filename": "/venv/torch/nn/modules/linear.py", "line": 134, "name": "forward"},
+        {"filename": "train.py", "line": 566, "name": "main"},
+        {"filename": "train.py", "line": 588, "name": "<module>"},
+    ]
+
+
+def test_forward_frames_share_frames_with_stacks(snap_file):
+    """A forward frame equal to a recorded frame is the same row of stack_frames."""
+    same = '  File "train.py", line 10, in forward\n    y = f(x)\n'  # FRAME_A
+    entry = event("alloc", 0, 512, 1, frames=[FRAME_A], forward_frames=[same])
+    fr = _frames(snap_file, make_snapshot([], [[entry]]))
+    assert len(fr.stack_frames) == 1
+    assert fr.events["stack_id"].iloc[0] == fr.events["forward_stack_id"].iloc[0]
+
+
+def test_unparseable_forward_frame_is_kept_as_text():
+    from snapshot_lab.frames import build
+
+    assert build.parse_traceback_line('  File "a b.py", line 7, in <lambda>\n    x\n') == ("a b.py", 7, "<lambda>")
+    assert build.parse_traceback_line("something else\nmore") == ("??", 0, "something else")
+    assert build.parse_traceback_line('  File "x.py", line 99999999999999999999, in f') == (
+        "??",
+        0,
+        'File "x.py", line 99999999999999999999, in f',
+    )
+
+
+def test_forward_frames_of_a_real_recording():
+    """A cut of a real torch 2.11 recording under torch.autograd.detect_anomaly (grad_anomaly_python):
+    backward's allocations have no Python stack (frames == []) but a forward traceback."""
+    from pathlib import Path
+
+    from snapshot_lab import load_frames
+
+    fr = load_frames(Path(__file__).parent / "fuzz" / "corpus_extra" / "grad_anomaly_python_cut.pickle.xz")
+    ev = fr.events
+    assert ev["forward_stack_id"].notna().sum() == 26
+    assert fr.blocks["forward_stack_id"].notna().sum() == 3
+    fwd = fr.stack(ev["forward_stack_id"].dropna().iloc[0])
+    assert [f["name"] for f in fwd][-2:] == ["main", "<module>"]  # outermost last
+    assert fwd[-1]["line"] == 588
+    assert ev.loc[ev["forward_stack_id"].notna(), "stack_id"].isna().all()

@@ -1,6 +1,6 @@
 """Frames: the snapshot as pandas tables with declared schemas."""
 
-from .build import SnapshotFrames, SnapshotInfo, build_frames
+from .build import SnapshotFrames, SnapshotInfo, build_frames, check_frames
 from .schema import (
     ANNOTATIONS_SCHEMA,
     BLOCKS_SCHEMA,
@@ -20,4 +20,5 @@ __all__ = [
     "SnapshotFrames",
     "SnapshotInfo",
     "build_frames",
+    "check_frames",
 ]

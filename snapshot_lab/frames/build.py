@@ -1,18 +1,25 @@
 """Build pandas frames from a loaded :class:`~snapshot_lab.load.Snapshot`.
 
 The trace can hold millions of entries; each column is pulled out with one C-level pass
-(``map`` over the entry dicts) and converted to numpy at once. Stack traces are interned: the
-producer shares one list object per distinct traceback, so we key on ``id()`` first (cheap),
-then deduplicate by content, giving a ``stack_frames`` table, a ``stacks`` table
-(stack_id, depth, frame_id) and a ``stack_id`` column everywhere a stack appears.
+(``map`` over the entry dicts, through ``operator.index``, which refuses anything but an
+integer, into an int64 array, which refuses anything beyond int64) and checked for its range
+with numpy at once. Only when a chunk fails
+are its entries walked one by one in Python, to name the first bad field. Stack traces are
+interned: the producer shares one list object per distinct traceback, so we key on ``id()``
+first (cheap), then deduplicate by content, giving a ``stack_frames`` table, a ``stacks`` table
+(stack_id, depth, frame_id) and a ``stack_id`` column everywhere a stack appears. The forward
+pass's traceback that torch >= 2.11 records under autograd anomaly mode (``forward_frames``,
+formatted strings) is parsed into the same tables and becomes ``forward_stack_id``.
 """
 
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -21,6 +28,16 @@ import pandas as pd
 from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..load import Snapshot, SourceInfo
+from ..load.validate import (
+    INT64_MAX,
+    INT64_MIN,
+    UINT64_MAX,
+    FieldError,
+    check_int,
+    check_str,
+    describe,
+    int_range,
+)
 from .schema import (
     ANNOTATIONS_SCHEMA,
     BLOCKS_SCHEMA,
@@ -79,8 +96,40 @@ class SnapshotFrames:
         return cached
 
 
+# '  File "x.py", line 37, in f\n    code\n' (traceback.format_list); the name runs to the line's end
+_TRACEBACK_LINE = re.compile(r'\s*File "(.*)", line (\d{1,19}), in (.*)')
+
+
+def parse_traceback_line(text: str) -> tuple[str, int, str]:
+    """``(filename, line, name)`` of one formatted traceback entry; a string that is not one
+    becomes a frame named after its first line, in file ``??``."""
+    first = text.split("\n", 1)[0]
+    m = _TRACEBACK_LINE.fullmatch(first)
+    if m is None:
+        return ("??", 0, first.strip())
+    line = int(m.group(2))
+    return (m.group(1), line if line <= INT64_MAX else -1, m.group(3))
+
+
+def _frame_key(fr: Any) -> tuple[str, int, str]:
+    """The content of one frame, checked: ``{filename: str, line: int, name: str}`` (C++ frames
+    write ``line`` as a uint64 whose -1 means unknown; it becomes -1). Legacy ``cpp_frames``
+    are preformatted strings."""
+    if type(fr) is dict:
+        filename = check_str(fr.get("filename", "??"), "filename")
+        name = check_str(fr.get("name", "??"), "name")
+        line = fr.get("line", 0)
+        if type(line) is not int or not INT64_MIN <= line <= UINT64_MAX:
+            raise FieldError("line", f"expected {int_range(-(2**63), 2**64)}, got {describe(line)}")
+        return (filename, line if line <= INT64_MAX else -1, name)
+    if type(fr) is str:
+        return ("??", 0, fr)
+    raise FieldError("", f"expected a frame (a dict of filename, line and name), got {describe(fr)}")
+
+
 class _StackInterner:
-    """Interns frames lists into stack ids and frame dicts into frame ids."""
+    """Interns frames lists into stack ids and frame dicts into frame ids, checking each
+    distinct object once. FieldErrors carry paths starting at ``frames``."""
 
     def __init__(self) -> None:
         self.by_obj: dict[int, int | None] = {}
@@ -88,42 +137,76 @@ class _StackInterner:
         self.by_content: dict[tuple[int, ...], int] = {}
         self.frame_by_obj: dict[int, int] = {}
         self.frame_by_content: dict[tuple[str, int, str], int] = {}
+        self.frame_by_text: dict[str, int] = {}
         self.frames: list[tuple[str, int, str]] = []
         self.stack_rows: list[tuple[int, ...]] = []
+        self.forward_by_obj: dict[int, int | None] = {}
 
-    def _frame_id(self, fr: Any) -> int:
-        fid = self.frame_by_obj.get(id(fr))
-        if fid is not None:
-            return fid
-        if isinstance(fr, dict):
-            key = (str(fr.get("filename", "??")), _as_int(fr.get("line", 0)), str(fr.get("name", "??")))
-        else:  # legacy cpp_frames are preformatted strings
-            key = ("??", 0, str(fr))
+    def _content_id(self, key: tuple[str, int, str]) -> int:
         fid = self.frame_by_content.get(key)
         if fid is None:
             fid = len(self.frames)
             self.frames.append(key)
             self.frame_by_content[key] = fid
+        return fid
+
+    def _frame_id(self, fr: Any) -> int:
+        fid = self.frame_by_obj.get(id(fr))
+        if fid is not None:
+            return fid
+        fid = self._content_id(_frame_key(fr))
         self.frame_by_obj[id(fr)] = fid
         self.keep.append(fr)
         return fid
+
+    def _stack_of(self, content: tuple[int, ...]) -> int | None:
+        if not content:
+            return None
+        sid = self.by_content.get(content)
+        if sid is None:
+            sid = len(self.stack_rows)
+            self.stack_rows.append(content)
+            self.by_content[content] = sid
+        return sid
 
     def intern(self, frames: Any) -> int | None:
         """Stack id for a frames list (None when there is no stack)."""
         key = id(frames)
         if key in self.by_obj:
             return self.by_obj[key]
+        if type(frames) is not list:
+            raise FieldError("frames", f"expected a list of frames, got {describe(frames)}")
+        ids = []
+        for k, f in enumerate(frames):
+            try:
+                ids.append(self._frame_id(f))
+            except FieldError as exc:
+                raise exc.under(f"frames[{k}]") from None
+        sid = self._stack_of(tuple(ids))
         self.keep.append(frames)
-        if not isinstance(frames, list) or not frames:
-            self.by_obj[key] = None
-            return None
-        content = tuple(self._frame_id(f) for f in frames)
-        sid = self.by_content.get(content)
-        if sid is None:
-            sid = len(self.stack_rows)
-            self.stack_rows.append(content)
-            self.by_content[content] = sid
         self.by_obj[key] = sid
+        return sid
+
+    def intern_forward(self, texts: Any) -> int | None:
+        """Stack id for a ``forward_frames`` list (formatted traceback entries, outermost first
+        as Python prints them; stacks are innermost first)."""
+        key = id(texts)
+        if key in self.forward_by_obj:
+            return self.forward_by_obj[key]
+        if type(texts) is not list:
+            raise FieldError("forward_frames", f"expected a list of traceback strings, got {describe(texts)}")
+        ids = []
+        for k in range(len(texts) - 1, -1, -1):
+            t = texts[k]
+            if type(t) is not str:
+                raise FieldError(f"forward_frames[{k}]", f"expected a traceback string, got {describe(t)}")
+            fid = self.frame_by_text.get(t)
+            if fid is None:
+                fid = self.frame_by_text[t] = self._content_id(parse_traceback_line(t))
+            ids.append(fid)
+        sid = self._stack_of(tuple(ids))
+        self.keep.append(texts)
+        self.forward_by_obj[key] = sid
         return sid
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -148,14 +231,10 @@ class _StackInterner:
         return conform(sf, STACK_FRAMES_SCHEMA), conform(st, STACKS_SCHEMA)
 
 
-def _as_int(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _collect_segments_blocks(
+    snap: Snapshot, interner: _StackInterner
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """The rows of the segments and blocks frames, column by column, with their stacks interned."""
     seg_rows: dict[str, list[Any]] = {k: [] for k in SEGMENTS_SCHEMA}
     blk_rows: dict[str, list[Any]] = {k: [] for k in BLOCKS_SCHEMA}
     block_id = 0
@@ -164,7 +243,7 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
         pid = seg["segment_pool_id"]
         private = pid != (0, 0)
         alloc = active = requested = 0
-        for b in seg["blocks"]:
+        for j, b in enumerate(seg["blocks"]):
             state = b["state"]
             if state == "active_allocated":
                 alloc += b["size"]
@@ -173,6 +252,12 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
             elif state == "active_pending_free":  # torch still counts its request (see metrics.torch_stats)
                 active += b["size"]
                 requested += b["requested_size"]
+            try:
+                stack_id = interner.intern(b["frames"])
+                forward = b["forward_frames"]
+                forward_id = None if forward is None else interner.intern_forward(forward)
+            except FieldError as exc:
+                raise exc.under(f"segments[{sid}].blocks[{j}]") from None
             blk_rows["block_id"].append(block_id)
             blk_rows["segment_id"].append(sid)
             blk_rows["device"].append(seg["device"])
@@ -185,8 +270,13 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
             blk_rows["pool"].append(pool)
             blk_rows["is_private_pool"].append(private)
             blk_rows["is_expandable"].append(seg["is_expandable"])
-            blk_rows["stack_id"].append(interner.intern(b["frames"]))
+            blk_rows["stack_id"].append(stack_id)
+            blk_rows["forward_stack_id"].append(forward_id)
             block_id += 1
+        try:
+            seg_stack = interner.intern(seg["frames"])
+        except FieldError as exc:
+            raise exc.under(f"segments[{sid}]") from None
         seg_rows["segment_id"].append(sid)
         seg_rows["device"].append(seg["device"])
         seg_rows["address"].append(seg["address"])
@@ -201,18 +291,54 @@ def _build_segments_blocks(snap: Snapshot, interner: _StackInterner) -> tuple[pd
         seg_rows["pool_id_1"].append(pid[1])
         seg_rows["is_private_pool"].append(private)
         seg_rows["is_expandable"].append(seg["is_expandable"])
-        seg_rows["stack_id"].append(interner.intern(seg["frames"]))
-    segments = conform(pd.DataFrame(seg_rows), SEGMENTS_SCHEMA) if snap.segments else empty_frame(SEGMENTS_SCHEMA)
-    blocks = conform(pd.DataFrame(blk_rows), BLOCKS_SCHEMA) if block_id else empty_frame(BLOCKS_SCHEMA)
-    return segments, blocks
+        seg_rows["stack_id"].append(seg_stack)
+    return seg_rows, blk_rows
+
+
+def _frame_of(rows: dict[str, list[Any]], schema: dict[str, object]) -> pd.DataFrame:
+    return conform(pd.DataFrame(rows), schema) if rows["segment_id"] else empty_frame(schema)
 
 
 _CHUNK = 1 << 17  # entries converted at a time: bounds the temporary per-entry Python objects
 _ACTION_CODES = {a: i for i, a in enumerate(KNOWN_ACTIONS)}
-_MISSING = -1  # internal only: never leaves this module (addresses, sizes and times are >= 0)
+_OOM = _ACTION_CODES["oom"]
+_MISSING = INT64_MIN  # internal only: never leaves this module (absent keys, <NA> in the frames)
 
+# The integer fields of a trace entry: (key, smallest allowed, default when absent). None as
+# default: the key is required. Every one must be below 2**63.
+_INT_FIELDS = (
+    ("size", 0, None),
+    ("addr", 0, _MISSING),
+    ("stream", INT64_MIN, 0),
+    ("time_us", 0, _MISSING),
+)
 
 _NO_FRAMES: list[Any] = []
+
+
+def _values(chunk: list[Any], key: str, default: Any) -> Iterator[Any]:
+    """``entry.get(key, default)`` of every entry, at C speed (TypeError on a non-dict entry)."""
+    return map(dict.get, chunk, repeat(key), repeat(default))
+
+
+def _int_column(chunk: list[Any], key: str, lo: int, default: int | None) -> np.ndarray:
+    """One integer column of a chunk, exactly typed and in range, or TypeError/OverflowError/
+    ValueError (the caller then finds the entry at fault). ``operator.index`` refuses floats,
+    strings and None, which numpy would convert silently; numpy refuses ints beyond int64."""
+    values = map(itemgetter(key), chunk) if default is None else _values(chunk, key, default)
+    col = np.fromiter(map(operator.index, values), dtype=np.int64, count=len(chunk))
+    if lo > INT64_MIN:
+        low = col < lo
+        if default == _MISSING:
+            low &= col != _MISSING
+        if low.any():
+            raise ValueError(key)
+        if default == _MISSING and lo >= 0 and (col == _MISSING).any():
+            # absent, or really -2**63? only the entries that hold the key can tell
+            missing = np.flatnonzero(col == _MISSING)
+            if any(key in chunk[i] for i in missing):
+                raise ValueError(key)
+    return col
 
 
 def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
@@ -221,11 +347,12 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     Real pickles give every entry its own ``frames`` list but share the frame dicts. Entries are
     grouped by (stack depth, identity of the innermost frame); each group's representative is
     interned once, and every entry is checked against it with list equality (identical frame
-    objects compare in C at pointer speed). Entries that differ from their representative are
-    keyed by the identities of all their frames.
+    objects compare in C at pointer speed; the comparison goes through a 1-tuple's ``in`` so that
+    a list shared by many entries costs one pointer test each, not its length). Entries that
+    differ from their representative are keyed by the identities of all their frames.
     """
     n = len(chunk)
-    lists = list(map(methodcaller("get", "frames", _NO_FRAMES), chunk))
+    lists = list(_values(chunk, "frames", _NO_FRAMES))
     key1 = list(zip(map(len, lists), map(id, map(next, map(iter, lists), repeat(None))), strict=True))
     rep_of = dict(zip(key1, lists, strict=True))
     sid_rep = {}
@@ -233,7 +360,7 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
         sid = interner.intern(rep)
         sid_rep[k] = _MISSING if sid is None else sid
     sids = np.fromiter(map(sid_rep.__getitem__, key1), dtype=np.int64, count=n)
-    same = np.fromiter(map(operator.eq, lists, map(rep_of.__getitem__, key1)), dtype=bool, count=n)
+    same = np.fromiter(map(operator.contains, zip(map(rep_of.__getitem__, key1)), lists), dtype=bool, count=n)
     differ = np.flatnonzero(~same)
     if differ.size:
         rest = [lists[i] for i in differ]
@@ -246,12 +373,25 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     return sids
 
 
+def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
+    """``forward_stack_id`` of every entry (``_MISSING`` for none): most entries have no
+    ``forward_frames``, so one C-level pass finds the few that do."""
+    forward = list(_values(chunk, "forward_frames", None))
+    out = np.full(len(chunk), _MISSING, dtype=np.int64)
+    if forward.count(None) != len(forward):
+        for i, texts in enumerate(forward):
+            if texts is not None:
+                sid = interner.intern_forward(texts)
+                out[i] = _MISSING if sid is None else sid
+    return out
+
+
 class _TraceColumns:
     """Accumulates one device's columns chunk by chunk."""
 
     def __init__(self) -> None:
         self.parts: dict[str, list[np.ndarray]] = {
-            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "free")
+            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "forward", "free")
         }
         self.extra_actions: dict[str, int] = {}
 
@@ -260,20 +400,24 @@ class _TraceColumns:
         actions = list(map(itemgetter("action"), chunk))
         codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=n)
         for i in np.flatnonzero(codes < 0):  # actions newer than this version of snaplab: keep them
-            name = str(actions[i])
+            name = actions[i]
+            if type(name) is not str:
+                raise TypeError("action")
             codes[i] = len(KNOWN_ACTIONS) + self.extra_actions.setdefault(name, len(self.extra_actions))
+        size, address, stream, time = (_int_column(chunk, *f) for f in _INT_FIELDS)
+        free = np.full(n, _MISSING, dtype=np.int64)
+        for i in np.flatnonzero(codes == _OOM):  # only oom entries carry device_free
+            v = chunk[i].get("device_free")
+            if v is not None:
+                free[i] = check_int(v, 0, 2**63)
         p = self.parts
         p["action"].append(codes)
-        p["size"].append(np.fromiter(map(itemgetter("size"), chunk), dtype=np.int64, count=n))
-        p["address"].append(np.fromiter(map(methodcaller("get", "addr", _MISSING), chunk), dtype=np.int64, count=n))
-        p["stream"].append(np.fromiter(map(methodcaller("get", "stream", 0), chunk), dtype=np.int64, count=n))
-        p["time"].append(np.fromiter(map(methodcaller("get", "time_us", _MISSING), chunk), dtype=np.int64, count=n))
+        p["size"].append(size)
+        p["address"].append(address)
+        p["stream"].append(stream)
+        p["time"].append(time)
         p["stack"].append(_stack_ids(chunk, interner))
-        free = np.full(n, _MISSING, dtype=np.int64)
-        for i in np.flatnonzero(codes == _ACTION_CODES["oom"]):  # only oom entries carry device_free
-            v = chunk[i].get("device_free")
-            if isinstance(v, int):
-                free[i] = v
+        p["forward"].append(_forward_stack_ids(chunk, interner))
         p["free"].append(free)
 
     def frame(self, device: int) -> pd.DataFrame:
@@ -294,24 +438,50 @@ class _TraceColumns:
                 "stream": col["stream"],
                 "time_us": nullable(col["time"]),
                 "stack_id": nullable(col["stack"]),
+                "forward_stack_id": nullable(col["forward"]),
                 "device_free_bytes": nullable(col["free"]),
             }
         )
 
 
-class _MalformedTrace(Exception):
-    pass
+_INT_RANGES = {key: (lo, 2**63) for key, lo, _ in _INT_FIELDS}
+
+
+def _check_entry(e: Any, interner: _StackInterner) -> None:
+    """Every field of one trace entry that snaplab reads, in Python (the slow path)."""
+    if type(e) is not dict:
+        raise FieldError("", f"expected a trace entry (a dict), got {describe(e)}")
+    action = e.get("action")
+    if type(action) is not str:
+        raise FieldError("action", f"expected a string, got {describe(action)}")
+    for key, (lo, hi) in _INT_RANGES.items():
+        if key in e or key == "size":
+            check_int(e.get(key), lo, hi, key)
+    if action == "oom" and e.get("device_free") is not None:
+        check_int(e["device_free"], 0, 2**63, "device_free")
+    interner.intern(e.get("frames", _NO_FRAMES))
+    if e.get("forward_frames") is not None:
+        interner.intern_forward(e["forward_frames"])
+
+
+def _explain(chunk: list[Any], offset: int, interner: _StackInterner, exc: BaseException) -> FieldError:
+    """The first entry of a chunk that failed the fast path, and what is wrong with it."""
+    for i, e in enumerate(chunk, offset):
+        try:
+            _check_entry(e, interner)
+        except FieldError as err:
+            return err.under(f"[{i}]")
+    return FieldError("", f"malformed trace entry ({type(exc).__name__})")
 
 
 def _add_checked(cols: _TraceColumns, chunk: list[Any], offset: int, interner: _StackInterner) -> None:
     try:
         cols.add(chunk, interner)
-    except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
-        bad = _first_bad_entry(chunk, offset)
-        raise _MalformedTrace(f"malformed trace entry{bad} ({type(exc).__name__})") from None
+    except (FieldError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+        raise _explain(chunk, offset, interner, exc) from None
 
 
-def _trace_frame(device: int, tr: list[Any], interner: _StackInterner, consume: bool) -> pd.DataFrame:
+def _trace_columns(tr: list[Any], interner: _StackInterner, consume: bool) -> _TraceColumns:
     cols = _TraceColumns()
     if consume:  # free the entry dicts as we go: the peak stays near that of pickle.load
         offset = 0
@@ -324,18 +494,24 @@ def _trace_frame(device: int, tr: list[Any], interner: _StackInterner, consume: 
     else:
         for start in range(0, len(tr), _CHUNK):
             _add_checked(cols, tr[start : start + _CHUNK], start, interner)
-    return cols.frame(device)
+    return cols
 
 
-def _build_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> pd.DataFrame:
-    parts = []
+def _collect_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> list[tuple[int, _TraceColumns]]:
+    """Every device's trace as checked columns."""
+    out = []
     for device, tr in enumerate(snap.device_traces):
         if not tr:
             continue
         try:
-            parts.append(_trace_frame(device, tr, interner, consume))
-        except _MalformedTrace as exc:
-            raise SnapshotFormatError(snap.source.path, f"device_traces[{device}]: {exc}") from None
+            out.append((device, _trace_columns(tr, interner, consume)))
+        except FieldError as exc:
+            raise exc.under(f"device_traces[{device}]") from None
+    return out
+
+
+def _events_frame(columns: list[tuple[int, _TraceColumns]]) -> pd.DataFrame:
+    parts = [cols.frame(device) for device, cols in columns]
     if not parts:
         return empty_frame(EVENTS_SCHEMA)
     if len(parts) == 1:
@@ -346,30 +522,16 @@ def _build_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> pd
     return conform(pd.concat(parts, ignore_index=True), EVENTS_SCHEMA)
 
 
-def _first_bad_entry(chunk: list[Any], offset: int) -> str:
-    for i, e in enumerate(chunk, offset):
-        if not isinstance(e, dict):
-            return f" {i} is a {type(e).__name__}, expected a dict"
-        if not isinstance(e.get("action"), str) or not isinstance(e.get("size"), int):
-            return f" {i} lacks a string 'action' or an int 'size'"
-        for k in ("addr", "stream", "time_us"):
-            if k in e and e[k] is not None and not isinstance(e[k], int):
-                return f" {i} has a non-integer {k!r}"
-    return ""
-
-
 def _build_annotations(snap: Snapshot) -> pd.DataFrame:
-    rows = snap.external_annotations
+    rows = snap.external_annotations  # checked by the loader
     if not rows:
         return empty_frame(ANNOTATIONS_SCHEMA)
     df = pd.DataFrame(
         {
-            "device": [_as_int(a.get("device", 0)) for a in rows],
-            "time_us": pd.array(
-                [a.get("time_us") if isinstance(a.get("time_us"), int) else None for a in rows], dtype="Int64"
-            ),
-            "stage": [str(a.get("stage", "")) for a in rows],
-            "name": [str(a.get("name", "")) for a in rows],
+            "device": [a["device"] for a in rows],
+            "time_us": pd.array([a["time_us"] for a in rows], dtype="Int64"),
+            "stage": [a["stage"] for a in rows],
+            "name": [a["name"] for a in rows],
         }
     )
     return conform(df, ANNOTATIONS_SCHEMA)
@@ -386,16 +548,38 @@ def _stacks_kind(stack_frames: pd.DataFrame) -> str:
     return "python+cpp" if bool(cpp.any()) else "python"
 
 
+def _collect(
+    snap: Snapshot, interner: _StackInterner, consume: bool
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]], list[tuple[int, _TraceColumns]]]:
+    try:
+        with gc_paused():
+            seg_rows, blk_rows = _collect_segments_blocks(snap, interner)
+            columns = _collect_events(snap, interner, consume)
+    except FieldError as exc:
+        raise SnapshotFormatError(snap.source.path, str(exc)) from None
+    return seg_rows, blk_rows, columns
+
+
+def check_frames(snap: Snapshot) -> None:
+    """Every check :func:`build_frames` makes (each trace entry's fields, every stack), without
+    building the pandas frames: raises SnapshotFormatError exactly when build_frames would.
+    The fuzzer runs it on every input; building the frames costs ten times more."""
+    _collect(snap, _StackInterner(), consume=False)
+
+
 def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     """Turn a loaded snapshot into :class:`SnapshotFrames`.
 
-    With ``consume=True`` the trace lists of ``snap`` are emptied while they are converted, so
-    their memory is released as the frames grow (use it when the snapshot is not needed after).
+    Raises :class:`~snapshot_lab.errors.SnapshotFormatError` naming the first field of a trace
+    entry or a stack that no snapshot can hold. With ``consume=True`` the trace lists of
+    ``snap`` are emptied while they are converted, so their memory is released as the frames
+    grow (use it when the snapshot is not needed after).
     """
     interner = _StackInterner()
-    with gc_paused():
-        segments, blocks = _build_segments_blocks(snap, interner)
-        events = _build_events(snap, interner, consume)
+    seg_rows, blk_rows, columns = _collect(snap, interner, consume)
+    segments, blocks = _frame_of(seg_rows, SEGMENTS_SCHEMA), _frame_of(blk_rows, BLOCKS_SCHEMA)
+    events = _events_frame(columns)
+    del columns
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
     # every _snapshot() call leaves a 'snapshot' marker in every device's trace: a device with
@@ -424,4 +608,4 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     )
 
 
-__all__ = ["SnapshotFrames", "SnapshotInfo", "build_frames"]
+__all__ = ["SnapshotFrames", "SnapshotInfo", "build_frames", "check_frames", "parse_traceback_line"]

@@ -59,6 +59,7 @@ BLOCKS_SCHEMA: dict[str, object] = {
     "is_private_pool": "bool",
     "is_expandable": "bool",
     "stack_id": "Int64",
+    "forward_stack_id": "Int64",  # autograd anomaly mode (torch >= 2.11): the forward pass's stack
 }
 
 EVENTS_SCHEMA: dict[str, object] = {
@@ -70,6 +71,7 @@ EVENTS_SCHEMA: dict[str, object] = {
     "stream": "int64",
     "time_us": "Int64",  # microseconds since the Unix epoch; <NA> before torch 2.2
     "stack_id": "Int64",
+    "forward_stack_id": "Int64",  # allocations by backward under anomaly mode: the forward's stack
     "device_free_bytes": "Int64",  # oom entries only
 }
 

@@ -8,8 +8,10 @@ exports, and the shapes of 1.13 (a bare list of segments), 2.0 (blocks with ``hi
 
 from __future__ import annotations
 
+import io
 import json
 import lzma
+import math
 import pickle
 import struct
 import threading
@@ -18,14 +20,37 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..progress import NullProgress, ProgressSink
 from .compression import open_decompressed, sniff_compression
+from .guard import (
+    MEMORY_PER_BYTE,
+    MEMORY_SLACK,
+    BoundedReader,
+    ExpansionLimitError,
+    decompressed_ceiling,
+    memory_limited,
+)
 from .sidecar import load_sidecar
 from .unpickler import ForbiddenGlobalError, ForbiddenPersistentIdError, safe_load
+from .validate import (
+    INT64_MIN,
+    MAX_DEVICE,
+    UINT64_MAX,
+    FieldError,
+    check_bool,
+    check_dict,
+    check_int,
+    check_list,
+    check_number,
+    check_str,
+    describe,
+    key_path,
+    key_repr,
+)
 
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
 # Docstrings of torch 2.1+ call the pending state "active_awaiting_free"; the producer emits
@@ -42,6 +67,7 @@ class SourceInfo:
     compression: str | None  # None, 'gzip', 'xz', 'zstd', 'bz2'
     encoding: str  # 'pickle' or 'json'
     pickle_protocol: int | None
+    data_size_bytes: int | None = None  # after decompression; None when not known
 
 
 @dataclass
@@ -49,10 +75,13 @@ class Snapshot:
     """A loaded snapshot in the one internal form.
 
     ``segments``: list of dicts with keys ``device, address, total_size, stream, segment_type,
-    segment_pool_id (tuple), is_expandable, frames (list), blocks``; each block a dict with
-    ``address, size, requested_size, state, frames``. ``device_traces``: one list of entry dicts
-    per device ordinal (possibly empty lists). Entry dicts are passed through as PyTorch wrote
-    them; ``frames`` lists and frame dicts are shared objects and must not be mutated.
+    segment_pool_id (tuple), is_expandable, frames (list), forward_frames (list of str or None),
+    blocks``; each block a dict with ``address, size, requested_size, state, frames,
+    forward_frames``, every value checked. ``device_traces``: one list of entry dicts per device
+    ordinal (possibly empty lists). Entry dicts are passed through as PyTorch wrote them and are
+    checked column by column when the frames are built; ``frames`` lists and frame dicts are
+    shared objects and must not be mutated. ``allocator_settings`` and ``external_annotations``
+    are checked copies (an annotation: ``device, time_us (or None), stage, name``).
     """
 
     source: SourceInfo
@@ -74,14 +103,14 @@ def _pickle_protocol(head: bytes) -> int | None:
 def _describe_unpickle_error(exc: BaseException) -> str:
     if isinstance(exc, ForbiddenGlobalError):
         return (
-            f"refused: the pickle references the Python global '{exc}' — a memory snapshot "
+            f"refused: the pickle references the Python global '{_one_line(str(exc), 80)}' — a memory snapshot "
             "contains only plain data, and loading this file could run code"
         )
     if isinstance(exc, ForbiddenPersistentIdError):
-        return f"refused: the pickle uses persistent references ({exc}); not a memory snapshot"
+        return f"refused: the pickle uses persistent references ({_one_line(str(exc), 80)}); not a memory snapshot"
     if isinstance(exc, EOFError):
         return "truncated file: the data ends before the pickle is complete"
-    text = str(exc)
+    text = _one_line(str(exc), 400)
     if "truncated" in text or "ran out of input" in text.lower():
         return "truncated file: the data ends before the pickle is complete"
     if isinstance(exc, (lzma.LZMAError, zlib.error, OSError)):
@@ -133,35 +162,22 @@ def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
         raise SnapshotFormatError(path, "empty file (0 bytes)")
     compression = sniff_compression(head)
     progress.stage(f"Reading {path.name}", total=size)
+    # the most bytes the data can have: the file's size, or a ceiling on what decompresses
+    ceiling = size if compression is None else decompressed_ceiling(size)
     try:
-        raw = path.open("rb")
-        with open_decompressed(raw, compression) as stream, _watch_position(raw, progress):
-            first = stream.peek(8)[:8] if hasattr(stream, "peek") else b""
-            if not first:
-                raise SnapshotFormatError(path, "empty after decompression")
-            stripped = first.lstrip()
-            if stripped[:1] in (b"{", b"[") and _pickle_protocol(first) is None:
-                obj = json.load(stream)
-                return obj, SourceInfo(str(path), size, compression, "json", None)
-            protocol = _pickle_protocol(first)
-            if protocol is None and first[:1] not in (b"(", b"]", b"}", b"l", b"d"):
-                raise SnapshotFormatError(
-                    path,
-                    "not a PyTorch memory snapshot: neither a pickle nor JSON"
-                    + (f" (compressed with {compression})" if compression else "")
-                    + f"; file starts with {first[:8]!r}",
-                )
-            with gc_paused():
-                obj = safe_load(stream)
-            return obj, SourceInfo(str(path), size, compression, "pickle", protocol)
+        with path.open("rb") as raw:
+            return _read_stream(path, raw, size, compression, ceiling, progress)
     except SnapshotFormatError:
         raise
-    except json.JSONDecodeError as exc:
-        raise SnapshotFormatError(path, f"invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise SnapshotFormatError(path, "not a valid pickle or JSON (undecodable text)") from None
+    except ExpansionLimitError as exc:
+        raise SnapshotFormatError(
+            path,
+            f"refused: decompresses to {exc}, over {ceiling // size:,} times the file's size (a decompression bomb?)",
+        ) from None
     except MemoryError:
-        raise SnapshotFormatError(path, "ran out of memory while reading the file") from None
+        raise SnapshotFormatError(
+            path, f"refused: reading it needs more memory than {size:,} bytes of snapshot can (a pickle bomb?)"
+        ) from None
     except RecursionError:
         raise SnapshotFormatError(path, "refused: nesting too deep to be a memory snapshot") from None
     except (
@@ -181,103 +197,164 @@ def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
         raise SnapshotFormatError(path, _describe_unpickle_error(exc)) from None
     except Exception as exc:  # zstandard.ZstdError and friends have no common base
         if type(exc).__module__.startswith(("zstandard", "compression")):
-            raise SnapshotFormatError(path, f"corrupt zstd data ({exc})") from None
+            raise SnapshotFormatError(path, f"corrupt zstd data ({_one_line(str(exc))})") from None
         raise
+
+
+def _read_stream(
+    path: Path, raw: IO[bytes], size: int, compression: str | None, ceiling: int, progress: ProgressSink
+) -> tuple[Any, SourceInfo]:
+    bounded: BoundedReader | None = None
+    stream = open_decompressed(raw, compression)
+    if compression is not None:
+        bounded = BoundedReader(stream, ceiling)
+        stream = io.BufferedReader(bounded, buffer_size=1 << 20)
+    with stream, _watch_position(raw, progress):
+        first = stream.peek(8)[:8] if hasattr(stream, "peek") else b""
+        if not first:
+            raise SnapshotFormatError(path, "empty after decompression")
+        stripped = first.lstrip()
+        protocol = _pickle_protocol(first)
+        if stripped[:1] in (b"{", b"[") and protocol is None:
+            try:
+                with memory_limited(MEMORY_PER_BYTE * ceiling + MEMORY_SLACK):
+                    obj = json.load(stream)
+            except json.JSONDecodeError as exc:
+                raise SnapshotFormatError(path, f"invalid JSON at line {exc.lineno}: {exc.msg}") from None
+            except UnicodeDecodeError:
+                raise SnapshotFormatError(path, "invalid JSON: the text is not UTF-8") from None
+            except ValueError as exc:  # e.g. a number of more than 4300 digits
+                raise SnapshotFormatError(path, f"invalid JSON: {_one_line(str(exc))}") from None
+            encoding = "json"
+        else:
+            if protocol is None and first[:1] not in (b"(", b"]", b"}", b"l", b"d"):
+                raise SnapshotFormatError(
+                    path,
+                    "not a PyTorch memory snapshot: neither a pickle nor JSON"
+                    + (f" (compressed with {compression})" if compression else "")
+                    + f"; file starts with {first[:8]!r}",
+                )
+            with gc_paused(), memory_limited(MEMORY_PER_BYTE * ceiling + MEMORY_SLACK):
+                obj = safe_load(stream)
+            encoding = "pickle"
+        data_size = size if bounded is None else bounded.consumed
+        return obj, SourceInfo(str(path), size, compression, encoding, protocol, data_size)
+
+
+def _one_line(text: str, limit: int = 120) -> str:
+    """An exception's text made one printable line (it can quote the file's raw bytes)."""
+    text = " ".join(text.split())[:limit]
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else "?" for c in text)
 
 
 def _type_name(obj: Any) -> str:
     return type(obj).__name__
 
 
-_INT64_MAX = 2**63 - 1
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
 
 
-def _is_count(v: Any) -> bool:
-    """A non-negative int that fits the frames' int64 columns (bools are not counts)."""
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _INT64_MAX
+# A trace entry, a block or a segment takes at least this many bytes of pickle (or JSON) even
+# when every key and value in it is a shared reference; a file holding more of them than its
+# size allows repeats the same objects by reference (a "billion laughs" bomb), which would
+# expand to gigabytes once turned into rows.
+MIN_BYTES_PER_RECORD = 8
 
 
-def _is_int64(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -_INT64_MAX <= v <= _INT64_MAX
-
-
-def _normalise_block(block: Any, seg_addr: int, offset: int, path: Path, where: str) -> dict[str, Any]:
-    if not isinstance(block, dict):
-        raise SnapshotFormatError(path, f"{where}: block is a {_type_name(block)}, expected a dict")
-    size = block.get("size")
-    state = block.get("state")
-    if not _is_count(size):
-        raise SnapshotFormatError(path, f"{where}: block 'size' is {str(size)[:40]!r}, expected a non-negative int")
-    if not isinstance(state, str):
-        raise SnapshotFormatError(path, f"{where}: block 'state' is {state!r}, expected a string")
-    state = _STATE_ALIASES.get(state, state)
+def _normalise_block(block: Any, seg_addr: int, offset: int) -> dict[str, Any]:
+    """One block, checked; FieldErrors carry paths relative to the block."""
+    b = check_dict(block, what="a block (a dict)")
+    size = check_int(b.get("size"), 0, 2**63, "size")
+    state = b.get("state")
+    if type(state) is str:
+        state = _STATE_ALIASES.get(state, state)
     if state not in BLOCK_STATES:
-        raise SnapshotFormatError(path, f"{where}: unknown block state {state[:60]!r}")
-    frames = block.get("frames")
-    requested = block.get("requested_size")
-    if frames is None:
-        history = block.get("history")
-        if isinstance(history, list) and history and isinstance(history[0], dict):
-            frames = history[0].get("frames")
-            if requested is None:
-                requested = history[0].get("real_size")
+        raise FieldError("state", f"expected one of {', '.join(map(repr, BLOCK_STATES))}, got {describe(state)}")
+    frames = b.get("frames")
+    requested = b.get("requested_size")
+    where_req = "requested_size"
+    if frames is None and "history" in b:  # torch 1.13 / 2.0: the stack of the (last) allocation
+        history = check_list(b["history"], "history")
+        if history:
+            h0 = check_dict(history[0], "history[0]")
+            frames = h0.get("frames")
+            if frames is not None:
+                check_list(frames, "history[0].frames", "a list of frames")
+            if requested is None and "real_size" in h0:
+                requested, where_req = h0["real_size"], "history[0].real_size"
+    elif frames is not None:
+        check_list(frames, "frames", "a list of frames")
     if requested is None:
         requested = size
-    if not _is_int64(requested):
-        raise SnapshotFormatError(path, f"{where}: block 'requested_size' is {str(requested)[:40]!r}, expected an int")
-    address = block.get("address")
+    elif state == "inactive":  # stale: the last use's request, or 0; never shown
+        check_int(requested, 0, 2**63, where_req)
+    else:
+        check_int(requested, 0, size + 1, where_req)
+    forward = b.get("forward_frames")
+    if forward is not None:
+        check_forward_frames(forward, "forward_frames")
     derived = seg_addr + offset
+    address = b.get("address")
     if address is None:
         address = derived
-    elif not _is_count(address):
-        raise SnapshotFormatError(path, f"{where}: block 'address' is {str(address)[:40]!r}, expected an int")
-    elif address != derived:
-        raise SnapshotFormatError(
-            path, f"{where}: block address {address:#x} does not follow its neighbours (expected {derived:#x})"
-        )
+    elif address != derived or type(address) is not int:
+        check_int(address, 0, 2**63, "address")
+        raise FieldError("address", f"expected {derived:#x} (the end of the block before it), got {address:#x}")
     return {
         "address": address,
         "size": size,
         "requested_size": requested,
         "state": state,
-        "frames": frames if isinstance(frames, list) else [],
+        "frames": frames if frames is not None else [],
+        "forward_frames": forward,
     }
 
 
-def _normalise_segment(seg: Any, path: Path, index: int) -> dict[str, Any]:
-    where = f"segment {index}"
-    if not isinstance(seg, dict):
-        raise SnapshotFormatError(path, f"{where} is a {_type_name(seg)}, expected a dict")
-    address = seg.get("address")
-    total = seg.get("total_size")
-    blocks = seg.get("blocks")
-    for key, val in (("address", address), ("total_size", total)):
-        if not _is_count(val):
-            raise SnapshotFormatError(path, f"{where}: '{key}' is {str(val)[:40]!r}, expected a non-negative int")
-    assert isinstance(address, int) and isinstance(total, int)  # for the type checker
-    if not isinstance(blocks, list):
-        raise SnapshotFormatError(path, f"{where}: 'blocks' is {_type_name(blocks)}, expected a list")
+def _normalise_segment(seg: Any, seen: set[int]) -> dict[str, Any]:
+    """One segment and its blocks, checked; FieldErrors carry paths relative to the segment."""
+    s = check_dict(seg, what="a segment (a dict)")
+    address = check_int(s.get("address"), 0, 2**63, "address")
+    total = check_int(s.get("total_size"), 0, 2**63 - address, "total_size")
+    blocks = check_list(s.get("blocks"), "blocks", "a list of blocks")
+    if id(blocks) in seen:
+        raise FieldError("blocks", "the same list object as another segment's blocks (a shared reference)")
+    seen.add(id(blocks))
     out_blocks = []
     offset = 0
     for j, b in enumerate(blocks):
-        nb = _normalise_block(b, address, offset, path, f"{where} block {j}")
+        if id(b) in seen:
+            raise FieldError(f"blocks[{j}]", "the same block object appears twice (a shared reference)")
+        seen.add(id(b))
+        try:
+            nb = _normalise_block(b, address, offset)
+        except FieldError as exc:
+            raise exc.under(f"blocks[{j}]") from None
         offset += nb["size"]
+        if offset > total:
+            raise FieldError(f"blocks[{j}]", f"the blocks run past the segment's total_size of {total}")
         out_blocks.append(nb)
     if offset != total:
-        raise SnapshotFormatError(path, f"{where}: its blocks add up to {offset} bytes but 'total_size' is {total}")
-    seg_type = seg.get("segment_type", "large")
-    if seg_type not in ("small", "large"):
-        raise SnapshotFormatError(path, f"{where}: unknown segment_type {str(seg_type)[:40]!r}")
-    pool_id = seg.get("segment_pool_id", (0, 0))
-    if isinstance(pool_id, list):
-        pool_id = tuple(pool_id)
-    if not (isinstance(pool_id, tuple) and len(pool_id) == 2 and all(_is_int64(x) for x in pool_id)):
-        raise SnapshotFormatError(path, f"{where}: 'segment_pool_id' is {str(pool_id)[:40]!r}, expected two ints")
-    device = seg.get("device", 0)
-    stream = seg.get("stream", 0)
-    if not _is_count(device) or device > 65535 or not _is_int64(stream):
-        raise SnapshotFormatError(path, f"{where}: 'device' and 'stream' must be ints")
-    frames = seg.get("frames")
+        raise FieldError("total_size", f"the blocks add up to {offset} bytes but total_size is {total}")
+    seg_type = s.get("segment_type", "large")
+    if seg_type not in ("small", "large") or type(seg_type) is not str:
+        raise FieldError("segment_type", f"expected 'small' or 'large', got {describe(seg_type)}")
+    pool_id = s.get("segment_pool_id", (0, 0))
+    if type(pool_id) not in (tuple, list) or len(pool_id) != 2:
+        raise FieldError("segment_pool_id", f"expected two integers, got {describe(pool_id)}")
+    pool_id = (
+        check_int(pool_id[0], INT64_MIN, 2**63, "segment_pool_id[0]"),
+        check_int(pool_id[1], INT64_MIN, 2**63, "segment_pool_id[1]"),
+    )
+    device = check_int(s.get("device", 0), 0, MAX_DEVICE + 1, "device")
+    stream = check_int(s.get("stream", 0), INT64_MIN, 2**63, "stream")
+    expandable = check_bool(s.get("is_expandable", False), "is_expandable")
+    frames = s.get("frames")
+    if frames is not None:
+        check_list(frames, "frames", "a list of frames")
+    forward = s.get("forward_frames")
+    if forward is not None:
+        check_forward_frames(forward, "forward_frames")
     return {
         "device": device,
         "address": address,
@@ -285,13 +362,94 @@ def _normalise_segment(seg: Any, path: Path, index: int) -> dict[str, Any]:
         "stream": stream,
         "segment_type": seg_type,
         "segment_pool_id": pool_id,
-        "is_expandable": bool(seg.get("is_expandable", False)),
-        "frames": frames if isinstance(frames, list) else [],
+        "is_expandable": expandable,
+        "frames": frames if frames is not None else [],
+        "forward_frames": forward,
         "blocks": out_blocks,
     }
 
 
-def _format_hints(data: dict[str, Any], segments: list[dict[str, Any]], traces: list[list[Any]]) -> list[str]:
+def check_forward_frames(v: Any, path: str) -> list[str]:
+    """``forward_frames`` (torch >= 2.11, anomaly mode): a list of formatted traceback strings."""
+    lst = check_list(v, path, "a list of traceback strings")
+    for k, item in enumerate(lst):
+        if type(item) is not str:
+            raise FieldError(f"{path}[{k}]", f"expected a traceback string, got {describe(item)}")
+    return lst
+
+
+# allocator_settings (torch >= 2.3): the keys snaplab reads, and what each must hold
+_SETTING_BOOLS = (
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register",
+    "graph_capture_record_stream_reuse",
+)
+_MAX_SETTING_ITEMS = 1024
+
+
+def _plain(v: Any) -> bool:
+    return v is None or type(v) in (str, int, bool) or (type(v) is float and math.isfinite(v))
+
+
+def normalise_settings(settings: Any) -> dict[str, Any] | None:
+    """``allocator_settings`` with every known key of its documented type (FieldError otherwise);
+    unknown keys (newer torch) are kept when they hold plain values or a small flat list or dict
+    of them, so they can be shown, and refused otherwise."""
+    if settings is None:
+        return None
+    s = check_dict(settings, what="a dict of settings")
+    out: dict[str, Any] = {}
+    for key, v in s.items():
+        where = key_path(key)
+        if type(key) is not str:
+            raise FieldError(where, "expected a setting name (a string) as key")
+        if key == "PYTORCH_CUDA_ALLOC_CONF":
+            out[key] = check_str(v, where)
+        elif key == "max_split_size":  # bytes; -1 (SIZE_MAX cast to int64) means unlimited
+            out[key] = -1 if v == UINT64_MAX and type(v) is int else check_int(v, -1, 2**63, where)
+        elif key == "garbage_collection_threshold":
+            out[key] = check_number(v, 0.0, 1.0, where)
+        elif key in _SETTING_BOOLS:
+            out[key] = check_bool(v, where)
+        elif key == "pinned_num_register_threads":
+            out[key] = check_int(v, 0, 2**31, where)
+        elif key == "roundup_power2_divisions":
+            divs = check_dict(v, where, "a dict of divisions per size interval")
+            if len(divs) > _MAX_SETTING_ITEMS:
+                raise FieldError(where, f"expected at most {_MAX_SETTING_ITEMS} intervals, got {len(divs):,}")
+            clean = {}
+            for k, d in divs.items():
+                if type(k) is not str or not k.isdigit() or len(k) > 19:
+                    raise FieldError(f"{where}[{key_repr(k)}]", "expected an interval label such as '1024' as key")
+                clean[k] = check_int(d, 0, 2**31, f"{where}[{k!r}]")
+            out[key] = clean
+        elif _plain(v):
+            out[key] = v
+        elif type(v) in (list, tuple, dict) and len(v) <= _MAX_SETTING_ITEMS:
+            items = v.items() if type(v) is dict else enumerate(v)
+            for k, item in items:
+                if not (_plain(k) and _plain(item)):
+                    raise FieldError(f"{where}[{key_repr(k)}]", f"expected a plain value, got {describe(item)}")
+            out[key] = dict(v) if type(v) is dict else list(v)
+        else:
+            raise FieldError(where, f"expected a plain value, got {describe(v)}")
+    return out
+
+
+def _normalise_annotation(a: Any) -> dict[str, Any]:
+    """One ``external_annotations`` item (torch >= 2.5): ``{stage, name, device, time_us}``."""
+    d = check_dict(a, what="an annotation (a dict)")
+    out = {
+        "device": check_int(d.get("device", 0), 0, MAX_DEVICE + 1, "device"),
+        "time_us": None if d.get("time_us") is None else check_int(d["time_us"], 0, 2**63, "time_us"),
+        "stage": check_str(d.get("stage", ""), "stage"),
+        "name": check_str(d.get("name", ""), "name"),
+    }
+    return out
+
+
+def _format_hints(data: dict[str, Any], traces: list[list[Any]]) -> list[str]:
     hints = []
     if "allocator_settings" in data:
         hints.append("allocator_settings (torch>=2.3)")
@@ -308,50 +466,97 @@ def _format_hints(data: dict[str, Any], segments: list[dict[str, Any]], traces: 
     return hints
 
 
+def _check_record_budget(path: Path, source: SourceInfo, what: str, n: int) -> None:
+    size = source.data_size_bytes
+    if size is not None and n * MIN_BYTES_PER_RECORD > size:
+        raise SnapshotFormatError(
+            path,
+            f"refused: {n:,} {what} in {size:,} bytes of data; each takes at least "
+            f"{MIN_BYTES_PER_RECORD} bytes, so objects are repeated by reference (a pickle bomb?)",
+        )
+
+
 def normalise(obj: Any, source: SourceInfo) -> Snapshot:
-    """Turn an unpickled object into a :class:`Snapshot` or raise SnapshotFormatError."""
+    """Turn an unpickled object into a :class:`Snapshot` or raise SnapshotFormatError.
+
+    Segments, blocks, settings and annotations are checked here, field by field. Trace entries,
+    of which there can be millions, are checked column by column where the frames are built
+    (:func:`snapshot_lab.frames.build_frames`); here only their lists are."""
     path = Path(source.path)
     legacy = None
-    if isinstance(obj, list):  # torch 1.13, or torch.cuda.memory_snapshot() output
+    if type(obj) is list:  # torch 1.13, or torch.cuda.memory_snapshot() output
         data: dict[str, Any] = {"segments": obj, "device_traces": []}
         legacy = "1.13"
-    elif isinstance(obj, dict):
+    elif type(obj) is dict:
         data = obj
     else:
         raise SnapshotFormatError(
-            path, f"not a PyTorch memory snapshot: the file holds a {_type_name(obj)}, expected a dict"
+            path, f"not a PyTorch memory snapshot: the file holds {_a(_type_name(obj))}, expected a dict"
         )
     raw_segments = data.get("segments")
     if raw_segments is None:
-        keys = ", ".join(sorted(str(k)[:30] for k in list(data)[:8]))
+        keys = ", ".join(sorted(k[:30] if type(k) is str and k.isprintable() else describe(k) for k in list(data)[:8]))
         raise SnapshotFormatError(
             path, f"not a PyTorch memory snapshot: no 'segments' key (found keys: {keys or 'none'})"
         )
-    if not isinstance(raw_segments, list):
-        raise SnapshotFormatError(path, f"'segments' is a {_type_name(raw_segments)}, expected a list")
-    segments = [_normalise_segment(s, path, i) for i, s in enumerate(raw_segments)]
-    if legacy is None and any(isinstance(b, dict) and "history" in b for s in raw_segments for b in s["blocks"]):
-        legacy = "2.0"
-    traces = data.get("device_traces", [])
-    if traces is None:
-        traces = []
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise SnapshotFormatError(path, "'device_traces' must be a list with one list of events per device")
-    settings = data.get("allocator_settings")
-    if settings is not None and not isinstance(settings, dict):
-        raise SnapshotFormatError(path, f"'allocator_settings' is a {_type_name(settings)}, expected a dict")
-    annotations = data.get("external_annotations") or []
-    if not isinstance(annotations, list):
-        raise SnapshotFormatError(path, "'external_annotations' must be a list")
+    try:
+        if type(raw_segments) is not list:
+            raise FieldError("segments", f"'segments' is a {_type_name(raw_segments)}, expected a list of segments")
+        _check_record_budget(path, source, "segments", len(raw_segments))
+        _check_record_budget(path, source, "blocks", sum(len(s["blocks"]) for s in raw_segments if _has_blocks(s)))
+        seen: set[int] = set()
+        segments = []
+        for i, s in enumerate(raw_segments):
+            if id(s) in seen:
+                raise FieldError(f"segments[{i}]", "the same segment object appears twice (a shared reference)")
+            seen.add(id(s))
+            try:
+                segments.append(_normalise_segment(s, seen))
+            except FieldError as exc:
+                raise exc.under(f"segments[{i}]") from None
+        del seen
+        if legacy is None and any("history" in b for s in raw_segments for b in s["blocks"]):
+            legacy = "2.0"
+        traces = data.get("device_traces", [])
+        if traces is None:
+            traces = []
+        check_list(traces, "device_traces", "a list with one list of events per device")
+        if len(traces) > MAX_DEVICE + 1:
+            raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
+        for d, t in enumerate(traces):
+            check_list(t, f"device_traces[{d}]", "a list of events")
+        _check_record_budget(path, source, "trace entries", sum(map(len, traces)))
+        if len(set(map(id, traces))) != len(traces):
+            raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
+        try:
+            settings = normalise_settings(data.get("allocator_settings"))
+        except FieldError as exc:
+            raise exc.under("allocator_settings") from None
+        raw_annotations = data.get("external_annotations")
+        annotations = []
+        if raw_annotations is not None:
+            check_list(raw_annotations, "external_annotations", "a list of annotations")
+            _check_record_budget(path, source, "annotations", len(raw_annotations))
+            for k, a in enumerate(raw_annotations):
+                try:
+                    annotations.append(_normalise_annotation(a))
+                except FieldError as exc:
+                    raise exc.under(f"external_annotations[{k}]") from None
+    except FieldError as exc:
+        raise SnapshotFormatError(path, str(exc)) from None
     return Snapshot(
         source=source,
         segments=segments,
         device_traces=traces,
         allocator_settings=settings,
-        external_annotations=[a for a in annotations if isinstance(a, dict)],
-        format_hints=_format_hints(data, segments, traces),
+        external_annotations=annotations,
+        format_hints=_format_hints(data, traces),
         legacy=legacy,
     )
+
+
+def _has_blocks(s: Any) -> bool:
+    return type(s) is dict and type(s.get("blocks")) is list
 
 
 def load_snapshot(path: str | Path, progress: ProgressSink | None = None) -> Snapshot:

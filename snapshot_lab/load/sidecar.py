@@ -27,6 +27,26 @@ def load_sidecar(snapshot: str | Path) -> dict[str, Any] | None:
         if not path.is_file() or path.stat().st_size > _MAX_SIDECAR_BYTES:
             return None
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) and data.get("snaplab_capture") else None
+    return _checked(data) if isinstance(data, dict) and data.get("snaplab_capture") else None
+
+
+def _plain(v: Any) -> bool:
+    return v is None or type(v) in (str, int, float, bool)
+
+
+def _checked(meta: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar with every value the analysis reads of the type capture writes; a value
+    edited into something else is dropped (the sidecar is a convenience, never a reason to fail)."""
+    out: dict[str, Any] = {}
+    for key, v in meta.items():
+        if key == "argv":
+            if type(v) is list and all(type(a) is str for a in v):
+                out[key] = v
+        elif key == "oom":
+            if type(v) is dict and all(type(k) is str and _plain(x) for k, x in v.items()):
+                out[key] = v
+        elif key in ("memory_stats", "device_total_bytes", "recording") or _plain(v):
+            out[key] = v  # the first three are only passed through
+    return out

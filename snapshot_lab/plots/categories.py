@@ -31,21 +31,24 @@ def plot_category_timeline(levels: pd.DataFrame, x: np.ndarray, x_label: str, ma
     cols = [c for c in levels.columns if levels[c].max() > 0]
     # downsample each series by its per-bucket maximum, so short spikes stay visible
     series = [envelope(x, levels[c].to_numpy(), max_points) for c in cols]
-    xs = series[0].x if series else x[:1]
-    ax.stackplot(
-        xs,
-        [s.high for s in series],
-        labels=cols,
-        colors=[CATEGORY_COLORS[c] for c in cols],
-        alpha=0.85,
-        lw=0,
-        step="post",
-    )
+    if series:
+        ax.stackplot(
+            series[0].x,
+            [s.high for s in series],
+            labels=cols,
+            colors=[CATEGORY_COLORS[c] for c in cols],
+            alpha=0.85,
+            lw=0,
+            step="post",
+        )
+    else:  # a trace of frees only (what it frees was allocated before recording began)
+        ax.text(0.5, 0.5, "nothing allocated inside the trace", transform=ax.transAxes, ha="center", color="#777")
     bytes_axis(ax.yaxis)
     ax.set_xlabel(x_label)
     ax.set_ylabel("requested bytes")
     ax.set_xlim(float(x[0]), float(x[-1]) if x[-1] > x[0] else float(x[0]) + 1)
     ax.set_title("Memory in use by category (from allocation stacks)", loc="left")
-    ax.legend(loc="upper left", ncols=len(cols) or 1)
+    if cols:
+        ax.legend(loc="upper left", ncols=len(cols))
     ax.grid(axis="y", color="#eeeeee", lw=0.6)
     return fig
