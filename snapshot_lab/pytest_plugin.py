@@ -233,25 +233,27 @@ class CudaMemoryLimits:
         if snapshot is not None:
             device = max(m.over, key=lambda d: m.over[d]) if m.over else worst
             try:
-                sites, at = peak_sites(snapshot, device, MAX_SITES)
+                sites, at, before = peak_sites(snapshot, device, MAX_SITES)
             except Exception as exc:  # the analysis must not hide the verdict
-                sites, at = [], None
+                sites, at, before = [], None, 0
                 lines.append(f"(the snapshot could not be analysed: {exc})")
             if sites:
                 lines.append(
                     "Top allocation sites live at the peak"
-                    + (
-                        f" ({format_bytes(at)} requested in the recorded trace):"
-                        if at is not None
-                        else " (at the dump):"
-                    )
+                    + (f" ({format_bytes(at)} requested at the peak):" if at is not None else " (at the dump):")
                 )
                 for s in sites:
-                    text = f"{format_bytes(s.bytes):>12}  {100 * s.share:5.1f}%  {s.label}"
+                    share = s.bytes / at if at else s.share  # of the whole peak, not of the trace's part
+                    text = f"{format_bytes(s.bytes):>12}  {100 * share:5.1f}%  {s.label}"
                     if s.detail:
                         text += f" -> {s.detail}"
                     lines.append(text)
                     m.sites.append(s.label)
+                if at and before > 0:
+                    lines.append(
+                        f"{format_bytes(before):>12}  {100 * before / at:5.1f}%  "
+                        "<allocated before the recording began (no site)>"
+                    )
             if keep_files:
                 m.snapshot = snapshot
                 lines.append(f"Snapshot: {_shown(snapshot)}")
@@ -295,9 +297,10 @@ def _shown(path: Path | None) -> str:
     return rel if not rel.startswith("..") else str(path)
 
 
-def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tuple[list[Any], int | None]:
+def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tuple[list[Any], int | None, int]:
     """The allocation sites live at the device's requested-bytes peak of the recorded trace,
-    largest first, and that peak; without a trace, the sites live at the dump and None."""
+    largest first, that peak, and the part of it allocated before the trace began; without a
+    trace, the sites live at the dump, None and 0."""
     import numpy as np
     import pandas as pd
 
@@ -311,7 +314,7 @@ def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tup
     frames = load_frames(snapshot)
     stats = compute_stats(frames)
     if device not in stats.devices:
-        return [], None
+        return [], None, 0
     ts = stats.devices[device].torch_stats
     tl = compute_timeline(
         frames.events, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"], frames.annotations
@@ -319,8 +322,9 @@ def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tup
     sites = snapshot_sites(frames)
     if tl is None:
         blocks = frames.blocks[frames.blocks["device"] == device]
-        return live_sites(blocks, sites, limit), None
+        return live_sites(blocks, sites, limit), None, 0
     alive = alive_at(device_lifetimes(frames, device), tl.peak_index)
     codes = categorize(frames).alloc_codes[device][alive.index.to_numpy()]
     cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
-    return top_sites(alive["stack_id"], alive["size_bytes"], sites, limit, cats), tl.peak_requested_bytes
+    before = tl.peak_requested_bytes - int(alive["size_bytes"].sum())
+    return top_sites(alive["stack_id"], alive["size_bytes"], sites, limit, cats), tl.peak_requested_bytes, before

@@ -15,11 +15,13 @@ from .metrics.diagnose import diagnose
 from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
+from .metrics.modules import ModuleBreakdown, ModuleRow
 from .metrics.moments import oom_moment
 from .metrics.sites import alive_at, display_stack, live_sites, snapshot_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
 from .metrics.whatif import WhatIf
+from .module_tags import parent_fqn
 from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
@@ -238,7 +240,68 @@ def _device_section(
         f"{tl.peak_index:,}), by requested bytes."
         + ("" if not tl.anchored_at_end else " Allocations made before the trace began are not included.")
     )
+    if d.modules is not None and d.modules.source != "none":
+        section.modules = _module_view(d.modules)
     return section
+
+
+MODULE_ROWS = 40
+MODULE_MIN_SHARE = 0.005  # rows below half a percent of the peak are left out of the table (still in the totals)
+
+
+def _module_view(m: ModuleBreakdown) -> dict[str, Any]:
+    """The by-module table: for tags, the module tree depth first, children by bytes (a row only
+    when it holds at least MODULE_MIN_SHARE of the peak); from stacks, the forward lines by bytes."""
+    floor = m.peak_bytes * MODULE_MIN_SHARE
+    if m.source == "tags":
+        by_name = {r.module: r for r in m.rows}
+        children: dict[str | None, list[ModuleRow]] = {}
+        for r in m.rows:
+            parent = parent_fqn(r.module) if not r.module.startswith("metadata ") else None
+            while parent is not None and parent not in by_name:
+                parent = parent_fqn(parent)
+            children.setdefault(parent, []).append(r)
+        ordered: list[tuple[ModuleRow, int]] = []
+
+        def walk(parent: str | None, depth: int) -> None:
+            for r in sorted(children.get(parent, []), key=lambda r: (-r.inclusive_bytes, r.module)):
+                if r.inclusive_bytes >= floor and len(ordered) < MODULE_ROWS:
+                    ordered.append((r, depth))
+                    walk(r.module, depth + 1)
+
+        walk(None, 0)
+    else:
+        ordered = [(r, 0) for r in sorted(m.rows, key=lambda r: -r.self_bytes) if r.self_bytes >= floor][:MODULE_ROWS]
+    rows = [
+        {
+            "label": r.label,
+            "depth": depth,
+            "self": r.self_bytes,
+            "inclusive": r.inclusive_bytes,
+            "fwd": r.by_phase.get("fwd", 0),
+            "bwd": r.by_phase.get("bwd", 0),
+            "rec": r.by_phase.get("rec", 0),
+            "peak": r.peak_bytes,
+            "categories": ", ".join(
+                f"{c} {format_bytes(v)}" for c, v in sorted(r.by_category.items(), key=lambda kv: -kv[1])[:3]
+            ),
+        }
+        for r, depth in ordered
+    ]
+    shown = len(rows)
+    return {
+        "exact": m.source == "tags",
+        "note": m.note,
+        "rows": rows,
+        "hidden": len(m.rows) - shown,
+        "peak": m.peak_bytes,
+        "peak_index": m.peak_index,
+        "modules": m.module_bytes,
+        "outside": m.outside_bytes,
+        "before": m.before_trace_bytes,
+        "phases": m.phase_totals,
+        "min_share_pct": f"{MODULE_MIN_SHARE * 100:g}",
+    }
 
 
 def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, str]]:

@@ -132,6 +132,8 @@ EXPECTED = {
     "pickle_float_raw_bytes": "not a valid pickle (ValueError: could not convert string to float",
     # a STACK_GLOBAL name with a newline and an escape code (found by the 1M-input campaign)
     "global_name_control_chars": "refused: the pickle references the Python global 'os \\x1b[.sys\\x00tem'",
+    # ...and one of 80 NUL bytes, whose escapes made the line 4x longer than its cut (campaign 5)
+    "global_name_nul_bytes": "refused: the pickle references the Python global '_codecs.en\\x00\\x00",
     # 'SystemError: deallocated bytearray object has exported buffers' on stderr besides the line
     "bytearray8_2_54": "refused: reading it needs more memory than 112 bytes of snapshot can",
     # bombs: memory or time far beyond the file's size

@@ -96,6 +96,10 @@ def test_max_peak_option_applies_to_every_test_and_the_marker_wins(run):
     out = r.stdout.str()
     # test_over left 3 MiB allocated: the next test's peak counts them, and the message says so
     assert "8.00 MiB on device 0 exceeds the limit of 4.50 MiB (--snaplab-max-peak 4.50 MiB); 3.00 MiB were" in out
+    # shares are of the whole peak; what predates the test's recording is a line of its own
+    failure = out.split("short test summary info")[0]
+    assert re.search(r"5\.00 MiB\s+62\.5%\s+\S*test_mem\.py:19 in test_unmarked", failure)
+    assert re.search(r"3\.00 MiB\s+37\.5%\s+<allocated before the recording began \(no site\)>", failure)
     assert "exceeds the limit of 1.00 MiB (@pytest.mark.limit_cuda_memory('1 MiB'))" in out
     assert "snaplab: CUDA memory peak limit 4.50 MiB, keep failed" in out
 

@@ -141,6 +141,7 @@ class _StackInterner:
         self.frames: list[tuple[str, int, str]] = []
         self.stack_rows: list[tuple[int, ...]] = []
         self.forward_by_obj: dict[int, int | None] = {}
+        self.metadata: dict[str, int] = {"": 0}  # user_metadata strings (torch >= 2.10) -> code
 
     def _content_id(self, key: tuple[str, int, str]) -> int:
         fid = self.frame_by_content.get(key)
@@ -373,6 +374,19 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     return sids
 
 
+def _metadata_codes(chunk: list[Any], codes: dict[str, int]) -> np.ndarray:
+    """Codes of every entry's ``user_metadata`` (``''`` when absent) in ``codes``, which grows
+    with the strings first seen; TypeError for anything but a string. A trace holds few
+    distinct strings (one per tagged module and phase): one pass to find them, one to code."""
+    values = list(_values(chunk, "user_metadata", ""))
+    for v in dict.fromkeys(values):  # TypeError on an unhashable value
+        if v not in codes:
+            if type(v) is not str:
+                raise TypeError("user_metadata")
+            codes[v] = len(codes)
+    return np.fromiter(map(codes.__getitem__, values), dtype=np.int32, count=len(values))
+
+
 def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """``forward_stack_id`` of every entry (``_MISSING`` for none): most entries have no
     ``forward_frames``, so one C-level pass finds the few that do."""
@@ -391,7 +405,7 @@ class _TraceColumns:
 
     def __init__(self) -> None:
         self.parts: dict[str, list[np.ndarray]] = {
-            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "forward", "free")
+            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "forward", "free", "metadata")
         }
         self.extra_actions: dict[str, int] = {}
 
@@ -419,8 +433,9 @@ class _TraceColumns:
         p["stack"].append(_stack_ids(chunk, interner))
         p["forward"].append(_forward_stack_ids(chunk, interner))
         p["free"].append(free)
+        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
 
-    def frame(self, device: int) -> pd.DataFrame:
+    def frame(self, device: int, metadata: list[str]) -> pd.DataFrame:
         col = {k: np.concatenate(v) for k, v in self.parts.items()}
         n = col["size"].size
         categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
@@ -440,6 +455,7 @@ class _TraceColumns:
                 "stack_id": nullable(col["stack"]),
                 "forward_stack_id": nullable(col["forward"]),
                 "device_free_bytes": nullable(col["free"]),
+                "user_metadata": pd.Categorical.from_codes(col["metadata"], categories=metadata),  # type: ignore[call-overload]
             }
         )
 
@@ -459,6 +475,8 @@ def _check_entry(e: Any, interner: _StackInterner) -> None:
             check_int(e.get(key), lo, hi, key)
     if action == "oom" and e.get("device_free") is not None:
         check_int(e["device_free"], 0, 2**63, "device_free")
+    if type(e.get("user_metadata", "")) is not str:
+        raise FieldError("user_metadata", f"expected a string, got {describe(e['user_metadata'])}")
     interner.intern(e.get("frames", _NO_FRAMES))
     if e.get("forward_frames") is not None:
         interner.intern_forward(e["forward_frames"])
@@ -510,8 +528,8 @@ def _collect_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> 
     return out
 
 
-def _events_frame(columns: list[tuple[int, _TraceColumns]]) -> pd.DataFrame:
-    parts = [cols.frame(device) for device, cols in columns]
+def _events_frame(columns: list[tuple[int, _TraceColumns]], metadata: list[str]) -> pd.DataFrame:
+    parts = [cols.frame(device, metadata) for device, cols in columns]
     if not parts:
         return empty_frame(EVENTS_SCHEMA)
     if len(parts) == 1:
@@ -578,7 +596,7 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     interner = _StackInterner()
     seg_rows, blk_rows, columns = _collect(snap, interner, consume)
     segments, blocks = _frame_of(seg_rows, SEGMENTS_SCHEMA), _frame_of(blk_rows, BLOCKS_SCHEMA)
-    events = _events_frame(columns)
+    events = _events_frame(columns, list(interner.metadata))
     del columns
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)

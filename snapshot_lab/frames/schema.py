@@ -73,6 +73,7 @@ EVENTS_SCHEMA: dict[str, object] = {
     "stack_id": "Int64",
     "forward_stack_id": "Int64",  # allocations by backward under anomaly mode: the forward's stack
     "device_free_bytes": "Int64",  # oom entries only
+    "user_metadata": "category",  # torch >= 2.10: _set_memory_metadata's string ('' when none)
 }
 
 STACK_FRAMES_SCHEMA: dict[str, object] = {

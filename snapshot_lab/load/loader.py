@@ -243,8 +243,9 @@ def _read_stream(
 
 def _one_line(text: str, limit: int = 120) -> str:
     """An exception's text made one printable line (it can quote the file's raw bytes)."""
-    text = " ".join(text.split())[:limit]
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else "?" for c in text)
+    text = " ".join(text.split())[: limit * 4]
+    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."  # escaped first: \x00 is 4 characters
 
 
 def _type_name(obj: Any) -> str:

@@ -285,6 +285,7 @@ def followed_tables(frames: SnapshotFrames, device: int, followed: Followed) -> 
             blk_rows["is_private_pool"].append(pid != (0, 0))
             blk_rows["is_expandable"].append(expandable)
             blk_rows["stack_id"].append(lb.stack_id if lb is not None else None)
+            blk_rows["forward_stack_id"].append(None)  # a replayed state: the trace's entries carry no forward stack
         seg_rows["segment_id"].append(sid)
         seg_rows["device"].append(device)
         seg_rows["address"].append(head.addr)

@@ -19,6 +19,7 @@ from .categories import CATEGORIES, categorize, category_levels_at
 from .diagnose import Diagnosis
 from .findings import Finding, compute_fleet_findings
 from .lifetimes import device_lifetimes
+from .modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
 from .parallelism import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
 from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
 from .sites import alive_at, snapshot_sites
@@ -94,6 +95,11 @@ class SnapshotSummary:
     # PEAK_SITES_LIMIT); empty without a trace
     peak_categories: dict[str, int] = field(default_factory=dict)
     peak_sites: list[dict[str, Any]] = field(default_factory=list)
+    # at the same peaks: requested bytes by module (self bytes; metrics.modules), with the
+    # bytes outside any module and those allocated before the trace as rows of their own;
+    # modules_source 'tags' (exact), 'stacks' (approximate) or 'none'
+    peak_modules: dict[str, int] = field(default_factory=dict)
+    modules_source: str = "none"
 
     @property
     def reserved(self) -> int:
@@ -116,6 +122,15 @@ def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_
         for c, v in category_levels_at(frames, tl.device, tl.peak_index).items():
             peak_categories[c] = peak_categories.get(c, 0) + v
         tables.append(peak_site_table(frames, tl.device, tl.peak_index))
+    peak_modules: dict[str, int] = {}
+    sources = set()
+    for tl in peaks:
+        mb = module_breakdown(frames, tl.device)
+        sources.add(mb.source)
+        for r in mb.rows:
+            peak_modules[r.label] = peak_modules.get(r.label, 0) + r.self_bytes
+        peak_modules[OUTSIDE_ROW] = peak_modules.get(OUTSIDE_ROW, 0) + mb.outside_bytes
+        peak_modules[BEFORE_ROW] = peak_modules.get(BEFORE_ROW, 0) + mb.before_trace_bytes
     peak_sites = tables[0] if len(tables) == 1 else pd.DataFrame(columns=["site", "detail", "category", "bytes"])
     if len(tables) > 1:
         both = pd.concat(tables, ignore_index=True).groupby(["site", "detail", "category"], as_index=False).sum()
@@ -141,6 +156,8 @@ def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_
             {"site": str(r.site), "detail": str(r.detail), "category": str(r.category), "bytes": int(r.bytes)}
             for r in peak_sites.head(PEAK_SITES_LIMIT).itertuples(index=False)
         ],
+        peak_modules={k: v for k, v in peak_modules.items() if v},
+        modules_source="tags" if sources == {"tags"} else "stacks" if sources - {"none"} else "none",
     )
 
 
@@ -182,6 +199,11 @@ class SnapshotDiff:
     sites: list[SiteChange]
     findings_new: list[str]
     findings_gone: list[str]
+    # requested bytes at the peak by module (self bytes; rows for outside any module and before
+    # the trace): they add up to the change of the peak. Empty unless both files name modules
+    # the same way (both tagged, or both approximated from stacks)
+    modules: list[SiteChange] = field(default_factory=list)
+    modules_source: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         def ch(c: Change) -> dict[str, Any]:
@@ -195,7 +217,34 @@ class SnapshotDiff:
             "sites": [{**asdict(s), "delta_bytes": s.delta_bytes} for s in self.sites],
             "findings_new": self.findings_new,
             "findings_gone": self.findings_gone,
+            "modules_source": self.modules_source,
+            "modules": [
+                {
+                    "module": m.site,
+                    "before_bytes": m.before_bytes,
+                    "after_bytes": m.after_bytes,
+                    "delta_bytes": m.delta_bytes,
+                    "status": m.status,
+                }
+                for m in self.modules
+            ],
         }
+
+
+def _status(before: int, after: int) -> str:
+    if before == after:
+        return "same"
+    return "new" if before == 0 else "gone" if after == 0 else "grown" if after > before else "shrunk"
+
+
+def _module_changes(a: SnapshotSummary, b: SnapshotSummary, limit: int) -> list[SiteChange]:
+    if a.modules_source != b.modules_source or a.modules_source == "none":
+        return []
+    names = list(dict.fromkeys([*a.peak_modules, *b.peak_modules]))
+    rows = [SiteChange(n, "", a.peak_modules.get(n, 0), b.peak_modules.get(n, 0), "") for n in names]
+    rows = [SiteChange(r.site, "", r.before_bytes, r.after_bytes, _status(r.before_bytes, r.after_bytes)) for r in rows]
+    rows.sort(key=lambda r: (-abs(r.delta_bytes), -r.after_bytes, r.site))
+    return rows[:limit]
 
 
 def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> SnapshotDiff:
@@ -244,6 +293,8 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
         sites=sites,
         findings_new=sorted(set(b.findings) - set(a.findings)),
         findings_gone=sorted(set(a.findings) - set(b.findings)),
+        modules=_module_changes(a, b, limit),
+        modules_source=a.modules_source if a.modules_source == b.modules_source else "none",
     )
 
 

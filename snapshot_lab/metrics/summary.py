@@ -8,6 +8,7 @@ from typing import Any
 from ..frames import SnapshotFrames
 from .categories import CATEGORIES, compute_categories
 from .fragmentation import PoolFragmentation, compute_fragmentation
+from .modules import ModuleBreakdown, module_breakdown
 from .oom import OomAnalysis, analyse_device_oom
 from .parallelism import detect_parallel
 from .recording import Recording, describe_recording
@@ -26,6 +27,7 @@ class DeviceStats:
     large_segments: tuple[tuple[int, int], ...] = ()
     categories: dict[str, int] | None = None  # allocated bytes at the dump by category
     categories_requested: dict[str, int] | None = None  # what those blocks' tensors requested
+    modules: ModuleBreakdown | None = None  # bytes by module at the trace's peak (metrics.modules)
 
     def split_segments_larger_than(self, size_bytes: int) -> int:
         """How many large-pool segments bigger than ``size_bytes`` are split into several blocks."""
@@ -40,6 +42,7 @@ class DeviceStats:
             "expandable_reserved_bytes": self.expandable_reserved_bytes,
             "categories": self.categories,
             "categories_requested": self.categories_requested,
+            "modules": self.modules.to_dict() if self.modules else None,
         }
 
 
@@ -135,6 +138,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             ),
             categories=(cats := compute_categories(frames, d, with_timeline=False)).live_bytes,
             categories_requested=cats.live_requested_bytes,
+            modules=module_breakdown(frames, d) if d in frames.info.trace_devices else None,
         )
     if len(per_device) == 1:
         only = next(iter(per_device.values()))

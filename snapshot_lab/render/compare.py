@@ -69,8 +69,25 @@ def render_diff_html(d: SnapshotDiff, version: str) -> str:
         ],
         "findings_new": d.findings_new,
         "findings_gone": d.findings_gone,
+        "modules": [
+            {**m.__dict__, "delta": ("+" if m.delta_bytes > 0 else "") + format_bytes(m.delta_bytes)}
+            for m in d.modules
+            if m.delta_bytes
+        ][:25],
+        "modules_note": _modules_note(d),
     }
     return _environment().get_template("diff.html.j2").render(ctx=ctx)
+
+
+def _modules_note(d: SnapshotDiff) -> str:
+    if d.modules_source == "tags":
+        return "Requested bytes alive at each file's peak, by the module that allocated them (module tags)."
+    if d.modules_source == "stacks":
+        return (
+            "Requested bytes alive at each file's peak, by the innermost forward frame of their stacks: an "
+            "approximation (record with snaplab run or recording() to tag allocations with module names)."
+        )
+    return ""
 
 
 def format_diff(d: SnapshotDiff) -> str:
@@ -93,6 +110,25 @@ def format_diff(d: SnapshotDiff) -> str:
             for s in d.sites[:20]
         ],
     )
+    mods = [m for m in d.modules if m.delta_bytes][:15]
+    if mods:
+        sites += (
+            "\n\n"
+            + _modules_note(d)
+            + "\n"
+            + table(
+                ["module at the peak", "before", "after", "change"],
+                [
+                    [
+                        m.site,
+                        format_bytes(m.before_bytes),
+                        format_bytes(m.after_bytes),
+                        ("+" if m.delta_bytes > 0 else "") + format_bytes(m.delta_bytes),
+                    ]
+                    for m in mods
+                ],
+            )
+        )
     extra = ""
     if d.findings_new or d.findings_gone:
         extra = f"\nfindings new: {', '.join(d.findings_new) or 'none'}; gone: {', '.join(d.findings_gone) or 'none'}\n"

@@ -66,6 +66,7 @@ class DeviceSection:
     oom_sites: list[SiteView] = field(default_factory=list)
     parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
     would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
+    modules: dict[str, Any] | None = None  # memory by module at the peak (report._module_view)
 
 
 @dataclass

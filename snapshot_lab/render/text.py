@@ -8,6 +8,7 @@ from typing import Any
 from ..metrics import SnapshotStats
 from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import LeakAnalysis
+from ..metrics.modules import ModuleBreakdown
 from ..metrics.summary import DeviceStats
 from ..metrics.whatif import WhatIf, settings_label
 from ..units import format_bytes, format_percent
@@ -25,6 +26,32 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_modules(m: ModuleBreakdown, limit: int = 12) -> str:
+    """The modules holding the most bytes at the peak (self bytes), and the totals' other rows."""
+    head = f"memory by module at the peak ({format_bytes(m.peak_bytes)} requested, event {m.peak_index:,}): " + (
+        "from module tags" if m.source == "tags" else "APPROXIMATE. " + m.note
+    )
+    rows = sorted(m.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
+    body = [
+        [
+            r.label,
+            format_bytes(r.self_bytes),
+            format_bytes(r.inclusive_bytes) if m.source == "tags" else "",
+            format_bytes(r.by_phase.get("fwd", 0)),
+            format_bytes(r.by_phase.get("bwd", 0)),
+            format_bytes(r.by_phase.get("rec", 0)),
+            format_bytes(r.peak_bytes),
+        ]
+        for r in rows
+        if r.self_bytes
+    ]
+    body.append(["<outside any module>", format_bytes(m.outside_bytes), "", "", "", "", ""])
+    if m.before_trace_bytes:
+        body.append(["<allocated before the trace>", format_bytes(m.before_trace_bytes), "", "", "", "", ""])
+    cols = ["module", "self at peak", "with children", "forward", "backward", "recomputed", "own peak"]
+    return head + "\n" + table(cols, body)
 
 
 def _device_text(d: DeviceStats) -> str:
@@ -52,6 +79,9 @@ def _device_text(d: DeviceStats) -> str:
             out.append(f"private pools (CUDA graphs, MemPool): {format_bytes(d.private_pool_reserved_bytes)} reserved")
         if d.expandable_reserved_bytes:
             out.append(f"expandable segments: {format_bytes(d.expandable_reserved_bytes)} mapped")
+    if d.modules is not None and d.modules.source != "none":
+        out.append("")
+        out.append(format_modules(d.modules))
     if d.oom:
         o = d.oom
         out.append("")
