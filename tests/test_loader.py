@@ -544,5 +544,11 @@ def test_sidecar_values_of_the_wrong_type_are_dropped(tmp_path):
     meta = {"snaplab_capture": 1, "argv": 5, "oom": {"limit_bytes": [1]}, "rank": 0, "host": {"x": 1}, "step": 3}
     (tmp_path / "run_rank0.meta.json").write_text(json.dumps(meta))
     assert load_sidecar(p) == {"snaplab_capture": 1, "rank": 0, "step": 3}
+    # the structured keys capture writes stay (the parallel layout, the incident, the tags)
+    # when they are objects, and go when they are not
+    par = {"degrees": {"dp": 2}, "coordinates": {"dp": 1}}
+    meta = {"snaplab_capture": 1, "parallel": par, "incident": {"same_as": "a.pickle"}, "module_tags": [1]}
+    (tmp_path / "run_rank0.meta.json").write_text(json.dumps(meta))
+    assert load_sidecar(p) == {"snaplab_capture": 1, "parallel": par, "incident": {"same_as": "a.pickle"}}
     (tmp_path / "run_rank0.meta.json").write_text("[" * 100000 + "]" * 100000)
     assert load_sidecar(p) is None

@@ -47,6 +47,9 @@ def _checked(meta: dict[str, Any]) -> dict[str, Any]:
         elif key == "oom":
             if type(v) is dict and all(type(k) is str and _plain(x) for k, x in v.items()):
                 out[key] = v
+        elif key in ("incident", "module_tags", "parallel"):
+            if type(v) is dict:
+                out[key] = v  # read defensively where read (metrics.parallelism) or only shown
         elif key in ("memory_stats", "device_total_bytes", "recording") or _plain(v):
             out[key] = v  # the first three are only passed through
     return out
