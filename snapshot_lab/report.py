@@ -17,7 +17,7 @@ from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
 from .metrics.modules import ModuleBreakdown, ModuleRow
 from .metrics.moments import oom_moment
-from .metrics.sites import alive_at, display_stack, live_sites, snapshot_sites, top_sites
+from .metrics.sites import alive_at, allocation_forward_ids, display_stack, live_sites, snapshot_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
 from .metrics.whatif import WhatIf
@@ -232,8 +232,9 @@ def _device_section(
     alive = alive_at(lifetimes, tl.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
+    fwd = allocation_forward_ids(frames, dev, alive["event_index"].to_numpy(dtype=np.int64))
     section.peak_sites = _site_views(
-        frames, top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats)
+        frames, top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
     )
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "

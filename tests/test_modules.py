@@ -164,3 +164,35 @@ def test_module_diff_adds_up_to_the_change_of_the_peak(real_frames):
     d = diff_summaries(sums[0], sums[1], limit=10_000)
     assert sum(c.delta_bytes for c in d.modules) == sums[1].peak_requested_bytes - sums[0].peak_requested_bytes
     assert BEFORE_ROW not in sums[0].peak_modules  # both built their model inside the recording
+
+
+def test_anomaly_mode_forward_stacks_name_backward_sites_and_modules(real_frames):
+    """grad_anomaly_python (MLP, AdamW, Python stacks, autograd anomaly mode): autograd's thread
+    records no frames, so without the forward stacks every gradient is '<no stack recorded:
+    gradient>' and its bytes 'backward, module unknown'. The forward stack torch >= 2.11 keeps
+    for each node names the user's line that ran the forward, and the Linear's forward."""
+    from snapshot_lab.metrics.categories import categorize
+    from snapshot_lab.metrics.compare import site_table
+
+    fr = real_frames("grad_anomaly_python")
+    truth = sample_truth("grad_anomaly_python")["workload"]
+    sites = site_table(fr).set_index("site")["bytes"]
+    grads = "backward of main/sample_snapshots/workloads_holdout.py:257 in grad_anomaly"
+    assert grads in sites.index and not any(s.startswith("<no stack recorded") for s in sites.index)
+    b = fr.blocks[fr.blocks["state"] == "active_allocated"]
+    cats = categorize(fr).block_category[b.index]
+    from snapshot_lab.metrics.sites import block_forward_ids, site_labels, snapshot_sites
+
+    labels, _ = site_labels(
+        b["stack_id"].to_numpy(dtype="int64", na_value=-1),
+        snapshot_sites(fr),
+        cats.to_numpy(object),
+        block_forward_ids(b),
+    )
+    assert int(b["size_bytes"][(labels == grads) & (cats == "gradient").to_numpy()].sum()) == truth["grad_bytes"]
+    mb = module_breakdown(fr, 0)
+    rows = {r.module: r for r in mb.rows}
+    assert rows[UNKNOWN_BACKWARD].self_bytes == 0  # at the peak every backward byte has its forward line
+    linear = rows["nn/modules/linear.py:134 in forward"]
+    assert linear.by_phase["bwd"] > 0 and linear.by_phase["fwd"] > 0
+    assert mb.module_bytes + mb.outside_bytes + mb.before_trace_bytes == mb.peak_bytes

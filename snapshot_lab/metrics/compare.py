@@ -22,7 +22,7 @@ from .lifetimes import device_lifetimes
 from .modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
 from .parallelism import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
 from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
-from .sites import alive_at, snapshot_sites
+from .sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
 from .summary import SnapshotStats
 
 MiB = 1024 * 1024
@@ -38,13 +38,7 @@ def site_table(frames: SnapshotFrames) -> pd.DataFrame:
     sites = snapshot_sites(frames)
     cats = categorize(frames).block_category[b.index]
     sid = b["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    table = sites.table
-    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
-    site = np.empty(sid.size, dtype=object)
-    detail = np.full(sid.size, "", dtype=object)
-    site[known] = table["label"].reindex(sid[known]).to_numpy()
-    detail[known] = table["detail"].reindex(sid[known]).fillna("").to_numpy()
-    site[~known] = [sites.label(None, c) for c in cats.to_numpy(dtype=object)[~known]]
+    site, detail = site_labels(sid, sites, cats.to_numpy(dtype=object), block_forward_ids(b))
     df = pd.DataFrame({"site": site, "detail": detail, "bytes": b["size_bytes"].to_numpy()})
     return df.groupby(["site", "detail"], as_index=False).agg(bytes=("bytes", "sum"), blocks=("bytes", "size"))
 
@@ -58,13 +52,8 @@ def peak_site_table(frames: SnapshotFrames, device: int, peak_index: int) -> pd.
     codes = categorize(frames).alloc_codes[device][alive.index.to_numpy()]
     cats = np.array(CATEGORIES, dtype=object)[np.where(codes < 0, len(CATEGORIES) - 1, codes)]
     sid = alive["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    table = sites.table
-    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
-    site = np.empty(sid.size, dtype=object)
-    detail = np.full(sid.size, "", dtype=object)
-    site[known] = table["label"].reindex(sid[known]).to_numpy()
-    detail[known] = table["detail"].reindex(sid[known]).fillna("").to_numpy()
-    site[~known] = [sites.label(None, c) for c in cats[~known]]
+    fwd = allocation_forward_ids(frames, device, alive["event_index"].to_numpy(dtype=np.int64))
+    site, detail = site_labels(sid, sites, cats, fwd)
     df = pd.DataFrame({"site": site, "detail": detail, "category": cats, "bytes": alive["size_bytes"].to_numpy()})
     out = df.groupby(["site", "detail", "category"], as_index=False)["bytes"].sum()
     return out.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)

@@ -37,7 +37,7 @@ from .categories import CATEGORIES, categorize
 from .categories.gradients import THREAD_CODES, thread_codes
 from .categories.stacks import stack_threads
 from .lifetimes import device_lifetimes
-from .sites import frame_label
+from .sites import allocation_forward_ids, frame_label
 from .timeline import compute_timeline
 from .torch_stats import compute_torch_stats
 
@@ -167,7 +167,7 @@ def _forward_frames(frames: SnapshotFrames) -> pd.Series:
     return pd.Series(labels.reindex(hit["frame_id"]).to_numpy(), index=hit["stack_id"].to_numpy(), dtype=object)
 
 
-def _from_stacks(frames: SnapshotFrames, lifetimes: pd.DataFrame) -> _Attribution:
+def _from_stacks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -> _Attribution:
     sid = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     n = sid.size
     module = np.full(n, _NO_MODULE, dtype=np.int64)
@@ -188,6 +188,14 @@ def _from_stacks(frames: SnapshotFrames, lifetimes: pd.DataFrame) -> _Attributio
     in_forward = module != _NO_MODULE
     phase[in_forward] = np.where(backward[in_forward], PHASE_NAMES.index("rec"), PHASE_NAMES.index("fwd"))
     lost = backward & ~in_forward
+    fwd_ids = allocation_forward_ids(frames, device, lifetimes["event_index"].to_numpy(dtype=np.int64))
+    if fwd_ids is not None and len(fwd) and lost.any():
+        # anomaly mode: the forward stack that created the autograd node names the module
+        by_forward = table[np.where(fwd_ids >= 0, np.minimum(fwd_ids, table.size - 1), -1)]
+        named = lost & (fwd_ids >= 0) & (fwd_ids < table.size - 1) & (by_forward != _NO_MODULE)
+        module[named] = by_forward[named]
+        phase[named] = PHASE_NAMES.index("bwd")
+        lost &= ~named
     if lost.any():
         module[lost] = len(names)
         phase[lost] = PHASE_NAMES.index("bwd")
@@ -264,11 +272,13 @@ def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> Module
     attribution = _from_tags(ev, lifetimes)
     note = "From the module tags (user_metadata), exact"
     if attribution is None:
-        attribution = _from_stacks(frames, lifetimes)
+        attribution = _from_stacks(frames, device, lifetimes)
         has_key = "user_metadata (torch>=2.10)" in frames.info.format_hints
         note = (
             "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
-            "stack (a line of a module's code, not a module instance), backward allocations on no module; "
+            "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
+            "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
+            "no module; "
             + (
                 "record with snaplab run / recording() to tag allocations by module"
                 if has_key

@@ -245,25 +245,72 @@ def snapshot_sites(frames: SnapshotFrames) -> StackSites:
     return memo(frames, "sites", lambda: stack_sites(frames.stacks, frames.stack_frames))
 
 
+def site_labels(
+    stack_ids: np.ndarray,
+    sites: StackSites,
+    categories: np.ndarray | None = None,
+    forward_ids: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Label and detail of each allocation (its stack id, -1 for none): the site of its stack;
+    stackless allocations are grouped by their ``categories``; an allocation the backward pass
+    made under anomaly mode (``forward_ids``: the forward stack that created its autograd node)
+    is named after that forward site as well (``AddmmBackward0 (backward) of model.py:12 in
+    forward``; ``backward of model.py:12 in forward`` when it has no stack of its own)."""
+    table = sites.table
+    index = table.index.to_numpy(dtype=np.int64)
+    known = np.isin(stack_ids, index)
+    labels = np.empty(stack_ids.size, dtype=object)
+    detail = np.full(stack_ids.size, "", dtype=object)
+    labels[known] = table["label"].reindex(stack_ids[known]).to_numpy()
+    detail[known] = table["detail"].reindex(stack_ids[known]).fillna("").to_numpy()
+    cats = categories if categories is not None else np.full(stack_ids.size, None, dtype=object)
+    labels[~known] = [sites.label(None, c) for c in cats[~known]]
+    if forward_ids is not None:
+        has = np.flatnonzero((forward_ids >= 0) & np.isin(forward_ids, index))
+        if has.size:
+            forward = table["label"].reindex(forward_ids[has]).to_numpy()
+            for i, f in zip(has, forward, strict=True):
+                base = str(labels[i])
+                if base.endswith("(backward)"):
+                    labels[i] = f"{base} of {f}"
+                elif base.startswith(NO_STACK_LABEL[:-1]):
+                    labels[i] = f"backward of {f}"
+    return labels, detail
+
+
+def allocation_forward_ids(frames: SnapshotFrames, device: int, event_index: np.ndarray) -> np.ndarray | None:
+    """``forward_stack_id`` (-1 for none) of the allocations at ``event_index`` of a device's
+    trace; None when the recording has no forward stacks (no anomaly mode)."""
+    ev = frames.events
+    if not ev["forward_stack_id"].notna().any():
+        return None
+    col = ev.loc[ev["device"] == device, "forward_stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    return col[event_index]
+
+
+def block_forward_ids(blocks: pd.DataFrame) -> np.ndarray | None:
+    fwd = blocks["forward_stack_id"]
+    return fwd.to_numpy(dtype=np.int64, na_value=-1) if fwd.notna().any() else None
+
+
 def top_sites(
     stack_ids: pd.Series,
     sizes: pd.Series,
     sites: StackSites,
     limit: int = 15,
     categories: pd.Series | None = None,
+    forward_ids: np.ndarray | None = None,
 ) -> list[Site]:
     """Group allocations (their stack ids and byte sizes) by site label, largest first;
-    ``categories`` (aligned with ``stack_ids``) names the groups of stackless allocations."""
+    ``categories`` (aligned with ``stack_ids``) names the groups of stackless allocations,
+    ``forward_ids`` the forward sites of backward allocations (see :func:`site_labels`)."""
     total = int(sizes.sum())
     if total == 0:
         return []
     sid = stack_ids.to_numpy(dtype=np.int64, na_value=-1) if len(stack_ids) else np.zeros(0, dtype=np.int64)
-    cats = categories.to_numpy(dtype=object) if categories is not None else np.full(sid.size, None, dtype=object)
+    cats = categories.to_numpy(dtype=object) if categories is not None else None
+    labels, _ = site_labels(sid, sites, cats, forward_ids)
     table = sites.table
-    known = np.isin(sid, table.index.to_numpy(dtype=np.int64))
-    labels = np.empty(sid.size, dtype=object)
-    labels[known] = table["label"].reindex(sid[known]).to_numpy()
-    labels[~known] = [sites.label(None, c) for c in cats[~known]]
     df = pd.DataFrame({"label": labels, "stack_id": sid, "bytes": sizes.to_numpy()})
     by_stack = df.groupby(["label", "stack_id"])["bytes"].agg(["sum", "count"]).reset_index()
     out = []
@@ -287,7 +334,8 @@ def live_sites(
     ``blocks``)."""
     live = blocks["state"] == "active_allocated"
     cats = categories[live] if categories is not None else None
-    return top_sites(blocks.loc[live, "stack_id"], blocks.loc[live, "size_bytes"], sites, limit, cats)
+    fwd = block_forward_ids(blocks[live])
+    return top_sites(blocks.loc[live, "stack_id"], blocks.loc[live, "size_bytes"], sites, limit, cats, fwd)
 
 
 def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:
