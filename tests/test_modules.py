@@ -140,6 +140,8 @@ def test_stats_json_report_and_diff_carry_the_module_view(tmp_path):
     assert m["module_bytes_at_peak"] + m["outside_any_module_bytes_at_peak"] == 1186389064
     assert {r["module"] for r in m["modules"]} >= {"", "transformer.h.3.mlp.act", "lm_head"}
     json.dumps(st)  # plain JSON
+    cell = api.stats(tagged)._repr_html_()  # a notebook shows the largest modules too
+    assert "transformer.h.0.mlp.act" in cell and "outside any module" in cell
     html = api.report(tagged, output=tmp_path / "r.html").read_text()
     assert "Memory by module at the peak</h3>" in html and "transformer.h.0.mlp.act" in html
     untagged_html = api.report(sample_path("modtags_gpt2_python_untagged"), output=tmp_path / "u.html").read_text()

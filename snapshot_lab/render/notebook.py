@@ -93,6 +93,30 @@ def _device_view(dev: int, d: Any) -> dict[str, Any]:
         ],
         "categories": [(c, format_bytes(b), format_percent(b / total)) for c, b in cats.items() if b],
         "oom": d.oom,
+        "modules": _modules_view(d.modules),
+    }
+
+
+def _modules_view(m: Any, limit: int = 10) -> dict[str, Any] | None:
+    """The modules holding the most bytes at the peak (by themselves), as in ``snaplab stats``."""
+    if m is None or m.source == "none" or not m.rows:
+        return None
+    rows = sorted(m.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
+    return {
+        "exact": m.source == "tags",
+        "peak": format_bytes(m.peak_bytes),
+        "rows": [
+            (
+                r.label,
+                format_bytes(r.self_bytes),
+                format_bytes(r.by_phase.get("fwd", 0)),
+                format_bytes(r.by_phase.get("bwd", 0)),
+            )
+            for r in rows
+            if r.self_bytes
+        ],
+        "outside": format_bytes(m.outside_bytes),
+        "before": format_bytes(m.before_trace_bytes) if m.before_trace_bytes else "",
     }
 
 
