@@ -71,6 +71,8 @@ EXPECTED = {
     "modtags_gpt2_python_untagged": {"history-incomplete"},
     "modtags_llama_ckpt_all": set(),
     "modtags_llama_ckpt_all_untagged": {"history-incomplete"},
+    "modtags_resnet50_process": set(),
+    "modtags_resnet50_process_untagged": {"history-incomplete"},
     **{f"lightning_fit_{k}": {"history-incomplete"} for k in ("step3", "step6", "end")},
     "lightning_oom_oom": {"oom-capacity"},
     "lightning_oom_exception": {"oom-capacity"},

@@ -4,9 +4,11 @@ add up to the bytes allocated at the peak.
 Truth: the GPU job (sample_snapshots/jobs/integrations_gpu.py) replayed each tagged snapshot's
 trace with plain Python and stored the live bytes per tag at the peak (``live_bytes_per_tag_at_peak``,
 the 25 largest) and the peak (``peak_live_bytes_in_trace``, checked there against torch's own
-requested-bytes peak). Two models, two stack modes: GPT-2 with Python stacks, and the hold-out,
-a Llama with activation checkpointing and C++ stacks (``stacks='all'``), whose backward runs
-with autograd frames where GPT-2's has none. The untagged twins are the same runs without tags.
+requested-bytes peak). Three models, two stack modes: GPT-2 with Python stacks; the hold-outs, a
+Llama with activation checkpointing and C++ stacks (``stacks='all'``), whose backward runs with
+autograd frames where GPT-2's has none, and a ResNet-50 (BatchNorm, in-place ReLU, SGD) tagged
+process-wide as ``snaplab run`` does (``ResNet.layer1.0.conv1``: no root module ``''``). The
+untagged twins are the same runs without tags.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from snapshot_lab.module_tags import NEEDS, parse_tag
 
 from .conftest import block, event, make_snapshot, sample_path, sample_truth, segment
 
-TAGGED = ["modtags_gpt2_python", "modtags_llama_ckpt_all"]
+# three families, two stack modes, both ways of naming modules (model-relative and process-wide)
+TAGGED = ["modtags_gpt2_python", "modtags_llama_ckpt_all", "modtags_resnet50_process"]
 FRAMEWORKS = ["hf_trainer_end", "lightning_fit_end", "hf_trainer_step3", "lightning_fit_step6"]
 
 
@@ -81,7 +84,7 @@ def test_without_tags_the_stacks_give_an_approximation_that_adds_up(real_frames,
     assert mb.peak_bytes == twin.peak_bytes
     assert mb.outside_bytes == twin.outside_bytes
     rows = {r.module: r for r in mb.rows}
-    assert rows[UNKNOWN_BACKWARD].by_phase == {"bwd": 201326592}
+    assert rows[UNKNOWN_BACKWARD].self_bytes > 0 and set(rows[UNKNOWN_BACKWARD].by_phase) == {"bwd"}
     forward_lines = [r for r in mb.rows if r.module != UNKNOWN_BACKWARD]
     assert forward_lines and all(" in forward" in r.module for r in forward_lines)
 

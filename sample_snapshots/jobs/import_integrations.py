@@ -76,6 +76,33 @@ PLAN: list[tuple[str, str, str, dict[str, Any]]] = [
             "job": "sample_snapshots/jobs/integrations_gpu.py (tags_holdout)",
         },
     ),
+    (
+        "tags_cnn",
+        "resnet_tagged_",
+        "modtags_resnet50_process",
+        {
+            "kind": "module-tags",
+            "model": "torchvision ResNet-50 (channels_last), SGD with momentum, bf16 autocast",
+            "steps": "3 training steps, batches of 16/24/16 images of 224 x 224",
+            "stacks": "python",
+            "tagged": "tag_modules(None): every module of the process, named after its class",
+            "built_inside_the_recording": True,
+            "job": "sample_snapshots/jobs/integrations_gpu.py (tags_cnn)",
+        },
+    ),
+    (
+        "tags_cnn",
+        "resnet_untagged_",
+        "modtags_resnet50_process_untagged",
+        {
+            "kind": "module-tags",
+            "model": "the same ResNet-50 run as modtags_resnet50_process, not tagged",
+            "stacks": "python",
+            "tagged": False,
+            "built_inside_the_recording": True,
+            "job": "sample_snapshots/jobs/integrations_gpu.py (tags_cnn)",
+        },
+    ),
 ]
 LIGHTNING = {
     "kind": "integration",

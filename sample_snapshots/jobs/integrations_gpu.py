@@ -732,6 +732,93 @@ def tags_holdout_part(folder: Path) -> dict[str, Any]:
     return out
 
 
+@part("tags_cnn")
+def tags_cnn_part(folder: Path) -> dict[str, Any]:
+    """A third family for the by-module view: a CNN (torchvision ResNet-50: BatchNorm, in-place
+    ReLU, residual adds), SGD with momentum, channels_last, bf16 autocast, tagged process-wide
+    (``tag_modules(None)``: names start with the class, as under ``snaplab run``), and untagged."""
+    import torch
+
+    from snapshot_lab.capture import recording
+    from snapshot_lab.module_tags import tag_modules
+
+    def resnet50() -> Any:
+        if DRY:  # no torchvision on the development machine: a stand-in of the same kind of layers
+            nn = torch.nn
+            return nn.Sequential(
+                nn.Conv2d(3, 8, 3, stride=4), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 1000),
+            )  # fmt: skip
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None)
+
+    out: dict[str, Any] = {"torch_requested": {}}
+
+    def requested(key: str) -> int:
+        return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
+
+    def run(name: str, tagged: bool) -> Path | None:
+        torch.manual_seed(0)
+        if not DRY:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = requested("current")
+        handle = tag_modules(None) if tagged else None
+        with recording(
+            folder, stacks="python", max_entries=200_000, prefix=name, dump_on_exit=False, tag_modules=False
+        ) as rec:
+            model = resnet50().to(DEVICE, memory_format=torch.channels_last)
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            for batch in (16, 24, 16):
+                x = torch.randn(batch, 3, 224, 224, device=DEVICE).to(memory_format=torch.channels_last)
+                y = torch.randint(0, 1000, (batch,), device=DEVICE)
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not DRY):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec.step()
+            describe = handle.describe() if handle is not None else None
+            path = rec.dump()
+            out["torch_requested"][name] = {"before": before, "torch_requested_peak": requested("peak")}
+        if handle is not None:
+            handle.remove()
+        if describe is not None and path is not None:
+            side = path.with_name(path.name.replace(".pickle", ".meta.json"))
+            meta = json.loads(side.read_text())
+            meta["module_tags"] = describe
+            side.write_text(json.dumps(meta, indent=1))
+        return path
+
+    tagged = run("resnet_tagged", True)
+    untagged = run("resnet_untagged", False)
+    census = snapshot_tags(tagged) if tagged else {}
+    plain = snapshot_tags(untagged) if untagged else {}
+    phases = census.get("allocs_by_phase", {})
+    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
+    for tag, size in census.get("top_tags_at_peak", [])[:12]:
+        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+    out.update(
+        tagged=tagged.name if tagged else None,
+        untagged=untagged.name if untagged else None,
+        tagged_census=census,
+        untagged_census=plain,
+        files=files(folder),
+        checks={
+            "forward_and_backward_tags": DRY or (phases.get("fwd", 0) > 0 and phases.get("bwd", 0) > 0),
+            "tags_add_up_at_peak": census.get("sum_of_tags_at_peak") == census.get("peak_live_bytes_in_trace"),
+            "trace_peak_is_torchs_peak": DRY
+            or census.get("peak_live_bytes_in_trace")
+            == out["torch_requested"]["resnet_tagged"]["torch_requested_peak"]
+            - out["torch_requested"]["resnet_tagged"]["before"],
+            "untagged_has_no_tags": DRY or set(plain.get("allocs_by_phase", {})) <= {"outside"},
+        },
+    )
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -781,6 +868,7 @@ def main() -> int:
         "overhead_medium": overhead_medium_part,
         "tags": tags_part,
         "tags_holdout": tags_holdout_part,
+        "tags_cnn": tags_cnn_part,
     }
     for name in args.parts.split(","):
         parts[name](work, args.out)
