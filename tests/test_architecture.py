@@ -65,7 +65,7 @@ API_ONLY = {"progress", "args"}
 
 
 @pytest.mark.parametrize(
-    "name", ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export", "whatif", "run"]
+    "name", ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export", "whatif", "run", "plan"]
 )
 def test_cli_and_api_share_names_and_defaults(name):
     cli_params = {k: v for k, v in _params(getattr(cli, name)).items() if k not in CLI_ONLY}
