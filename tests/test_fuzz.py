@@ -169,7 +169,10 @@ def test_accepted_crash_input_now_analyses(tmp_path, path):
     """Inputs the loader rightly accepts that crashed an analysis stage, found by the campaign.
     trace_of_frees_only: every trace entry frees memory allocated before recording began, so no
     category ever rises above 0 and the category plot had nothing to stack (matplotlib:
-    'facecolor must not be an empty sequence', exit 70 from `snaplab report`)."""
+    'facecolor must not be an empty sequence', exit 70 from `snaplab report`).
+    expandable_request_past_its_range: one request of 217 TB; the what-if grid's expandable-segments
+    scenario tried to grow a range of 2**47 bytes past its end and tripped the model's assertion
+    (torch's own TORCH_INTERNAL_ASSERT): now the request is out of memory, as on a GPU."""
     _contract(tmp_path).run(path.read_bytes(), everything=True)
     out = tmp_path / "r.html"
     api.report(path, output=out)

@@ -537,7 +537,8 @@ class CachingAllocatorModel:
             return None
         while candidate.size < size:
             nxt = candidate.next
-            assert nxt is not None and not nxt.mapped
+            if nxt is None or nxt.mapped:  # larger than the range's whole address space: out of memory
+                return None
             if not self._map_block(pool, nxt, min(size - candidate.size, nxt.size), page):
                 return None
             candidate = nxt
