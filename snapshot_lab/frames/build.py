@@ -378,13 +378,16 @@ def _metadata_codes(chunk: list[Any], codes: dict[str, int]) -> np.ndarray:
     """Codes of every entry's ``user_metadata`` (``''`` when absent) in ``codes``, which grows
     with the strings first seen; TypeError for anything but a string. A trace holds few
     distinct strings (one per tagged module and phase): one pass to find them, one to code."""
+    n = len(chunk)
+    if operator.countOf(_values(chunk, "user_metadata", ""), "") == n:  # untagged: one C-level pass
+        return np.zeros(n, dtype=np.int32)
     values = list(_values(chunk, "user_metadata", ""))
     for v in dict.fromkeys(values):  # TypeError on an unhashable value
         if v not in codes:
             if type(v) is not str:
                 raise TypeError("user_metadata")
             codes[v] = len(codes)
-    return np.fromiter(map(codes.__getitem__, values), dtype=np.int32, count=len(values))
+    return np.fromiter(map(codes.__getitem__, values), dtype=np.int32, count=n)
 
 
 def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
