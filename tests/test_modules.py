@@ -201,3 +201,35 @@ def test_anomaly_mode_forward_stacks_name_backward_sites_and_modules(real_frames
     linear = rows["nn/modules/linear.py:134 in forward"]
     assert linear.by_phase["bwd"] > 0 and linear.by_phase["fwd"] > 0
     assert mb.module_bytes + mb.outside_bytes + mb.before_trace_bytes == mb.peak_bytes
+
+
+def test_site_labels_name_a_backward_allocation_after_its_forward_site():
+    """The composition rules of site_labels, for every kind of base label."""
+    import numpy as np
+    import pandas as pd
+
+    from snapshot_lab.metrics.sites import StackSites, site_labels
+
+    table = pd.DataFrame(
+        {
+            "label": ["AddmmBackward0 (backward)", "train.py:9 in step", "model.py:3 in forward"],
+            "detail": ["aten::mm", "", ""],
+            "filename": ["", "train.py", "model.py"],
+            "line": [0, 9, 3],
+            "name": ["", "step", "forward"],
+        },
+        index=[0, 1, 2],
+    )
+    sites = StackSites(table)
+    sid = np.array([0, 1, -1, -1, 0])
+    fwd = np.array([2, 2, 2, -1, -1])
+    cats = np.array([None, None, "gradient", "gradient", None], dtype=object)
+    labels, detail = site_labels(sid, sites, cats, fwd)
+    assert list(labels) == [
+        "AddmmBackward0 (backward) of model.py:3 in forward",
+        "train.py:9 in step",  # a user frame of its own names it best
+        "backward of model.py:3 in forward",
+        "<no stack recorded: gradient>",
+        "AddmmBackward0 (backward)",
+    ]
+    assert list(detail) == ["aten::mm", "", "", "", "aten::mm"]

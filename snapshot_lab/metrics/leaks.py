@@ -20,7 +20,7 @@ import pandas as pd
 from ..frames import SnapshotFrames
 from .iterations import Iterations, find_iterations
 from .lifetimes import device_lifetimes
-from .sites import snapshot_sites
+from .sites import allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
 
 MIN_STEADY_ITERATIONS = 2
 MIN_GROWING_SHARE = 0.6
@@ -75,8 +75,10 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
     if survivors.empty or steady.size < MIN_STEADY_ITERATIONS:
         return []
     interval = np.searchsorted(it.starts, survivors["event_index"].to_numpy(), side="right") - 1
-    site_of = snapshot_sites(frames).table["label"]
-    df = survivors.assign(interval=interval, site=survivors["stack_id"].map(site_of))
+    sites = snapshot_sites(frames)
+    sid = survivors["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    fwd = allocation_forward_ids(frames, device, survivors["event_index"].to_numpy(dtype=np.int64))
+    df = survivors.assign(interval=interval, site=site_labels(sid, sites, None, fwd)[0])
     in_steady = df[(df["interval"] >= 1) & (df["interval"] <= k - 2)]
     if in_steady.empty:
         return []
@@ -86,7 +88,10 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
     need = max(MIN_STEADY_ITERATIONS, math.ceil(MIN_GROWING_SHARE * steady.size))
     suspects_sites = growing[growing >= need].index
     live = frames.blocks[(frames.blocks["device"] == device) & (frames.blocks["state"] != "inactive")]
-    live_site = live["stack_id"].map(site_of)
+    live_site = pd.Series(
+        site_labels(live["stack_id"].to_numpy(dtype=np.int64, na_value=-1), sites, None, block_forward_ids(live))[0],
+        index=live.index,
+    ).where(live["stack_id"].notna())
     out = []
     for site in suspects_sites:
         rows = df[df["site"] == site]
