@@ -6,24 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics.plan import MemoryPlan, PlanTable, RankPlan
+from ..plots.palette import CATEGORY_COLORS as COLORS  # the report's colours, for HTML bars
 from ..units import format_bytes
 from .html import _css, _environment
 from .text import table
 
 MiB = 1 << 20
-# the report's category colours (plots/categories.py), for the HTML bars drawn without matplotlib
-COLORS = {
-    "parameter": "#4e79a7",
-    "gradient": "#f28e2b",
-    "optimizer_state": "#59a14f",
-    "activation": "#e15759",
-    "inflight_activation": "#ff9d9a",
-    "fsdp_unsharded_params": "#76b7b2",
-    "comm_buffer": "#edc948",
-    "ddp_bucket": "#b07aa1",
-    "cuda_graph_pool": "#9c755f",
-    "other": "#bab0ac",
-}
 
 
 def _fits(r: RankPlan) -> str:
