@@ -476,7 +476,7 @@ def whatif(
     settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
     on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
     grid of sensible alternatives. ``memory_limit`` like ``40GiB``."""
-    from .metrics.timeline import compute_timeline
+    from .metrics.timeline import device_timeline
     from .metrics.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
 
     limit: int | None = None
@@ -495,9 +495,7 @@ def whatif(
             dev_limit = MemoryLimit(limit, "--memory-limit (taken as a per-process cap)")
         else:
             ts = stats_.devices[dev].torch_stats
-            tl = compute_timeline(
-                frames.events, dev, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"]
-            )
+            tl = device_timeline(frames, dev, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
             dev_limit = infer_memory_limit(frames, dev, tl.peak_reserved_bytes if tl else None)
         try:
             scenarios = scenarios_for(recorded, settings or [], defaults, dev_limit.bytes)

@@ -309,16 +309,14 @@ def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tup
     from .metrics.categories import CATEGORIES, categorize
     from .metrics.lifetimes import device_lifetimes
     from .metrics.sites import alive_at, live_sites, snapshot_sites, top_sites
-    from .metrics.timeline import compute_timeline
+    from .metrics.timeline import device_timeline
 
     frames = load_frames(snapshot)
     stats = compute_stats(frames)
     if device not in stats.devices:
         return [], None, 0
     ts = stats.devices[device].torch_stats
-    tl = compute_timeline(
-        frames.events, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"], frames.annotations
-    )
+    tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
     sites = snapshot_sites(frames)
     if tl is None:
         blocks = frames.blocks[frames.blocks["device"] == device]

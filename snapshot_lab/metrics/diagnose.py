@@ -13,7 +13,7 @@ from .findings import Finding, compute_findings
 from .leaks import LeakAnalysis, find_leaks
 from .lifetimes import device_lifetimes
 from .summary import SnapshotStats
-from .timeline import Timeline, compute_timeline
+from .timeline import Timeline, device_timeline
 from .whatif import WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
 
 
@@ -34,12 +34,8 @@ def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelin
     lifetimes: dict[int, pd.DataFrame] = {}
     for dev, d in stats.devices.items():
         lifetimes[dev] = device_lifetimes(frames, dev)
-        timelines[dev] = compute_timeline(
-            frames.events,
-            dev,
-            d.torch_stats["requested_bytes.all.current"],
-            d.torch_stats["reserved_bytes.all.current"],
-            frames.annotations,
+        timelines[dev] = device_timeline(
+            frames, dev, d.torch_stats["requested_bytes.all.current"], d.torch_stats["reserved_bytes.all.current"]
         )
         categories[dev] = compute_categories(frames, dev, with_timeline=with_category_timelines)
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])

@@ -38,7 +38,7 @@ from .categories.gradients import THREAD_CODES, thread_codes
 from .categories.stacks import stack_threads
 from .lifetimes import device_lifetimes
 from .sites import allocation_forward_ids, frame_label
-from .timeline import compute_timeline
+from .timeline import device_timeline
 from .torch_stats import compute_torch_stats
 
 ROOT_LABEL = "<model>"  # the tagged model's own forward code (fqn '')
@@ -265,7 +265,7 @@ def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> Module
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
     )
     requested_at_end = ts["requested_bytes.all.current"]
-    tl = compute_timeline(frames.events, device, requested_at_end, ts["reserved_bytes.all.current"])
+    tl = device_timeline(frames, device, requested_at_end, ts["reserved_bytes.all.current"])
     if tl is None:
         return ModuleBreakdown(device, "none", None, requested_at_end, 0, requested_at_end, (), "no trace recorded")
     lifetimes = device_lifetimes(frames, device)

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ..frames import SnapshotFrames
+from ._memo import memo
+
 _ADD_RESERVED = ("segment_alloc", "segment_map")
 _SUB_RESERVED = ("segment_free", "segment_unmap")
 
@@ -147,3 +150,15 @@ def envelope(x: np.ndarray, y: np.ndarray, max_points: int = 2000) -> Envelope:
     edges = np.linspace(0, n, max_points + 1).astype(np.int64)
     starts = edges[:-1]
     return Envelope(x=x[starts], low=np.minimum.reduceat(y, starts), high=np.maximum.reduceat(y, starts))
+
+
+def device_timeline(
+    frames: SnapshotFrames, device: int, requested_at_end: int, reserved_at_end: int
+) -> Timeline | None:
+    """:func:`compute_timeline` of one device of ``frames``, with its annotations, computed once
+    (the diagnostics, the module view, the what-if and the pytest plugin all start from it)."""
+    return memo(
+        frames,
+        ("timeline", device, requested_at_end, reserved_at_end),
+        lambda: compute_timeline(frames.events, device, requested_at_end, reserved_at_end, frames.annotations),
+    )
