@@ -221,17 +221,21 @@ class SnapshotDiff:
 
 
 def _status(before: int, after: int) -> str:
-    if before == after:
-        return "same"
-    return "new" if before == 0 else "gone" if after == 0 else "grown" if after > before else "shrunk"
+    """How a site's (or a module's) bytes changed."""
+    if before == 0:
+        return "new"
+    if after == 0:
+        return "gone"
+    return "grown" if after > before else "shrunk" if after < before else "same"
 
 
 def _module_changes(a: SnapshotSummary, b: SnapshotSummary, limit: int) -> list[SiteChange]:
     if a.modules_source != b.modules_source or a.modules_source == "none":
         return []
-    names = list(dict.fromkeys([*a.peak_modules, *b.peak_modules]))
-    rows = [SiteChange(n, "", a.peak_modules.get(n, 0), b.peak_modules.get(n, 0), "") for n in names]
-    rows = [SiteChange(r.site, "", r.before_bytes, r.after_bytes, _status(r.before_bytes, r.after_bytes)) for r in rows]
+    rows = []
+    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):  # every name holds bytes in a or b
+        before, after = a.peak_modules.get(name, 0), b.peak_modules.get(name, 0)
+        rows.append(SiteChange(name, "", before, after, _status(before, after)))
     rows.sort(key=lambda r: (-abs(r.delta_bytes), -r.after_bytes, r.site))
     return rows[:limit]
 
@@ -262,18 +266,7 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
     sites = []
     for r in m.itertuples(index=False):
         before, after = int(r.bytes_a), int(r.bytes_b)
-        status = (
-            "new"
-            if before == 0
-            else "gone"
-            if after == 0
-            else "grown"
-            if after > before
-            else "shrunk"
-            if after < before
-            else "same"
-        )
-        sites.append(SiteChange(str(r.site), str(r.detail), before, after, status))
+        sites.append(SiteChange(str(r.site), str(r.detail), before, after, _status(before, after)))
     return SnapshotDiff(
         before=a,
         after=b,
