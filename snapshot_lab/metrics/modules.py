@@ -97,6 +97,11 @@ class ModuleBreakdown:
     def module_bytes(self) -> int:
         return sum(r.self_bytes for r in self.rows)
 
+    def largest(self, limit: int) -> list[ModuleRow]:
+        """The ``limit`` rows holding the most bytes at the peak by themselves (none with 0)."""
+        rows = sorted(self.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
+        return [r for r in rows if r.self_bytes]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,

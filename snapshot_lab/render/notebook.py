@@ -101,7 +101,6 @@ def _modules_view(m: Any, limit: int = 10) -> dict[str, Any] | None:
     """The modules holding the most bytes at the peak (by themselves), as in ``snaplab stats``."""
     if m is None or m.source == "none" or not m.rows:
         return None
-    rows = sorted(m.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
     return {
         "exact": m.source == "tags",
         "peak": format_bytes(m.peak_bytes),
@@ -112,8 +111,7 @@ def _modules_view(m: Any, limit: int = 10) -> dict[str, Any] | None:
                 format_bytes(r.by_phase.get("fwd", 0)),
                 format_bytes(r.by_phase.get("bwd", 0)),
             )
-            for r in rows
-            if r.self_bytes
+            for r in m.largest(limit)
         ],
         "outside": format_bytes(m.outside_bytes),
         "before": format_bytes(m.before_trace_bytes) if m.before_trace_bytes else "",

@@ -33,7 +33,6 @@ def format_modules(m: ModuleBreakdown, limit: int = 12) -> str:
     head = f"memory by module at the peak ({format_bytes(m.peak_bytes)} requested, event {m.peak_index:,}): " + (
         "from module tags" if m.source == "tags" else "APPROXIMATE. " + m.note
     )
-    rows = sorted(m.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
     body = [
         [
             r.label,
@@ -44,8 +43,7 @@ def format_modules(m: ModuleBreakdown, limit: int = 12) -> str:
             format_bytes(r.by_phase.get("rec", 0)),
             format_bytes(r.peak_bytes),
         ]
-        for r in rows
-        if r.self_bytes
+        for r in m.largest(limit)
     ]
     body.append(["<outside any module>", format_bytes(m.outside_bytes), "", "", "", "", ""])
     if m.before_trace_bytes:
