@@ -464,6 +464,16 @@ def run(
 # --------------------------------------------------------------------------- allocator what-if
 
 
+def _memory_limit(memory_limit: str | None) -> int | None:
+    """``--memory-limit`` in bytes (None when not given); a bad size is a usage error."""
+    if memory_limit is None:
+        return None
+    try:
+        return parse_bytes(memory_limit)
+    except ValueError as exc:
+        raise UsageError(f"--memory-limit: {exc}") from None
+
+
 def whatif(
     snapshot: str | Path,
     *,
@@ -479,12 +489,7 @@ def whatif(
     from .metrics.timeline import device_timeline
     from .metrics.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
 
-    limit: int | None = None
-    if memory_limit is not None:
-        try:
-            limit = parse_bytes(memory_limit)
-        except ValueError as exc:
-            raise UsageError(f"--memory-limit: {exc}") from None
+    limit = _memory_limit(memory_limit)
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Replaying")
     stats_ = compute_stats(frames)
@@ -540,12 +545,7 @@ def plan(
     from .errors import SnapshotFormatError
     from .metrics.plan import PlanUnsupported, Strategy, plan_memory, plan_table
 
-    limit: int | None = None
-    if memory_limit is not None:
-        try:
-            limit = parse_bytes(memory_limit)
-        except ValueError as exc:
-            raise UsageError(f"--memory-limit: {exc}") from None
+    limit = _memory_limit(memory_limit)
     split: tuple[int, ...] | None = None
     if pp_split is not None:
         try:
