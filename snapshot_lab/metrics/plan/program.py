@@ -64,31 +64,21 @@ class Program:
         self.recorded.append(int(recorded))
 
     def free(self, key: int, origin: int) -> None:
-        self.placed.append(int(origin))
-        self.kind.append(FREE)
-        self.key.append(key)
-        self.size.append(0)
-        self.stream.append(0)
-        self.source.append(-1)
-        self.origin.append(int(origin))
-        self.recorded.append(0)
+        self._sizeless(FREE, key, origin)
 
     def free_requested(self, key: int, origin: int) -> None:
         """The tensor is freed but its block stays held until a later :meth:`free` (a stream
         still uses it: ``record_stream``); torch counts it as no longer allocated from now."""
-        self.placed.append(int(origin))
-        self.kind.append(FREE_REQUESTED)
-        self.key.append(key)
-        self.size.append(0)
-        self.stream.append(0)
-        self.source.append(-1)
-        self.origin.append(int(origin))
-        self.recorded.append(0)
+        self._sizeless(FREE_REQUESTED, key, origin)
 
     def empty_cache(self, origin: int) -> None:
+        self._sizeless(EMPTY_CACHE, -1, origin)
+
+    def _sizeless(self, kind: int, key: int, origin: int) -> None:
+        """An operation with no size of its own, where it was recorded."""
         self.placed.append(int(origin))
-        self.kind.append(EMPTY_CACHE)
-        self.key.append(-1)
+        self.kind.append(kind)
+        self.key.append(key)
         self.size.append(0)
         self.stream.append(0)
         self.source.append(-1)
