@@ -137,8 +137,7 @@ def _from_tags(events: pd.DataFrame, lifetimes: pd.DataFrame) -> _Attribution | 
     if not any(cats):
         return None
     codes = md.cat.codes.to_numpy()[lifetimes["event_index"].to_numpy(dtype=np.int64)]
-    names: list[str] = []
-    index: dict[str, int] = {}
+    index: dict[str, int] = {}  # module name -> code, in the order first seen
     mod_of_cat = np.full(len(cats) + 1, _NO_MODULE, dtype=np.int64)
     phase_of_cat = np.full(len(cats) + 1, -1, dtype=np.int8)
     for c, text in enumerate(cats):
@@ -150,10 +149,8 @@ def _from_tags(events: pd.DataFrame, lifetimes: pd.DataFrame) -> _Attribution | 
         else:
             phase_of_cat[c] = PHASE_NAMES.index(parsed[0])
             name = parsed[1]
-        mod_of_cat[c] = index.setdefault(name, len(names))
-        if mod_of_cat[c] == len(names):
-            names.append(name)
-    return _Attribution(names, mod_of_cat[codes], phase_of_cat[codes], "tags")
+        mod_of_cat[c] = index.setdefault(name, len(index))
+    return _Attribution(list(index), mod_of_cat[codes], phase_of_cat[codes], "tags")
 
 
 def _forward_frames(frames: SnapshotFrames) -> pd.Series:
@@ -341,19 +338,4 @@ def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> Module
         rows=tuple(rows[:limit] if limit is not None else rows),
         note=note,
         phase_totals=totals,
-    )
-
-
-def module_table(breakdown: ModuleBreakdown) -> pd.DataFrame:
-    """The rows as a frame (for notebooks and ``diff``): one row per module."""
-    return pd.DataFrame(
-        {
-            "module": [r.label for r in breakdown.rows],
-            "self_bytes": [r.self_bytes for r in breakdown.rows],
-            "inclusive_bytes": [r.inclusive_bytes for r in breakdown.rows],
-            "forward_bytes": [r.by_phase.get("fwd", 0) for r in breakdown.rows],
-            "backward_bytes": [r.by_phase.get("bwd", 0) for r in breakdown.rows],
-            "recompute_bytes": [r.by_phase.get("rec", 0) for r in breakdown.rows],
-            "peak_self_bytes": [r.peak_bytes for r in breakdown.rows],
-        }
     )
