@@ -171,30 +171,28 @@ def _forward_frames(frames: SnapshotFrames) -> pd.Series:
 
 def _from_stacks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -> _Attribution:
     sid = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    n = sid.size
-    module = np.full(n, _NO_MODULE, dtype=np.int64)
-    phase = np.full(n, -1, dtype=np.int8)
-    names: list[str] = []
     fwd = memo(frames, "forward_frame_labels", lambda: _forward_frames(frames))
+    # anomaly mode: the forward stack that created a backward allocation's autograd node
+    fwd_ids = allocation_forward_ids(frames, device, lifetimes["event_index"].to_numpy(dtype=np.int64))
+    codes, uniq = pd.factorize(fwd.to_numpy())
+    names = [str(u) for u in uniq]
+    # module code per stack id; ids -1 (no stack) read the last slot: no module
+    size = max(int(sid.max(initial=-1)), int(fwd.index.max()) if len(fwd) else -1) + 2
+    if fwd_ids is not None:
+        size = max(size, int(fwd_ids.max(initial=-1)) + 2)
+    table = np.full(size, _NO_MODULE, dtype=np.int64)
+    table[fwd.index.to_numpy(dtype=np.int64)] = codes
+    module = table[sid]
+    phase = np.full(sid.size, -1, dtype=np.int8)
     threads = thread_codes(sid, stack_threads(frames))
     # no stack at all: with stacks='python', autograd's thread records no frames
     backward = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"])
-    if len(fwd):
-        uniq = pd.unique(fwd.to_numpy())
-        names = [str(u) for u in uniq]
-        code_of_label = {u: i for i, u in enumerate(names)}
-        size = max(int(sid.max(initial=-1)), int(fwd.index.max())) + 2
-        table = np.full(size, _NO_MODULE, dtype=np.int64)
-        table[fwd.index.to_numpy(dtype=np.int64)] = [code_of_label[str(v)] for v in fwd.to_numpy()]
-        module = table[sid]  # stack id -1 reads the last slot: no module
     in_forward = module != _NO_MODULE
     phase[in_forward] = np.where(backward[in_forward], PHASE_NAMES.index("rec"), PHASE_NAMES.index("fwd"))
     lost = backward & ~in_forward
-    fwd_ids = allocation_forward_ids(frames, device, lifetimes["event_index"].to_numpy(dtype=np.int64))
-    if fwd_ids is not None and len(fwd) and lost.any():
-        # anomaly mode: the forward stack that created the autograd node names the module
-        by_forward = table[np.where(fwd_ids >= 0, np.minimum(fwd_ids, table.size - 1), -1)]
-        named = lost & (fwd_ids >= 0) & (fwd_ids < table.size - 1) & (by_forward != _NO_MODULE)
+    if fwd_ids is not None:
+        by_forward = table[fwd_ids]
+        named = lost & (by_forward != _NO_MODULE)
         module[named] = by_forward[named]
         phase[named] = PHASE_NAMES.index("bwd")
         lost &= ~named
