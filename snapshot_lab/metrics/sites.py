@@ -281,11 +281,13 @@ def site_labels(
 def allocation_forward_ids(frames: SnapshotFrames, device: int, event_index: np.ndarray) -> np.ndarray | None:
     """``forward_stack_id`` (-1 for none) of the allocations at ``event_index`` of a device's
     trace; None when the recording has no forward stacks (no anomaly mode)."""
-    ev = frames.events
-    if not ev["forward_stack_id"].notna().any():
-        return None
-    col = ev.loc[ev["device"] == device, "forward_stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    return col[event_index]
+    col = memo(frames, ("forward_stack_ids", device), lambda: _device_forward_ids(frames.events, device))
+    return None if col is None else col[event_index]
+
+
+def _device_forward_ids(ev: pd.DataFrame, device: int) -> np.ndarray | None:
+    fwd = ev.loc[ev["device"] == device, "forward_stack_id"]
+    return fwd.to_numpy(dtype=np.int64, na_value=-1) if fwd.notna().any() else None
 
 
 def block_forward_ids(blocks: pd.DataFrame) -> np.ndarray | None:
