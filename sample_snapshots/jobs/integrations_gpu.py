@@ -192,6 +192,29 @@ def snapshot_tags(path: Path) -> dict[str, Any]:
     return tag_census(snapshot_trace(path))
 
 
+def requested(key: str) -> int:
+    """torch's ``requested_bytes.all.<key>`` (``current`` or ``peak``); 0 in a dry run."""
+    import torch
+
+    return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
+
+
+def record_tags_in_sidecar(path: Path | None, describe: Any) -> None:
+    """Put ``ModuleTags.describe()`` into a snapshot's sidecar, as ``recording()`` does when it tags."""
+    if describe is None or path is None:
+        return
+    side = path.with_name(path.name.replace(".pickle", ".meta.json"))
+    meta = json.loads(side.read_text())
+    meta["module_tags"] = describe
+    side.write_text(json.dumps(meta, indent=1))
+
+
+def log_census(census: dict[str, Any]) -> None:
+    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
+    for tag, size in census.get("top_tags_at_peak", [])[:12]:
+        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+
+
 def report_ok(path: Path | None) -> bool:
     if path is None or not Path(path).exists():
         return False
@@ -550,9 +573,6 @@ def tags_part(folder: Path) -> dict[str, Any]:
 
     peaks: dict[str, dict[str, int]] = {}
 
-    def requested(key: str) -> int:
-        return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
-
     def run(name: str, tagged: bool, process_wide: bool = False) -> tuple[Path | None, list[Any], Any]:
         torch.manual_seed(0)
         if not DRY:
@@ -594,14 +614,8 @@ def tags_part(folder: Path) -> dict[str, Any]:
     if process_path is not None:
         process_path.unlink()  # its census is enough; the file would only repeat the tagged one
         process_path.with_name(process_path.name.replace(".pickle", ".meta.json")).unlink(missing_ok=True)
-    if describe is not None and tagged is not None:  # the sidecar says what recording() will say
-        side = tagged.with_name(tagged.name.replace(".pickle", ".meta.json"))
-        meta = json.loads(side.read_text())
-        meta["module_tags"] = describe
-        side.write_text(json.dumps(meta, indent=1))
-    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
-    for tag, size in census.get("top_tags_at_peak", [])[:12]:
-        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+    record_tags_in_sidecar(tagged, describe)  # the sidecar says what recording() will say
+    log_census(census)
     log("   backward-start metadata on autograd's thread:", seen)
     log("   process-wide top tags:", process.get("top_tags_at_peak", [])[:5])
     phases = census.get("allocs_by_phase", {})
@@ -671,9 +685,6 @@ def tags_holdout_part(folder: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {"torch_requested": {}}
 
-    def requested(key: str) -> int:
-        return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
-
     def run(name: str, tagged: bool) -> Path | None:
         torch.manual_seed(0)
         if not DRY:
@@ -701,20 +712,14 @@ def tags_holdout_part(folder: Path) -> dict[str, Any]:
                 handle.remove()
             path = rec.dump()
             out["torch_requested"][name] = {"before": before, "torch_requested_peak": requested("peak")}
-        if describe is not None and path is not None:
-            side = path.with_name(path.name.replace(".pickle", ".meta.json"))
-            meta = json.loads(side.read_text())
-            meta["module_tags"] = describe
-            side.write_text(json.dumps(meta, indent=1))
+        record_tags_in_sidecar(path, describe)
         return path
 
     tagged = run("llama_ckpt_tagged", True)
     untagged = run("llama_ckpt_untagged", False)
     census = snapshot_tags(tagged) if tagged else {}
     phases = census.get("allocs_by_phase", {})
-    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
-    for tag, size in census.get("top_tags_at_peak", [])[:12]:
-        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+    log_census(census)
     out.update(
         tagged=tagged.name if tagged else None,
         untagged=untagged.name if untagged else None,
@@ -755,9 +760,6 @@ def tags_cnn_part(folder: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {"torch_requested": {}}
 
-    def requested(key: str) -> int:
-        return int(torch.cuda.memory_stats().get(f"requested_bytes.all.{key}", 0)) if not DRY else 0
-
     def run(name: str, tagged: bool) -> Path | None:
         torch.manual_seed(0)
         if not DRY:
@@ -785,11 +787,7 @@ def tags_cnn_part(folder: Path) -> dict[str, Any]:
             out["torch_requested"][name] = {"before": before, "torch_requested_peak": requested("peak")}
         if handle is not None:
             handle.remove()
-        if describe is not None and path is not None:
-            side = path.with_name(path.name.replace(".pickle", ".meta.json"))
-            meta = json.loads(side.read_text())
-            meta["module_tags"] = describe
-            side.write_text(json.dumps(meta, indent=1))
+        record_tags_in_sidecar(path, describe)
         return path
 
     tagged = run("resnet_tagged", True)
@@ -797,9 +795,7 @@ def tags_cnn_part(folder: Path) -> dict[str, Any]:
     census = snapshot_tags(tagged) if tagged else {}
     plain = snapshot_tags(untagged) if untagged else {}
     phases = census.get("allocs_by_phase", {})
-    log("   tagged census:", json.dumps({k: v for k, v in census.items() if k != "top_tags_at_peak"}))
-    for tag, size in census.get("top_tags_at_peak", [])[:12]:
-        log(f"     {size / 2**20:9.2f} MiB  {tag!r}")
+    log_census(census)
     out.update(
         tagged=tagged.name if tagged else None,
         untagged=untagged.name if untagged else None,
