@@ -60,6 +60,7 @@ except ImportError:  # snaplab's analysis dependencies missing: capture itself n
 
 DRY = bool(os.environ.get("SNAPLAB_DRY"))
 DEV = "cpu" if DRY else "cuda"
+ONE_GPU = bool(os.environ.get("SNAPLAB_ONE_GPU"))
 STEPS = 3
 
 
@@ -504,8 +505,9 @@ def main() -> None:
     rank, world = 0, 1
     if a.strategy != "single":
         if DEV == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
+            # SNAPLAB_ONE_GPU=1: every rank on GPU 0 over gloo (world sizes above the GPUs lent)
+            torch.cuda.set_device(0 if ONE_GPU else int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if DEV == "cuda" and not ONE_GPU else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     elif DEV == "cuda":
         torch.cuda.set_device(0)
@@ -522,6 +524,7 @@ def main() -> None:
         "dtype": "float32",
         "world_size": world,
         "rank": rank,
+        "ranks_share_one_gpu_over_gloo": ONE_GPU,
         "per_rank_batch": batch,
         "seq_len": GPT_CFG.seq_len if a.model == "transformer" else None,
         "steps_done": a.steps,

@@ -1,0 +1,200 @@
+"""Issue #20's truth: what one job really needs at other batch sizes and under other levers.
+
+Two families, each trained from a fresh model for every measurement:
+
+- ``gpt2``: GPT-2 from a config (12 layers, d=768, 12 heads, vocab 8192, 1024 tokens, dropout 0),
+  fp32 weights, AdamW;
+- ``resnet50``: torchvision's ResNet-50 at 224x224, 1000 classes, SGD with momentum.
+
+Levers: ``plain``, ``ckpt`` (activation checkpointing of every repeated block), ``bf16`` (autocast),
+``ckpt+bf16``. For every lever and batch size (a list spanning 16x) the peak allocated and reserved
+over the first two whole training steps (forward, backward, optimizer step) of a fresh model,
+uncapped; and under a 6 GiB per-process cap, the largest batch whose two whole steps really ran
+(searched by doubling then bisection, each try a fresh model after ``empty_cache``).
+
+Snapshots (with truth): a complete recording of two steps at one batch size, and a recording
+that runs out of memory in its first forward under the cap (dumped by the OOM observer).
+
+    python3 sample_snapshots/workloads_fit.py all --out /tmp/fit --jobs 8
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads_holdout as H
+
+CAP_BYTES = 6 * 2**30
+LEVERS = ("plain", "ckpt", "bf16", "ckpt+bf16")
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt2": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "resnet50": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+}
+
+
+def build(family: str, lever: str):
+    import torch
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg).to("cuda")
+        if "ckpt" in lever:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        import torchvision
+
+        model = torchvision.models.resnet50().to("cuda").train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def resnet_forward(model, x, ckpt: bool):
+    from torch.utils.checkpoint import checkpoint
+
+    x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        for block in stage:
+            x = checkpoint(block, x, use_reentrant=False) if ckpt else block(x)
+    return model.fc(model.avgpool(x).flatten(1))
+
+
+def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
+    import torch
+
+    if family == "gpt2":
+        ids = torch.randint(0, 8192, (batch, 1024), generator=gen).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
+            loss = model(input_ids=ids, labels=ids).loss
+    else:
+        x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
+        y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
+            loss = torch.nn.functional.cross_entropy(resnet_forward(model, x, "ckpt" in lever), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def measure(family: str, lever: str, batch: int) -> dict[str, Any]:
+    """Two whole steps from a fresh model: peak allocated/reserved, or the OOM."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gen = torch.Generator().manual_seed(batch)
+    model = opt = None
+    try:
+        model, opt = build(family, lever)
+        for _ in range(2):
+            step(family, lever, model, opt, batch, gen)
+        torch.cuda.synchronize()
+        res = {"ok": True, "peak_allocated_bytes": torch.cuda.max_memory_allocated() - base,
+               "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+    except torch.OutOfMemoryError:
+        res = {"ok": False}
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def largest_under_cap(family: str, lever: str, top: int) -> tuple[int, dict[str, Any]]:
+    """Doubling, then bisection: the largest batch whose two whole steps ran under the cap."""
+    tries: dict[str, Any] = {}
+
+    def fits(batch: int) -> bool:
+        res = measure(family, lever, batch)
+        tries[str(batch)] = res
+        return bool(res["ok"])
+
+    lo, hi = 0, 1
+    while hi <= top and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, tries
+
+
+def table_job(family: str, lever: str) -> None:
+    import torch
+
+    out: dict[str, Any] = {"family": family, "lever": lever, "uncapped": {}}
+    for batch in FAMILIES[family]["batches"]:
+        out["uncapped"][str(batch)] = measure(family, lever, batch)
+        print(family, lever, batch, out["uncapped"][str(batch)], flush=True)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    best, tries = largest_under_cap(family, lever, FAMILIES[family]["search_max"])
+    out["cap_bytes"] = CAP_BYTES
+    out["largest_batch_under_cap"] = best
+    out["cap_tries"] = tries
+    print(family, lever, "largest under cap:", best, flush=True)
+    (H.OUT / f"fittable_{family}_{lever}.json").write_text(json.dumps(out, indent=1))
+
+
+for _family in FAMILIES:
+    for _lever in LEVERS:
+        H.workload(f"fittable_{_family}_{_lever}", "fit")(lambda f=_family, v=_lever: table_job(f, v))
+
+
+def _snapshot_run(family: str, batch: int, capped: bool) -> None:
+    import torch
+
+    name = f"fit_{family}_b{batch}_" + ("oom_python" if capped else "complete_python")
+    info: dict[str, Any] = {"kind": "fit-oom-first-forward" if capped else "fit-complete", "family": family,
+                            "lever": "plain", "batch": batch, "stacks": "python",
+                            "cap_bytes": CAP_BYTES if capped else None}
+    if capped:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+        dumped = {"done": False}
+
+        def on_oom(device, alloc, device_alloc, device_free):
+            if not dumped["done"]:
+                dumped["done"] = True
+                H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc,
+                              "observer_device_allocated": device_alloc, "observer_device_free": device_free})
+
+        torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    H.record(stacks="python")
+    model, opt = build(family, "plain")
+    gen = torch.Generator().manual_seed(batch)
+    try:
+        for _ in range(2):
+            step(family, "plain", model, opt, batch, gen)
+    except torch.OutOfMemoryError as exc:
+        info["oom"] = str(exc)[:300]
+        print(name, "OOM as planned" if capped else "UNEXPECTED OOM", flush=True)
+        return
+    params = list(model.parameters())
+    H.dump(name, {**info, "steps_done": 2, "dumped": "after two whole steps (after zero_grad)",
+                  "param_bytes": sum(p.numel() * p.element_size() for p in params),
+                  "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in opt.state.values()
+                                               for t in st.values() if torch.is_tensor(t) and t.is_cuda),
+                  "optimizer": type(opt).__name__})
+
+
+for _family, _cfg in FAMILIES.items():
+    H.workload(f"fit_{_family}_b{_cfg['complete']}_complete_python", "fitsnap")(
+        lambda f=_family, b=_cfg["complete"]: _snapshot_run(f, b, False))
+    H.workload(f"fit_{_family}_b{_cfg['oom']}_oom_python", "fitsnap")(
+        lambda f=_family, b=_cfg["oom"]: _snapshot_run(f, b, True))
+
+
+if __name__ == "__main__":
+    H.__file__ = __file__  # the pool spawns this script, whose workloads these are
+    H.main()
