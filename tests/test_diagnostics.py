@@ -102,6 +102,30 @@ EXPECTED = {
     **{f"pp_{s}_transformer_rank{r}": set() for s in ("gpipe", "1f1b") for r in (0, 1)},
     "single_mlp": set(),
     "single_transformer": set(),
+    # issue #24 on one GPU: world size 4, the ranks sharing it over gloo (jobs/run_world4_one_gpu.sh);
+    # each raises what its world-size-2 twin raises, but FSDP1's pending frees (gloo is synchronous:
+    # no side stream), and the prefetch case is the one run with several units gathered at the peak
+    **{
+        f"{case}_ws4gloo_{m}_rank{r}": set()
+        for case in ("ddp_bucketview", "fsdp1_fullshard", "fsdp2_reshard", "fsdp2_default_small")
+        for m in ("mlp", "transformer")
+        for r in range(4)
+    },
+    **{
+        f"{case}_ws4gloo_{m}_rank{r}": {"ddp-bucket-duplicate-grads"}
+        for case in ("ddp_nobucketview", "zero1")  # ZeRO-1 wraps DDP without the bucket view
+        for m in ("mlp", "transformer")
+        for r in range(4)
+    },
+    **{
+        f"fsdp2_noreshard_ws4gloo_{m}_rank{r}": {"fsdp-unsharded-kept"}
+        for m in ("mlp", "transformer")
+        for r in range(4)
+    },
+    **{f"fsdp2_prefetch3_small_ws4gloo_mlp_rank{r}": {"fsdp-prefetch-peak"} for r in range(4)},
+    **{f"fsdp2_prefetch3_small_ws4gloo_transformer_rank{r}": set() for r in range(4)},
+    **{f"tp_ws4gloo_mlp_rank{r}": set() for r in range(4)},
+    **{f"tp_ws4gloo_transformer_rank{r}": {"tp-replicated-params"} for r in range(4)},
 }
 # findings about a situation (as opposed to fragmentation, which any workload can show)
 SITUATIONS = {
@@ -117,6 +141,7 @@ SITUATIONS = {
     "cuda-graph-pool",
     "fsdp-unsharded-kept",
     "tp-replicated-params",
+    "fsdp-prefetch-peak",
 }
 
 
@@ -311,9 +336,11 @@ def test_report_shows_diagnostics(tmp_path):
 
 
 def test_samples_folder_is_small():
-    """A few MiB for about 190 real recordings (xz-compressed pickles, truth and sidecars)."""
+    """A few MiB for about 290 real recordings (xz-compressed pickles, truth and sidecars): 8 MiB
+    held the first 190; the 72 world-size-4 ranks (3.7 MB with their sidecars) and the inference
+    recordings of issue #19 (whose truth lists the tensors held at each decode step) needed more."""
     total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir() if p.is_file())
-    assert total < 8 * 2**20
+    assert total < 16 * 2**20
 
 
 @pytest.mark.parametrize("name", ["deep_forward_python", "deep_llama_forward_all", "deep_fwdbwd_python"])

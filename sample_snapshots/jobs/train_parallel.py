@@ -351,7 +351,7 @@ def wrap_ddp(model: nn.Module, bucket_view: bool) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=bucket_view)
 
 
-def wrap_fsdp2(model: nn.Module, reshard: bool, world: int) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, reshard: bool, world: int, prefetch: int = 0) -> nn.Module:
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # before 2.6
@@ -363,6 +363,11 @@ def wrap_fsdp2(model: nn.Module, reshard: bool, world: int) -> nn.Module:
     for blk in model.layers.values():
         fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if prefetch:  # explicit prefetch: each unit gathers the next `prefetch` units ahead, both ways
+        blocks = list(model.layers.values())
+        for i, blk in enumerate(blocks):
+            blk.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+            blk.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
     return model
 
 
@@ -490,13 +495,15 @@ def dump(name: str, facts: dict[str, Any], final_dir: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
-    ap.add_argument("--strategy", choices=["single", "ddp", "fsdp2", "fsdp1", "tp", "pp"], required=True)
+    ap.add_argument("--strategy", choices=["single", "ddp", "zero1", "fsdp2", "fsdp1", "tp", "pp"], required=True)
     ap.add_argument("--bucket-view", type=int, default=0)
     ap.add_argument("--reshard", type=int, default=1)
     ap.add_argument("--sharding", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default="FULL_SHARD")
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--prefetch", type=int, default=0, help="fsdp2: units prefetched ahead (explicit)")
+    ap.add_argument("--batch", type=int, default=0, help="per-rank batch (default: the model's)")
     ap.add_argument("--name", required=True)
     ap.add_argument("--final-dir", default="parallel_out")
     a = ap.parse_args()
@@ -512,7 +519,7 @@ def main() -> None:
     elif DEV == "cuda":
         torch.cuda.set_device(0)
     name = a.name if a.strategy == "single" else f"{a.name}_rank{rank}"
-    batch = BATCH[a.model]
+    batch = a.batch or BATCH[a.model]
     model = build(a.model)
     facts: dict[str, Any] = {
         "kind": f"parallel-{a.strategy}",
@@ -540,7 +547,7 @@ def main() -> None:
     if a.strategy == "single":
         run = model.to(DEV)
         facts["global_batch"] = batch
-    elif a.strategy == "ddp":
+    elif a.strategy in ("ddp", "zero1"):
         run = wrap_ddp(model, bool(a.bucket_view))
         facts.update(
             gradient_as_bucket_view=bool(a.bucket_view),
@@ -549,8 +556,9 @@ def main() -> None:
             expect={"ddp_duplicate_grads": not a.bucket_view},
         )
     elif a.strategy == "fsdp2":
-        run = wrap_fsdp2(model, bool(a.reshard), world)
+        run = wrap_fsdp2(model, bool(a.reshard), world, a.prefetch)
         facts.update(
+            explicit_prefetch_units=a.prefetch,
             reshard_after_forward=bool(a.reshard),
             fsdp_version=2,
             global_batch=batch * world,
@@ -601,7 +609,13 @@ def main() -> None:
             "expect": {"max_microbatches_in_flight": inflight},
         }
         facts.update(stage_info)
-    opt = torch.optim.AdamW(run.parameters(), lr=1e-4)
+    if a.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        facts.update(optimizer_sharding="ZeroRedundancyOptimizer(AdamW)")
+    else:
+        opt = torch.optim.AdamW(run.parameters(), lr=1e-4)
     lf = loss_fn(a.model)
     for step in range(1, a.steps + 1):
         x, tgt = make_batch(a.model, step, seed, batch)
