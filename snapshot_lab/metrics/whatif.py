@@ -338,7 +338,9 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
     """The limit the job ran under: the capture sidecar's OOM record, else the OOM event. When
     the device itself had room for the failing request, a per-process cap caused the OOM; the
     snapshot does not record its value, so the peak reserved before the OOM stands in for it
-    (the smallest cap consistent with the recording: what fits under it surely fit)."""
+    (the smallest cap consistent with the recording: what fits under it surely fit). A trace
+    with no OOM but with cache flushes (cudaMalloc failed and its retry succeeded) bounds the
+    limit too: see :func:`_limit_from_flushes`."""
     cap = frames.info.capture or {}
     oom = cap.get("oom") if isinstance(cap, dict) else None
     ev = frames.events[(frames.events["device"] == device) & (frames.events["action"] == "oom")]
