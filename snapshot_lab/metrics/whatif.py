@@ -220,6 +220,20 @@ def _describe_start(start: StartState) -> str:
     )
 
 
+def _scenario_result(settings: AllocatorSettings, m: CachingAllocatorModel, avoided: bool | None) -> ScenarioResult:
+    return ScenarioResult(
+        settings=settings.describe(),
+        peak_reserved_bytes=m.stats.peak_reserved_bytes,
+        final_reserved_bytes=m.stats.reserved_bytes,
+        final_allocated_bytes=m.stats.allocated_bytes,
+        cuda_malloc_calls=m.stats.cuda_malloc_calls,
+        cuda_free_calls=m.stats.cuda_free_calls,
+        alloc_retries=m.stats.alloc_retries,
+        ooms=[{"event_index": i, "requested_bytes": r} for i, r in m.stats.ooms],
+        recorded_oom_avoided=avoided,
+    )
+
+
 def analyse_whatif(
     frames: SnapshotFrames,
     device: int,
@@ -268,19 +282,7 @@ def analyse_whatif(
             m, avoided = model, base_avoided
         else:
             m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
-        results.append(
-            ScenarioResult(
-                settings=s.describe(),
-                peak_reserved_bytes=m.stats.peak_reserved_bytes,
-                final_reserved_bytes=m.stats.reserved_bytes,
-                final_allocated_bytes=m.stats.allocated_bytes,
-                cuda_malloc_calls=m.stats.cuda_malloc_calls,
-                cuda_free_calls=m.stats.cuda_free_calls,
-                alloc_retries=m.stats.alloc_retries,
-                ooms=[{"event_index": i, "requested_bytes": r} for i, r in m.stats.ooms],
-                recorded_oom_avoided=avoided,
-            )
-        )
+        results.append(_scenario_result(s, m, avoided))
     return WhatIf(device, len(ev), memory_limit, check, results)
 
 
