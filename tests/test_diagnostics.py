@@ -370,3 +370,18 @@ def test_garbage_collection_releases_are_not_the_programs_churn(diagnoses):
     allocator's own doing at the cap, not an empty_cache() loop to remove."""
     for name in ("gcwhatif_gc06_capL", "gcwhatif_split64gc06_capM", "whatif_maxsplit_capA"):
         assert "empty-cache-churn" not in {f.id for f in diagnoses[name].findings}, name
+
+
+@pytest.mark.parametrize(
+    ("name", "count"),
+    [
+        ("deep_inference_python", lambda w: w["batches"]),
+        ("inf_flush_python", lambda w: len(w["prefill_lengths"])),
+    ],
+)
+def test_inference_iterations_are_batches_not_layers(real_frames, name, count):
+    """Issue #19, part 5: a forward pass through 32 layers for each of 3 batches frees each
+    layer's activations; the layer site fires 96 times, and the iterations are its 3 groups."""
+    la = find_leaks(real_frames(name), 0)
+    assert la.iterations == count(sample_truth(name)["workload"]), la.iteration_source
+    assert not la.suspects
