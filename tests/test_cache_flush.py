@@ -179,3 +179,28 @@ def test_synthetic_empty_cache_is_not_a_flush(snap_file):
     (release,) = find_releases(fr, 0)
     assert release.cause == "empty_cache"
     assert infer_memory_limit(fr, 0, 40 * MiB).bytes is None
+
+
+@pytest.mark.parametrize(("small_freed", "cause"), [(True, "flush"), (False, "allocator")])
+def test_under_garbage_collection_only_a_small_pool_release_is_a_flush(snap_file, small_freed, cause):
+    """Garbage collection and max_split_size free large-pool segments only; the flush frees
+    every unsplit cached segment, the small pool's 2 MiB ones too."""
+    from snapshot_lab import load_frames
+
+    fr_ = [{"filename": "job.py", "line": 7, "name": "forward"}]
+    small, large, new = 0x10000000, 0x20000000, 0x30000000
+    trace = [
+        event("segment_alloc", small, 2 * MiB, 1, fr_),
+        event("segment_alloc", large, 20 * MiB, 2, fr_),
+        *([event("segment_free", small, 2 * MiB, 3, fr_)] if small_freed else []),
+        event("segment_free", large, 20 * MiB, 4, fr_),
+        event("segment_alloc", new, 40 * MiB, 5, fr_),
+        event("alloc", new, 40 * MiB, 6, fr_),
+    ]
+    segments = [segment(new, [block(40 * MiB, frames=fr_)])]
+    if not small_freed:
+        segments.append(segment(small, [block(2 * MiB, "inactive", frames=[])], segment_type="small"))
+    settings = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.6}
+    fr = load_frames(snap_file(make_snapshot(segments, [trace], allocator_settings=settings)))
+    (release,) = find_releases(fr, 0)
+    assert release.cause == cause

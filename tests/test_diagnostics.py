@@ -385,3 +385,20 @@ def test_inference_iterations_are_batches_not_layers(real_frames, name, count):
     la = find_leaks(real_frames(name), 0)
     assert la.iterations == count(sample_truth(name)["workload"]), la.iteration_source
     assert not la.suspects
+
+
+def test_cache_flush_only_where_torch_counted_retries(diagnoses):
+    """Issue #19, part 4, over every real sample with its truth: no cache-flush finding where
+    torch's num_alloc_retries is 0; where there is one, its count is torch's retries that
+    succeeded (all of them when the trace holds the whole job)."""
+    for name, d in diagnoses.items():
+        stats = sample_truth(name)["memory_stats"]
+        for f in d.findings:
+            if f.id != "cache-flush":
+                continue
+            dev = stats[str(f.device)]
+            assert dev["num_alloc_retries"] > 0, name
+            succeeded = dev["num_alloc_retries"] - dev["num_ooms"]
+            assert f.evidence["flushes"] <= succeeded, name
+            if f.evidence["history_complete"]:
+                assert f.evidence["flushes"] == succeeded, name
