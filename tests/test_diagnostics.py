@@ -126,6 +126,11 @@ EXPECTED = {
     **{f"fsdp2_prefetch3_small_ws4gloo_transformer_rank{r}": set() for r in range(4)},
     **{f"tp_ws4gloo_mlp_rank{r}": set() for r in range(4)},
     **{f"tp_ws4gloo_transformer_rank{r}": {"tp-replicated-params"} for r in range(4)},
+    # issue #19: the allocator flushed its cache to retry a cudaMalloc under a cap, and the retry
+    # succeeded (torch's num_alloc_retries: 6 and 3, no OOM); the inference job's recording
+    # started after the model was on the GPU
+    "inf_flush_python": {"cache-flush", "history-incomplete"},
+    "gcretry_default_cap990": {"cache-flush"},
 }
 # findings about a situation (as opposed to fragmentation, which any workload can show)
 SITUATIONS = {
@@ -134,6 +139,7 @@ SITUATIONS = {
     "leak-suspect",
     "ddp-bucket-duplicate-grads",
     "empty-cache-churn",
+    "cache-flush",
     "dataparallel-imbalance",
     "no-trace",
     "history-incomplete",
@@ -391,3 +397,35 @@ def test_garbage_collection_releases_are_not_the_programs_churn(diagnoses):
     allocator's own doing at the cap, not an empty_cache() loop to remove."""
     for name in ("gcwhatif_gc06_capL", "gcwhatif_split64gc06_capM", "whatif_maxsplit_capA"):
         assert "empty-cache-churn" not in {f.id for f in diagnoses[name].findings}, name
+
+
+@pytest.mark.parametrize(
+    ("name", "count"),
+    [
+        ("deep_inference_python", lambda w: w["batches"]),
+        ("inf_flush_python", lambda w: len(w["prefill_lengths"])),
+    ],
+)
+def test_inference_iterations_are_batches_not_layers(real_frames, name, count):
+    """Issue #19, part 5: a forward pass through 32 layers for each of 3 batches frees each
+    layer's activations; the layer site fires 96 times, and the iterations are its 3 groups."""
+    la = find_leaks(real_frames(name), 0)
+    assert la.iterations == count(sample_truth(name)["workload"]), la.iteration_source
+    assert not la.suspects
+
+
+def test_cache_flush_only_where_torch_counted_retries(diagnoses):
+    """Issue #19, part 4, over every real sample with its truth: no cache-flush finding where
+    torch's num_alloc_retries is 0; where there is one, its count is torch's retries that
+    succeeded (all of them when the trace holds the whole job)."""
+    for name, d in diagnoses.items():
+        stats = sample_truth(name)["memory_stats"]
+        for f in d.findings:
+            if f.id != "cache-flush":
+                continue
+            dev = stats[str(f.device)]
+            assert dev["num_alloc_retries"] > 0, name
+            succeeded = dev["num_alloc_retries"] - dev["num_ooms"]
+            assert f.evidence["flushes"] <= succeeded, name
+            if f.evidence["history_complete"]:
+                assert f.evidence["flushes"] == succeeded, name

@@ -106,3 +106,29 @@ def test_oom_ignores_other_pools_and_streams(snap_file):
     s = compute_stats(_frames(snap_file, snap))
     assert s.oom.free_in_reserved_bytes == 14 * MiB
     assert s.oom.cause == "capacity"
+
+
+def test_the_failing_device_comes_first(snap_file):
+    """Issue #19, part 5: an OOM on device 1 of a two-device file: the stats, the what-if and the
+    diagnosis lead with device 1."""
+    from snapshot_lab import api
+    from snapshot_lab.metrics.diagnose import diagnose
+
+    segs = [
+        segment(1 << 30, [block(6 * MiB), block(14 * MiB, "inactive")], device=0),
+        segment(2 << 30, [block(6 * MiB), block(14 * MiB, "inactive")], device=1),
+    ]
+    oom = {"action": "oom", "size": 16 * MiB, "stream": 0, "time_us": 9, "device_free": 1000}
+    traces = [
+        [event("segment_alloc", 1 << 30, 20 * MiB, 1), event("alloc", 1 << 30, 6 * MiB, 2)],
+        [event("segment_alloc", 2 << 30, 20 * MiB, 3), event("alloc", 2 << 30, 6 * MiB, 4), oom],
+    ]
+    path = snap_file(make_snapshot(segs, traces))
+    fr = _frames(snap_file, make_snapshot(segs, traces))
+    stats = compute_stats(fr)
+    assert list(stats.devices) == [1, 0] and stats.oom.device == 1
+    assert list(diagnose(fr, stats, False).whatifs) == [1, 0]
+    assert [w.device for w in api.whatif(path)] == [1, 0]
+    # without an OOM, index order
+    quiet = compute_stats(_frames(snap_file, make_snapshot(segs, [traces[0], traces[1][:2]])))
+    assert list(quiet.devices) == [0, 1]

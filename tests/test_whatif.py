@@ -22,7 +22,8 @@ CAPS = json.loads((SAMPLES / "whatif_caps.json").read_text())["caps"]
 
 
 def _cap(name: str) -> int | None:
-    return sample_truth(name)["workload"].get("memory_cap_bytes")
+    workload = sample_truth(name)["workload"]
+    return workload.get("memory_cap_bytes", workload.get("cap_bytes"))
 
 
 # --------------------------------------------------------------------------- the model's rules

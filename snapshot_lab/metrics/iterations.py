@@ -134,6 +134,31 @@ def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     return Iterations(device, best[3], "repeating allocation pattern", f"stack {best[2]}")
 
 
+OUTER_GAP_FACTOR = 2.0  # a gap this many times the median one ends a group of repetitions
+
+
+def _outer_loop(pattern: Iterations) -> Iterations:
+    """The loop around the pattern, when its repetitions come in equal groups split by longer
+    gaps: the layers of a model run once per batch (``deep_inference_python``: 32 layers x 3
+    batches, where each layer frees what it allocated and the layer site fired 96 times). The
+    groups are the iterations; a pattern with no such groups is returned as it is."""
+    gaps = np.diff(pattern.starts)
+    ends = np.flatnonzero(gaps > OUTER_GAP_FACTOR * np.median(gaps))
+    if ends.size + 1 < MIN_ITERATIONS:
+        return pattern
+    group_starts = np.r_[0, ends + 1]
+    sizes = np.diff(np.r_[group_starts, pattern.starts.size])
+    # every group as long as the first (the last may be cut short by the dump)
+    if sizes[0] < 2 or (sizes[:-1] != sizes[0]).any() or sizes[-1] > sizes[0]:
+        return pattern
+    return Iterations(
+        pattern.device,
+        pattern.starts[group_starts],
+        f"repeating allocation pattern, in groups of {int(sizes[0])} (an outer loop: one group per iteration)",
+        pattern.label,
+    )
+
+
 def find_iterations(frames: SnapshotFrames, device: int) -> Iterations | None:
     """Iteration starts of one device (None when fewer than three can be found)."""
     ev = frames.events[frames.events["device"] == device]
@@ -147,4 +172,4 @@ def find_iterations(frames: SnapshotFrames, device: int) -> Iterations | None:
     pattern = _from_pattern(ev, device)
     if pattern is None or not _pattern_ends(frames, ev, pattern.starts):
         return None
-    return pattern
+    return _outer_loop(pattern)

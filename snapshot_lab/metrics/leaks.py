@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
+from .categories.stacks import stack_categories
 from .iterations import Iterations, find_iterations
 from .lifetimes import device_lifetimes
 from .sites import allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
@@ -117,11 +118,64 @@ def _analyse(frames: SnapshotFrames, device: int, it: Iterations, lifetimes: pd.
     return out
 
 
+# a state-only snapshot (no trace): many same-size live activations from one site. A site inside
+# a model's layers runs once per layer in a forward pass, and no model keeps hundreds of layers'
+# outputs of one size from one line; hooks or caches that keep every forward's outputs do.
+STATE_MIN_BLOCKS = 256
+STATE_MIN_BYTES = 256 * 1024 * 1024
+STATE_CONFIDENCE = 0.4  # one snapshot shows how much, not that it grows: below a trace's suspects
+STATE_SOURCE = "state-only snapshot: same-size live activations from one site, far more than one forward pass keeps"
+
+
+def state_only_suspects(frames: SnapshotFrames, device: int) -> list[LeakSuspect]:
+    """Leak suspects a single snapshot can show without a trace: at least ``STATE_MIN_BLOCKS``
+    live activation blocks of one size from one allocation site, ``STATE_MIN_BYTES`` in all."""
+    blocks = frames.blocks
+    live = blocks[(blocks["device"] == device) & (blocks["state"] == "active_allocated") & blocks["stack_id"].notna()]
+    if len(live) < STATE_MIN_BLOCKS:
+        return []
+    sid = live["stack_id"].to_numpy(dtype=np.int64)
+    categories = stack_categories(frames)
+    is_activation = pd.Series(sid).map(categories).eq("activation").to_numpy()
+    live = live[is_activation]
+    if len(live) < STATE_MIN_BLOCKS:
+        return []
+    # one allocation path (the whole stack, not only the job's line that called the model): a site
+    # inside a model's layers has one stack per call site of the layer loop
+    counted = live.groupby(["stack_id", "size_bytes"])["size_bytes"].agg(["count", "sum"])
+    hits = counted[(counted["count"] >= STATE_MIN_BLOCKS) & (counted["sum"] >= STATE_MIN_BYTES)]
+    if hits.empty:
+        return []
+    sites = snapshot_sites(frames)
+    stack_ids = np.array([int(k[0]) for k in hits.index], dtype=np.int64)
+    labels = site_labels(stack_ids, sites)[0]
+    out = []
+    for label, stack_id, (count, total) in zip(labels, stack_ids, hits.itertuples(index=False), strict=True):
+        out.append(
+            LeakSuspect(
+                device=device,
+                site=str(label),
+                frames=frames.stack(int(stack_id)),
+                bytes=int(total),
+                count=int(count),
+                growth_bytes_per_iteration=0,
+                iterations_growing=0,
+                iterations_considered=0,
+                first_seen_us=None,
+                confidence=STATE_CONFIDENCE,
+            )
+        )
+    out.sort(key=lambda s: (-s.bytes, s.site))
+    return out
+
+
 def find_leaks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame | None = None) -> LeakAnalysis:
     """Leak suspects of one device, most suspicious first."""
     it = find_iterations(frames, device)
     if it is None:
         ev = frames.events[frames.events["device"] == device]
+        if len(ev) <= 1 and (held := state_only_suspects(frames, device)):
+            return LeakAnalysis(device, 0, STATE_SOURCE, None, held, "no allocation history (state-only recording)")
         why = (
             "no allocation history (state-only recording)"
             if len(ev) <= 1

@@ -6,7 +6,17 @@ freeing its whole cache to retry a cudaMalloc that failed). The free events reco
 of the moment: a Python ``empty_cache`` frame says the program did it; the stack of some other
 operation says it happened inside that operation's allocation. Events recorded without a stack
 (the autograd thread with Python stacks, or ``context`` not recording frees) leave the cause to
-the allocator model (:mod:`.whatif`).
+the allocator model (:mod:`.whatif`), unless the trace records stacks on its other frees: then
+a release without one ran on a thread with no Python stack, which is not the program calling
+``empty_cache()``.
+
+A *flush* is ``release_cached_blocks`` inside ``malloc``: cudaMalloc failed, the allocator
+freed every unsplit cached segment of both pools and retried, and the retry got its segment
+(torch counts it in ``memory_stats()['num_alloc_retries']``). It sits right before the new
+segment of the allocation that needed it (its position), and no ``empty_cache`` frame is in its
+stack. Under PyTorch's default settings nothing else gives memory back inside an allocation;
+with garbage collection or ``max_split_size`` on, those release large-pool segments only, so a
+release inside an allocation that frees a small-pool segment (2 MiB) is a flush.
 """
 
 from __future__ import annotations
@@ -17,10 +27,14 @@ import numpy as np
 
 from ..frames import SnapshotFrames
 from ._memo import memo
-from .allocator_model import UNLIMITED, recorded_settings
+from .allocator_model import SMALL_BUFFER, UNLIMITED, recorded_settings
 from .categories.stacks import stacks_with_frame
 
-CAUSES = ("empty_cache", "oom", "allocator", "unknown")
+# 'flush': the allocator freed its cache to retry a cudaMalloc that then succeeded
+# 'oom': the same, but the retry failed (an OOM follows)
+CAUSES = ("empty_cache", "oom", "flush", "allocator", "unknown")
+_NEW_SEGMENT = ("segment_alloc", "segment_map")
+_RELEASE_FRAMES = ("release_cached_blocks",)  # C++ frames (stacks='all') of the allocator's own flush
 
 
 @dataclass(frozen=True)
@@ -29,23 +43,105 @@ class Release:
     end: int  # position after its last event
     segments: int
     bytes: int
-    cause: str  # one of CAUSES: 'oom' = the allocator freed its cache to retry a request that then failed
+    cause: str  # one of CAUSES
     reserved_again_bytes: int  # segments reserved after it, before the next release
     followed_by: str  # the first action after it ('' at the end of the trace)
+    reserved_before_bytes: int = 0  # reserved memory just before it (the trace anchored at the dump)
+    next_segment_bytes: int = 0  # the new segment right after it (0: none)
+    time_us: int | None = None  # of its first event
+    duration_us: int | None = None  # from its first event to the new segment right after it
+
+
+@dataclass(frozen=True)
+class _TraceColumns:
+    action: np.ndarray
+    size: np.ndarray
+    stack: np.ndarray
+    time: np.ndarray
+    reserved_before: np.ndarray  # reserved memory before each event
+    frees_have_stacks: bool  # the trace records stacks on frees (context='all')
+
+
+def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
+    ev = frames.events[frames.events["device"] == device]
+    action = ev["action"].astype(str).to_numpy()
+    size = ev["size_bytes"].to_numpy(dtype=np.int64)
+    sid = ev["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    delta = np.where(np.isin(action, _NEW_SEGMENT), size, 0) - np.where(
+        np.isin(action, ["segment_free", "segment_unmap"]), size, 0
+    )
+    at_dump = int(frames.segments.loc[frames.segments["device"] == device, "total_size_bytes"].sum())
+    after = at_dump - (int(delta.sum()) - np.cumsum(delta))  # reserved after each event
+    frees = np.isin(action, ["free_requested", "free_completed", "segment_free", "segment_unmap"])
+    return _TraceColumns(
+        action=action,
+        size=size,
+        stack=sid,
+        time=ev["time_us"].to_numpy(dtype=np.float64, na_value=np.nan),
+        reserved_before=after - delta,
+        frees_have_stacks=bool((sid[frees] >= 0).any()),
+    )
+
+
+def _is_flush(cols: _TraceColumns, s: int, e: int, stacks: set[int], self_releasing: bool) -> bool:
+    """Whether the release at [s, e), followed by a new segment, is the allocator's flush."""
+    inside_allocation = bool(stacks) or cols.frees_have_stacks
+    if not inside_allocation:
+        return False
+    if not self_releasing:
+        return True
+    freed_small = (cols.action[s:e] == "segment_free") & (cols.size[s:e] == SMALL_BUFFER)
+    return bool(freed_small.any())
+
+
+@dataclass(frozen=True)
+class _Signs:
+    """What tells who made a release: the stacks that mark the program's ``empty_cache()`` and
+    the allocator's own flush, and whether the allocator releases inside allocations by itself."""
+
+    empty_cache: set[int]
+    flush_frames: set[int]
+    self_releasing: bool
+
+
+def _signs(frames: SnapshotFrames) -> _Signs:
+    settings = recorded_settings(frames.info.allocator_settings)
+    return _Signs(
+        empty_cache=stacks_with_frame(frames, "empty_cache"),
+        flush_frames=set().union(*(stacks_with_frame(frames, name) for name in _RELEASE_FRAMES)),
+        # with these, the allocator gives memory back inside allocations by itself
+        self_releasing=settings.garbage_collection_threshold > 0 or settings.max_split_size != UNLIMITED,
+    )
+
+
+def _cause(cols: _TraceColumns, signs: _Signs, s: int, e: int, first: str) -> str:
+    stacks = set(cols.stack[s:e].tolist()) - {-1}
+    if stacks & signs.empty_cache:
+        return "empty_cache"
+    if first == "oom":
+        return "oom"
+    if first in _NEW_SEGMENT and (stacks & signs.flush_frames or _is_flush(cols, s, e, stacks, signs.self_releasing)):
+        return "flush"
+    if stacks or (signs.self_releasing and first in _NEW_SEGMENT):
+        return "allocator"
+    return "unknown"
+
+
+def _time(cols: _TraceColumns, i: int) -> int | None:
+    return None if np.isnan(cols.time[i]) else int(cols.time[i])
+
+
+def _span_us(cols: _TraceColumns, start: int, end: int) -> int | None:
+    t0, t1 = _time(cols, start), _time(cols, end)
+    return None if t0 is None or t1 is None else t1 - t0
 
 
 def _find(frames: SnapshotFrames, device: int) -> list[Release]:
-    ev = frames.events[frames.events["device"] == device]
-    action = ev["action"].astype(str).to_numpy()
-    size = ev["size_bytes"].to_numpy()
-    sid = ev["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    empty_cache = stacks_with_frame(frames, "empty_cache")
-    settings = recorded_settings(frames.info.allocator_settings)
-    # with these, the allocator gives memory back inside allocations by itself
-    self_releasing = settings.garbage_collection_threshold > 0 or settings.max_split_size != UNLIMITED
-    gone = np.isin(action, ["segment_free", "segment_unmap"])
-    new = np.isin(action, ["segment_alloc", "segment_map"])
-    idx = np.flatnonzero(gone)
+    cols = _columns(frames, device)
+    action, size = cols.action, cols.size
+    signs = _signs(frames)
+    new = np.isin(action, _NEW_SEGMENT)
+    idx = np.flatnonzero(np.isin(action, ["segment_free", "segment_unmap"]))
     if idx.size == 0:
         return []
     starts = idx[np.r_[True, np.diff(idx) > 1]]
@@ -53,26 +149,22 @@ def _find(frames: SnapshotFrames, device: int) -> list[Release]:
     out = []
     for k, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         nxt_start = int(starts[k + 1]) if k + 1 < starts.size else action.size
-        following = [a for a in action[e:nxt_start] if a != "snapshot"]
-        first = following[0] if following else ""
-        stacks = set(sid[s:e].tolist()) - {-1}
-        if stacks & empty_cache:
-            cause = "empty_cache"
-        elif first == "oom":
-            cause = "oom"
-        elif stacks or (self_releasing and first in ("segment_alloc", "segment_map")):
-            cause = "allocator"
-        else:
-            cause = "unknown"
+        following = np.flatnonzero(action[e:nxt_start] != "snapshot")
+        after = e + int(following[0]) if following.size else -1
+        first = str(action[after]) if after >= 0 else ""
         out.append(
             Release(
                 start=s,
                 end=e,
                 segments=e - s,
                 bytes=int(size[s:e].sum()),
-                cause=cause,
+                cause=_cause(cols, signs, s, e, first),
                 reserved_again_bytes=int(size[e:nxt_start][new[e:nxt_start]].sum()),
                 followed_by=first,
+                reserved_before_bytes=int(cols.reserved_before[s]),
+                next_segment_bytes=int(size[after]) if first in _NEW_SEGMENT else 0,
+                time_us=_time(cols, s),
+                duration_us=_span_us(cols, s, after) if first in _NEW_SEGMENT else None,
             )
         )
     return out

@@ -116,6 +116,20 @@ def _capture_facts(meta: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: meta[k] for k in keys if k in meta}
 
 
+def failing_first(per_device: dict[int, DeviceStats]) -> dict[int, DeviceStats]:
+    """The devices with the one that ran out of memory first (the latest OOM first when several
+    did), then the others in index order: every view that walks the devices (the what-if, the
+    findings, the report) leads with the failing one."""
+
+    def key(item: tuple[int, DeviceStats]) -> tuple[int, int, int]:
+        dev, ds = item
+        if ds.oom is None:
+            return (1, 0, dev)
+        return (0, -(ds.oom.time_us or 0), -dev)  # the latest OOM, as SnapshotStats.oom picks it
+
+    return dict(sorted(per_device.items(), key=key))
+
+
 def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
     """All of ``stats`` for one snapshot."""
     seg, blk, ev = frames.segments, frames.blocks, frames.events
@@ -140,6 +154,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             categories_requested=cats.live_requested_bytes,
             modules=module_breakdown(frames, d) if d in frames.info.trace_devices else None,
         )
+    per_device = failing_first(per_device)
     if len(per_device) == 1:
         only = next(iter(per_device.values()))
         torch_stats, frag, oom = only.torch_stats, only.fragmentation, only.oom

@@ -145,7 +145,7 @@ def _explicit_release(model: CachingAllocatorModel, prog: _Program, i: int) -> b
     (``whatif_default_capB``, ``gcwhatif_default_capH``); replayed as empty_cache() calls under
     garbage collection they drop the predicted reserved memory."""
     cause, target = prog.releases[i]
-    if cause in ("empty_cache", "oom", "allocator"):
+    if cause in ("empty_cache", "oom", "flush", "allocator"):
         return cause == "empty_cache"
     if target < 0 or model.limit is None:
         return True
@@ -220,6 +220,20 @@ def _describe_start(start: StartState) -> str:
     )
 
 
+def _scenario_result(settings: AllocatorSettings, m: CachingAllocatorModel, avoided: bool | None) -> ScenarioResult:
+    return ScenarioResult(
+        settings=settings.describe(),
+        peak_reserved_bytes=m.stats.peak_reserved_bytes,
+        final_reserved_bytes=m.stats.reserved_bytes,
+        final_allocated_bytes=m.stats.allocated_bytes,
+        cuda_malloc_calls=m.stats.cuda_malloc_calls,
+        cuda_free_calls=m.stats.cuda_free_calls,
+        alloc_retries=m.stats.alloc_retries,
+        ooms=[{"event_index": i, "requested_bytes": r} for i, r in m.stats.ooms],
+        recorded_oom_avoided=avoided,
+    )
+
+
 def analyse_whatif(
     frames: SnapshotFrames,
     device: int,
@@ -268,19 +282,7 @@ def analyse_whatif(
             m, avoided = model, base_avoided
         else:
             m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
-        results.append(
-            ScenarioResult(
-                settings=s.describe(),
-                peak_reserved_bytes=m.stats.peak_reserved_bytes,
-                final_reserved_bytes=m.stats.reserved_bytes,
-                final_allocated_bytes=m.stats.allocated_bytes,
-                cuda_malloc_calls=m.stats.cuda_malloc_calls,
-                cuda_free_calls=m.stats.cuda_free_calls,
-                alloc_retries=m.stats.alloc_retries,
-                ooms=[{"event_index": i, "requested_bytes": r} for i, r in m.stats.ooms],
-                recorded_oom_avoided=avoided,
-            )
-        )
+        results.append(_scenario_result(s, m, avoided))
     return WhatIf(device, len(ev), memory_limit, check, results)
 
 
@@ -338,7 +340,9 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
     """The limit the job ran under: the capture sidecar's OOM record, else the OOM event. When
     the device itself had room for the failing request, a per-process cap caused the OOM; the
     snapshot does not record its value, so the peak reserved before the OOM stands in for it
-    (the smallest cap consistent with the recording: what fits under it surely fit)."""
+    (the smallest cap consistent with the recording: what fits under it surely fit). A trace
+    with no OOM but with cache flushes (cudaMalloc failed and its retry succeeded) bounds the
+    limit too: see :func:`_limit_from_flushes`."""
     cap = frames.info.capture or {}
     oom = cap.get("oom") if isinstance(cap, dict) else None
     ev = frames.events[(frames.events["device"] == device) & (frames.events["action"] == "oom")]
@@ -355,7 +359,7 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
         is_cap = limit < total if isinstance(total, int) else device_had_room
         return MemoryLimit(limit, "capture sidecar (the OOM observer's limit)", is_cap)
     if last is None:
-        return MemoryLimit(None, "none (unlimited)")
+        return _limit_from_flushes(frames, device, reserved_peak)
     if not device_had_room and not pd.isna(last["device_free_bytes"]):
         m = oom_moment(frames, device)
         reserved = int(m.segments["total_size_bytes"].sum()) if m is not None else 0
@@ -371,6 +375,30 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
             inferred=True,
         )
     return MemoryLimit(None, "none (unlimited)")
+
+
+def _limit_from_flushes(frames: SnapshotFrames, device: int, reserved_peak: int | None) -> MemoryLimit:
+    """The limit a job that never ran out of memory met: each time the allocator flushed its
+    cache to retry a cudaMalloc (:mod:`.releases`), the reserved memory plus the new segment
+    would have crossed it (an upper bound), while every cudaMalloc that succeeded stayed under it
+    (the peak reserved: a lower bound). The peak stands in for it, as for an OOM under a cap: a
+    job that flushes climbs to its limit, and what fits under the peak surely fit."""
+    flushes = [r for r in find_releases(frames, device) if r.cause == "flush" and r.next_segment_bytes]
+    if not flushes:
+        return MemoryLimit(None, "none (unlimited)")
+    upper = min(r.reserved_before_bytes + r.next_segment_bytes for r in flushes) - 1
+    if reserved_peak is not None and upper < reserved_peak:
+        return MemoryLimit(None, "none (the cache flushes in the trace do not agree on one limit)")
+    limit = upper if reserved_peak is None else reserved_peak
+    return MemoryLimit(
+        limit,
+        f"inferred from the {len(flushes)} cache flush{'es' if len(flushes) > 1 else ''} in the trace: the "
+        f"allocator freed its cache when a cudaMalloc would have taken reserved memory over a limit of at most "
+        f"{upper:,} bytes, and it reserved up to {limit:,} bytes; the limit is not recorded, and the peak reserved "
+        "stands in for it",
+        is_cap=True,
+        inferred=True,
+    )
 
 
 WHATIF_FULL_GRID_EVENTS = 200_000  # above this, the report replays one alternative, not three

@@ -23,6 +23,7 @@ from ..timeline import Timeline
 from ..whatif import WhatIf
 from . import (
     allocator,
+    cache_flush,
     churn,
     dataparallel,
     ddp,
@@ -53,6 +54,7 @@ RULES: list[Callable[[FindingContext], list[Finding]]] = [
     leaks.find,
     fragmentation.find,
     churn.find,
+    cache_flush.find,
     streams.find,
     graphs.find,
     recording.find,

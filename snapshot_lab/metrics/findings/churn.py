@@ -7,7 +7,9 @@ released at the trace's start, then re-reserved by the step) is a common, harmle
 the simpler rule "many segment frees, later cudaMallocs of the same sizes" called it churn. The
 allocator's own releases inside an allocation (garbage collection, retries under a memory cap:
 ``gcwhatif_gc06_capM``) are the price of running near the cap, not something the program does,
-and are left to the allocator-settings advice.
+and are left to the allocator-settings advice; its cache flushes before a retried cudaMalloc
+(``inf_flush_python``: an inference job that calls no empty_cache()) are ``cache-flush``
+(:mod:`.cache_flush`).
 """
 
 from __future__ import annotations

@@ -3,13 +3,55 @@
 from __future__ import annotations
 
 from ...units import format_bytes
-from ..leaks import LeakAnalysis
+from ..leaks import STATE_SOURCE, LeakAnalysis
 from .base import Finding, FindingContext
+
+STATE_TITLE = (
+    "{count:,} live blocks of {size} ({total}) all allocated at one line in a forward pass (top: {site}): far "
+    "more activations than one forward pass keeps"
+)
+STATE_ADVICE = (
+    "This snapshot has no allocation history, so it cannot show memory growing; it shows the outputs of one "
+    "line kept alive many times over, which is how a leak across forward passes looks at one moment (lower "
+    "confidence than a trace's growth per iteration). Typical causes: forward hooks that store outputs and are "
+    "never removed (keep the handle register_forward_hook returns and call .remove()), outputs appended to a "
+    "list or cache that is never cleared, or outputs kept with their autograd graph (use .detach(), or run "
+    "inference under torch.inference_mode()). Record a trace (torch.cuda.memory._record_memory_history) to "
+    "see the growth per iteration."
+)
+
+
+def _state_only_finding(la: LeakAnalysis) -> Finding:
+    top = la.suspects[0]
+    return Finding(
+        id="leak-suspect",
+        severity="warning",
+        title=STATE_TITLE.format(
+            count=top.count,
+            size=format_bytes(top.bytes // max(top.count, 1)),
+            total=format_bytes(top.bytes),
+            site=top.site,
+        ),
+        advice=STATE_ADVICE,
+        evidence={
+            "iterations": 0,
+            "iterations_from": la.iteration_source,
+            "top_site": top.site,
+            "top_site_live_blocks": top.count,
+            "top_site_live_bytes": top.bytes,
+            "leaked_bytes_live": sum(s.bytes for s in la.suspects),
+            "confidence": top.confidence,
+        },
+        savings_bytes=sum(s.bytes for s in la.suspects),
+        device=la.device,
+    )
 
 
 def _finding(la: LeakAnalysis) -> Finding | None:
     if not la.suspects:
         return None
+    if la.iteration_source == STATE_SOURCE:
+        return _state_only_finding(la)
     top = la.suspects[0]
     total = la.growth_bytes_per_iteration
     return Finding(
