@@ -125,3 +125,21 @@ def test_ddp_finding_on_every_rank_file_without_bucket_view(real_frames):
                 if found:
                     P = sample_truth(name)["workload"]["param_bytes"]
                     assert found[0].savings_bytes == pytest.approx(P, rel=0.15)
+
+
+@pytest.mark.parametrize("name", ["lightning_fit_step3", "lightning_fit_end"])
+def test_lightning_closure_is_not_optimizer_state(real_frames, name):
+    """Hold-out for the innermost-decisive-frame rule: Lightning's automatic optimization runs
+    training_step inside optimizer.step(closure). With "any torch.optim frame wins" the forward's
+    activations were optimizer state (61.55 MiB of state for 14.28 MiB of parameters, and the
+    module view called 128 MiB of the peak optimizer state); AdamW holds 2P, gradients P."""
+    cats = _requested(real_frames, name)
+    P = cats["parameter"]
+    assert P == pytest.approx(14.28 * 2**20, rel=0.01)
+    assert cats["optimizer_state"] == pytest.approx(2 * P, rel=0.01)
+    assert cats["gradient"] == pytest.approx(P, rel=0.01)
+    from snapshot_lab.metrics.modules import module_breakdown
+
+    rows = module_breakdown(real_frames(name), 0).rows
+    assert sum(r.by_category.get("optimizer_state", 0) for r in rows) == 0
+    assert sum(r.by_category.get("activation", 0) for r in rows) > 100 * 2**20

@@ -26,6 +26,7 @@ CATEGORIES = (
     "gradient",
     "optimizer_state",
     "activation",
+    "kv_cache",
     "inflight_activation",
     "fsdp_unsharded_params",
     "comm_buffer",
