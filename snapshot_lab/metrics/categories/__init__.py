@@ -1,22 +1,24 @@
-"""Memory categories: parameter, gradient, optimizer_state, activation, ddp_bucket,
-cuda_graph_pool, other.
+"""Memory categories: parameter, gradient, optimizer_state, activation, kv_cache, ddp_bucket,
+cuda_graph_pool, other (and the parallel libraries' own, see :mod:`.parallel`).
 
 One module per question: :mod:`.stacks` (what a stack says, and on which thread it was
 recorded), :mod:`.gradients` (the lifetime rule that finds gradients in both stack modes),
-:mod:`.assign` (one category per allocation and per block). This module sums them up: bytes per
-category at the dump and over the trace.
+:mod:`.pretrace` (memory older than the trace), :mod:`.assign` (one category and the rule that
+gave it per allocation and per block), :mod:`.rules` (the names). This module sums them up:
+bytes per category at the dump, at the peak and over the trace, and which rule labelled them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
 from ..lifetimes import device_lifetimes
-from .assign import CATEGORIES, CODES, Categorization, categorize
+from .assign import Categorization, categorize
+from .rules import CATEGORIES, CODES, INFERRED_RULES, RULE_HELP, RULES
 from .stacks import stack_categories, stack_threads
 
 
@@ -28,6 +30,15 @@ class CategoryBreakdown:
     live_blocks: dict[str, int]
     # requested bytes over the trace per category (aligned with the device's event order)
     timeline: pd.DataFrame | None
+    # requested bytes at the dump by category and by the rule that labelled them (see RULE_HELP)
+    live_requested_by_rule: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def inferred_requested_bytes(self) -> dict[str, int]:
+        """Requested bytes at the dump per category labelled by a rule other than their own
+        stack (an inference: older than the trace, stackless, ...)."""
+        by_rule = self.live_requested_by_rule
+        return {c: sum(b for r, b in rules.items() if r in INFERRED_RULES) for c, rules in by_rule.items()}
 
 
 def categorize_blocks(frames: SnapshotFrames) -> pd.Series:
@@ -72,12 +83,42 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
     return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
 
 
+def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | None:
+    """Requested bytes by category at the device's peak (the requested peak of its timeline),
+    the memory older than the trace included: blocks alive at the dump that the trace did not
+    make, and older allocations the trace frees after the peak. The values add up to the peak's
+    requested bytes. None without a trace (``stats --json``: ``devices.<d>.categories_at_peak``)."""
+    from ..timeline import device_timeline
+    from ..torch_stats import compute_torch_stats
+
+    ts = compute_torch_stats(
+        frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
+    )
+    tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
+    if tl is None:
+        return None
+    levels = category_levels_at(frames, device, tl.peak_index)
+    result = categorize(frames)
+    b = frames.blocks
+    older = (b["device"] == device).to_numpy() & result.block_before_trace.to_numpy(dtype=bool)
+    for cat, nbytes in b.loc[older, "requested_size_bytes"].groupby(result.block_category[older]).sum().items():
+        levels[str(cat)] += int(nbytes)
+    frees = result.pre_trace_frees.get(device)
+    if frees is not None and len(frees):
+        later = frees[frees["event_index"] > tl.peak_index]
+        for code, nbytes in later.groupby("code")["size_bytes"].sum().items():
+            levels[CATEGORIES[int(code)]] += int(nbytes)
+    return levels
+
+
 def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool = True) -> CategoryBreakdown:
     """Live bytes per category at the dump and, with ``with_timeline``, over the trace."""
-    cats = categorize(frames).block_category
+    result = categorize(frames)
+    cats = result.block_category
     b = frames.blocks
     live = (b["device"] == device) & (b["state"] == "active_allocated")
     grouped = b.loc[live, ["size_bytes", "requested_size_bytes"]].groupby(cats[live])
+    by_rule = b.loc[live, "requested_size_bytes"].groupby([cats[live], result.block_rule[live]]).sum()
     by = grouped.agg(
         size=("size_bytes", "sum"), requested=("requested_size_bytes", "sum"), count=("size_bytes", "size")
     )
@@ -87,14 +128,21 @@ def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool 
         live_requested_bytes={c: int(by["requested"].get(c, 0)) for c in CATEGORIES},
         live_blocks={c: int(by["count"].get(c, 0)) for c in CATEGORIES},
         timeline=category_timeline(frames, device) if with_timeline else None,
+        live_requested_by_rule={
+            c: {str(r): int(v) for r, v in by_rule[c].items() if v} for c in CATEGORIES if c in by_rule.index
+        },
     )
 
 
 __all__ = [
     "CATEGORIES",
     "CODES",
+    "INFERRED_RULES",
+    "RULES",
+    "RULE_HELP",
     "Categorization",
     "CategoryBreakdown",
+    "categories_at_peak",
     "categorize",
     "categorize_blocks",
     "category_levels_at",
