@@ -25,7 +25,7 @@ from .._memo import memo
 from ..lifetimes import device_lifetimes
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
 from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
-from .pretrace import PreTraceBlocks, TraceFacts, judge_pre_trace
+from .pretrace import MIRROR_COVERAGE, WORKSPACE_SIZES, PreTraceBlocks, TraceFacts, judge_pre_trace, mirrored_sizes
 from .rules import CATEGORIES, CODES, NONE, RULE_CODES, RULES, StackFacts
 from .stacks import cache_stacks, stack_categories, stack_threads, stacks_with_frame
 
@@ -93,7 +93,18 @@ class _DeviceCategories:
         self.block_base = _codes(b_sid, facts.category)
         self.block_live = (self.blocks["state"] != "inactive").to_numpy()
         self.block_req = self.blocks["requested_size_bytes"].to_numpy(dtype=np.int64, na_value=-1)
+        self.block_alloc = self._allocation_of_blocks()
+        self.older = self.block_live & (self.block_alloc < 0)  # alive at the dump, made before the trace
         self.param_sizes = self._param_sizes()
+
+    def _allocation_of_blocks(self) -> np.ndarray:
+        """Row of the lifetimes that made each block alive at the dump (-1: none in the trace)."""
+        surviving = self.surviving
+        by_addr = pd.Series(np.arange(len(self.lt))[surviving], index=self.lt["address"].to_numpy()[surviving])
+        by_addr = by_addr[~by_addr.index.duplicated(keep="last")]
+        pos = by_addr.reindex(self.blocks["address"].to_numpy()).to_numpy()
+        matched = self.block_live & ~np.isnan(pos)
+        return np.where(matched, np.nan_to_num(pos, nan=-1), -1).astype(np.int64)
 
     def _set(self, mask: np.ndarray, category: str, rule: str) -> None:
         self.code[mask] = CODES[category]
@@ -127,6 +138,7 @@ class _DeviceCategories:
             inflight = inflight_mask(self.sid, by_backward, facts.pipeline_forward)
             self._set(inflight & (self.code == CODES["activation"]), "inflight_activation", "pipeline_inflight")
         self._kv_cache_replaced()
+        self._parameter_mirrors()
         stackless = (self.code == NONE) & ~grad
         self._set(stackless & ~self.surviving, "activation", "backward_temporary")  # made and freed again
         self._set(stackless & self.surviving, "other", "stackless_survivor")
@@ -144,32 +156,52 @@ class _DeviceCategories:
         replaced &= np.isin(self.code, [CODES["activation"], CODES["other"], NONE])
         self._set(replaced, "kv_cache", "kv_cache_replaced")
 
+    def kv_cache_in_training(self, training: bool) -> None:
+        """A KV cache filled by a training forward (transformers builds a ``DynamicCache`` when
+        ``use_cache`` is on, and its ``torch.cat`` copies every layer's keys and values) holds
+        activations, not a generation's cache: truth of ``fw_lightning_auto_python`` (32 MiB at
+        the peak). Kept apart by its rule, so the waste can still be named."""
+        if training:
+            self._set(self.code == CODES["kv_cache"], "activation", "kv_cache_in_training")
+
+    def _parameter_mirrors(self) -> None:
+        """An optimizer written by hand in the program's own code (no decisive frame) shows up as
+        allocations that mirror the parameters: one stack, on the program's thread, whose
+        allocations alive at the dump have the sizes of the parameter copies older than the
+        trace, covering most of them (``midrun_nozero_python``: momentum buffers made anew each
+        step by the training script)."""
+        candidates = mirrored_sizes(self.block_req[self.older & (self.block_sid < 0)])
+        if not candidates.size:
+            return
+        threads = thread_codes(self.sid, self.facts.threads)
+        eligible = (self.code == CODES["other"]) & self.surviving & (threads == THREAD_CODES["main"])
+        eligible &= np.isin(self.sizes, candidates)
+        for stack_id in np.unique(self.sid[eligible]):
+            mine = eligible & (self.sid == stack_id)
+            if np.unique(self.sizes[mine]).size >= MIRROR_COVERAGE * candidates.size:
+                self._set(mine, "optimizer_state", "parameter_mirror")
+
     def blocks_at_dump(self, pre_trace: PreTraceBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Category and rule codes of the device's blocks: alive ones take the allocation that
         made them, older ones (the third array says which) are judged by :mod:`.pretrace`."""
-        b, live = self.blocks, self.block_live
         out = self.block_base.copy()
         rule = np.where(out == NONE, RULE_CODES["no_stack"], RULE_CODES["pre_trace_stack"]).astype(np.int64)
-        surviving = self.surviving
-        by_addr = pd.Series(np.arange(len(self.lt))[surviving], index=self.lt["address"].to_numpy()[surviving])
-        by_addr = by_addr[~by_addr.index.duplicated(keep="last")]
-        pos = by_addr.reindex(b["address"].to_numpy()).to_numpy()
-        matched = live & ~np.isnan(pos)
-        out[matched] = self.code[pos[matched].astype(np.int64)]
-        rule[matched] = self.rule[pos[matched].astype(np.int64)]
-        before = np.flatnonzero(live & ~matched)
+        matched = self.block_alloc >= 0
+        out[matched] = self.code[self.block_alloc[matched]]
+        rule[matched] = self.rule[self.block_alloc[matched]]
+        before = np.flatnonzero(self.older)
         if before.size:
-            judged = pre_trace.judge_blocks(before)
-            out[before], rule[before] = judged
-        private = b["is_private_pool"].to_numpy()
+            out[before], rule[before] = pre_trace.judge_blocks(before)
+        private = self.blocks["is_private_pool"].to_numpy()
         out[private] = CODES["cuda_graph_pool"]
         rule[private] = RULE_CODES["private_pool"]
-        return out, rule, live & ~matched
+        return out, rule, self.older
 
     def pre_trace(self, grad: np.ndarray) -> PreTraceBlocks:
         """The judge of the memory older than the trace, with what the trace says."""
         facts = self.trace_facts(grad)
-        return judge_pre_trace(self.blocks, self.block_base, self.block_sid, self.ev, self.lt, self.facts, facts)
+        tables = (self.ev, self.lt)
+        return judge_pre_trace(self.blocks, self.block_base, self.block_sid, self.older, tables, self.facts, facts)
 
     def trace_facts(self, grad: np.ndarray) -> TraceFacts:
         threads = thread_codes(self.sid, self.facts.threads)
@@ -181,6 +213,8 @@ class _DeviceCategories:
                 or (self.block_live & (self.block_base == CODES["parameter"])).any()
             ),
             has_backward=bool(backward.any()),
+            mirror_stacks=frozenset(np.unique(self.sid[self.rule == RULE_CODES["parameter_mirror"]]).tolist()),
+            workspace_in_trace=bool((self.surviving & np.isin(self.sizes, list(WORKSPACE_SIZES))).any()),
             has_forward=bool((self.code == CODES["activation"]).any()),
             optimizer_state_sizes=self.sizes[(self.code == CODES["optimizer_state"]) & self.surviving],
             trace_gradient_sizes=self.sizes[grad & self.surviving],
@@ -224,9 +258,8 @@ def _categorize(frames: SnapshotFrames) -> Categorization:
     for d in devices:
         dev = _DeviceCategories(frames, d, facts)
         grad = dev.in_trace()
-        pre_trace = judge_pre_trace(
-            dev.blocks, dev.block_base, dev.block_sid, dev.ev, dev.lt, facts, dev.trace_facts(grad)
-        )
+        pre_trace = dev.pre_trace(grad)
+        dev.kv_cache_in_training(pre_trace.training)
         mask = dev.block_mask
         block_codes[mask], block_rules[mask], before_trace[mask] = dev.blocks_at_dump(pre_trace)
         alloc_codes[d], alloc_rules[d], param_sizes[d] = dev.code, dev.rule, dev.param_sizes
