@@ -44,20 +44,16 @@ class TruthCategories:
     at_peak: dict[str, int]
     peak_requested_bytes: int
     peak_event: int  # position of the peak in the device's trace
+    # address -> (requested bytes, true category or None) of every block alive at the peak; None:
+    # alive at no observation moment, so the observations cannot say what it was
+    peak_blocks: dict[int, tuple[int, str | None]]
 
 
 def _observations(snapshot: dict[str, Any], truth: dict[str, Any]) -> dict[int, list[tuple[float, str]]]:
     """address -> [(observation time, category)], sorted by time."""
-    times = {
-        a["name"].split(":", 1)[1]: float(a["time_us"])
-        for a in snapshot.get("external_annotations", [])
-        if a.get("stage") == "START" and str(a.get("name", "")).startswith("snaplab_truth:")
-    }
     by_address: dict[int, list[tuple[float, str]]] = defaultdict(list)
-    for k, obs in enumerate(truth["workload"].get("observations", [])):
-        # a marker missing from the snapshot was observed before recording began: before every
-        # allocation of the trace, while the blocks older than the trace were alive
-        t = times.get(obs["marker"], BEFORE_TRACE + k)
+    observed = truth["workload"].get("observations", [])
+    for t, obs in zip(_marker_times(snapshot, truth), observed, strict=True):
         for category, tensors in obs["tensors"].items():
             for data_ptr, _nbytes in tensors:
                 by_address[int(data_ptr)].append((t, TRUTH_ALIASES.get(category, category)))
@@ -76,7 +72,9 @@ def _category(block: LiveBlock, seen: list[tuple[float, str]], moment: float) ->
     return before[-1] if before else alive[0][1]
 
 
-def _replay(trace: list[dict[str, Any]], dump_blocks: dict[int, int]) -> tuple[list[LiveBlock], list[LiveBlock], int, int]:
+def _replay(
+    trace: list[dict[str, Any]], dump_blocks: dict[int, int]
+) -> tuple[list[LiveBlock], list[LiveBlock], int, int]:
     """Blocks alive at the dump and at the peak, the peak's requested bytes and position."""
     open_allocs: dict[int, tuple[int, float, int]] = {}  # address -> size, time, position
     ended: list[tuple[int, int, float, float, int, int]] = []  # address, size, t0, t1, i0, i1
@@ -107,6 +105,10 @@ def _replay(trace: list[dict[str, Any]], dump_blocks: dict[int, int]) -> tuple[l
     return at_dump, at_peak, levels[peak] + offset, peak
 
 
+def _observable(block: LiveBlock, moments: list[float]) -> bool:
+    return any(block.alloc_time_us <= t < block.free_time_us for t in moments)
+
+
 def _sum(blocks: list[LiveBlock], observations: dict[int, list[tuple[float, str]]], moment: float) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for b in blocks:
@@ -130,7 +132,30 @@ def truth_categories(pickle_path: Path, truth_path: Path, device: int = 0) -> Tr
     at_dump, at_peak, peak_bytes, peak = _replay(trace, dump_blocks)
     observations = _observations(snapshot, truth)
     peak_time = float(trace[peak].get("time_us", 0))
-    return TruthCategories(_sum(at_dump, observations, _INF), _sum(at_peak, observations, peak_time), peak_bytes, peak)
+    moments = _marker_times(snapshot, truth)
+    peak_blocks = {
+        b.address: (
+            b.requested_bytes,
+            _category(b, observations.get(b.address, []), peak_time) if _observable(b, moments) else None,
+        )
+        for b in at_peak
+    }
+    return TruthCategories(
+        _sum(at_dump, observations, _INF), _sum(at_peak, observations, peak_time), peak_bytes, peak, peak_blocks
+    )
+
+
+def _marker_times(snapshot: dict[str, Any], truth: dict[str, Any]) -> list[float]:
+    """Every observation's moment (also those that found no tensor of any category)."""
+    times = {
+        a["name"].split(":", 1)[1]: float(a["time_us"])
+        for a in snapshot.get("external_annotations", [])
+        if a.get("stage") == "START" and str(a.get("name", "")).startswith("snaplab_truth:")
+    }
+    observed = truth["workload"].get("observations", [])
+    # a marker missing from the snapshot was observed before recording began: before every
+    # allocation of the trace, while the blocks older than the trace were alive
+    return [times.get(o["marker"], BEFORE_TRACE + k) for k, o in enumerate(observed)]
 
 
 __all__ = ["REST", "TRUTH_ALIASES", "LiveBlock", "TruthCategories", "truth_categories"]

@@ -83,11 +83,12 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
     return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
 
 
-def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | None:
-    """Requested bytes by category at the device's peak (the requested peak of its timeline),
-    the memory older than the trace included: blocks alive at the dump that the trace did not
-    make, and older allocations the trace frees after the peak. The values add up to the peak's
-    requested bytes. None without a trace (``stats --json``: ``devices.<d>.categories_at_peak``)."""
+def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
+    """Every allocation alive at the device's peak (the requested peak of its timeline), with
+    its category and the rule that gave it: the trace's own allocations alive then, blocks alive
+    at the dump that the trace did not make, and older allocations the trace frees after the
+    peak. Columns: address, size_bytes (requested), category, rule, before_trace. None without a
+    trace."""
     from ..timeline import device_timeline
     from ..torch_stats import compute_torch_stats
 
@@ -97,18 +98,59 @@ def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | 
     tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
     if tl is None:
         return None
-    levels = category_levels_at(frames, device, tl.peak_index)
     result = categorize(frames)
+    names, rules = np.array(CATEGORIES, dtype=object), np.array(RULES, dtype=object)
+    lifetimes = device_lifetimes(frames, device)
+    free_at = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
+    alive = ((lifetimes["event_index"].to_numpy() <= tl.peak_index) & (free_at > tl.peak_index)).astype(bool)
+    code = result.alloc_codes[device][alive]
+    in_trace = pd.DataFrame(
+        {
+            "address": lifetimes["address"].to_numpy(dtype=np.int64)[alive],
+            "size_bytes": lifetimes["size_bytes"].to_numpy(dtype=np.int64)[alive],
+            "category": names[np.where(code < 0, len(CATEGORIES) - 1, code)],
+            "rule": rules[result.alloc_rules[device][alive]],
+            "before_trace": False,
+        }
+    )
     b = frames.blocks
     older = (b["device"] == device).to_numpy() & result.block_before_trace.to_numpy(dtype=bool)
-    for cat, nbytes in b.loc[older, "requested_size_bytes"].groupby(result.block_category[older]).sum().items():
-        levels[str(cat)] += int(nbytes)
+    at_dump = pd.DataFrame(
+        {
+            "address": b.loc[older, "address"].to_numpy(dtype=np.int64),
+            "size_bytes": b.loc[older, "requested_size_bytes"].to_numpy(dtype=np.int64),
+            "category": result.block_category[older].fillna("other").to_numpy(dtype=object),
+            "rule": result.block_rule[older].to_numpy(dtype=object),
+            "before_trace": True,
+        }
+    )
     frees = result.pre_trace_frees.get(device)
+    parts = [in_trace, at_dump]
     if frees is not None and len(frees):
         later = frees[frees["event_index"] > tl.peak_index]
-        for code, nbytes in later.groupby("code")["size_bytes"].sum().items():
-            levels[CATEGORIES[int(code)]] += int(nbytes)
-    return levels
+        parts.append(
+            pd.DataFrame(
+                {
+                    "address": later["address"].to_numpy(dtype=np.int64),
+                    "size_bytes": later["size_bytes"].to_numpy(dtype=np.int64),
+                    "category": names[later["code"].to_numpy(dtype=np.int64)],
+                    "rule": rules[later["rule"].to_numpy(dtype=np.int64)],
+                    "before_trace": True,
+                }
+            )
+        )
+    return pd.concat(parts, ignore_index=True)
+
+
+def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | None:
+    """Requested bytes by category at the device's peak, the memory older than the trace
+    included (see :func:`blocks_at_peak`); they add up to the peak's requested bytes. None
+    without a trace. For ``stats --json``: ``devices.<d>.categories_at_peak``."""
+    alive = blocks_at_peak(frames, device)
+    if alive is None:
+        return None
+    sums = alive.groupby("category")["size_bytes"].sum()
+    return {c: int(sums.get(c, 0)) for c in CATEGORIES}
 
 
 def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool = True) -> CategoryBreakdown:
@@ -142,6 +184,7 @@ __all__ = [
     "RULE_HELP",
     "Categorization",
     "CategoryBreakdown",
+    "blocks_at_peak",
     "categories_at_peak",
     "categorize",
     "categorize_blocks",

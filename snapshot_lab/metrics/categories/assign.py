@@ -217,7 +217,7 @@ class _DeviceCategories:
             workspace_in_trace=bool((self.surviving & np.isin(self.sizes, list(WORKSPACE_SIZES))).any()),
             has_forward=bool((self.code == CODES["activation"]).any()),
             optimizer_state_sizes=self.sizes[(self.code == CODES["optimizer_state"]) & self.surviving],
-            trace_gradient_sizes=self.sizes[grad & self.surviving],
+            trace_gradient_sizes=self.sizes[grad],
         )
 
 

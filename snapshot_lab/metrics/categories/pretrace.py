@@ -57,14 +57,17 @@ class TraceFacts:
     has_backward: bool  # allocations on autograd's thread (or without a stack) in the trace
     has_forward: bool  # activations (a module's forward) in the trace
     optimizer_state_sizes: np.ndarray  # sizes of optimizer state allocated in the trace, alive at the end
-    trace_gradient_sizes: np.ndarray  # sizes of gradients allocated in the trace, alive at the end
+    trace_gradient_sizes: np.ndarray  # sizes of the gradients the trace allocated (kept or freed since)
     mirror_stacks: frozenset[int] = frozenset()  # a hand-written optimizer's stacks (rule parameter_mirror)
     workspace_in_trace: bool = False  # a block of a cuBLAS workspace's size was made in the trace and kept
 
     def possible_roles(self) -> list[tuple[str, ...]]:
-        """The role patterns the trace allows for the copies older than it: gradients made in
-        the trace and kept are not older than it; a backward that made none accumulated into
-        gradients older than the trace; optimizer state made in the trace is not older either."""
+        """The role patterns the trace allows for the copies older than it: a backward that made
+        gradients in the trace leaves none older than it (even when ``zero_grad`` freed them since:
+        ``bulk_release_python``, where "a backward and no gradient kept" meant parameter, gradient
+        and one state, for AdamW's parameter and two states); a backward that made none
+        accumulated into gradients older than the trace; optimizer state made in the trace and
+        kept is not older either."""
         grads_in_trace = self.trace_gradient_sizes.size > 0
         older_grads = self.has_backward and not grads_in_trace
         state_in_trace = self.optimizer_state_sizes.size > 0
