@@ -183,7 +183,22 @@ class PreTraceBlocks:
         if shaped.any():
             code[shaped], rule[shaped] = CODES["parameter"], RULE_CODES["pre_trace_parameter_sized"]
         elif self.trace.has_forward and not self.trace.has_backward and not self.trace.optimizer_state_sizes.size:
-            code[:], rule[:] = CODES["parameter"], RULE_CODES["pre_trace_weights"]
+            return self._weights(sizes)
+        return code, rule
+
+    def _weights(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An inference trace: every stackless block older than it stays alive through all its
+        forwards, and is a weight, but for a cuBLAS workspace made by a forward before recording
+        began (a workspace-sized block that at most ``MAX_WORKSPACES`` blocks share: a weight
+        of that size comes once per layer). ``inf_flush_python``: 32 MiB of its 321 MiB were
+        the workspace, not Llama's weights."""
+        code = np.full(sizes.size, CODES["parameter"], dtype=np.int64)
+        rule = np.full(sizes.size, RULE_CODES["pre_trace_weights"], dtype=np.int64)
+        workspace = self._workspace_mask(sizes)
+        for size in np.unique(sizes[workspace]):
+            if (sizes == size).sum() > MAX_WORKSPACES:
+                workspace[sizes == size] = False
+        code[workspace], rule[workspace] = CODES["other"], RULE_CODES["pre_trace_workspace"]
         return code, rule
 
     def _workspace_mask(self, sizes: np.ndarray) -> np.ndarray:
