@@ -111,16 +111,34 @@ class _DeviceCategories:
         self.rule[mask] = RULE_CODES[rule]
 
     def _param_sizes(self) -> frozenset[int]:
-        """Parameter sizes: parameters still alive (FSDP frees the unsharded originals once it
-        has sharded them: their sizes are no parameter's any more), and the optimizer state that
-        mirrors them (its temporaries excluded)."""
+        """Parameter sizes: parameters still alive or alive during a backward (FSDP frees the
+        unsharded originals once it has sharded them, before any backward: their sizes are no
+        parameter's any more; a test frees its model before the snapshot, after its backward),
+        and the optimizer state that mirrors them (its temporaries excluded)."""
         code, live, base = self.code, self.block_live, self.block_base
+        params = code == CODES["parameter"]
         return frozenset(
-            set(self.sizes[(code == CODES["parameter"]) & self.surviving].tolist())
+            set(self.sizes[params & (self.surviving | self._alive_during_backward())].tolist())
             | set(self.block_req[live & (base == CODES["parameter"])].tolist())
             | set(self.sizes[(code == CODES["optimizer_state"]) & self.surviving].tolist())
             | set(self.block_req[live & (base == CODES["optimizer_state"])].tolist())
         ) - {-1}
+
+    def _alive_during_backward(self) -> np.ndarray:
+        """Allocations alive at some allocation of autograd's thread (or one without a stack)."""
+        threads = thread_codes(self.sid, self.facts.threads)
+        backward = np.flatnonzero((threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"]))
+        if not backward.size:
+            return np.zeros(len(self.lt), dtype=bool)
+        when = self.lt["event_index"].to_numpy(dtype=np.int64)[backward]
+        start = self.lt["event_index"].to_numpy(dtype=np.int64)
+        end = self.lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
+        # the first backward allocation at or after each allocation's start: alive then?
+        first = np.searchsorted(when, start, side="left")
+        ok = first < when.size
+        out = np.zeros(len(self.lt), dtype=bool)
+        out[ok] = when[first[ok]] < end[ok]
+        return out
 
     def in_trace(self) -> np.ndarray:
         """The rules for the trace's own allocations; returns the gradient mask."""
