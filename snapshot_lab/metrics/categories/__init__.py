@@ -83,12 +83,8 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
     return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
 
 
-def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
-    """Every allocation alive at the device's peak (the requested peak of its timeline), with
-    its category and the rule that gave it: the trace's own allocations alive then, blocks alive
-    at the dump that the trace did not make, and older allocations the trace frees after the
-    peak. Columns: address, size_bytes (requested), category, rule, before_trace. None without a
-    trace."""
+def _peak_index(frames: SnapshotFrames, device: int) -> int | None:
+    """Event index of the device's requested peak (None without a trace)."""
     from ..timeline import device_timeline
     from ..torch_stats import compute_torch_stats
 
@@ -96,49 +92,58 @@ def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
     )
     tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
-    if tl is None:
+    return None if tl is None else tl.peak_index
+
+
+def _labelled(address: np.ndarray, size: np.ndarray, code: np.ndarray, rule: np.ndarray, older: bool) -> pd.DataFrame:
+    names, rules = np.array(CATEGORIES, dtype=object), np.array(RULES, dtype=object)
+    return pd.DataFrame(
+        {
+            "address": address.astype(np.int64),
+            "size_bytes": size.astype(np.int64),
+            "category": names[np.where(code < 0, len(CATEGORIES) - 1, code)],
+            "rule": rules[rule],
+            "before_trace": older,
+        }
+    )
+
+
+def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
+    """Every allocation alive at the device's peak (the requested peak of its timeline), with
+    its category and the rule that gave it: the trace's own allocations alive then, blocks alive
+    at the dump that the trace did not make, and older allocations the trace frees after the
+    peak. Columns: address, size_bytes (requested), category, rule, before_trace. None without a
+    trace."""
+    peak = _peak_index(frames, device)
+    if peak is None:
         return None
     result = categorize(frames)
-    names, rules = np.array(CATEGORIES, dtype=object), np.array(RULES, dtype=object)
-    lifetimes = device_lifetimes(frames, device)
-    free_at = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
-    alive = ((lifetimes["event_index"].to_numpy() <= tl.peak_index) & (free_at > tl.peak_index)).astype(bool)
-    code = result.alloc_codes[device][alive]
-    in_trace = pd.DataFrame(
-        {
-            "address": lifetimes["address"].to_numpy(dtype=np.int64)[alive],
-            "size_bytes": lifetimes["size_bytes"].to_numpy(dtype=np.int64)[alive],
-            "category": names[np.where(code < 0, len(CATEGORIES) - 1, code)],
-            "rule": rules[result.alloc_rules[device][alive]],
-            "before_trace": False,
-        }
-    )
+    lt = device_lifetimes(frames, device)
+    free_at = lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
+    alive = (lt["event_index"].to_numpy() <= peak) & (free_at > peak)
+    parts = [
+        _labelled(
+            lt["address"].to_numpy()[alive],
+            lt["size_bytes"].to_numpy()[alive],
+            result.alloc_codes[device][alive],
+            result.alloc_rules[device][alive],
+            older=False,
+        )
+    ]
     b = frames.blocks
     older = (b["device"] == device).to_numpy() & result.block_before_trace.to_numpy(dtype=bool)
-    at_dump = pd.DataFrame(
-        {
-            "address": b.loc[older, "address"].to_numpy(dtype=np.int64),
-            "size_bytes": b.loc[older, "requested_size_bytes"].to_numpy(dtype=np.int64),
-            "category": result.block_category[older].fillna("other").to_numpy(dtype=object),
-            "rule": result.block_rule[older].to_numpy(dtype=object),
-            "before_trace": True,
-        }
+    codes = result.block_category[older].map(CODES).fillna(CODES["other"]).to_numpy(dtype=np.int64)
+    rules = result.block_rule[older].map({r: i for i, r in enumerate(RULES)}).to_numpy(dtype=np.int64)
+    parts.append(
+        _labelled(b["address"].to_numpy()[older], b["requested_size_bytes"].to_numpy()[older], codes, rules, True)
     )
     frees = result.pre_trace_frees.get(device)
-    parts = [in_trace, at_dump]
     if frees is not None and len(frees):
-        later = frees[frees["event_index"] > tl.peak_index]
-        parts.append(
-            pd.DataFrame(
-                {
-                    "address": later["address"].to_numpy(dtype=np.int64),
-                    "size_bytes": later["size_bytes"].to_numpy(dtype=np.int64),
-                    "category": names[later["code"].to_numpy(dtype=np.int64)],
-                    "rule": rules[later["rule"].to_numpy(dtype=np.int64)],
-                    "before_trace": True,
-                }
-            )
+        later = frees[frees["event_index"] > peak]
+        address, size, code, rule = (
+            later[c].to_numpy(dtype=np.int64) for c in ("address", "size_bytes", "code", "rule")
         )
+        parts.append(_labelled(address, size, code, rule, older=True))
     return pd.concat(parts, ignore_index=True)
 
 
