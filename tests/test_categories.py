@@ -232,3 +232,51 @@ def test_inference_weights_hold_out(real_frames):
     cats = _requested(real_frames, "inf_flush_python")
     assert cats["parameter"] == pytest.approx(w["param_bytes"], rel=0.01)
     assert set(_by_rule(real_frames, "inf_flush_python")["parameter"]) == {"pre_trace_weights"}
+
+
+def _frame(path: str, name: str, line: int = 10) -> dict:
+    return {"filename": path, "line": line, "name": name}
+
+
+SITE = "/venv/lib/python3.12/site-packages"
+TRAIN = _frame("/work/train.py", "<module>")
+ACCELERATE_STEP = [_frame(f"{SITE}/accelerate/optimizer.py", "step"), TRAIN]
+ADAM_STATE = [_frame(f"{SITE}/torch/optim/adam.py", "_init_group"), _frame(f"{SITE}/torch/optim/adam.py", "step")]
+FORWARD = [_frame(f"{SITE}/torch/nn/modules/module.py", "_call_impl"), _frame("/work/train.py", "closure")]
+LBFGS_STEP = [_frame(f"{SITE}/torch/optim/lbfgs.py", "step"), TRAIN]
+
+
+@pytest.mark.parametrize(
+    ("stack", "expected"),
+    [
+        # accelerate wraps the step: Adam's own code still allocates its state
+        (ADAM_STATE + ACCELERATE_STEP, "optimizer_state"),
+        # a closure's forward inside LBFGS's step: the innermost decisive frame is the forward
+        (FORWARD + LBFGS_STEP, "activation"),
+        # the closure's own code (the loss, outside any module) is not the optimizer's
+        (
+            [
+                _frame(f"{SITE}/torch/nn/functional.py", "cross_entropy"),
+                _frame("/work/train.py", "closure"),
+                *LBFGS_STEP,
+            ],
+            "other",
+        ),
+        # LBFGS's own history (torch.cat in lbfgs.py) is its state
+        ([_frame(f"{SITE}/torch/optim/lbfgs.py", "_gather_flat_grad"), *LBFGS_STEP], "optimizer_state"),
+        # a DeepSpeed engine's forward, and bitsandbytes' 8-bit Adam under it
+        ([*FORWARD[:1], _frame(f"{SITE}/deepspeed/runtime/engine.py", "forward"), TRAIN], "activation"),
+        ([_frame(f"{SITE}/bitsandbytes/optim/optimizer.py", "init_state"), TRAIN], "optimizer_state"),
+        # transformers' cache under a module's forward; vLLM's preallocation
+        ([_frame(f"{SITE}/transformers/cache_utils.py", "update"), *FORWARD], "kv_cache"),
+        ([_frame(f"{SITE}/vllm/v1/worker/gpu_model_runner.py", "_allocate_kv_cache_tensors"), TRAIN], "kv_cache"),
+    ],
+)
+def test_innermost_decisive_frame(snap_file, stack, expected):
+    from snapshot_lab import load_frames
+    from snapshot_lab.metrics.categories import stack_categories
+
+    from .conftest import event, make_snapshot
+
+    frames = load_frames(snap_file(make_snapshot([], [[event("alloc", 0x1000, 512, 1, frames=stack)]])))
+    assert stack_categories(frames).tolist() == [expected]
