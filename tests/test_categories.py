@@ -280,3 +280,49 @@ def test_innermost_decisive_frame(snap_file, stack, expected):
 
     frames = load_frames(snap_file(make_snapshot([], [[event("alloc", 0x1000, 512, 1, frames=stack)]])))
     assert stack_categories(frames).tolist() == [expected]
+
+
+def _facts(**kw):
+    import numpy as np
+
+    from snapshot_lab.metrics.categories.pretrace import TraceFacts
+
+    empty = np.zeros(0, dtype=np.int64)
+    base = dict(
+        param_sizes=frozenset(),
+        params_have_stacks=False,
+        has_backward=False,
+        has_forward=True,
+        optimizer_state_sizes=empty,
+        trace_gradient_sizes=empty,
+    )
+    return TraceFacts(**{**base, **kw})
+
+
+def test_roles_the_trace_allows():
+    """A backward that made no gradient accumulated into older ones; one that made gradients
+    leaves none older; state made in the trace is not older."""
+    import numpy as np
+
+    some = np.array([4096])
+    assert all("gradient" in r for r in _facts(has_backward=True).possible_roles())
+    assert not any("gradient" in r for r in _facts(has_backward=True, trace_gradient_sizes=some).possible_roles())
+    assert _facts(optimizer_state_sizes=some, trace_gradient_sizes=some).possible_roles() == [("parameter",)]
+
+
+def test_copies_per_parameter_by_blocks_and_by_bytes():
+    import numpy as np
+
+    from snapshot_lab.metrics.categories.pretrace import ROLE_PATTERNS, copies_per_parameter
+
+    def sizes(counts):
+        return np.repeat(np.array(list(counts), dtype=np.int64), list(counts.values()))
+
+    adam = sizes({3072: 4 * 38, 9437184: 4 * 12, 25165824: 4})  # GPT-2 mid-run: 4 copies
+    assert copies_per_parameter(adam, list(ROLE_PATTERNS)) == ROLE_PATTERNS[0]
+    # parameters and gradients: many small vectors divide by 4, the bytes do not
+    bench = sizes({3072: 2 * 38, 12288: 2 * 6, 9437184: 2 * 12, 25165824: 2, 3145728: 2})
+    assert len(copies_per_parameter(bench, list(ROLE_PATTERNS))) == 2
+    # weights alone: 2 per layer and a final norm do not divide by 2
+    llama = sizes({4096: 25, 8388608: 24, 23068672: 36, 131072000: 2})
+    assert copies_per_parameter(llama, list(ROLE_PATTERNS)) == ("parameter",)
