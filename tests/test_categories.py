@@ -326,3 +326,27 @@ def test_copies_per_parameter_by_blocks_and_by_bytes():
     # weights alone: 2 per layer and a final norm do not divide by 2
     llama = sizes({4096: 25, 8388608: 24, 23068672: 36, 131072000: 2})
     assert copies_per_parameter(llama, list(ROLE_PATTERNS)) == ("parameter",)
+
+
+def test_gradient_older_than_the_trace_made_on_autograds_thread(snap_file):
+    """A ring buffer that wrapped keeps the blocks' own stacks: a parameter-sized block that
+    autograd's thread made (C++ frames of the engine, e.g. ToCopyBackward0 under autocast) and
+    that is alive at the dump is a gradient of an earlier backward, not an activation."""
+    from snapshot_lab import load_frames
+    from snapshot_lab.metrics.categories import categorize
+
+    from .conftest import block, event, make_snapshot, segment
+
+    init = [_frame(f"{SITE}/torch/nn/modules/linear.py", "__init__"), TRAIN]
+    engine = [
+        {"filename": "", "line": 0, "name": "torch::autograd::generated::ToCopyBackward0::apply"},
+        {"filename": "", "line": 0, "name": "torch::autograd::Engine::thread_main"},
+    ]
+    seg = segment(
+        0x10000000, [block(4 * 2**20, frames=init), block(4 * 2**20, frames=engine), block(2**20, "inactive")]
+    )
+    trace = [event("alloc", 0x10800000, 2**20, 1, frames=[TRAIN]), event("free_completed", 0x10800000, 2**20, 2)]
+    frames = load_frames(snap_file(make_snapshot([seg], [trace])))
+    result = categorize(frames)
+    assert result.block_category.tolist()[:2] == ["parameter", "gradient"]
+    assert result.block_rule.tolist()[1] == "pre_trace_autograd_gradient"
