@@ -192,3 +192,37 @@ def test_bad_sizes_are_usage_errors(run):
     r = run(tests=textwrap.dedent(tests))
     assert "@pytest.mark.limit_cuda_memory: not a byte size: 'big'" in r.stdout.str() + r.stderr.str()
     assert r.ret != 0
+
+
+def _test_shaped_snapshot():
+    """What a GPU test records: the model built in the test (parameters with stacks), a forward
+    (an activation), a backward on autograd's thread (no Python stack: the gradients and a
+    temporary), then the test returns and frees everything before the snapshot is taken."""
+    from .conftest import event, make_snapshot
+
+    test_frame = {"filename": "/work/tests/test_model.py", "line": 12, "name": "test_backward"}
+    init = [{"filename": "/site/torch/nn/modules/linear.py", "line": 100, "name": "__init__"}, test_frame]
+    forward = [{"filename": "/site/torch/nn/modules/module.py", "line": 1750, "name": "_call_impl"}, test_frame]
+    MiB = 2**20
+    params = [(0x1000000, 4 * MiB), (0x2000000, 8 * MiB)]
+    grads = [(0x3000000, 4 * MiB), (0x4000000, 8 * MiB)]
+    trace = [event("alloc", a, s, t, frames=init) for t, (a, s) in enumerate(params)]
+    trace.append(event("alloc", 0x5000000, 16 * MiB, 10, frames=forward))
+    trace += [event("alloc", a, s, 20 + t, frames=[]) for t, (a, s) in enumerate(grads)]
+    trace += [event("alloc", 0x6000000, 2 * MiB, 30, frames=[]), event("free_completed", 0x6000000, 2 * MiB, 31)]
+    trace.append(event("free_completed", 0x5000000, 16 * MiB, 32, frames=[]))
+    trace += [event("free_completed", a, s, 40 + t, frames=[test_frame]) for t, (a, s) in enumerate(params + grads)]
+    return make_snapshot([], [trace])
+
+
+def test_failure_message_names_a_tests_gradients_as_gradients(snap_file):
+    """The test's gradients are freed before the snapshot, with its model: the full category rules
+    (parameters alive during the backward give the gradients' sizes) still call them gradients,
+    where the sites said '<no stack recorded: activation>'."""
+    from snapshot_lab.pytest_plugin import peak_sites
+
+    sites, peak, before = peak_sites(snap_file(_test_shaped_snapshot()), 0)
+    labels = {s.label: s.bytes for s in sites}
+    assert labels["<no stack recorded: gradient>"] == 12 * 2**20
+    assert labels["<no stack recorded: activation>"] == 2 * 2**20  # the backward's temporary
+    assert peak == (4 + 8 + 16 + 4 + 8 + 2) * 2**20 and before == 0

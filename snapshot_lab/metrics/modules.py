@@ -247,6 +247,15 @@ def _ancestors(names: list[str], source: str) -> list[list[int]]:
     return out
 
 
+def _inclusive(self_bytes: np.ndarray, names: list[str], source: str) -> np.ndarray:
+    """Each module's self bytes plus those of every module inside it (tags only)."""
+    inclusive = self_bytes.copy()
+    for code, chain in enumerate(_ancestors(names, source)):
+        for a in chain:
+            inclusive[a] += self_bytes[code]
+    return inclusive
+
+
 def _depth(name: str, source: str) -> int:
     if source != "tags" or not name or name.startswith("metadata "):
         return 0
@@ -259,6 +268,28 @@ def module_breakdown(frames: SnapshotFrames, device: int, limit: int | None = No
     return memo(frames, ("modules", device, limit), lambda: _breakdown(frames, device, limit))
 
 
+def _attribution(
+    frames: SnapshotFrames, device: int, events: pd.DataFrame, lifetimes: pd.DataFrame
+) -> tuple[_Attribution, str]:
+    """The tags where the recording has them, else the stacks; and the note that says which."""
+    attribution = _from_tags(events, lifetimes)
+    if attribution is not None:
+        return attribution, "From the module tags (user_metadata), exact"
+    has_key = "user_metadata (torch>=2.10)" in frames.info.format_hints
+    note = (
+        "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
+        "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
+        "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
+        "no module; "
+        + (
+            "record with snaplab run / recording() to tag allocations by module"
+            if has_key
+            else NEEDS + ", and snaplab run / recording() to tag them"
+        )
+    )
+    return _from_stacks(frames, device, lifetimes), note
+
+
 def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> ModuleBreakdown:
     ev = frames.events[frames.events["device"] == device]
     ts = compute_torch_stats(
@@ -269,22 +300,7 @@ def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> Module
     if tl is None:
         return ModuleBreakdown(device, "none", None, requested_at_end, 0, requested_at_end, (), "no trace recorded")
     lifetimes = device_lifetimes(frames, device)
-    attribution = _from_tags(ev, lifetimes)
-    note = "From the module tags (user_metadata), exact"
-    if attribution is None:
-        attribution = _from_stacks(frames, device, lifetimes)
-        has_key = "user_metadata (torch>=2.10)" in frames.info.format_hints
-        note = (
-            "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
-            "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
-            "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
-            "no module; "
-            + (
-                "record with snaplab run / recording() to tag allocations by module"
-                if has_key
-                else NEEDS + ", and snaplab run / recording() to tag them"
-            )
-        )
+    attribution, note = _attribution(frames, device, ev, lifetimes)
     names, module, phase = attribution.names, attribution.module, attribution.phase
     sizes = lifetimes["size_bytes"].to_numpy(dtype=np.int64)
     start = lifetimes["event_index"].to_numpy(dtype=np.int64)
@@ -304,10 +320,7 @@ def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> Module
     allocated = np.bincount(module[has], weights=sizes[has], minlength=n).astype(np.int64)
     counts = np.bincount(module[has], minlength=n)
     peaks = _self_peaks(module, lifetimes, sizes, n)
-    inclusive = self_bytes.copy()
-    for code, chain in enumerate(_ancestors(names, attribution.source)):
-        for a in chain:
-            inclusive[a] += self_bytes[code]
+    inclusive = _inclusive(self_bytes, names, attribution.source)
     outside = int(a_size[~in_mod].sum())
     before = int(tl.peak_requested_bytes) - int(a_size.sum())
     rows = [

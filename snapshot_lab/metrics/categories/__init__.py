@@ -1,22 +1,24 @@
-"""Memory categories: parameter, gradient, optimizer_state, activation, ddp_bucket,
-cuda_graph_pool, other.
+"""Memory categories: parameter, gradient, optimizer_state, activation, kv_cache, ddp_bucket,
+cuda_graph_pool, other (and the parallel libraries' own, see :mod:`.parallel`).
 
 One module per question: :mod:`.stacks` (what a stack says, and on which thread it was
 recorded), :mod:`.gradients` (the lifetime rule that finds gradients in both stack modes),
-:mod:`.assign` (one category per allocation and per block). This module sums them up: bytes per
-category at the dump and over the trace.
+:mod:`.pretrace` (memory older than the trace), :mod:`.assign` (one category and the rule that
+gave it per allocation and per block), :mod:`.rules` (the names). This module sums them up:
+bytes per category at the dump, at the peak and over the trace, and which rule labelled them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
 from ..lifetimes import device_lifetimes
-from .assign import CATEGORIES, CODES, Categorization, categorize
+from .assign import Categorization, categorize
+from .rules import CATEGORIES, CODES, INFERRED_RULES, RULE_HELP, RULES
 from .stacks import stack_categories, stack_threads
 
 
@@ -28,6 +30,15 @@ class CategoryBreakdown:
     live_blocks: dict[str, int]
     # requested bytes over the trace per category (aligned with the device's event order)
     timeline: pd.DataFrame | None
+    # requested bytes at the dump by category and by the rule that labelled them (see RULE_HELP)
+    live_requested_by_rule: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def inferred_requested_bytes(self) -> dict[str, int]:
+        """Requested bytes at the dump per category labelled by a rule other than their own
+        stack (an inference: older than the trace, stackless, ...)."""
+        by_rule = self.live_requested_by_rule
+        return {c: sum(b for r, b in rules.items() if r in INFERRED_RULES) for c, rules in by_rule.items()}
 
 
 def categorize_blocks(frames: SnapshotFrames) -> pd.Series:
@@ -72,12 +83,89 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
     return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
 
 
+def _peak_index(frames: SnapshotFrames, device: int) -> int | None:
+    """Event index of the device's requested peak (None without a trace)."""
+    from ..timeline import device_timeline
+    from ..torch_stats import compute_torch_stats
+
+    ts = compute_torch_stats(
+        frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
+    )
+    tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
+    return None if tl is None else tl.peak_index
+
+
+def _labelled(address: np.ndarray, size: np.ndarray, code: np.ndarray, rule: np.ndarray, older: bool) -> pd.DataFrame:
+    names, rules = np.array(CATEGORIES, dtype=object), np.array(RULES, dtype=object)
+    return pd.DataFrame(
+        {
+            "address": address.astype(np.int64),
+            "size_bytes": size.astype(np.int64),
+            "category": names[np.where(code < 0, len(CATEGORIES) - 1, code)],
+            "rule": rules[rule],
+            "before_trace": older,
+        }
+    )
+
+
+def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
+    """Every allocation alive at the device's peak (the requested peak of its timeline), with
+    its category and the rule that gave it: the trace's own allocations alive then, blocks alive
+    at the dump that the trace did not make, and older allocations the trace frees after the
+    peak. Columns: address, size_bytes (requested), category, rule, before_trace. None without a
+    trace."""
+    peak = _peak_index(frames, device)
+    if peak is None:
+        return None
+    result = categorize(frames)
+    lt = device_lifetimes(frames, device)
+    free_at = lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
+    alive = (lt["event_index"].to_numpy() <= peak) & (free_at > peak)
+    parts = [
+        _labelled(
+            lt["address"].to_numpy()[alive],
+            lt["size_bytes"].to_numpy()[alive],
+            result.alloc_codes[device][alive],
+            result.alloc_rules[device][alive],
+            older=False,
+        )
+    ]
+    b = frames.blocks
+    older = (b["device"] == device).to_numpy() & result.block_before_trace.to_numpy(dtype=bool)
+    codes = result.block_category[older].map(CODES).fillna(CODES["other"]).to_numpy(dtype=np.int64)
+    rules = result.block_rule[older].map({r: i for i, r in enumerate(RULES)}).to_numpy(dtype=np.int64)
+    parts.append(
+        _labelled(b["address"].to_numpy()[older], b["requested_size_bytes"].to_numpy()[older], codes, rules, True)
+    )
+    frees = result.pre_trace_frees.get(device)
+    if frees is not None and len(frees):
+        later = frees[frees["event_index"] > peak]
+        address, size, code, rule = (
+            later[c].to_numpy(dtype=np.int64) for c in ("address", "size_bytes", "code", "rule")
+        )
+        parts.append(_labelled(address, size, code, rule, older=True))
+    return pd.concat(parts, ignore_index=True)
+
+
+def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | None:
+    """Requested bytes by category at the device's peak, the memory older than the trace
+    included (see :func:`blocks_at_peak`); they add up to the peak's requested bytes. None
+    without a trace. For ``stats --json``: ``devices.<d>.categories_at_peak``."""
+    alive = blocks_at_peak(frames, device)
+    if alive is None:
+        return None
+    sums = alive.groupby("category")["size_bytes"].sum()
+    return {c: int(sums.get(c, 0)) for c in CATEGORIES}
+
+
 def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool = True) -> CategoryBreakdown:
     """Live bytes per category at the dump and, with ``with_timeline``, over the trace."""
-    cats = categorize(frames).block_category
+    result = categorize(frames)
+    cats = result.block_category
     b = frames.blocks
     live = (b["device"] == device) & (b["state"] == "active_allocated")
     grouped = b.loc[live, ["size_bytes", "requested_size_bytes"]].groupby(cats[live])
+    by_rule = b.loc[live, "requested_size_bytes"].groupby([cats[live], result.block_rule[live]]).sum()
     by = grouped.agg(
         size=("size_bytes", "sum"), requested=("requested_size_bytes", "sum"), count=("size_bytes", "size")
     )
@@ -87,14 +175,22 @@ def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool 
         live_requested_bytes={c: int(by["requested"].get(c, 0)) for c in CATEGORIES},
         live_blocks={c: int(by["count"].get(c, 0)) for c in CATEGORIES},
         timeline=category_timeline(frames, device) if with_timeline else None,
+        live_requested_by_rule={
+            c: {str(r): int(v) for r, v in by_rule[c].items() if v} for c in CATEGORIES if c in by_rule.index
+        },
     )
 
 
 __all__ = [
     "CATEGORIES",
     "CODES",
+    "INFERRED_RULES",
+    "RULES",
+    "RULE_HELP",
     "Categorization",
     "CategoryBreakdown",
+    "blocks_at_peak",
+    "categories_at_peak",
     "categorize",
     "categorize_blocks",
     "category_levels_at",

@@ -1,15 +1,21 @@
-"""One category for every allocation of the trace and every block of the snapshot.
+"""One category for every allocation of the trace and every block of the snapshot, and the
+rule that gave it.
 
 Allocations in the trace get their stack's category (:mod:`.stacks`), then the gradient
-lifetime rule (:mod:`.gradients`) and the private-pool rule. A block alive at the dump takes
-the category of the allocation that made it, so the dump and the timeline agree; blocks
-allocated before the trace began (a ring buffer that wrapped, or recording started late) take
-their own stack's category, and the stackless ones are judged by :func:`_before_trace`.
+lifetime rule (:mod:`.gradients`), the KV-cache lifetime rule and the private-pool rule. A block
+alive at the dump takes the category of the allocation that made it, so the dump and the
+timeline agree; blocks allocated before the trace began (a ring buffer that wrapped, or recording
+started late), and those the trace frees, are judged by :mod:`.pretrace` from every piece of
+evidence the recording has.
+
+Every allocation and block also carries the *rule* that labelled it (:data:`RULES`): ``stack``
+when its own frames said so, anything else when the category was inferred (see
+:data:`INFERRED_RULES`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -19,38 +25,34 @@ from .._memo import memo
 from ..lifetimes import device_lifetimes
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
 from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
+from .pretrace import MIRROR_COVERAGE, WORKSPACE_SIZES, PreTraceBlocks, TraceFacts, judge_pre_trace, mirrored_sizes
+from .rules import CATEGORIES, CODES, NONE, RULE_CODES, RULES, StackFacts
 from .stacks import cache_stacks, stack_categories, stack_threads, stacks_with_frame
 
-CATEGORIES = (
-    "parameter",
-    "gradient",
-    "optimizer_state",
-    "activation",
-    "inflight_activation",
-    "fsdp_unsharded_params",
-    "comm_buffer",
-    "ddp_bucket",
-    "cuda_graph_pool",
-    "other",
-)
-CODES = {c: i for i, c in enumerate(CATEGORIES)}
-_NONE = -1
+__all__ = ["CATEGORIES", "CODES", "RULES", "Categorization", "categorize", "in_private_pool"]
 
 
 @dataclass(frozen=True)
 class Categorization:
     """``block_category``: aligned with ``frames.blocks`` (None for free blocks without a
     stack); ``alloc_codes``: per device, the code (index into CATEGORIES) of every row of
-    :func:`~snapshot_lab.metrics.lifetimes.device_lifetimes`."""
+    :func:`~snapshot_lab.metrics.lifetimes.device_lifetimes`; ``block_rule``/``alloc_rules``: the
+    rule that labelled each (names / codes into :data:`RULES`); ``pre_trace_frees``: per device,
+    the allocations older than the trace that the trace frees (event_index, address, size_bytes,
+    code, rule)."""
 
     block_category: pd.Series
     alloc_codes: dict[int, np.ndarray]
     param_sizes: dict[int, frozenset[int]]
+    block_rule: pd.Series = field(default_factory=lambda: pd.Series([], dtype=object))
+    alloc_rules: dict[int, np.ndarray] = field(default_factory=dict)
+    pre_trace_frees: dict[int, pd.DataFrame] = field(default_factory=dict)
+    block_before_trace: pd.Series = field(default_factory=lambda: pd.Series([], dtype=bool))
 
 
 def _codes(stack_ids: np.ndarray, stack_cat: pd.Series) -> np.ndarray:
     size = max(int(stack_ids.max(initial=-1)), int(stack_cat.index.max()) if len(stack_cat) else -1) + 2
-    table = np.full(size, _NONE, dtype=np.int64)
+    table = np.full(size, NONE, dtype=np.int64)
     if len(stack_cat):
         table[stack_cat.index.to_numpy(dtype=np.int64)] = stack_cat.map(CODES).to_numpy(dtype=np.int64)
     return table[stack_ids]  # stack id -1 reads the last slot: no stack
@@ -70,92 +72,171 @@ def in_private_pool(addresses: np.ndarray, segments: pd.DataFrame) -> np.ndarray
     return inside
 
 
-def _before_trace(sizes: np.ndarray, param_sizes: frozenset[int], params_have_stacks: bool) -> np.ndarray:
-    """Stackless blocks alive at the dump that were allocated before the trace began.
+class _DeviceCategories:
+    """The categories of one device, in named steps: the trace's allocations first, then the
+    blocks at the dump, then what the trace freed of the time before it."""
 
-    A parameter-sized one is a parameter when no parameter has a stack: recording started after
-    the model was built, and the optimizer state of the exact same sizes is the evidence
-    (``late_gpt2_python``: with the simpler rule "parameter-sized and stackless = gradient",
-    every parameter was called a gradient). When parameters do have stacks, recording began
-    before the model and these are gradients of a backward pass that fell out of the ring buffer.
-    """
-    shaped = np.isin(sizes, np.fromiter(param_sizes, dtype=np.int64, count=len(param_sizes)))
-    out = np.full(sizes.size, CODES["other"], dtype=np.int64)
-    out[shaped] = CODES["gradient"] if params_have_stacks else CODES["parameter"]
-    return out
+    def __init__(self, frames: SnapshotFrames, device: int, facts: StackFacts) -> None:
+        self.facts = facts
+        self.lt = device_lifetimes(frames, device)
+        self.ev = frames.events[frames.events["device"] == device]
+        self.seg = frames.segments[frames.segments["device"] == device]
+        self.block_mask = (frames.blocks["device"] == device).to_numpy()
+        self.blocks = frames.blocks[self.block_mask]
+        self.sid = self.lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+        self.code = _codes(self.sid, facts.category)
+        self.rule = np.where(self.code == NONE, RULE_CODES["no_stack"], RULE_CODES["stack"]).astype(np.int64)
+        self.sizes = self.lt["size_bytes"].to_numpy(dtype=np.int64)
+        self.surviving = self.lt["free_index"].isna().to_numpy()
+        b_sid = self.blocks["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+        self.block_sid = b_sid
+        self.block_base = _codes(b_sid, facts.category)
+        self.block_live = (self.blocks["state"] != "inactive").to_numpy()
+        self.block_req = self.blocks["requested_size_bytes"].to_numpy(dtype=np.int64, na_value=-1)
+        self.block_alloc = self._allocation_of_blocks()
+        self.older = self.block_live & (self.block_alloc < 0)  # alive at the dump, made before the trace
+        self.param_sizes = self._param_sizes()
 
+    def _allocation_of_blocks(self) -> np.ndarray:
+        """Row of the lifetimes that made each block alive at the dump (-1: none in the trace)."""
+        surviving = self.surviving
+        by_addr = pd.Series(np.arange(len(self.lt))[surviving], index=self.lt["address"].to_numpy()[surviving])
+        by_addr = by_addr[~by_addr.index.duplicated(keep="last")]
+        pos = by_addr.reindex(self.blocks["address"].to_numpy()).to_numpy()
+        matched = self.block_live & ~np.isnan(pos)
+        return np.where(matched, np.nan_to_num(pos, nan=-1), -1).astype(np.int64)
 
-@dataclass(frozen=True)
-class _StackFacts:
-    """What the stacks say, computed once per snapshot."""
+    def _set(self, mask: np.ndarray, category: str, rule: str) -> None:
+        self.code[mask] = CODES[category]
+        self.rule[mask] = RULE_CODES[rule]
 
-    category: pd.Series  # stack_id -> category (the parallel libraries' rules over the generic ones)
-    threads: pd.Series  # stack_id -> main / autograd / other
-    eligible: set[int]  # stacks whose category the gradient rule may override
-    zero_grad: set[int]  # stacks of zero_grad()
-    reduce_scatter: set[int]  # FSDP reduce-scatters: their outputs are sharded gradients
-    pipeline_forward: set[int]  # a pipeline stage's forward
+    def _param_sizes(self) -> frozenset[int]:
+        """Parameter sizes: parameters still alive or alive during a backward (FSDP frees the
+        unsharded originals once it has sharded them, before any backward: their sizes are no
+        parameter's any more; a test frees its model before the snapshot, after its backward),
+        and the optimizer state that mirrors them (its temporaries excluded)."""
+        code, live, base = self.code, self.block_live, self.block_base
+        params = code == CODES["parameter"]
+        return frozenset(
+            set(self.sizes[params & (self.surviving | self._alive_during_backward())].tolist())
+            | set(self.block_req[live & (base == CODES["parameter"])].tolist())
+            | set(self.sizes[(code == CODES["optimizer_state"]) & self.surviving].tolist())
+            | set(self.block_req[live & (base == CODES["optimizer_state"])].tolist())
+        ) - {-1}
 
+    def _alive_during_backward(self) -> np.ndarray:
+        """Allocations alive at some allocation of autograd's thread (or one without a stack)."""
+        threads = thread_codes(self.sid, self.facts.threads)
+        backward = np.flatnonzero((threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"]))
+        if not backward.size:
+            return np.zeros(len(self.lt), dtype=bool)
+        when = self.lt["event_index"].to_numpy(dtype=np.int64)[backward]
+        start = self.lt["event_index"].to_numpy(dtype=np.int64)
+        end = self.lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
+        # the first backward allocation at or after each allocation's start: alive then?
+        first = np.searchsorted(when, start, side="left")
+        ok = first < when.size
+        out = np.zeros(len(self.lt), dtype=bool)
+        out[ok] = when[first[ok]] < end[ok]
+        return out
 
-def _device(
-    frames: SnapshotFrames,
-    device: int,
-    facts: _StackFacts,
-    block_codes: np.ndarray,
-) -> tuple[np.ndarray, frozenset[int]]:
-    stack_cat = facts.category
-    lt = device_lifetimes(frames, device)
-    ev = frames.events[frames.events["device"] == device]
-    seg = frames.segments[frames.segments["device"] == device]
-    blk_mask = (frames.blocks["device"] == device).to_numpy()
-    b = frames.blocks[blk_mask]
-    b_sid = b["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    b_base = _codes(b_sid, stack_cat)
-    live = (b["state"] != "inactive").to_numpy()
-    b_req = b["requested_size_bytes"].to_numpy(dtype=np.int64, na_value=-1)
+    def in_trace(self) -> np.ndarray:
+        """The rules for the trace's own allocations; returns the gradient mask."""
+        facts, lt, ev = self.facts, self.lt, self.ev
+        grad = gradient_mask(lt, ev, facts.threads, facts.eligible, set(self.param_sizes), facts.zero_grad)
+        self._set(grad, "gradient", "gradient_lifetime")
+        if facts.reduce_scatter:
+            sharded = gradient_mask(lt, ev, facts.threads, facts.reduce_scatter, None, set()) & ~grad
+            self._set(sharded, "gradient", "sharded_gradient_lifetime")
+            grad |= sharded
+        if facts.pipeline_forward:
+            free_thread = thread_codes(free_stack_ids(lt, ev), facts.threads)
+            freed = lt["free_index"].notna().to_numpy()
+            by_backward = freed & ((free_thread == THREAD_CODES["autograd"]) | (free_thread == THREAD_CODES["none"]))
+            inflight = inflight_mask(self.sid, by_backward, facts.pipeline_forward)
+            self._set(inflight & (self.code == CODES["activation"]), "inflight_activation", "pipeline_inflight")
+        self._kv_cache_replaced()
+        self._parameter_mirrors()
+        stackless = (self.code == NONE) & ~grad
+        self._set(stackless & ~self.surviving, "activation", "backward_temporary")  # made and freed again
+        self._set(stackless & self.surviving, "other", "stackless_survivor")
+        self._set(in_private_pool(lt["address"].to_numpy(dtype=np.int64), self.seg), "cuda_graph_pool", "private_pool")
+        return grad
 
-    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    code = _codes(sid, stack_cat)
-    sizes = lt["size_bytes"].to_numpy(dtype=np.int64)
-    surviving = lt["free_index"].isna().to_numpy()
-    # parameter sizes: parameters still alive (FSDP frees the unsharded originals once it has
-    # sharded them: their sizes are no parameter's any more), and the optimizer state that
-    # mirrors them (its temporaries excluded)
-    param_sizes = frozenset(
-        set(sizes[(code == CODES["parameter"]) & surviving].tolist())
-        | set(b_req[live & (b_base == CODES["parameter"])].tolist())
-        | set(sizes[(code == CODES["optimizer_state"]) & surviving].tolist())
-        | set(b_req[live & (b_base == CODES["optimizer_state"])].tolist())
-    ) - {-1}
-    grad = gradient_mask(lt, ev, facts.threads, facts.eligible, set(param_sizes), facts.zero_grad)
-    if facts.reduce_scatter:
-        grad |= gradient_mask(lt, ev, facts.threads, facts.reduce_scatter, None, set())
-    code[grad] = CODES["gradient"]
-    if facts.pipeline_forward:
-        free_thread = thread_codes(free_stack_ids(lt, ev), facts.threads)
-        freed = lt["free_index"].notna().to_numpy()
-        by_backward = freed & ((free_thread == THREAD_CODES["autograd"]) | (free_thread == THREAD_CODES["none"]))
-        inflight = inflight_mask(sid, by_backward, facts.pipeline_forward)
-        code[inflight & (code == CODES["activation"])] = CODES["inflight_activation"]
-    stackless = (code == _NONE) & ~grad
-    code[stackless & ~surviving] = CODES["activation"]  # backward temporaries: made and freed again
-    code[stackless & surviving] = CODES["other"]
-    code[in_private_pool(lt["address"].to_numpy(dtype=np.int64), seg)] = CODES["cuda_graph_pool"]
+    def _kv_cache_replaced(self) -> None:
+        """A tensor that a KV cache frees while it allocates (``DynamicCache.update``'s
+        ``torch.cat`` replaces the layer's keys and values) was that cache's, wherever it was
+        allocated (the prefill's keys and values are made by the attention's own code)."""
+        if not self.facts.kv_cache:
+            return
+        kv = np.fromiter(self.facts.kv_cache, dtype=np.int64, count=len(self.facts.kv_cache))
+        replaced = np.isin(free_stack_ids(self.lt, self.ev), kv) & (self.code != CODES["kv_cache"])
+        replaced &= np.isin(self.code, [CODES["activation"], CODES["other"], NONE])
+        self._set(replaced, "kv_cache", "kv_cache_replaced")
 
-    # blocks alive at the dump: the category of the allocation that made them
-    out = b_base.copy()
-    by_addr = pd.Series(np.arange(len(lt))[surviving], index=lt["address"].to_numpy()[surviving])
-    by_addr = by_addr[~by_addr.index.duplicated(keep="last")]
-    pos = by_addr.reindex(b["address"].to_numpy()).to_numpy()
-    matched = live & ~np.isnan(pos)
-    out[matched] = code[pos[matched].astype(np.int64)]
-    before = live & ~matched & (b_sid < 0)
-    if before.any():
-        params_have_stacks = bool((code == CODES["parameter"]).any() or (live & (b_base == CODES["parameter"])).any())
-        out[before] = _before_trace(b_req[before], param_sizes, params_have_stacks)
-    out[b["is_private_pool"].to_numpy()] = CODES["cuda_graph_pool"]
-    block_codes[blk_mask] = out
-    return code, param_sizes
+    def kv_cache_in_training(self, training: bool) -> None:
+        """A KV cache filled by a training forward (transformers builds a ``DynamicCache`` when
+        ``use_cache`` is on, and its ``torch.cat`` copies every layer's keys and values) holds
+        activations, not a generation's cache: truth of ``fw_lightning_auto_python`` (32 MiB at
+        the peak). Kept apart by its rule, so the waste can still be named."""
+        if training:
+            self._set(self.code == CODES["kv_cache"], "activation", "kv_cache_in_training")
+
+    def _parameter_mirrors(self) -> None:
+        """An optimizer written by hand in the program's own code (no decisive frame) shows up as
+        allocations that mirror the parameters: one stack, on the program's thread, whose
+        allocations alive at the dump have the sizes of the parameter copies older than the
+        trace, covering most of them (``midrun_nozero_python``: momentum buffers made anew each
+        step by the training script)."""
+        candidates = mirrored_sizes(self.block_req[self.older & (self.block_sid < 0)])
+        if not candidates.size:
+            return
+        threads = thread_codes(self.sid, self.facts.threads)
+        eligible = (self.code == CODES["other"]) & self.surviving & (threads == THREAD_CODES["main"])
+        eligible &= np.isin(self.sizes, candidates)
+        for stack_id in np.unique(self.sid[eligible]):
+            mine = eligible & (self.sid == stack_id)
+            if np.unique(self.sizes[mine]).size >= MIRROR_COVERAGE * candidates.size:
+                self._set(mine, "optimizer_state", "parameter_mirror")
+
+    def blocks_at_dump(self, pre_trace: PreTraceBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Category and rule codes of the device's blocks: alive ones take the allocation that
+        made them, older ones (the third array says which) are judged by :mod:`.pretrace`."""
+        out = self.block_base.copy()
+        rule = np.where(out == NONE, RULE_CODES["no_stack"], RULE_CODES["pre_trace_stack"]).astype(np.int64)
+        matched = self.block_alloc >= 0
+        out[matched] = self.code[self.block_alloc[matched]]
+        rule[matched] = self.rule[self.block_alloc[matched]]
+        before = np.flatnonzero(self.older)
+        if before.size:
+            out[before], rule[before] = pre_trace.judge_blocks(before)
+        private = self.blocks["is_private_pool"].to_numpy()
+        out[private] = CODES["cuda_graph_pool"]
+        rule[private] = RULE_CODES["private_pool"]
+        return out, rule, self.older
+
+    def pre_trace(self, grad: np.ndarray) -> PreTraceBlocks:
+        """The judge of the memory older than the trace, with what the trace says."""
+        facts = self.trace_facts(grad)
+        tables = (self.ev, self.lt)
+        return judge_pre_trace(self.blocks, self.block_base, self.block_sid, self.older, tables, self.facts, facts)
+
+    def trace_facts(self, grad: np.ndarray) -> TraceFacts:
+        threads = thread_codes(self.sid, self.facts.threads)
+        backward = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"])
+        return TraceFacts(
+            param_sizes=self.param_sizes,
+            params_have_stacks=bool(
+                (self.code == CODES["parameter"]).any()
+                or (self.block_live & (self.block_base == CODES["parameter"])).any()
+            ),
+            has_backward=bool(backward.any()),
+            mirror_stacks=frozenset(np.unique(self.sid[self.rule == RULE_CODES["parameter_mirror"]]).tolist()),
+            workspace_in_trace=bool((self.surviving & np.isin(self.sizes, list(WORKSPACE_SIZES))).any()),
+            has_forward=bool((self.code == CODES["activation"]).any()),
+            optimizer_state_sizes=self.sizes[(self.code == CODES["optimizer_state"]) & self.surviving],
+            trace_gradient_sizes=self.sizes[grad],
+        )
 
 
 def categorize(frames: SnapshotFrames) -> Categorization:
@@ -163,7 +244,7 @@ def categorize(frames: SnapshotFrames) -> Categorization:
     return memo(frames, "categories", lambda: _categorize(frames))
 
 
-def _stack_facts(frames: SnapshotFrames) -> _StackFacts:
+def _stack_facts(frames: SnapshotFrames) -> StackFacts:
     generic = stack_categories(frames)
     library = parallel_stack_categories(frames)
     stack_cat = generic.copy()
@@ -171,24 +252,38 @@ def _stack_facts(frames: SnapshotFrames) -> _StackFacts:
         stack_cat.loc[library.index] = library.to_numpy()
     caches = cache_stacks(frames)
     eligible = set(stack_cat.index[stack_cat.isin(["activation", "other", "gradient"])].astype(int)) - caches
-    return _StackFacts(
+    return StackFacts(
         category=stack_cat,
         threads=stack_threads(frames),
         eligible=eligible,
         zero_grad=stacks_with_frame(frames, "zero_grad"),
         reduce_scatter=reduce_scatter_stacks(frames),
         pipeline_forward=pipeline_forward_stacks(frames),
+        kv_cache=set(stack_cat.index[stack_cat == "kv_cache"].astype(int)),
     )
 
 
 def _categorize(frames: SnapshotFrames) -> Categorization:
     facts = _stack_facts(frames)
-    block_codes = np.full(len(frames.blocks), _NONE, dtype=np.int64)
+    block_codes = np.full(len(frames.blocks), NONE, dtype=np.int64)
+    block_rules = np.full(len(frames.blocks), RULE_CODES["no_stack"], dtype=np.int64)
+    before_trace = np.zeros(len(frames.blocks), dtype=bool)
     alloc_codes: dict[int, np.ndarray] = {}
+    alloc_rules: dict[int, np.ndarray] = {}
     param_sizes: dict[int, frozenset[int]] = {}
+    frees: dict[int, pd.DataFrame] = {}
     devices = sorted(set(frames.info.devices) | set(frames.blocks["device"].unique().tolist()))
     for d in devices:
-        alloc_codes[d], param_sizes[d] = _device(frames, d, facts, block_codes)
+        dev = _DeviceCategories(frames, d, facts)
+        grad = dev.in_trace()
+        pre_trace = dev.pre_trace(grad)
+        dev.kv_cache_in_training(pre_trace.training)
+        mask = dev.block_mask
+        block_codes[mask], block_rules[mask], before_trace[mask] = dev.blocks_at_dump(pre_trace)
+        alloc_codes[d], alloc_rules[d], param_sizes[d] = dev.code, dev.rule, dev.param_sizes
+        frees[d] = pre_trace.freed_in_trace()
     names = np.array([*CATEGORIES, None], dtype=object)
     block_category = pd.Series(names[block_codes], index=frames.blocks.index, name="category")
-    return Categorization(block_category, alloc_codes, param_sizes)
+    block_rule = pd.Series(np.array(RULES, dtype=object)[block_rules], index=frames.blocks.index, name="rule")
+    before = pd.Series(before_trace, index=frames.blocks.index, name="before_trace")
+    return Categorization(block_category, alloc_codes, param_sizes, block_rule, alloc_rules, frees, before)

@@ -1,18 +1,28 @@
 """What an allocation stack says: its category, and the thread it was recorded on.
 
-Categories from the frames (Python-only and mixed C++ stacks both):
+Categories from the frames (Python-only and mixed C++ stacks both). The *innermost decisive
+frame* of a stack decides: a frame deep in the stack (the caller) must not outvote the frames
+below it (what the call did). Lightning's automatic optimization runs ``training_step`` inside
+``optimizer.step(closure)``: the forward's allocations have ``torch.optim`` frames above them, and
+are activations all the same.
 
 - ``ddp_bucket``: allocated by DistributedDataParallel itself (its Python code is the innermost
   Python frame, or the C++ ``Reducer`` is on the stack);
-- ``optimizer_state``: allocated inside ``torch.optim`` (state such as Adam's moments, and the
-  step's temporaries);
+- ``optimizer_state``: allocated by an optimizer's own code (``torch.optim``, bitsandbytes, apex,
+  torchao, DeepSpeed's Adam/LAMB, transformers' Adafactor): state such as Adam's moments, and the
+  step's temporaries. Code outside torch running inside the step (a closure) is not the
+  optimizer's: what it allocates is decided by the frames below it;
 - ``parameter``: allocated while building or moving the model (``Module._apply``/``to``/
   ``cuda``, ``nn.init``, modules' ``__init__``/``reset_parameters``, weight initialisation);
 - ``gradient``: allocated by autograd's ``AccumulateGrad`` (only when it accumulates out of
   place; the usual gradient buffer is made by the backward op itself and is found by the
   lifetime rule in :mod:`.gradients`);
+- ``kv_cache``: allocated by a KV cache: transformers' cache classes (``cache_utils.py``:
+  ``DynamicCache.update``'s ``torch.cat``, ``StaticCache``'s preallocation), vLLM's cache engine,
+  or a Python function whose name says it allocates one (``_allocate_kv_cache``);
 - ``activation``: allocated inside a module's forward or by the autograd engine;
-- ``other``: everything else, and C++ library caches such as cuBLAS workspaces.
+- ``other``: everything else, and C++ library caches such as cuBLAS workspaces (wherever they
+  are on the stack).
 
 Threads: ``main`` (the program's own thread: its outermost Python frame is the program's entry,
 a script's ``<module>``, runpy or multiprocessing), ``autograd`` (the engine's worker thread:
@@ -49,45 +59,103 @@ def _is_python(rows: pd.DataFrame) -> pd.Series:
     return (rows["line"] > 0) | fn.str.endswith(".py") | fn.str.startswith("<")
 
 
-def stack_categories(frames: SnapshotFrames) -> pd.Series:
-    """Category of every stack_id from its frames."""
-    if frames.stacks.empty:
-        return pd.Series([], dtype=object)
-    rows = _stack_rows(frames)
-    fn, nm = rows["filename"], rows["name"]
+# decisive frames, in the order that breaks a tie within one frame (earlier wins)
+_FRAME_RULES = ("gradient", "kv_cache", "optimizer_state", "parameter", "activation")
+# optimizers outside torch.optim whose own code allocates their state
+_OPTIMIZER_PATHS = (
+    "/torch/optim/",
+    "/bitsandbytes/optim/",
+    "/apex/optimizers/",
+    "/torchao/optim/",
+    "/deepspeed/ops/adam/",
+    "/deepspeed/ops/lamb/",
+    "/transformers/optimization.py",
+)
+# KV caches: transformers' cache classes (DynamicCache, StaticCache, ...), vLLM's cache engine
+# and model runners' preallocation of the cache blocks
+_KV_CACHE_PATHS = ("/transformers/cache_utils.py", "/vllm/worker/cache_engine.py")
+# Python frames of generated code (torch.compile's graphs) belong to whatever called them
+_GENERATED_PARTS = ("torchinductor", "/torch_compile_", "<eval_with_key")
+
+
+def _frame_flags(rows: pd.DataFrame) -> pd.DataFrame:
+    """For every stack row: which rule its frame is decisive for (one column per category of
+    :data:`_FRAME_RULES`), whether it is a library cache or DDP's reducer (decisive wherever they
+    are), and whether it is *foreign*: Python code outside torch and outside every optimizer."""
+    fn, nm = rows["filename"].str.replace("\\", "/", regex=False), rows["name"]
     module_py = fn.str.endswith("torch/nn/modules/module.py")
     cache = pd.Series(False, index=rows.index)
     for part in _CPP_CACHE_PARTS:
         cache |= nm.str.contains(part, regex=False)
-    flags = pd.DataFrame(
+    optim = pd.Series(False, index=rows.index)
+    for path in _OPTIMIZER_PATHS:
+        optim |= fn.str.contains(path, regex=False)
+    python = _is_python(rows)
+    kv = python & nm.str.contains("kv_cache", case=False, regex=False)  # vLLM's _allocate_kv_cache, ...
+    for path in _KV_CACHE_PATHS:
+        kv |= fn.str.contains(path, regex=False)
+    generated = pd.Series(False, index=rows.index)
+    for part in _GENERATED_PARTS:
+        generated |= fn.str.contains(part, regex=False)
+    return pd.DataFrame(
         {
-            "stack_id": rows["stack_id"],
-            "reducer": nm.str.contains("Reducer::", regex=False),
-            "optim": fn.str.contains("/torch/optim/", regex=False),
-            "param": (module_py & nm.isin(_MODULE_MOVE))
+            "gradient": nm.str.contains("AccumulateGrad|accumulate_grad", regex=True),
+            "kv_cache": kv,
+            "optimizer_state": optim,
+            "parameter": (module_py & nm.isin(_MODULE_MOVE))
             | fn.str.endswith("torch/nn/parameter.py")
             | fn.str.endswith("torch/nn/init.py")
             | nm.isin(_PARAM_NAMES)
             | (fn.str.contains("/torch/nn/modules/", regex=False) & (nm == "__init__")),
-            "grad": nm.str.contains("AccumulateGrad", regex=False) | nm.str.contains("accumulate_grad", regex=False),
-            "act": (module_py & nm.isin(_FORWARD_NAMES))
+            "activation": (module_py & nm.isin(_FORWARD_NAMES))
             | fn.str.contains("/torch/autograd/", regex=False)
             | nm.str.contains("autograd::Engine", regex=False),
             "cache": cache,
+            "reducer": nm.str.contains("Reducer::", regex=False),
+            "foreign": python & ~fn.str.contains("/torch/", regex=False) & ~optim & ~generated,
         }
     )
+
+
+def _innermost_decisive(rows: pd.DataFrame, flags: pd.DataFrame) -> pd.Series:
+    """stack_id -> the category of its innermost decisive frame (stacks with none are left out).
+
+    An optimizer's frames decide only for what the optimizer's own code allocated: when foreign
+    code (a closure: Lightning's ``training_step``, LBFGS's loss closure) runs inside
+    ``optimizer.step``, the frames below it say what it allocated, and if none is decisive it is
+    no optimizer state (``lightning_fit_step3``: the forward and the loss inside the closure were
+    called optimizer state by "any torch.optim frame wins")."""
+    depth = rows["depth"].to_numpy(dtype=np.int64)
+    sid = rows["stack_id"].to_numpy(dtype=np.int64)
+    foreign_depth = pd.Series(np.where(flags["foreign"], depth, np.iinfo(np.int64).max)).groupby(sid).min()
+    closure_outside = flags["optimizer_state"].to_numpy() & (depth > foreign_depth.reindex(sid).to_numpy())
+    code = np.full(len(rows), -1, dtype=np.int64)
+    for k, rule in reversed(list(enumerate(_FRAME_RULES))):  # earlier rules win a tie
+        code[flags[rule].to_numpy()] = k
+    code[closure_outside & (code == _FRAME_RULES.index("optimizer_state"))] = -1
+    decided = pd.DataFrame({"stack_id": sid, "depth": depth, "code": code})
+    decided = decided[decided["code"] >= 0].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
+    names = np.array(_FRAME_RULES, dtype=object)
+    return pd.Series(names[decided["code"].to_numpy()], index=decided["stack_id"].to_numpy(), dtype=object)
+
+
+def stack_categories(frames: SnapshotFrames) -> pd.Series:
+    """Category of every stack_id from its frames: its innermost decisive frame's (see
+    :func:`_innermost_decisive`); a library cache or DDP's own code anywhere on it wins."""
+    if frames.stacks.empty:
+        return pd.Series([], dtype=object)
+    rows = _stack_rows(frames)
+    flags = _frame_flags(rows)
+    ids = pd.Index(rows["stack_id"].unique())
+    cat = pd.Series("other", index=ids, dtype=object)
+    decisive = _innermost_decisive(rows, flags)
+    cat[decisive.index] = decisive.to_numpy()
+    anywhere = flags[["cache", "reducer"]].groupby(rows["stack_id"].to_numpy()).any()
     # DDP: its own code is the innermost Python frame of the stack
     py_rows = rows[_is_python(rows)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
     ddp_inner = set(py_rows.loc[py_rows["filename"].str.endswith("torch/nn/parallel/distributed.py"), "stack_id"])
-    any_flag = flags.groupby("stack_id").any()
-    cat = pd.Series("other", index=any_flag.index, dtype=object)
-    # lowest precedence first; later assignments win
-    cat[any_flag["act"]] = "activation"
-    cat[any_flag["param"]] = "parameter"
-    cat[any_flag["grad"]] = "gradient"
-    cat[any_flag["optim"]] = "optimizer_state"
-    cat[any_flag["cache"]] = "other"
-    cat[any_flag["reducer"] | any_flag.index.isin(list(ddp_inner))] = "ddp_bucket"
+    cat[anywhere.index[anywhere["cache"].to_numpy()]] = "other"
+    cat[anywhere.index[anywhere["reducer"].to_numpy() | anywhere.index.isin(list(ddp_inner))]] = "ddp_bucket"
     return cat
 
 
