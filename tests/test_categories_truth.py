@@ -181,3 +181,25 @@ def test_kv_cache_grows_per_decode_step(real_frames, name):
 
 def test_no_kv_cache_growth_without_a_cache(real_frames):
     assert kv_cache_growth(real_frames("fw_lbfgs_python"), 0) is None
+
+
+def test_stats_json_has_categories_at_peak_and_kv_growth():
+    """``stats --json``: ``devices.<d>.categories_at_peak`` adds up to the trace's peak of
+    requested bytes; ``kv_cache_growth`` is the decode step's growth the GPU job measured."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from snapshot_lab.cli import app
+
+    from .conftest import sample_path, sample_truth
+
+    name = "inf_llama_late_python"
+    result = CliRunner().invoke(app, ["stats", str(sample_path(name)), "--json"])
+    assert result.exit_code == 0, result.output
+    device = _json.loads(result.output)["devices"]["0"]
+    at_peak = device["categories_at_peak"]
+    assert at_peak["kv_cache"] > 0 and at_peak["parameter"] > 0
+    measured = sample_truth(name)["workload"]["kv_cache_bytes_after_each_forward"]
+    assert device["kv_cache_growth"]["bytes_per_step"] == measured[-1] - measured[-2]
+    assert device["kv_cache_growth"]["bytes_at_end"] == measured[-1]

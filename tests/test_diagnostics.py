@@ -131,6 +131,32 @@ EXPECTED = {
     # started after the model was on the GPU
     "inf_flush_python": {"cache-flush", "history-incomplete"},
     "gcretry_default_cap990": {"cache-flush"},
+    # issue #19's frameworks, inference, mid-run and benchmark recordings (workloads_frameworks.py):
+    # those whose recording started after the model (or wrapped) say so, and nothing else
+    **{
+        name: set()
+        for name in (
+            "fw_lightning_auto_python",
+            "fw_lightning_auto_all",
+            "fw_lightning_manual_python",
+            "fw_hf_trainer_python",
+            "fw_fabric_python",
+            "fw_lbfgs_python",
+            "inf_llama_start_python",
+        )
+    },
+    **{
+        name: {"history-incomplete"}
+        for name in (
+            "inf_llama_late_python",
+            "inf_llama_late_all",
+            "midrun_late_python",
+            "midrun_wrapped_python",
+            "midrun_nozero_python",
+            "bench_fwdbwd_python",
+            "bench_fwdbwd_all",
+        )
+    },
 }
 # findings about a situation (as opposed to fragmentation, which any workload can show)
 SITUATIONS = {

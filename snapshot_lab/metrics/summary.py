@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..frames import SnapshotFrames
-from .categories import CATEGORIES, compute_categories
+from .categories import CATEGORIES, categories_at_peak, compute_categories
+from .categories.kv_cache import KvCacheGrowth, kv_cache_growth
 from .fragmentation import PoolFragmentation, compute_fragmentation
 from .modules import ModuleBreakdown, module_breakdown
 from .oom import OomAnalysis, analyse_device_oom
@@ -28,6 +29,9 @@ class DeviceStats:
     categories: dict[str, int] | None = None  # allocated bytes at the dump by category
     categories_requested: dict[str, int] | None = None  # what those blocks' tensors requested
     modules: ModuleBreakdown | None = None  # bytes by module at the trace's peak (metrics.modules)
+    # requested bytes by category at the trace's peak (memory older than the trace included)
+    categories_at_peak: dict[str, int] | None = None
+    kv_cache_growth: KvCacheGrowth | None = None  # inference: the KV cache per decode step
 
     def split_segments_larger_than(self, size_bytes: int) -> int:
         """How many large-pool segments bigger than ``size_bytes`` are split into several blocks."""
@@ -43,6 +47,8 @@ class DeviceStats:
             "categories": self.categories,
             "categories_requested": self.categories_requested,
             "modules": self.modules.to_dict() if self.modules else None,
+            "categories_at_peak": self.categories_at_peak,
+            "kv_cache_growth": self.kv_cache_growth.to_dict() if self.kv_cache_growth else None,
         }
 
 
@@ -153,6 +159,8 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             categories=(cats := compute_categories(frames, d, with_timeline=False)).live_bytes,
             categories_requested=cats.live_requested_bytes,
             modules=module_breakdown(frames, d) if d in frames.info.trace_devices else None,
+            categories_at_peak=categories_at_peak(frames, d) if d in frames.info.trace_devices else None,
+            kv_cache_growth=kv_cache_growth(frames, d),
         )
     per_device = failing_first(per_device)
     if len(per_device) == 1:
