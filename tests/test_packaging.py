@@ -23,24 +23,26 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 DISTRIBUTION = "snapshot-lab"
-# what an install line may name besides this project: pip itself, torch (which recording needs) and
-# pre-commit (CONTRIBUTING.md)
-OTHER_DISTRIBUTIONS = {"pip", "torch", "pre-commit"}
+# what an install line may name besides this project: pip itself, torch (which recording needs),
+# pre-commit (CONTRIBUTING.md) and atheris (the fuzzer, a test dependency)
+OTHER_DISTRIBUTIONS = {"pip", "torch", "pre-commit", "atheris"}
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _texts() -> dict[str, str]:
     """Every file a user reads an install line in: the package (messages, docstrings), README,
-    docs, CHANGELOG, CONTRIBUTING, CI, the examples."""
+    docs, CHANGELOG, CONTRIBUTING, CI and pre-commit, the examples and benchmarks."""
     paths = [
         *(ROOT / "snapshot_lab").rglob("*.py"),
         *(ROOT / "snapshot_lab").rglob("*.j2"),
         *(ROOT / "docs").rglob("*.md"),
-        *(ROOT / "examples").glob("*"),
+        *(p for folder in ("examples", "benchmarks") for p in (ROOT / folder).glob("*.*")),
         *(ROOT / p for p in ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "pyproject.toml", ".ci/run")),
+        ROOT / ".pre-commit-config.yaml",
     ]
-    return {p.relative_to(ROOT).as_posix(): p.read_text() for p in paths if p.is_file()}
+    texts = {".md", ".py", ".ipynb", ".toml", ".yaml", ".j2", ""}  # "" is .ci/run
+    return {p.relative_to(ROOT).as_posix(): p.read_text() for p in paths if p.is_file() and p.suffix in texts}
 
 
 INSTALL = re.compile(r"pip3? install\b([^\n`|;#()]*)")
