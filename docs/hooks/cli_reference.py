@@ -66,9 +66,10 @@ def _usage(path: str, command: Any) -> str:
             if param.nargs == -1:
                 name += "..."
             words.append(name if param.required else f"[{name}]")
-    if getattr(command, "context_settings", {}).get("ignore_unknown_options") or getattr(
-        command, "context_settings", {}
-    ).get("allow_extra_args"):
+    settings = getattr(command, "context_settings", None) or {}
+    if getattr(command, "commands", None):
+        words.append("COMMAND [ARGS]...")
+    elif settings.get("ignore_unknown_options") or settings.get("allow_extra_args"):
         words.append("[ARGS]...")
     return " ".join(words)
 
