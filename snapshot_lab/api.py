@@ -210,7 +210,7 @@ def _ranks_on_dask(
     try:
         from distributed import Client, LocalCluster, as_completed
     except ImportError:
-        raise UsageError("--scheduler needs dask.distributed: pip install 'snaplab[dask]'") from None
+        raise UsageError("--scheduler needs dask.distributed: pip install 'snapshot-lab[dask]'") from None
     cluster = None
     try:
         if scheduler == "local":
@@ -374,7 +374,7 @@ def export(
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise UsageError("parquet needs pyarrow: pip install 'snaplab[parquet]' (or use --format csv)") from None
+            raise UsageError("parquet needs pyarrow: pip install 'snapshot-lab[parquet]' (or --format csv)") from None
     frames = load_frames(snapshot, progress=progress)
     out = Path(output)
     try:

@@ -1,6 +1,7 @@
-"""The README's integration examples, run as written (each code block after an
-``<!-- example: NAME -->`` line), against the stand-ins CI has instead of torch, Lightning and
-transformers. The same integrations ran for real on a GPU (sample_snapshots/jobs/integrations_gpu.py)."""
+"""The integration examples of the README and the docs pages, run as written (each code block
+after an ``<!-- example: NAME -->`` line), against the stand-ins CI has instead of torch,
+Lightning and transformers. The same integrations ran for real on a GPU
+(sample_snapshots/jobs/integrations_gpu.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,29 @@ from .test_pytest_plugin import FAKE_CUDA, _plugin_args
 
 pytest_plugins = ["pytester"]
 
-README = (ROOT / "README.md").read_text()
+PAGE_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in PAGE_FILES}
+EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->")
+TESTED = {"lightning", "transformers", "module-tags", "notebook", "pytest"}
+
+
+def page_with(name: str) -> str:
+    """The text of the one page (README.md or docs/**.md) that holds example ``name``."""
+    pages = [text for text in PAGES.values() if f"<!-- example: {name} -->" in text]
+    assert len(pages) == 1, f"example {name!r} is in {len(pages)} pages, not one"
+    return pages[0]
 
 
 def example(name: str) -> str:
-    m = re.search(rf"<!-- example: {re.escape(name)} -->\n```python\n(.*?)```", README, re.DOTALL)
-    assert m, f"no example {name!r} in README.md"
+    m = re.search(rf"<!-- example: {re.escape(name)} -->\n```python\n(.*?)```", page_with(name), re.DOTALL)
+    assert m, f"example {name!r} is not followed by a python block"
     return m.group(1)
+
+
+def test_every_example_is_tested():
+    """An example added to a page without a test here would go unchecked."""
+    found = {name for text in PAGES.values() for name in EXAMPLE.findall(text)}
+    assert found == TESTED
 
 
 @pytest.fixture
@@ -78,7 +95,8 @@ def test_pytest_example(pytester):
     pytester.makepyfile(test_memory=example("pytest"))
     r = pytester.runpytest(*_plugin_args(), "-p", "no:cacheprovider", "-rf")
     r.assert_outcomes(failed=1)
-    shown = re.search(r"```text\n(.*?)```", README[README.index("<!-- example: pytest -->") :], re.DOTALL).group(1)
+    page = page_with("pytest")
+    shown = re.search(r"```text\n(.*?)```", page[page.index("<!-- example: pytest -->") :], re.DOTALL).group(1)
     out = r.stdout.str()
     for line in shown.strip().splitlines()[1:]:  # the first is pytest's own header of the failure
         expected = re.escape(line.strip()).replace(re.escape("<host>_<time>"), r"\S+")

@@ -12,7 +12,7 @@ request, before anything unwinds), on an exception and at the end of training, o
 (``<prefix>_rank<R>_<host>_<time>[_<why>].pickle`` and its ``.meta.json``), and with
 ``report=True`` writes the HTML report of the last snapshot beside it. The options are those of
 :class:`snapshot_lab.capture.recording`. Without CUDA it logs a warning and records nothing; it
-never stops training. Needs ``pip install "snaplab[lightning]"``.
+never stops training. Needs ``pip install "snapshot-lab[lightning]"``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ unwinds) and at ``on_train_end``, one file per rank; with ``report=True`` writes
 the last snapshot beside it. The Trainer has no hook for other exceptions: the recording then
 stops, with a last snapshot, when the process exits. The options are those of
 :class:`snapshot_lab.capture.recording`. Without CUDA it logs a warning and records nothing; it
-never stops training. Needs ``pip install "snaplab[transformers]"``.
+never stops training. Needs ``pip install "snapshot-lab[transformers]"``.
 """
 
 from __future__ import annotations
