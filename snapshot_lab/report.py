@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,6 +13,7 @@ from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
 from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
+from .metrics.composition import compose
 from .metrics.diagnose import diagnose
 from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
@@ -25,10 +28,12 @@ from .module_tags import parent_fqn
 from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
+from .plots.composition import plot_composition
 from .plots.histogram import plot_free_histogram
 from .plots.layout import plot_block_layout
 from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
+from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.text import whatif_view
 from .units import format_bytes, format_percent
@@ -207,6 +212,8 @@ def _device_section(
         )
         section.oom_sites = _site_views(frames, live_sites(moment.blocks, sites, MAX_SITES))
     if tl is None:
+        dump_sites = live_sites(blk, sites, MAX_SITES, categorize(frames).block_category[blk.index])
+        section.composition = compose("dump", pd.Series(cats.live_bytes), dump_sites)
         rec = stats.recording
         section.timeline_missing = (
             "No timeline: this snapshot was recorded with enabled='state' (no event history)."
@@ -233,8 +240,10 @@ def _device_section(
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
     fwd = allocation_forward_ids(frames, dev, alive["event_index"].to_numpy(dtype=np.int64))
-    section.peak_sites = _site_views(
-        frames, top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
+    peak_sites = top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
+    section.peak_sites = _site_views(frames, peak_sites)
+    section.composition = compose(
+        "peak", alive["size_bytes"].groupby(alive_cats).sum(), peak_sites, d.modules, tl.peak_index
     )
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "
@@ -428,8 +437,14 @@ def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
     return text
 
 
-def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: ProgressSink | None = None) -> str:
-    """The whole report for one snapshot, as an HTML string."""
+def build_report(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    progress: ProgressSink | None = None,
+    fit_answer: FitSummary | None = None,
+) -> str:
+    """The whole report for one snapshot, as an HTML string; ``fit_answer`` (what ``snaplab fit``
+    concluded) leads the levers when given."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
     dg = diagnose(frames, stats)
@@ -450,6 +465,7 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
             )
         )
     _would_it_fit(frames, stats, sections)
+    first = _first_screen(stats, findings, sections, fit_answer)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
@@ -460,6 +476,8 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
         meta_rows=_meta_rows(frames, stats),
         settings_rows=_settings_rows(frames),
         version=__version__,
+        first=first,
+        source=_source_file(frames),
     )
     if len(sections) > 1:
         rows = []
@@ -478,6 +496,57 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
         ctx.compare_rows = rows
         ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
     return render_report(ctx)
+
+
+def _source_file(frames: SnapshotFrames) -> SourceFile:
+    """Which file the report came from: name, size and the start of its sha256."""
+    path = Path(str(frames.info.source.path))
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        size, prefix = path.stat().st_size, digest.hexdigest()[:12]
+    except OSError:
+        size, prefix = 0, ""
+    return SourceFile(path.name, size, prefix, __version__)
+
+
+def _first_screen(
+    stats: SnapshotStats, findings: list[Any], sections: list[DeviceSection], fit: FitSummary | None
+) -> FirstScreen | None:
+    """The answer at the top: the device that failed (else the one with the largest peak) in full,
+    one line for each other device."""
+    with_comp = [s for s in sections if s.composition is not None]
+    if not with_comp:
+        return None
+    ooms = {dev: d.oom for dev, d in stats.devices.items() if d.oom is not None}
+    main = next((s for s in with_comp if s.device in ooms), None) or max(
+        with_comp, key=lambda s: s.composition.total_bytes if s.composition else 0
+    )
+    comp = main.composition
+    assert comp is not None
+    where = "at the peak" if comp.moment == "peak" else "at the dump"
+    reserved = sum(d.torch_stats["reserved_bytes.all.current"] for d in stats.devices.values())
+    peak = f"{format_bytes(comp.total_bytes)} in use {where}; {format_bytes(reserved)} reserved at the dump."
+    status, said, cause = verdict(ooms, findings, peak)
+    plans = [t for s in sections for t in s.would_it_fit]
+    dev = f" on device {main.device}" if len(sections) > 1 else ""
+    return FirstScreen(
+        status=status,
+        verdict=said,
+        cause=cause,
+        made_of=made_of(comp),
+        made_of_title=f"{format_bytes(comp.total_bytes)} in use {where}{dev}",
+        levers=levers(findings, plans, fit),
+        chart_svg=figure_svg(plot_composition(comp)),
+        others=[
+            f"Device {s.device}: {format_bytes(s.composition.total_bytes)} {where}; " + made_of(s.composition)[0][1]
+            for s in with_comp
+            if s is not main and s.composition is not None
+        ],
+        fit_answer=fit,
+    )
 
 
 def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[DeviceSection]) -> None:

@@ -187,3 +187,49 @@ def test_thousands_of_segments_stay_readable(tmp_path):
     ).read_text()
     assert len(html.encode()) < SIZE_BUDGET
     assert "2960 smaller segments are summarised in the panel titles" in html
+
+
+def _answer(html: str) -> str:
+    start = html.index('<section id="answer"')
+    return html[start : html.index("</section>", start)]
+
+
+def test_first_screen_answers_an_oom(reports):
+    import hashlib
+
+    html = reports["oom_fragmentation"]
+    assert html.index('id="answer"') < html.index('id="findings"')
+    a = _answer(html)
+    assert 'class="answer critical"' in a
+    assert "Out of memory: a request of 15.00 MiB could not be served." in a
+    assert "Fragmentation: 1.03 GiB was free in reserved memory, but the largest free hole was 14.00 MiB" in a
+    assert "main/sample_snapshots/workloads.py:207 in _frag_setup: 1.32 GiB (100.0%) in 225 blocks" in a
+    assert a.index("Out of memory caused by fragmentation") < a.index("expandable_segments:True would have served")
+    assert "at stake: 1.03 GiB" in a
+    digest = hashlib.sha256(sample_path("oom_fragmentation").read_bytes()).hexdigest()[:12]
+    assert f'sha256 <span class="mono">{digest}' in html and "snaplab 0." in html
+
+
+def test_first_screen_of_a_healthy_run(reports):
+    a = _answer(reports["transformer_varlen"])
+    assert 'class="answer ok"' in a and "Nothing wrong" in a
+    assert "activation 2.00 GiB (89.9%), optimizer_state 132.21 MiB (5.8%)" in a
+    assert "by module (approximate" in a
+    assert "would lower the peak reserved memory to 2.25 GiB instead of 2.62 GiB" in a
+
+
+def test_first_screen_of_several_devices_and_no_trace(reports):
+    a = _answer(reports["dataparallel"])
+    assert "on device 0" in a and "Device 1:" in a
+    assert "at the dump" in _answer(reports["state_only"])
+
+
+def test_fit_answer_leads_the_levers():
+    from snapshot_lab.api import compute_stats, load_frames
+    from snapshot_lab.render.answer import FitSummary
+    from snapshot_lab.report import build_report
+
+    frames = load_frames(sample_path("oom_fragmentation"))
+    fit = FitSummary("Fits on one GPU with expandable segments", ("Set expandable_segments:True.",), 1 << 30)
+    a = _answer(build_report(frames, compute_stats(frames), fit_answer=fit))
+    assert a.index("Fits on one GPU with expandable segments") < a.index("Out of memory caused by fragmentation")

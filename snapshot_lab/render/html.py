@@ -12,10 +12,12 @@ from typing import Any
 
 import jinja2
 
+from ..metrics.composition import Composition
 from ..metrics.findings import Finding
 from ..metrics.oom import OomAnalysis
 from ..metrics.sites import Site
 from ..units import format_bytes, format_percent
+from .answer import FirstScreen, SourceFile
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class DeviceSection:
     parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
     would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
     modules: dict[str, Any] | None = None  # memory by module at the peak (report._module_view)
+    composition: Composition | None = None  # what the peak (or, with no trace, the dump) was made of
 
 
 @dataclass
@@ -79,6 +82,8 @@ class ReportContext:
     meta_rows: list[tuple[str, str]]
     settings_rows: list[tuple[str, str]]
     version: str
+    first: FirstScreen | None = None  # the answer at the top (render/answer.py)
+    source: SourceFile | None = None
     css: str = ""
     compare_svg: str = ""
     compare_rows: list[dict[str, Any]] = field(default_factory=list)
