@@ -324,7 +324,11 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
             f"{format_bytes(f['file_size_bytes'])}" + (f", {f['compression']}-compressed" if f["compression"] else ""),
         ),
         ("encoding", f"{f['encoding']}" + (f", protocol {f['pickle_protocol']}" if f["pickle_protocol"] else "")),
-        ("format", ", ".join(f["format_hints"]) or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "—")),
+        (
+            "format",
+            ", ".join(f["format_hints"])
+            or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "not recognised"),
+        ),
         ("devices", ", ".join(str(d) for d in f["devices"]) or "none"),
         ("segments / blocks", f"{f['segments']:,} / {f['blocks']:,}"),
         ("trace entries", f"{f['trace_entries']:,}"),

@@ -233,3 +233,31 @@ def test_fit_answer_leads_the_levers():
     fit = FitSummary("Fits on one GPU with expandable segments", ("Set expandable_segments:True.",), 1 << 30)
     a = _answer(build_report(frames, compute_stats(frames), fit_answer=fit))
     assert a.index("Fits on one GPU with expandable segments") < a.index("Out of memory caused by fragmentation")
+
+
+def test_evidence_reads_as_words_with_units(reports):
+    from snapshot_lab.render.evidence import evidence_label, evidence_rows, evidence_value
+
+    rows = evidence_rows(
+        {"requested_bytes": 15 << 20, "settings_that_serve_the_request": ["a:1", "b:2"], "memory_limit_bytes": None},
+        1 << 30,
+    )
+    assert [(label, value) for label, value, _ in rows] == [
+        ("request that failed", "15.00 MiB"),
+        ("settings that serve the request", "a:1; b:2"),
+        ("memory limit", "not recorded"),
+        ("at stake", "1.00 GiB (memory this advice would free or make usable)"),
+    ]
+    assert evidence_label("allocated_bytes_device_1") == "allocated on device 1"
+    assert evidence_value(0.25, "external_fragmentation") == "25.0%"
+    assert evidence_value(True, "snapshot_at_oom") == "yes"
+    html = reports["oom_fragmentation"]
+    table = html[html.index('<table class="evidence">') :]
+    table = table[: table.index("</table>")]
+    assert "<td>15.00 MiB</td>" in table and "<td>75.75 GiB</td>" in table
+    assert (
+        "requested_bytes</td>" not in table
+        and "[" not in table
+        and "—" not in table
+        and "_" not in table.split("title=")[0]
+    )

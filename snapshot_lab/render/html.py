@@ -18,6 +18,7 @@ from ..metrics.oom import OomAnalysis
 from ..metrics.sites import Site
 from ..units import format_bytes, format_percent
 from .answer import FirstScreen, SourceFile
+from .evidence import evidence_rows
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,6 @@ class ReportContext:
     compare_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _evidence(value: Any, key: str) -> str:
-    if isinstance(value, bool) or value is None:
-        return "—" if value is None else str(value).lower()
-    if isinstance(value, int) and key.endswith("_bytes"):
-        return f"{format_bytes(value)} ({value:,} B)"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("snapshot_lab", "render/templates"),
@@ -111,7 +100,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["bytes"] = format_bytes
     env.filters["pct"] = format_percent
-    env.filters["evidence"] = _evidence
+    env.filters["evidence_rows"] = evidence_rows
     return env
 
 
