@@ -64,7 +64,23 @@ def _counter_rows(ts: dict[str, int]) -> list[Row]:
 def _fragmentation_rows(d: DeviceStats) -> list[Row]:
     fr = d.fragmentation
     spec: list[tuple[str, Any, str]] = [
-        ("free in reserved", lambda f: format_bytes(f.free_bytes), "cached free blocks, ready for reuse"),
+        (
+            "fragmentation (stranded share)",
+            lambda f: format_percent(f.stranded_share),
+            "stranded bytes / reserved bytes: the part of reserved memory lost to holes",
+        ),
+        (
+            "stranded",
+            lambda f: format_bytes(f.stranded_bytes),
+            "free holes inside segments that still hold live tensors: only a request that fits a hole can "
+            "use them, and empty_cache() cannot return them",
+        ),
+        (
+            "cached, releasable",
+            lambda f: format_bytes(f.cached_releasable_bytes),
+            "whole free segments (or pages): reusable by any request; empty_cache() gives them back to CUDA",
+        ),
+        ("free in reserved", lambda f: format_bytes(f.free_bytes), "all cached free blocks: stranded + releasable"),
         ("free blocks", lambda f: f"{f.free_blocks:,}", ""),
         (
             "largest free block",
@@ -81,23 +97,24 @@ def _fragmentation_rows(d: DeviceStats) -> list[Row]:
             lambda f: format_bytes(f.internal_waste_bytes),
             "rounding: block size − requested size of allocated blocks",
         ),
-        (
-            "stranded",
-            lambda f: format_bytes(f.stranded_bytes),
-            "free bytes in segments that also hold live tensors: empty_cache() cannot return them",
-        ),
-        ("releasable", lambda f: format_bytes(f.releasable_bytes), "what empty_cache() would give back to CUDA"),
     ]
     return [Row(name, [fn(fr[p]) for p in POOLS], help_text) for name, fn, help_text in spec]
 
 
 def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
     ts = d.torch_stats
-    free = d.fragmentation["all"].free_bytes
+    frag = d.fragmentation["all"]
+    free = frag.free_bytes
     cards = [
         Card("reserved", format_bytes(ts["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"),
         Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in use by tensors at the dump"),
         Card("free in reserved", format_bytes(free), "cached, reusable by PyTorch, not by other processes"),
+        Card(
+            "fragmentation",
+            format_percent(frag.stranded_share),
+            f"of reserved memory stranded in holes beside live tensors ({format_bytes(frag.stranded_bytes)}); "
+            f"{format_bytes(frag.cached_releasable_bytes)} more is cached and releasable",
+        ),
     ]
     if tl is not None:
         cards.append(
@@ -493,7 +510,7 @@ def build_report(
                     "reserved": d.torch_stats["reserved_bytes.all.current"],
                     "allocated": d.torch_stats["allocated_bytes.all.current"],
                     "free": d.fragmentation["all"].free_bytes,
-                    "frag": d.fragmentation["all"].external_fragmentation,
+                    "frag": d.fragmentation["all"].stranded_share,
                     "peak": tl.peak_requested_bytes if tl else None,
                 }
             )
