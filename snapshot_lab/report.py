@@ -15,6 +15,7 @@ from .metrics import SnapshotStats
 from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
 from .metrics.composition import compose
 from .metrics.diagnose import diagnose
+from .metrics.explore import explore
 from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
@@ -34,6 +35,7 @@ from .plots.layout import plot_block_layout
 from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
+from .render.explorer import Payload, layout_data, timeline_data
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.text import whatif_view
 from .units import format_bytes, format_percent
@@ -216,6 +218,7 @@ def _device_section(
         leaks=_leak_view(frames, la),
         whatif=_whatif_view(wi),
     )
+    section.layout_data = layout_data(layouts)
     if stats.parallel and stats.parallel.get("strategies"):
         section.parallel = str(stats.parallel["description"])
     if at_oom and moment is not None and d.oom is not None:
@@ -239,6 +242,7 @@ def _device_section(
         )
         return section
     section.timeline_png = figure_png_data_uri(plot_timeline(tl))
+    section.exploration = explore(frames, tl)
     if cats.timeline is not None and len(cats.timeline) == tl.n_events:
         section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
     notes = [
@@ -487,6 +491,7 @@ def build_report(
         )
     _would_it_fit(frames, stats, sections)
     first = _first_screen(stats, findings, sections, fit_answer)
+    payload = _payload(frames, sections)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
@@ -499,6 +504,7 @@ def build_report(
         version=__version__,
         first=first,
         source=_source_file(frames),
+        explorer_json=payload.to_json(),
     )
     if len(sections) > 1:
         rows = []
@@ -517,6 +523,26 @@ def build_report(
         ctx.compare_rows = rows
         ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
     return render_report(ctx)
+
+
+def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
+    """The explorer's data for every device, with the stacks it refers to (display frames only)."""
+    payload = Payload()
+    for section in sections:
+        data: dict[str, Any] = {"device": section.device, "segments": section.layout_data}
+        data["layoutNote"] = (
+            "Each bar is one segment, all to one scale (the widest is the largest); click one for its blocks "
+            "and the stacks that allocated them."
+        )
+        stack_ids = [b[3] for seg in section.layout_data for b in seg["blocks"]]
+        if section.exploration is not None:
+            data.update(timeline_data(section.exploration))
+            stack_ids += section.exploration.allocations["stack_id"].tolist()
+        for sid in sorted(set(stack_ids)):
+            if sid >= 0:
+                payload.add_stack(sid, display_stack(frames.stack(sid)))
+        payload.devices.append(data)
+    return payload
 
 
 def _source_file(frames: SnapshotFrames) -> SourceFile:
