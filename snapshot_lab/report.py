@@ -27,9 +27,10 @@ from .metrics.timeline import Timeline
 from .metrics.whatif import WhatIf
 from .module_tags import parent_fqn
 from .plots.categories import plot_category_timeline
-from .plots.common import figure_png_data_uri, figure_svg
+from .plots.common import figure_png_bytes, figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
 from .plots.composition import plot_composition
+from .plots.first_screen import plot_first_screen
 from .plots.histogram import plot_free_histogram
 from .plots.layout import plot_block_layout
 from .plots.timeline import plot_timeline
@@ -37,6 +38,7 @@ from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
+from .render.markdown import render_markdown
 from .render.text import whatif_view
 from .units import format_bytes, format_percent
 
@@ -462,14 +464,58 @@ def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
     return text
 
 
+REPORT_FORMATS = ("html", "md", "png")
+
+
 def build_report(
     frames: SnapshotFrames,
     stats: SnapshotStats,
     progress: ProgressSink | None = None,
     fit_answer: FitSummary | None = None,
-) -> str:
-    """The whole report for one snapshot, as an HTML string; ``fit_answer`` (what ``snaplab fit``
-    concluded) leads the levers when given."""
+    format: str = "html",
+) -> str | bytes:
+    """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
+    Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
+    ``fit_answer`` (what ``snaplab fit`` concluded) leads the levers when given."""
+    if format not in REPORT_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
+    ctx = build_report_context(frames, stats, progress, fit_answer)
+    if format == "md":
+        return render_markdown(ctx)
+    if format == "png":
+        return _first_screen_png(ctx)
+    return render_report(ctx)
+
+
+def _first_screen_png(ctx: ReportContext) -> bytes:
+    first, source = ctx.first, ctx.source
+    provenance = f"snaplab {ctx.version} · {ctx.file_name}"
+    if source is not None and source.size_bytes:
+        provenance += f", {format_bytes(source.size_bytes)}, sha256 {source.sha256_prefix}…"
+    if first is None:
+        return figure_png_bytes(plot_first_screen(provenance, "ok", ctx.headline, "", [], [], None))
+    comp = next((d.composition for d in ctx.devices if d.composition is not None), None)
+    levers = [(lv.title + (f" (at stake: {lv.stake})" if lv.stake else ""), lv.detail) for lv in first.levers]
+    fig = plot_first_screen(
+        provenance,
+        first.status,
+        first.verdict,
+        first.cause,
+        [(f"{k}", v) for k, v in first.made_of] + [("", line) for line in first.others],
+        levers,
+        comp,
+        first.made_of_title,
+    )
+    return figure_png_bytes(fig)
+
+
+def build_report_context(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    progress: ProgressSink | None = None,
+    fit_answer: FitSummary | None = None,
+) -> ReportContext:
+    """Everything every format of the report shows, computed once."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
     dg = diagnose(frames, stats)
@@ -522,7 +568,7 @@ def build_report(
             )
         ctx.compare_rows = rows
         ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
-    return render_report(ctx)
+    return ctx
 
 
 def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
@@ -611,4 +657,4 @@ def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[D
             section.would_it_fit = []
 
 
-__all__ = ["build_report"]
+__all__ = ["REPORT_FORMATS", "build_report", "build_report_context"]
