@@ -199,8 +199,8 @@ def _device_section(
     layouts = select_layout(shown_seg, shown_blk)
     hidden = sum(p.hidden_segments for p in layouts)
     layout_note = (
-        "Each bar is one segment (a cudaMalloc'd or mapped range), scaled to its own size, largest first; "
-        "blocks are coloured by state."
+        "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
+        "largest segment spans the width); blocks are coloured by state."
         + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None

@@ -13,9 +13,9 @@ MIN_LABELLED_SHARE = 0.07  # a segment narrower than this carries no text inside
 
 
 @styled
-def plot_composition(comp: Composition, width: float = 7.2) -> Figure:
+def plot_composition(comp: Composition, width: float = 5.6) -> Figure:
     """The categories of ``comp`` side by side in one bar, labelled with their share."""
-    fig = new_figure(width, 1.0)
+    fig = new_figure(width, 0.95)
     ax = fig.add_subplot()
     left = 0.0
     for part in comp.by_category:
@@ -31,5 +31,5 @@ def plot_composition(comp: Composition, width: float = 7.2) -> Figure:
     ax.set_ylim(-0.4, 0.4)
     ax.axis("off")
     if handles:
-        fig.legend(handles=handles, loc="outside lower left", ncols=min(len(handles), 4), handlelength=1)
+        fig.legend(handles=handles, loc="outside lower left", ncols=min(len(handles), 3), handlelength=1, fontsize=8.5)
     return fig
