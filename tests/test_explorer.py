@@ -65,7 +65,8 @@ def test_embedded_data_matches_the_metrics(report_html):
     data, _ = _scripts(report_html["oom_fragmentation"])
     dev = data["devices"][0]
     assert max(dev["b"]["hi"]) == dev["peak"]["bytes"]
-    assert len(dev["b"]["x0"]) == len(dev["catLv"][0]) == len(dev["siteLv"][0])
+    assert len(dev["b"]["x0"]) == len(next(r for r in dev["catLv"] if r)) == len(dev["siteLv"][0])
+    assert dev["catLv"][dev["cats"].index("parameter")] is None  # nothing but "other" in this run
     assert dev["segments"] and all(b[1] > 0 for s in dev["segments"] for b in s["blocks"])
     assert sum(s["size"] for s in dev["segments"]) <= 1_572_864_000
     time_data, _ = _scripts(report_html["transformer_varlen"])
@@ -110,7 +111,7 @@ def test_a_million_entries_stay_within_budget(big_report):
     assert len(html.encode()) <= BIG_BUDGET
     data, _ = _scripts(html)
     dev = data["devices"][0]
-    assert len(dev["b"]["x0"]) <= 1200 and len(dev["allocs"]["x0"]) <= 1500
+    assert len(dev["b"]["x0"]) <= 1000 and len(dev["allocs"]["x0"]) <= 1500
     assert dev["unlisted"] > 300_000  # (of about 1M / 3 allocations) the rest live on only in the levels
 
 

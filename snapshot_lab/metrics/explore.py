@@ -26,7 +26,7 @@ from .lifetimes import device_lifetimes
 from .sites import site_labels, snapshot_sites
 from .timeline import Timeline
 
-BUCKETS = 1200  # about one per pixel of the report's width
+BUCKETS = 1000  # about one per pixel of the report's timeline
 TOP_SITES = 16  # sites with levels of their own; the others are summed in one row
 MAX_ALLOCATIONS = 1500  # allocations listed one by one (with stacks)
 OTHER_SITES = "other sites"

@@ -63,7 +63,12 @@ class Payload:
 
 
 def _round(values: np.ndarray) -> list[float]:
-    return [float(f"{v:.7g}") for v in values.tolist()]
+    return [float(f"{v:.6g}") for v in values.tolist()]
+
+
+def _rows(levels: np.ndarray) -> list[list[int] | None]:
+    """Level rows as lists; a row that is zero throughout as null (most categories, in most runs)."""
+    return [row.tolist() if row.any() else None for row in levels]
 
 
 def timeline_data(ex: Exploration) -> dict[str, Any]:
@@ -80,12 +85,12 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
             "res": b.reserved_high.tolist(),
         },
         "cats": list(ex.categories),
-        "catLv": ex.category_levels.tolist(),
+        "catLv": _rows(ex.category_levels),
         "sites": list(ex.sites),
-        "siteLv": ex.site_levels.tolist(),
+        "siteLv": _rows(ex.site_levels),
         "allocs": {
             "x0": _round(a["x_alloc"].to_numpy()),
-            "x1": [None if np.isnan(v) else float(f"{v:.7g}") for v in a["x_free"].to_numpy()],
+            "x1": [None if np.isnan(v) else float(f"{v:.6g}") for v in a["x_free"].to_numpy()],
             "size": a["size_bytes"].tolist(),
             "cat": a["category"].tolist(),
             "site": a["site"].tolist(),

@@ -301,11 +301,11 @@
     this.live.textContent = "";
     this.live.appendChild(el("h4", null, "Live at " + fmtX(dev, b.x0[i]) + ": " + fmtBytes(total) + " requested"));
     var cats = [], sum = 0;
-    dev.cats.forEach(function (c, k) { var v = dev.catLv[k][i]; sum += v; if (v > 0) cats.push([c, v]); });
+    dev.cats.forEach(function (c, k) { var v = dev.catLv[k] ? dev.catLv[k][i] : 0; sum += v; if (v > 0) cats.push([c, v]); });
     if (total - sum > 0) cats.push(["allocated before the trace (unknown)", total - sum]);
     cats.sort(function (p, q) { return q[1] - p[1]; });
     var sites = [];
-    dev.sites.forEach(function (s, k) { var v = dev.siteLv[k][i]; if (v > 0) sites.push([s, v]); });
+    dev.sites.forEach(function (s, k) { var v = dev.siteLv[k] ? dev.siteLv[k][i] : 0; if (v > 0) sites.push([s, v]); });
     sites.sort(function (p, q) { return q[1] - p[1]; });
     var share = function (v) { return total ? fmtPct(v / total) : ""; };
     var wrap = el("div", "xp-cols");
