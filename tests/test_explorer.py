@@ -185,3 +185,59 @@ def test_a_million_entries_are_interactive_within_two_seconds(browser, big_repor
     page.wait_for_selector("html[data-explorer=ready]", timeout=10_000)
     page.click("#explorer-0 .xp-zoom-in")
     assert time.perf_counter() - start < 2.0
+
+
+def _alloc_point(page) -> tuple[float, float] | None:
+    """A point on the allocations canvas over a drawn allocation (scan rows for a coloured pixel)."""
+    return page.evaluate(
+        """() => {
+        const c = document.querySelector('#explorer-0 canvas.xp-allocs');
+        const g = c.getContext('2d'), r = c.getBoundingClientRect(), k = c.width / r.width;
+        const img = g.getImageData(0, 0, c.width, c.height).data;  // one readback
+        for (let y = 3; y < r.height; y += 2) for (let x = 5; x < r.width; x += 7) {
+          const at = (Math.floor(y * k) * c.width + Math.floor(x * k)) * 4;
+          if (img[at + 3] > 200) return [r.left + x, r.top + y];
+        }
+        return null; }"""
+    )
+
+
+@needs_browser
+def test_an_allocation_shows_size_lifetime_category_module_and_stack(browser, report_html, tmp_path):
+    path = tmp_path / "r.html"
+    path.write_text(report_html["transformer_varlen"])
+    page, problems, _ = _open(browser, path)
+    page.locator("#explorer-0 canvas.xp-allocs").scroll_into_view_if_needed()
+    point = _alloc_point(page)
+    assert point is not None
+    page.mouse.move(*point)
+    text = page.locator("#xp-tip").text_content()
+    assert re.search(r"\d+(\.\d+)? (B|KiB|MiB|GiB) · \w+", text)
+    assert "lifetime:" in text and "site:" in text and "module:" in text
+    page.mouse.click(*point)
+    detail = page.locator("#explorer-0 .xp-detail")
+    assert "Allocation" in detail.text_content() and detail.locator("ol.stack li").count() >= 1
+    assert problems == []
+
+
+@needs_browser
+def test_readable_with_scripts_off(browser, report_html, tmp_path):
+    path = tmp_path / "r.html"
+    path.write_text(report_html["oom_fragmentation"])
+    context = browser.new_context(java_script_enabled=False)
+    page = context.new_page()
+    page.goto(path.as_uri())
+    assert not page.locator("#explorer-0").is_visible()  # hidden until the script runs
+    assert page.locator("img[alt^='Memory of device 0']").is_visible()
+    assert page.locator("#answer").is_visible()
+    context.close()
+
+
+@needs_browser
+def test_each_device_gets_its_explorer(browser, tmp_path):
+    path = api.report(sample_path("dataparallel"), output=tmp_path / "dp.html")
+    page, problems, _ = _open(browser, path)
+    for dev in (0, 1):
+        assert page.locator(f"#explorer-{dev} canvas.xp-timeline").is_visible()
+        assert page.locator(f"#layout-explorer-{dev} .xp-seg").count() > 0
+    assert problems == []

@@ -102,6 +102,7 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
         "unlisted": ex.unlisted_allocations,
         "peak": {"x": ex.peak_x, "bytes": ex.peak_bytes},
         "ooms": list(ex.oom_x),
+        "markers": [[x, label] for x, label in ex.markers],
     }
 
 

@@ -111,7 +111,7 @@
     this.root.appendChild(this.canvas);
     this.root.appendChild(el("div", "xp-caption",
       "Above: requested (blue band: lowest to highest in each bucket) and reserved (grey) bytes; " +
-      "red: the peak; dashed: OOMs. Below: " + dev.allocs.x0.length.toLocaleString("en-US") +
+      "red dot: the peak; red dashes: OOMs; grey dots: iteration starts. Below: " + dev.allocs.x0.length.toLocaleString("en-US") +
       " allocations one by one (alive at the peak, then the largest; " +
       dev.unlisted.toLocaleString("en-US") + " smaller ones are only in the levels), coloured by category."));
     this.root.appendChild(this.lanesCanvas);
@@ -217,6 +217,12 @@
       g.fillRect(xa, sy(b.lo[i]), xb - xa, h - sy(b.lo[i]));
       g.fillStyle = "#3b6fb6";
     }
+    g.setLineDash([2, 3]);
+    g.strokeStyle = "#8c8c8c";
+    dev.markers.forEach(function (m) {
+      if (m[0] < v[0] || m[0] > v[1]) return;
+      g.beginPath(); g.moveTo(sx(m[0]), 0); g.lineTo(sx(m[0]), h); g.stroke();
+    });
     g.setLineDash([4, 3]);
     g.strokeStyle = "#c23b22";
     dev.ooms.forEach(function (x) { g.beginPath(); g.moveTo(sx(x), 0); g.lineTo(sx(x), h); g.stroke(); });
