@@ -39,6 +39,8 @@ class Buckets:
     requested_low: np.ndarray  # int64
     requested_high: np.ndarray  # int64
     reserved_high: np.ndarray  # int64
+    requested_end: np.ndarray  # int64: the level after each bucket's last entry (until the next bucket)
+    reserved_end: np.ndarray  # int64
     sample: np.ndarray  # int64: position of each bucket's highest requested level in the device's trace
 
 
@@ -74,9 +76,20 @@ def _axis(frames: SnapshotFrames, tl: Timeline) -> tuple[np.ndarray, str, str, n
     return np.arange(len(ev), dtype=np.float64), "event", "allocator events, in trace order", index
 
 
-def _buckets(x: np.ndarray, tl: Timeline, n: int) -> Buckets:
+def _starts(x: np.ndarray, n: int, by_time: bool) -> np.ndarray:
+    """First entry of each bucket: half of them evenly over the entries (busy stretches keep
+    their detail), half evenly over time (an idle stretch does not hide inside one bucket)."""
+    size = x.size
+    by_entry = np.linspace(0, size, min(n if not by_time else n // 2, size) + 1).astype(np.int64)[:-1]
+    if not by_time or x[-1] <= x[0]:
+        return np.unique(by_entry)
+    by_x = np.searchsorted(x, np.linspace(x[0], x[-1], n // 2, endpoint=False), side="left")
+    return np.unique(np.r_[by_entry, by_x[by_x < size]])
+
+
+def _buckets(x: np.ndarray, tl: Timeline, n: int, by_time: bool) -> Buckets:
     size = tl.requested_bytes.size
-    starts = np.unique(np.linspace(0, size, min(n, size) + 1).astype(np.int64)[:-1])
+    starts = _starts(x, n, by_time)
     ends = np.r_[starts[1:], size] - 1
     req = tl.requested_bytes
     high = np.maximum.reduceat(req, starts)
@@ -90,6 +103,8 @@ def _buckets(x: np.ndarray, tl: Timeline, n: int) -> Buckets:
         requested_low=np.minimum.reduceat(req, starts),
         requested_high=high,
         reserved_high=np.maximum.reduceat(tl.reserved_bytes, starts),
+        requested_end=req[ends],
+        reserved_end=tl.reserved_bytes[ends],
         sample=at_max[first],
     )
 
@@ -124,7 +139,7 @@ def _chosen(alive_at_peak: np.ndarray, size: np.ndarray, limit: int) -> np.ndarr
 def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit: int = MAX_ALLOCATIONS) -> Exploration:
     """The explorer's data for one device with a trace."""
     x, axis, x_label, index = _axis(frames, tl)
-    b = _buckets(x, tl, buckets)
+    b = _buckets(x, tl, buckets, axis == "time_s")
     lt = device_lifetimes(frames, tl.device)
     size = lt["size_bytes"].to_numpy(dtype=np.int64)
     start = np.searchsorted(index, lt["event_index"].to_numpy(dtype=np.int64))

@@ -83,6 +83,8 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
             "lo": b.requested_low.tolist(),
             "hi": b.requested_high.tolist(),
             "res": b.reserved_high.tolist(),
+            "end": b.requested_end.tolist(),
+            "resEnd": b.reserved_end.tolist(),
         },
         "cats": list(ex.categories),
         "catLv": _rows(ex.category_levels),

@@ -79,17 +79,23 @@
     this.build();
     this.draw();
   }
+  var MAX_LANES = 60;
   Explorer.prototype.pack = function () {
-    var a = this.dev.allocs, ends = [], lane = [], end = this.full[1];
-    var order = a.x0.map(function (_, i) { return i; }).sort(function (i, j) { return a.x0[i] - a.x0[j]; });
+    // largest first, each into the first lane where it overlaps nothing: the largest are always
+    // drawn; what finds no lane within MAX_LANES is left out of the picture (not of the tables)
+    var a = this.dev.allocs, end = this.full[1], lanes = [], lane = [];
+    var order = a.x0.map(function (_, i) { return i; }).sort(function (i, j) { return a.size[j] - a.size[i]; });
     order.forEach(function (i) {
-      var stop = a.x1[i] === null ? end : a.x1[i];
-      var k = 0;
-      while (k < ends.length && ends[k] > a.x0[i]) k++;
-      ends[k] = stop;
-      lane[i] = k;
+      var lo = a.x0[i], hi = a.x1[i] === null ? end : a.x1[i];
+      lane[i] = -1;
+      for (var k = 0; k < MAX_LANES; k++) {
+        if (!lanes[k]) lanes[k] = [];
+        var free = lanes[k].every(function (iv) { return hi <= iv[0] || lo >= iv[1]; });
+        if (free) { lanes[k].push([lo, hi]); lane[i] = k; return; }
+      }
     });
-    this.nLanes = Math.max(1, ends.length);
+    this.nLanes = Math.max(1, lanes.filter(function (l) { return l.length; }).length);
+    this.hidden = lane.filter(function (k) { return k < 0; }).length;
     return lane;
   };
   Explorer.prototype.build = function () {
@@ -113,7 +119,8 @@
       "Above: requested (blue band: lowest to highest in each bucket) and reserved (grey) bytes; " +
       "red dot: the peak; red dashes: OOMs; grey dots: iteration starts. Below: " + dev.allocs.x0.length.toLocaleString("en-US") +
       " allocations one by one (alive at the peak, then the largest; " +
-      dev.unlisted.toLocaleString("en-US") + " smaller ones are only in the levels), coloured by category."));
+      dev.unlisted.toLocaleString("en-US") + " smaller ones are only in the levels), coloured by category" +
+      (this.hidden ? "; " + this.hidden.toLocaleString("en-US") + " small ones find no row here but count in the tables." : ".")));
     this.root.appendChild(this.lanesCanvas);
     this.detail = el("div", "xp-detail");
     this.live = el("div", "xp-live");
@@ -202,20 +209,19 @@
     for (var i = i0; i <= i1; i++) top = Math.max(top, b.res[i], b.hi[i]);
     top *= 1.08;
     var sy = function (y) { return h - y / top * (h - 6); };
-    g.fillStyle = "#e3e8ef";
-    g.strokeStyle = "#9aa9bd";
+    var n = b.x0.length;
     for (i = i0; i <= i1; i++) {
-      var xa = sx(b.x0[i]), xb = Math.max(sx(b.x1[i]), xa + 1);
+      // the bucket's entries (lo..hi), then the level its last entry left until the next bucket
+      var xa = sx(b.x0[i]), xb = Math.max(sx(b.x1[i]), xa + 1), xn = i + 1 < n ? sx(b.x0[i + 1]) : xb;
+      g.fillStyle = "#d3dbe6";
       g.fillRect(xa, sy(b.res[i]), xb - xa, h - sy(b.res[i]));
-    }
-    g.fillStyle = "#3b6fb6";
-    for (i = i0; i <= i1; i++) {
-      xa = sx(b.x0[i]);
-      xb = Math.max(sx(b.x1[i]), xa + 1);
-      g.fillRect(xa, sy(b.hi[i]), xb - xa, Math.max(1, sy(b.lo[i]) - sy(b.hi[i])));
+      if (xn > xb) g.fillRect(xb, sy(b.resEnd[i]), xn - xb, h - sy(b.resEnd[i]));
       g.fillStyle = "rgba(59,111,182,0.35)";
       g.fillRect(xa, sy(b.lo[i]), xb - xa, h - sy(b.lo[i]));
+      if (xn > xb) g.fillRect(xb, sy(b.end[i]), xn - xb, h - sy(b.end[i]));
       g.fillStyle = "#3b6fb6";
+      g.fillRect(xa, sy(b.hi[i]), xb - xa, Math.max(1, sy(b.lo[i]) - sy(b.hi[i])));
+      if (xn > xb) g.fillRect(xb, sy(b.end[i]) - 1, xn - xb, 1.5);
     }
     g.setLineDash([2, 3]);
     g.strokeStyle = "#8c8c8c";
@@ -251,12 +257,12 @@
     this.drawLanes(sx);
   };
   Explorer.prototype.drawLanes = function (sx) {
-    var a = this.dev.allocs, self = this, laneH = Math.max(0.5, Math.min(8, 180 / this.nLanes));
+    var a = this.dev.allocs, self = this, laneH = Math.max(3, Math.min(8, 180 / this.nLanes));
     var cv = this.setup(this.lanesCanvas, Math.max(40, Math.ceil(laneH * this.nLanes) + 4)), g = cv.g;
     this.laneH = laneH;
     a.x0.forEach(function (x0, i) {
       var x1 = a.x1[i] === null ? self.full[1] : a.x1[i];
-      if (x1 < self.view[0] || x0 > self.view[1]) return;
+      if (self.lanes[i] < 0 || x1 < self.view[0] || x0 > self.view[1]) return;
       g.fillStyle = DATA.colors[self.dev.cats[a.cat[i]]] || "#bab0ac";
       var xa = sx(x0);
       g.fillRect(xa, 2 + self.lanes[i] * laneH, Math.max(sx(x1) - xa, 1.5), Math.max(laneH - 1, 0.5));
@@ -294,18 +300,24 @@
     this.detail.appendChild(box);
   };
   Explorer.prototype.hoverTimeline = function (ev) {
-    var x = this.xAt(ev, this.canvas), i = this.bucketAt(x), b = this.dev.b;
-    var lines = [fmtX(this.dev, x), "requested " + fmtBytes(b.lo[i]) +
-      (b.hi[i] !== b.lo[i] ? " to " + fmtBytes(b.hi[i]) : ""), "reserved up to " + fmtBytes(b.res[i]),
-      "click: what was live here"];
-    showTip(lines, ev);
+    var x = this.xAt(ev, this.canvas), i = this.bucketAt(x), b = this.dev.b, lines;
+    if (x > b.x1[i] && i + 1 < b.x0.length) {
+      lines = [fmtX(this.dev, x) + " (no allocator activity)", "requested " + fmtBytes(b.end[i]),
+        "reserved " + fmtBytes(b.resEnd[i])];
+    } else {
+      lines = [fmtX(this.dev, x), "requested " + fmtBytes(b.lo[i]) +
+        (b.hi[i] !== b.lo[i] ? " to " + fmtBytes(b.hi[i]) : ""), "reserved up to " + fmtBytes(b.res[i])];
+    }
+    showTip(lines.concat(["click: what was live here"]), ev);
   };
   Explorer.prototype.showLive = function (i) {
     var dev = this.dev, b = dev.b, total = b.hi[i];
     this.selected = i;
     this.draw();
     this.live.textContent = "";
-    this.live.appendChild(el("h4", null, "Live at " + fmtX(dev, b.x0[i]) + ": " + fmtBytes(total) + " requested"));
+    var when = b.x1[i] > b.x0[i] ? "the highest point between " + fmtX(dev, b.x0[i]) + " and " + fmtX(dev, b.x1[i])
+      : fmtX(dev, b.x0[i]);
+    this.live.appendChild(el("h4", null, "Live at " + when + ": " + fmtBytes(total) + " requested"));
     var cats = [], sum = 0;
     dev.cats.forEach(function (c, k) { var v = dev.catLv[k] ? dev.catLv[k][i] : 0; sum += v; if (v > 0) cats.push([c, v]); });
     if (total - sum > 0) cats.push(["allocated before the trace (unknown)", total - sum]);
