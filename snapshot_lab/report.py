@@ -549,6 +549,7 @@ def build_report_context(
         settings_rows=_settings_rows(frames),
         version=__version__,
         first=first,
+        fit_answer=fit_answer,
         source=_source_file(frames),
         explorer_json=payload.to_json(),
     )

@@ -18,7 +18,7 @@ from ..metrics.findings import Finding
 from ..metrics.oom import OomAnalysis
 from ..metrics.sites import Site
 from ..units import format_bytes, format_percent
-from .answer import FirstScreen, SourceFile
+from .answer import FirstScreen, FitSummary, SourceFile
 from .evidence import evidence_rows
 from .explorer import content_security_policy, explorer_script
 
@@ -88,6 +88,7 @@ class ReportContext:
     settings_rows: list[tuple[str, str]]
     version: str
     first: FirstScreen | None = None  # the answer at the top (render/answer.py)
+    fit_answer: FitSummary | None = None  # what `snaplab fit` concluded; leads "What to change" when set
     source: SourceFile | None = None
     explorer_json: str = ""  # escaped JSON (render/explorer.py); empty: no explorer
     css: str = ""
