@@ -621,9 +621,13 @@ def _first_screen(
     comp = main.composition
     assert comp is not None
     where = "at the peak" if comp.moment == "peak" else "at the dump"
-    reserved = sum(d.torch_stats["reserved_bytes.all.current"] for d in stats.devices.values())
-    peak = f"{format_bytes(comp.total_bytes)} in use {where}; {format_bytes(reserved)} reserved at the dump."
-    status, said, cause = verdict(ooms, findings, peak)
+    frag = stats.devices[main.device].fragmentation["all"]
+    peak = (
+        f"{format_bytes(comp.total_bytes)} in use {where}; {format_bytes(frag.reserved_bytes)} reserved at the "
+        f"dump, {format_percent(frag.stranded_share)} of it stranded in holes beside live tensors "
+        f"({format_bytes(frag.stranded_bytes)})."
+    )
+    status, said, cause = verdict(ooms, findings, peak, comp.moment == "peak")
     plans = [t for s in sections for t in s.would_it_fit]
     dev = f" on device {main.device}" if len(sections) > 1 else ""
     return FirstScreen(

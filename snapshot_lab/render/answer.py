@@ -100,8 +100,11 @@ def oom_cause(o: OomAnalysis) -> str:
     )
 
 
-def verdict(ooms: dict[int, OomAnalysis], findings: list[Finding], peak: str) -> tuple[str, str, str]:
-    """(status, verdict, cause) from the OOMs (by device) and the findings."""
+def verdict(
+    ooms: dict[int, OomAnalysis], findings: list[Finding], peak: str, with_history: bool = True
+) -> tuple[str, str, str]:
+    """(status, verdict, cause) from the OOMs (by device) and the findings; ``peak``: the numbers
+    a healthy run is summed up by; ``with_history``: whether the trace let leaks be checked."""
     if ooms:
         dev, o = next(iter(ooms.items()))
         where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
@@ -114,7 +117,13 @@ def verdict(ooms: dict[int, OomAnalysis], findings: list[Finding], peak: str) ->
     worst = ranked[0] if ranked else None
     if worst is not None and worst.severity in ("critical", "warning"):
         return worst.severity, f"No out-of-memory error, but: {worst.title}.", worst.advice.split(". ")[0] + "."
-    return "ok", "Nothing wrong: no out-of-memory error, no leak, no notable fragmentation.", peak
+    if not with_history:
+        return (
+            "ok",
+            "Nothing wrong at the dump: no out-of-memory error, no warning (no history, so no leak check).",
+            peak,
+        )
+    return "ok", "Nothing wrong: no out-of-memory error and no warning among the findings.", peak
 
 
 def _sentences(text: str, limit: int = 2) -> str:
