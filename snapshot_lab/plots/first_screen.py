@@ -98,9 +98,9 @@ def plot_first_screen(
     if not levers:
         right.text("Nothing to change: no finding calls for it.", 9.5, color="#59636e")
     for i, (title, detail) in enumerate(levers[:MAX_LEVERS], start=1):
-        for j, line in enumerate(_wrap(title, 66, 3)):
+        for j, line in enumerate(_wrap(title, 62, 3)):
             right.text((f"{i}. " if j == 0 else "    ") + line, 9.5, weight="bold", gap=0.95)
-        for line in _wrap(detail, 84, 2):
+        for line in _wrap(detail, 74, 2):
             right.text("    " + line, 8.5, color="#59636e", gap=0.9)
         right.y -= LINE * 0.4
     fig.text(
