@@ -113,14 +113,15 @@ def _findings_and_summary(snapshot: str) -> tuple[list[Finding], SnapshotSummary
     return dg.findings, summarize(frames, stats_, dg, with_sites=False)
 
 
-def default_report_path(snapshot: str | Path) -> Path:
-    """``reports/<snapshot name without .pickle/.json and compression suffixes>.html``."""
+def default_report_path(snapshot: str | Path, format: str = "html") -> Path:
+    """``reports/<snapshot name without .pickle/.json and compression suffixes>.html`` (``.md``,
+    ``.png`` for those formats)."""
     name = Path(snapshot).name
     for suffix in (".gz", ".xz", ".zst", ".zstd", ".bz2"):
         name = name.removesuffix(suffix)
     for suffix in (".pickle", ".pkl", ".json"):
         name = name.removesuffix(suffix)
-    return Path("reports") / f"{name or 'snapshot'}.html"
+    return Path("reports") / f"{name or 'snapshot'}.{format}"
 
 
 def report(
@@ -128,32 +129,40 @@ def report(
     *,
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
+    format: str = "html",
 ) -> Path:
-    """Write the self-contained HTML report of a snapshot; returns the path written.
+    """Write the report of a snapshot; returns the path written. ``format``: ``"html"`` (one
+    self-contained page), ``"md"`` (GitHub-flavoured Markdown for a ticket, under 65,536
+    characters) or ``"png"`` (the first screen as an image).
 
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
     """
-    from .report import build_report  # matplotlib and jinja2 load only when a report is made
+    from .report import REPORT_FORMATS, build_report  # matplotlib and jinja2 load only when a report is made
 
-    out = Path(output) if output is not None else default_report_path(snapshot)
+    if format not in REPORT_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
+    out = Path(output) if output is not None else default_report_path(snapshot, format)
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
-    html = build_report(frames, compute_stats(frames), progress)
-    write_atomic(out, html)
+    write_atomic(out, build_report(frames, compute_stats(frames), progress, format=format))
     return notebook.ReportFile(out)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to ``path`` via a temporary file in the same folder."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise OutputError(path, exc.strerror or str(exc)) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        if isinstance(text, bytes):
+            with os.fdopen(fd, "wb") as fb:
+                fb.write(text)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a report is for sharing

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -366,21 +367,34 @@ def whatif(
     _run(work, debug)
 
 
+class ReportFormat(str, Enum):
+    html = "html"
+    md = "md"
+    png = "png"
+
+
 @app.command()
 def report(
     snapshot: SnapshotArg,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="HTML file to write [default: reports/<snapshot name>.html]."),
+        typer.Option("--output", "-o", help="File to write [default: reports/<snapshot name>.<format>]."),
     ] = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
+    format: Annotated[
+        ReportFormat,
+        typer.Option(
+            "--format", help="html: one self-contained page; md: Markdown for a ticket; png: the first screen."
+        ),
+    ] = ReportFormat.html,
 ) -> None:
-    """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings)."""
+    """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings),
+    or with --format md|png the answer for a ticket."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            path = api.report(snapshot, output=output, progress=progress)
+            path = api.report(snapshot, output=output, progress=progress, format=format.value)
         typer.echo(str(path))
 
     _run(work, debug)

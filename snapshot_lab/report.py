@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,9 @@ from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
 from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
+from .metrics.composition import compose
 from .metrics.diagnose import diagnose
+from .metrics.explore import explore
 from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
@@ -23,13 +27,18 @@ from .metrics.timeline import Timeline
 from .metrics.whatif import WhatIf
 from .module_tags import parent_fqn
 from .plots.categories import plot_category_timeline
-from .plots.common import figure_png_data_uri, figure_svg
+from .plots.common import figure_png_bytes, figure_png_data_uri, figure_svg
 from .plots.compare import plot_device_comparison
+from .plots.composition import plot_composition
+from .plots.first_screen import plot_first_screen
 from .plots.histogram import plot_free_histogram
 from .plots.layout import plot_block_layout
 from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
+from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
+from .render.explorer import Payload, layout_data, timeline_data
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
+from .render.markdown import render_markdown
 from .render.text import whatif_view
 from .units import format_bytes, format_percent
 
@@ -59,7 +68,23 @@ def _counter_rows(ts: dict[str, int]) -> list[Row]:
 def _fragmentation_rows(d: DeviceStats) -> list[Row]:
     fr = d.fragmentation
     spec: list[tuple[str, Any, str]] = [
-        ("free in reserved", lambda f: format_bytes(f.free_bytes), "cached free blocks, ready for reuse"),
+        (
+            "fragmentation (stranded share)",
+            lambda f: format_percent(f.stranded_share),
+            "stranded bytes / reserved bytes: the part of reserved memory lost to holes",
+        ),
+        (
+            "stranded",
+            lambda f: format_bytes(f.stranded_bytes),
+            "free holes inside segments that still hold live tensors: only a request that fits a hole can "
+            "use them, and empty_cache() cannot return them",
+        ),
+        (
+            "cached, releasable",
+            lambda f: format_bytes(f.cached_releasable_bytes),
+            "whole free segments (or pages): reusable by any request; empty_cache() gives them back to CUDA",
+        ),
+        ("free in reserved", lambda f: format_bytes(f.free_bytes), "all cached free blocks: stranded + releasable"),
         ("free blocks", lambda f: f"{f.free_blocks:,}", ""),
         (
             "largest free block",
@@ -76,23 +101,24 @@ def _fragmentation_rows(d: DeviceStats) -> list[Row]:
             lambda f: format_bytes(f.internal_waste_bytes),
             "rounding: block size − requested size of allocated blocks",
         ),
-        (
-            "stranded",
-            lambda f: format_bytes(f.stranded_bytes),
-            "free bytes in segments that also hold live tensors: empty_cache() cannot return them",
-        ),
-        ("releasable", lambda f: format_bytes(f.releasable_bytes), "what empty_cache() would give back to CUDA"),
     ]
     return [Row(name, [fn(fr[p]) for p in POOLS], help_text) for name, fn, help_text in spec]
 
 
 def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
     ts = d.torch_stats
-    free = d.fragmentation["all"].free_bytes
+    frag = d.fragmentation["all"]
+    free = frag.free_bytes
     cards = [
         Card("reserved", format_bytes(ts["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"),
         Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in use by tensors at the dump"),
         Card("free in reserved", format_bytes(free), "cached, reusable by PyTorch, not by other processes"),
+        Card(
+            "fragmentation",
+            format_percent(frag.stranded_share),
+            f"of reserved memory stranded in holes beside live tensors ({format_bytes(frag.stranded_bytes)}); "
+            f"{format_bytes(frag.cached_releasable_bytes)} more is cached and releasable",
+        ),
     ]
     if tl is not None:
         cards.append(
@@ -173,8 +199,8 @@ def _device_section(
     layouts = select_layout(shown_seg, shown_blk)
     hidden = sum(p.hidden_segments for p in layouts)
     layout_note = (
-        "Each bar is one segment (a cudaMalloc'd or mapped range), scaled to its own size, largest first; "
-        "blocks are coloured by state."
+        "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
+        "largest segment spans the width); blocks are coloured by state."
         + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None
@@ -194,6 +220,7 @@ def _device_section(
         leaks=_leak_view(frames, la),
         whatif=_whatif_view(wi),
     )
+    section.layout_data = layout_data(layouts)
     if stats.parallel and stats.parallel.get("strategies"):
         section.parallel = str(stats.parallel["description"])
     if at_oom and moment is not None and d.oom is not None:
@@ -207,6 +234,8 @@ def _device_section(
         )
         section.oom_sites = _site_views(frames, live_sites(moment.blocks, sites, MAX_SITES))
     if tl is None:
+        dump_sites = live_sites(blk, sites, MAX_SITES, categorize(frames).block_category[blk.index])
+        section.composition = compose("dump", pd.Series(cats.live_bytes), dump_sites)
         rec = stats.recording
         section.timeline_missing = (
             "No timeline: this snapshot was recorded with enabled='state' (no event history)."
@@ -215,6 +244,7 @@ def _device_section(
         )
         return section
     section.timeline_png = figure_png_data_uri(plot_timeline(tl))
+    section.exploration = explore(frames, tl)
     if cats.timeline is not None and len(cats.timeline) == tl.n_events:
         section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
     notes = [
@@ -233,8 +263,10 @@ def _device_section(
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
     fwd = allocation_forward_ids(frames, dev, alive["event_index"].to_numpy(dtype=np.int64))
-    section.peak_sites = _site_views(
-        frames, top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
+    peak_sites = top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
+    section.peak_sites = _site_views(frames, peak_sites)
+    section.composition = compose(
+        "peak", alive["size_bytes"].groupby(alive_cats).sum(), peak_sites, d.modules, tl.peak_index
     )
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "
@@ -315,7 +347,11 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
             f"{format_bytes(f['file_size_bytes'])}" + (f", {f['compression']}-compressed" if f["compression"] else ""),
         ),
         ("encoding", f"{f['encoding']}" + (f", protocol {f['pickle_protocol']}" if f["pickle_protocol"] else "")),
-        ("format", ", ".join(f["format_hints"]) or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "—")),
+        (
+            "format",
+            ", ".join(f["format_hints"])
+            or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "not recognised"),
+        ),
         ("devices", ", ".join(str(d) for d in f["devices"]) or "none"),
         ("segments / blocks", f"{f['segments']:,} / {f['blocks']:,}"),
         ("trace entries", f"{f['trace_entries']:,}"),
@@ -428,8 +464,58 @@ def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
     return text
 
 
-def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: ProgressSink | None = None) -> str:
-    """The whole report for one snapshot, as an HTML string."""
+REPORT_FORMATS = ("html", "md", "png")
+
+
+def build_report(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    progress: ProgressSink | None = None,
+    fit_answer: FitSummary | None = None,
+    format: str = "html",
+) -> str | bytes:
+    """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
+    Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
+    ``fit_answer`` (what ``snaplab fit`` concluded) leads the levers when given."""
+    if format not in REPORT_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
+    ctx = build_report_context(frames, stats, progress, fit_answer)
+    if format == "md":
+        return render_markdown(ctx)
+    if format == "png":
+        return _first_screen_png(ctx)
+    return render_report(ctx)
+
+
+def _first_screen_png(ctx: ReportContext) -> bytes:
+    first, source = ctx.first, ctx.source
+    provenance = f"snaplab {ctx.version} · {ctx.file_name}"
+    if source is not None and source.size_bytes:
+        provenance += f", {format_bytes(source.size_bytes)}, sha256 {source.sha256_prefix}…"
+    if first is None:
+        return figure_png_bytes(plot_first_screen(provenance, "ok", ctx.headline, "", [], [], None))
+    comp = next((d.composition for d in ctx.devices if d.composition is not None), None)
+    levers = [(lv.title + (f" (at stake: {lv.stake})" if lv.stake else ""), lv.detail) for lv in first.levers]
+    fig = plot_first_screen(
+        provenance,
+        first.status,
+        first.verdict,
+        first.cause,
+        [(f"{k}", v) for k, v in first.made_of] + [("", line) for line in first.others],
+        levers,
+        comp,
+        first.made_of_title,
+    )
+    return figure_png_bytes(fig)
+
+
+def build_report_context(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    progress: ProgressSink | None = None,
+    fit_answer: FitSummary | None = None,
+) -> ReportContext:
+    """Everything every format of the report shows, computed once."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
     dg = diagnose(frames, stats)
@@ -450,6 +536,8 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
             )
         )
     _would_it_fit(frames, stats, sections)
+    first = _first_screen(stats, findings, sections, fit_answer)
+    payload = _payload(frames, sections)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
@@ -460,6 +548,10 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
         meta_rows=_meta_rows(frames, stats),
         settings_rows=_settings_rows(frames),
         version=__version__,
+        first=first,
+        fit_answer=fit_answer,
+        source=_source_file(frames),
+        explorer_json=payload.to_json(),
     )
     if len(sections) > 1:
         rows = []
@@ -471,13 +563,88 @@ def build_report(frames: SnapshotFrames, stats: SnapshotStats, progress: Progres
                     "reserved": d.torch_stats["reserved_bytes.all.current"],
                     "allocated": d.torch_stats["allocated_bytes.all.current"],
                     "free": d.fragmentation["all"].free_bytes,
-                    "frag": d.fragmentation["all"].external_fragmentation,
+                    "frag": d.fragmentation["all"].stranded_share,
                     "peak": tl.peak_requested_bytes if tl else None,
                 }
             )
         ctx.compare_rows = rows
         ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
-    return render_report(ctx)
+    return ctx
+
+
+def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
+    """The explorer's data for every device, with the stacks it refers to (display frames only)."""
+    payload = Payload()
+    for section in sections:
+        data: dict[str, Any] = {"device": section.device, "segments": section.layout_data}
+        data["layoutNote"] = (
+            "Each bar is one segment, all to one scale (the widest is the largest); click one for its blocks "
+            "and the stacks that allocated them."
+        )
+        stack_ids = [b[3] for seg in section.layout_data for b in seg["blocks"]]
+        if section.exploration is not None:
+            data.update(timeline_data(section.exploration))
+            stack_ids += section.exploration.allocations["stack_id"].tolist()
+        for sid in sorted(set(stack_ids)):
+            if sid >= 0:
+                payload.add_stack(sid, display_stack(frames.stack(sid)))
+        payload.devices.append(data)
+    return payload
+
+
+def _source_file(frames: SnapshotFrames) -> SourceFile:
+    """Which file the report came from: name, size and the start of its sha256."""
+    path = Path(str(frames.info.source.path))
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        size, prefix = path.stat().st_size, digest.hexdigest()[:12]
+    except OSError:
+        size, prefix = 0, ""
+    return SourceFile(path.name, size, prefix, __version__)
+
+
+def _first_screen(
+    stats: SnapshotStats, findings: list[Any], sections: list[DeviceSection], fit: FitSummary | None
+) -> FirstScreen | None:
+    """The answer at the top: the device that failed (else the one with the largest peak) in full,
+    one line for each other device."""
+    with_comp = [s for s in sections if s.composition is not None]
+    if not with_comp:
+        return None
+    ooms = {dev: d.oom for dev, d in stats.devices.items() if d.oom is not None}
+    main = next((s for s in with_comp if s.device in ooms), None) or max(
+        with_comp, key=lambda s: s.composition.total_bytes if s.composition else 0
+    )
+    comp = main.composition
+    assert comp is not None
+    where = "at the peak" if comp.moment == "peak" else "at the dump"
+    frag = stats.devices[main.device].fragmentation["all"]
+    peak = (
+        f"{format_bytes(comp.total_bytes)} in use {where}; {format_bytes(frag.reserved_bytes)} reserved at the "
+        f"dump, {format_percent(frag.stranded_share)} of it stranded in holes beside live tensors "
+        f"({format_bytes(frag.stranded_bytes)})."
+    )
+    status, said, cause = verdict(ooms, findings, peak, comp.moment == "peak")
+    plans = [t for s in sections for t in s.would_it_fit]
+    dev = f" on device {main.device}" if len(sections) > 1 else ""
+    return FirstScreen(
+        status=status,
+        verdict=said,
+        cause=cause,
+        made_of=made_of(comp),
+        made_of_title=f"{format_bytes(comp.total_bytes)} in use {where}{dev}",
+        levers=levers(findings, plans, fit),
+        chart_svg=figure_svg(plot_composition(comp)),
+        others=[
+            f"Device {s.device}: {format_bytes(s.composition.total_bytes)} {where}; " + made_of(s.composition)[0][1]
+            for s in with_comp
+            if s is not main and s.composition is not None
+        ],
+        fit_answer=fit,
+    )
 
 
 def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[DeviceSection]) -> None:
@@ -495,4 +662,4 @@ def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[D
             section.would_it_fit = []
 
 
-__all__ = ["build_report"]
+__all__ = ["REPORT_FORMATS", "build_report", "build_report_context"]

@@ -79,8 +79,10 @@ def test_self_contained(reports, name):
     html = reports[name]
     assert len(html.encode()) < SIZE_BUDGET
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
-    assert "<script" not in html and "@import" not in html and "url(http" not in html
-    assert "<link" not in html
+    assert "@import" not in html and "url(http" not in html and "<link" not in html
+    # two scripts: the explorer's data (not executed) and the explorer itself, allowed by its hash
+    assert re.findall(r"<script[^>]*>", html) == ['<script type="application/json" id="snaplab-data">', "<script>"]
+    assert "default-src &#39;none&#39;" in html or "default-src 'none'" in html
 
 
 def test_multi_device_report(reports):
@@ -96,7 +98,7 @@ def test_state_only_report_explains_missing_timeline(reports):
 def test_hostile_strings_are_escaped(tmp_path):
     p = write_pickle(tmp_path / "hostile.pickle", _hostile_snapshot())
     html = api.report(p, output=tmp_path / "h.html").read_text()
-    assert "<script" not in html
+    assert "<script>alert" not in html
     assert "<img src=x" not in html
     assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in html  # visible, inert
     assert "{{7*7}}" in html or "{{ 7*7 }}" in html  # not evaluated as a template
@@ -187,3 +189,79 @@ def test_thousands_of_segments_stay_readable(tmp_path):
     ).read_text()
     assert len(html.encode()) < SIZE_BUDGET
     assert "2960 smaller segments are summarised in the panel titles" in html
+
+
+def _answer(html: str) -> str:
+    start = html.index('<section id="answer"')
+    return html[start : html.index("</section>", start)]
+
+
+def test_first_screen_answers_an_oom(reports):
+    import hashlib
+
+    html = reports["oom_fragmentation"]
+    assert html.index('id="answer"') < html.index('id="findings"')
+    a = _answer(html)
+    assert 'class="answer critical"' in a
+    assert "Out of memory: a request of 15.00 MiB could not be served." in a
+    assert "Fragmentation: 1.03 GiB was free in reserved memory, but the largest free hole was 14.00 MiB" in a
+    assert "main/sample_snapshots/workloads.py:207 in _frag_setup: 1.32 GiB (100.0%) in 225 blocks" in a
+    assert a.index("Out of memory caused by fragmentation") < a.index("expandable_segments:True would have served")
+    assert "at stake: 1.03 GiB" in a
+    digest = hashlib.sha256(sample_path("oom_fragmentation").read_bytes()).hexdigest()[:12]
+    assert f'sha256 <span class="mono">{digest}' in html and "snaplab 0." in html
+
+
+def test_first_screen_of_a_healthy_run(reports):
+    a = _answer(reports["transformer_varlen"])
+    assert 'class="answer ok"' in a and "Nothing wrong" in a
+    assert "activation 2.00 GiB (89.9%), optimizer_state 132.21 MiB (5.8%)" in a
+    assert "by module (approximate" in a
+    assert "would lower the peak reserved memory to 2.25 GiB instead of 2.62 GiB" in a
+
+
+def test_first_screen_of_several_devices_and_no_trace(reports):
+    a = _answer(reports["dataparallel"])
+    assert "on device 0" in a and "Device 1:" in a
+    state_only = _answer(reports["state_only"])
+    assert "Nothing wrong at the dump" in state_only and "no leak check" in state_only
+    assert "110.09 MiB in use at the dump; 298.00 MiB reserved at the dump, 6.7% of it stranded" in state_only
+
+
+def test_fit_answer_leads_the_levers():
+    from snapshot_lab.api import compute_stats, load_frames
+    from snapshot_lab.render.answer import FitSummary
+    from snapshot_lab.report import build_report
+
+    frames = load_frames(sample_path("oom_fragmentation"))
+    fit = FitSummary("Fits on one GPU with expandable segments", ("Set expandable_segments:True.",), 1 << 30)
+    a = _answer(build_report(frames, compute_stats(frames), fit_answer=fit))
+    assert a.index("Fits on one GPU with expandable segments") < a.index("Out of memory caused by fragmentation")
+
+
+def test_evidence_reads_as_words_with_units(reports):
+    from snapshot_lab.render.evidence import evidence_label, evidence_rows, evidence_value
+
+    rows = evidence_rows(
+        {"requested_bytes": 15 << 20, "settings_that_serve_the_request": ["a:1", "b:2"], "memory_limit_bytes": None},
+        1 << 30,
+    )
+    assert [(label, value) for label, value, _ in rows] == [
+        ("request that failed", "15.00 MiB"),
+        ("settings that serve the request", "a:1; b:2"),
+        ("memory limit", "not recorded"),
+        ("at stake", "1.00 GiB (memory this advice would free or make usable)"),
+    ]
+    assert evidence_label("allocated_bytes_device_1") == "allocated on device 1"
+    assert evidence_value(0.25, "external_fragmentation") == "25.0%"
+    assert evidence_value(True, "snapshot_at_oom") == "yes"
+    html = reports["oom_fragmentation"]
+    table = html[html.index('<table class="evidence">') :]
+    table = table[: table.index("</table>")]
+    assert "<td>15.00 MiB</td>" in table and "<td>75.75 GiB</td>" in table
+    assert (
+        "requested_bytes</td>" not in table
+        and "[" not in table
+        and "—" not in table
+        and "_" not in table.split("title=")[0]
+    )

@@ -12,6 +12,19 @@ Definitions (per pool: all, large_pool, small_pool):
   cannot give them back to CUDA (only whole free segments are released).
 - ``releasable_bytes``: bytes ``empty_cache()`` would return — whole free segments, and for
   expandable segments the whole pages (2 MiB small / 20 MiB large) inside free blocks.
+
+Free memory splits in two parts that mean different things:
+
+- *stranded* (``stranded_bytes``): holes inside segments that still hold live blocks. Only a
+  request that fits a hole can use them, and nothing can give them back while the segment's
+  live blocks stay: this is what fragmentation costs. ``stranded_share`` is their share of
+  reserved memory, the number the report and ``stats`` call "fragmentation".
+- *cached-releasable* (``cached_releasable_bytes``, the same bytes as ``releasable_bytes``):
+  whole free segments (and whole free pages of expandable segments). Any request can reuse
+  them, and ``empty_cache()`` returns them to CUDA: a cache, not a loss.
+
+What is left (``free_bytes - stranded_bytes - cached_releasable_bytes``) is the part of free
+blocks in expandable segments that does not fill a whole page.
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ class PoolFragmentation:
     stranded_bytes: int
     releasable_bytes: int
     free_block_histogram: tuple[HistogramBin, ...]
+    cached_releasable_bytes: int = 0  # whole free segments / pages: reusable by anything, empty_cache() frees them
+    stranded_share: float = 0.0  # stranded_bytes / reserved_bytes: "fragmentation"
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -92,16 +107,20 @@ def pool_fragmentation(segments: pd.DataFrame, blocks: pd.DataFrame) -> PoolFrag
     live_seg = segments.loc[segments["active_bytes"] > 0, "segment_id"]
     stranded = int(free.loc[free["segment_id"].isin(live_seg) & ~free["is_expandable"], "size_bytes"].sum())
     waste = int((allocated["size_bytes"] - allocated["requested_size_bytes"]).sum())
+    reserved = int(segments["total_size_bytes"].sum())
+    releasable = _releasable(free, segments)
     return PoolFragmentation(
-        reserved_bytes=int(segments["total_size_bytes"].sum()),
+        reserved_bytes=reserved,
         free_bytes=free_bytes,
         free_blocks=int(free_sizes.size),
         largest_free_block_bytes=largest,
         external_fragmentation=round(1.0 - largest / free_bytes, 6) if free_bytes else 0.0,
         internal_waste_bytes=waste,
         stranded_bytes=stranded,
-        releasable_bytes=_releasable(free, segments),
+        releasable_bytes=releasable,
         free_block_histogram=free_block_histogram(free_sizes),
+        cached_releasable_bytes=releasable,
+        stranded_share=round(stranded / reserved, 6) if reserved else 0.0,
     )
 
 

@@ -107,7 +107,12 @@ def figure_svg(fig: Figure) -> str:
 
 
 @styled
-def figure_png_data_uri(fig: Figure, dpi: int = 110) -> str:
+def figure_png_bytes(fig: Figure, dpi: int = 110) -> bytes:
+    """PNG bytes (no software tag, so the same figure gives the same bytes)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
+
+
+def figure_png_data_uri(fig: Figure, dpi: int = 110) -> str:
+    return "data:image/png;base64," + base64.b64encode(figure_png_bytes(fig, dpi)).decode("ascii")

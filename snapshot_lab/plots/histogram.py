@@ -40,7 +40,8 @@ def plot_free_histogram(pools: dict[str, PoolFragmentation], oom_request_bytes: 
         xs = np.arange(len(exps))
         heights = [by_exp[e].bytes if e in by_exp else 0 for e in exps]
         counts = [by_exp[e].count if e in by_exp else 0 for e in exps]
-        bars = ax.bar(xs, heights, width=0.9, color=COLORS["inactive"], edgecolor="#8c8c8c", lw=0.6)
+        # bin i spans [i, i + 1) on the axis: its tick, at the left edge, is the bin's start
+        bars = ax.bar(xs, heights, width=0.92, align="edge", color=COLORS["inactive"], edgecolor="#8c8c8c", lw=0.6)
         for bar, count in zip(bars, counts, strict=True):
             if count:
                 ax.annotate(
@@ -54,8 +55,9 @@ def plot_free_histogram(pools: dict[str, PoolFragmentation], oom_request_bytes: 
                 )
         ax.set_xticks(xs, [format_bytes(1 << e, 0).replace(".0 ", " ") for e in exps], rotation=45, ha="right")
         bytes_axis(ax.yaxis)
-        ax.set_ylim(0, max(heights) * 1.25 if max(heights) else 1)
-        ax.set_xlim(-0.6, len(exps) - 0.4)
+        # headroom: the block counts stay below the OOM annotation at the top
+        ax.set_ylim(0, max(heights) * 1.7 if max(heights) else 1)
+        ax.set_xlim(-0.1, len(exps) + 0.02)
         ax.set_xlabel("free block size (power-of-two bins; tick = bin start)")
         ax.set_ylabel("free bytes in bin")
         ax.set_title(
@@ -64,8 +66,8 @@ def plot_free_histogram(pools: dict[str, PoolFragmentation], oom_request_bytes: 
             loc="left",
         )
         if oom_request_bytes is not None and is_oom_pool:
-            pos = float(np.log2(oom_request_bytes)) - lo_exp - 0.5
-            ax.axvspan(-0.6, pos, color=COLORS["oom"], alpha=0.06, lw=0)
+            pos = float(np.log2(oom_request_bytes)) - lo_exp  # on the same log2 scale as the bin edges
+            ax.axvspan(-0.1, pos, color=COLORS["oom"], alpha=0.06, lw=0)
             ax.axvline(pos, color=COLORS["oom"], lw=1.5)
             ax.annotate(
                 f"OOM request {format_bytes(oom_request_bytes)}:\nblocks left of this line are too small",

@@ -28,20 +28,27 @@ def _rects(x0: np.ndarray, w: np.ndarray, y: np.ndarray, h: float) -> np.ndarray
 
 @styled
 def plot_block_layout(pools: list[PoolLayout]) -> Figure:
-    """One panel per pool; each row is one segment (largest first), scaled to its own size so
-    that holes are visible in small and large segments alike."""
+    """One panel per pool; each row is one segment (largest first), all drawn to one scale (the
+    largest segment of the figure spans the axis), so sizes compare across rows and panels."""
     rows = [len(p.segments) for p in pools] or [1]
     height = sum(max(r, 3) * _ROW_INCHES + 0.9 for r in rows) + 0.4
     fig = new_figure(10.5, height)
+    scale = float(max((p.segments["total_size_bytes"].max() for p in pools), default=1) or 1)
     axes = fig.subplots(len(pools) or 1, 1, squeeze=False, height_ratios=[max(r, 3) + 4 for r in rows])[:, 0]
     for ax, pool in zip(axes, pools, strict=False):
         segs = pool.segments.reset_index(drop=True)
         ypos = {sid: i for i, sid in enumerate(segs["segment_id"])}
         blk = pool.blocks
-        seg_size = segs.set_index("segment_id")["total_size_bytes"]
-        total = blk["segment_id"].map(seg_size).to_numpy(dtype=np.float64)
-        x0 = blk["offset_bytes"].to_numpy() / total
-        w = blk["size_bytes"].to_numpy() / total
+        x0 = blk["offset_bytes"].to_numpy() / scale
+        w = blk["size_bytes"].to_numpy() / scale
+        ax.barh(
+            range(len(segs)),
+            segs["total_size_bytes"].to_numpy() / scale,
+            height=0.72,
+            color="none",
+            edgecolor="#8c8c8c",
+            lw=0.5,
+        )
         y = blk["segment_id"].map(ypos).to_numpy(dtype=np.float64)
         for state in ("inactive", "active_allocated", "active_pending_free"):
             m = (blk["state"] == state).to_numpy()
@@ -70,7 +77,9 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
             tick.set_color(color)
         ax.set_ylim(len(segs) - 0.5, -0.5)
         ax.set_xlim(0, 1)
-        ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["start", "25%", "50%", "75%", "end"])
+        ticks = [0, 0.25, 0.5, 0.75, 1]
+        ax.set_xticks(ticks, [format_bytes(t * scale, 1) for t in ticks])
+        ax.set_xlabel("offset in the segment (one scale for every segment)")
         ax.tick_params(axis="y", length=0)
         ax.spines["left"].set_visible(False)
         title = f"{pool.pool} pool: {len(segs)} largest segments"
@@ -80,12 +89,28 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
                 f"{format_bytes(pool.hidden_allocated_bytes)} allocated, {format_bytes(pool.hidden_free_bytes)} free)"
             )
         ax.set_title(title, loc="left")
-    handles = [
-        Patch(facecolor=COLORS["active_allocated"], label="allocated"),
-        Patch(facecolor=COLORS["active_pending_free"], label="freed, awaiting other stream"),
-        Patch(facecolor=COLORS["inactive"], edgecolor="#bdbdbd", label="free (cached)"),
-        Patch(facecolor=COLORS["private"], label="label colour: CUDA graph / private pool"),
-        Patch(facecolor=COLORS["expandable"], label="label colour: expandable segment"),
-    ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=5)
+    fig.legend(handles=_legend(pools), loc="outside lower center", ncols=5)
     return fig
+
+
+def _legend(pools: list[PoolLayout]) -> list[Patch]:
+    """Only what the figure shows: the block states that occur, the label colours in use."""
+    states = set().union(*(set(p.blocks["state"].astype(str)) for p in pools)) if pools else set()
+    segs = [p.segments for p in pools]
+    entries = [
+        ("active_allocated" in states, Patch(facecolor=COLORS["active_allocated"], label="allocated")),
+        (
+            "active_pending_free" in states,
+            Patch(facecolor=COLORS["active_pending_free"], label="freed, awaiting other stream"),
+        ),
+        ("inactive" in states, Patch(facecolor=COLORS["inactive"], edgecolor="#bdbdbd", label="free (cached)")),
+        (
+            any(s["is_private_pool"].any() for s in segs),
+            Patch(facecolor=COLORS["private"], label="label colour: CUDA graph / private pool"),
+        ),
+        (
+            any(s["is_expandable"].any() for s in segs),
+            Patch(facecolor=COLORS["expandable"], label="label colour: expandable segment"),
+        ),
+    ]
+    return [patch for shown, patch in entries if shown]

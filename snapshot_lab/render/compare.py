@@ -55,12 +55,58 @@ def _diff_headline(d: SnapshotDiff) -> str:
     return text + "."
 
 
+SAME_WITHIN = 0.02  # a change of the peak smaller than this share reads as "no change"
+
+
+def diff_verdict(d: SnapshotDiff) -> str:
+    """One line: did the second run need more memory, less, or about the same, and why."""
+    a, b = d.before, d.after
+    if b.oom_cause and not a.oom_cause:
+        return f"The second run ran out of memory ({b.oom_cause}); the first did not."
+    if a.oom_cause and not b.oom_cause:
+        return f"The second run no longer runs out of memory (the first did: {a.oom_cause})."
+    before = a.peak_requested_bytes if a.peak_requested_bytes is not None else a.allocated
+    after = b.peak_requested_bytes if b.peak_requested_bytes is not None else b.allocated
+    what = "peak in use" if a.peak_requested_bytes is not None and b.peak_requested_bytes is not None else "allocated"
+    if not before or abs(after - before) < SAME_WITHIN * before:
+        return f"About the same: {what} {format_bytes(before)} → {format_bytes(after)}."
+    more = after > before
+    text = (
+        f"The second run needs {'more' if more else 'less'} memory: {what} {format_bytes(before)} → "
+        f"{format_bytes(after)} ({'+' if more else ''}{format_percent((after - before) / before)})"
+    )
+    moved = [c for c in d.sites if (c.delta_bytes > 0) == more and c.delta_bytes]
+    if moved:
+        sign = "+" if more else ""
+        text += f", most at {moved[0].site} ({sign}{format_bytes(moved[0].delta_bytes)})"
+    return text + "."
+
+
+def diff_warnings(d: SnapshotDiff) -> list[str]:
+    """Signs that the two files are not two runs of one job: then the diff compares unlike things."""
+    a, b = d.before, d.after
+    out = []
+    if a.devices != b.devices:
+        out.append(
+            f"The files hold different devices ({', '.join(map(str, a.devices)) or 'none'} and "
+            f"{', '.join(map(str, b.devices)) or 'none'})."
+        )
+    sites_a, sites_b = {s["site"] for s in a.sites}, {s["site"] for s in b.sites}
+    if sites_a and sites_b and not sites_a & sites_b:
+        out.append("No allocation site is common to both files: they look like different programs.")
+    if out:
+        out.append("Compare two snapshots of the same job (before and after a change) for a meaningful diff.")
+    return out
+
+
 def render_diff_html(d: SnapshotDiff, version: str) -> str:
     ctx: dict[str, Any] = {
         "css": _css(),
         "version": version,
         "before_name": _name(d.before.path),
         "after_name": _name(d.after.path),
+        "verdict": diff_verdict(d),
+        "warnings": diff_warnings(d),
         "headline": _diff_headline(d),
         "totals": _rows(d.totals),
         "categories": _rows([c for c in d.categories if c.before or c.after]),
@@ -91,7 +137,8 @@ def _modules_note(d: SnapshotDiff) -> str:
 
 
 def format_diff(d: SnapshotDiff) -> str:
-    head = f"{d.before.path} -> {d.after.path}\n{_diff_headline(d)}\n"
+    warnings = "".join(f"WARNING: {w}\n" for w in diff_warnings(d))
+    head = f"{d.before.path} -> {d.after.path}\n{warnings}{diff_verdict(d)}\n{_diff_headline(d)}\n"
     totals = table(["measure", "before", "after", "change"], [list(r.values()) for r in _rows(d.totals)])
     cats = table(
         ["category", "before", "after", "change"],

@@ -12,10 +12,15 @@ from typing import Any
 
 import jinja2
 
+from ..metrics.composition import Composition
+from ..metrics.explore import Exploration
 from ..metrics.findings import Finding
 from ..metrics.oom import OomAnalysis
 from ..metrics.sites import Site
 from ..units import format_bytes, format_percent
+from .answer import FirstScreen, FitSummary, SourceFile
+from .evidence import evidence_rows
+from .explorer import content_security_policy, explorer_script
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,9 @@ class DeviceSection:
     parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
     would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
     modules: dict[str, Any] | None = None  # memory by module at the peak (report._module_view)
+    exploration: Exploration | None = None  # the explorer's timeline data (metrics/explore.py)
+    layout_data: list[dict[str, Any]] = field(default_factory=list)  # the explorer's segments (render/explorer.py)
+    composition: Composition | None = None  # what the peak (or, with no trace, the dump) was made of
 
 
 @dataclass
@@ -79,21 +87,15 @@ class ReportContext:
     meta_rows: list[tuple[str, str]]
     settings_rows: list[tuple[str, str]]
     version: str
+    first: FirstScreen | None = None  # the answer at the top (render/answer.py)
+    fit_answer: FitSummary | None = None  # what `snaplab fit` concluded; leads "What to change" when set
+    source: SourceFile | None = None
+    explorer_json: str = ""  # escaped JSON (render/explorer.py); empty: no explorer
     css: str = ""
+    script: str = ""
+    csp: str = ""
     compare_svg: str = ""
     compare_rows: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _evidence(value: Any, key: str) -> str:
-    if isinstance(value, bool) or value is None:
-        return "—" if value is None else str(value).lower()
-    if isinstance(value, int) and key.endswith("_bytes"):
-        return f"{format_bytes(value)} ({value:,} B)"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
 
 
 def _environment() -> jinja2.Environment:
@@ -106,7 +108,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["bytes"] = format_bytes
     env.filters["pct"] = format_percent
-    env.filters["evidence"] = _evidence
+    env.filters["evidence_rows"] = evidence_rows
     return env
 
 
@@ -118,4 +120,11 @@ def render_report(ctx: ReportContext) -> str:
     """The report as one HTML string."""
     if not ctx.css:
         ctx.css = _css()
+    if ctx.explorer_json and not ctx.script:
+        ctx.script = explorer_script()
+    ctx.csp = (
+        content_security_policy(ctx.script)
+        if ctx.script
+        else "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+    )
     return _environment().get_template("report.html.j2").render(ctx=ctx)

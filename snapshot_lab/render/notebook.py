@@ -16,6 +16,7 @@ from typing import Any
 from ..metrics.findings import Finding
 from ..metrics.summary import SnapshotStats
 from ..units import format_bytes, format_percent
+from .explorer import explorer_script
 from .html import _css, _environment
 
 SCOPE = "snaplab-nb"
@@ -57,9 +58,19 @@ def page_fragment(page: str) -> str:
     """A page snaplab wrote (report, diff) as a notebook fragment: its ``<main>``, restyled.
     Anything else (a file edited by hand, with a script in it) is not shown."""
     m = re.search(r"<main>(.*)</main>", page, re.DOTALL)
-    if m is None or re.search(r"<\s*script", page, re.IGNORECASE):
+    if m is None or re.search(r"<\s*script", _without_explorer(page), re.IGNORECASE):
         return _wrap('<p class="note">This file is not a page snaplab wrote: not shown here.</p>')
-    return _wrap(m.group(1))
+    return _wrap(m.group(1))  # the explorer stays behind: a notebook shows the static pictures
+
+
+def _without_explorer(page: str) -> str:
+    """The page less the report's own two scripts (its data and exactly the packaged explorer)."""
+    tail = (
+        '<script type="application/json" id="snaplab-data">[^<]*</script>\n<script>'
+        + re.escape(explorer_script())
+        + "</script>"
+    )
+    return re.sub(tail, "", page, count=1)
 
 
 def missing_fragment(path: str) -> str:

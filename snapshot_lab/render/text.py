@@ -62,13 +62,22 @@ def _device_text(d: DeviceStats) -> str:
     out = [table(["counter (.current)", "all", "large pool", "small pool"], rows)]
     fr = d.fragmentation
     frows = [
+        ["fragmentation (stranded share)"] + [format_percent(fr[k].stranded_share) for k, _ in _POOLS],
+        ["stranded (holes beside live blocks)"] + [format_bytes(fr[k].stranded_bytes) for k, _ in _POOLS],
+        ["cached, releasable (empty_cache)"] + [format_bytes(fr[k].cached_releasable_bytes) for k, _ in _POOLS],
         ["free in reserved"] + [format_bytes(fr[k].free_bytes) for k, _ in _POOLS],
         ["largest free block"] + [format_bytes(fr[k].largest_free_block_bytes) for k, _ in _POOLS],
         ["external fragmentation"] + [format_percent(fr[k].external_fragmentation) for k, _ in _POOLS],
         ["internal waste (rounding)"] + [format_bytes(fr[k].internal_waste_bytes) for k, _ in _POOLS],
-        ["stranded (in live segments)"] + [format_bytes(fr[k].stranded_bytes) for k, _ in _POOLS],
-        ["releasable (empty_cache)"] + [format_bytes(fr[k].releasable_bytes) for k, _ in _POOLS],
     ]
+    a = fr["all"]
+    out.append("")
+    out.append(
+        f"fragmentation: {format_percent(a.stranded_share)} of reserved memory is stranded "
+        f"({format_bytes(a.stranded_bytes)} in holes of segments that still hold live blocks); "
+        f"{format_bytes(a.cached_releasable_bytes)} is cached in whole free segments, reusable by any request "
+        "and released by empty_cache()"
+    )
     out.append("")
     out.append(table(["fragmentation", "all", "large pool", "small pool"], frows))
     if d.private_pool_reserved_bytes or d.expandable_reserved_bytes:

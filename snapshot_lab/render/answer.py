@@ -1,0 +1,168 @@
+"""The report's first screen: what happened, what the peak was made of, what to change.
+
+Everything here is display text built from finished metrics; the ranking of the levers is the
+only decision taken: ``snaplab fit``'s answer first when there is one, then the findings by
+severity and by the memory at stake, then the parallel layouts that would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics.composition import Composition, Part
+from ..metrics.findings import Finding
+from ..metrics.findings.base import SEVERITY_ORDER
+from ..metrics.oom import OomAnalysis
+from ..units import format_bytes, format_percent
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """What ``snaplab fit`` concluded for this snapshot (filled by that command when it ran)."""
+
+    verdict: str  # one sentence, e.g. "Fits on one 80 GiB GPU with activation checkpointing"
+    steps: tuple[str, ...] = ()  # the changes it takes, in order
+    saved_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Lever:
+    title: str  # what to change, with its number
+    detail: str  # how, and why
+    stake: str = ""  # the memory it frees or makes usable, formatted
+    source: str = ""  # where the advice comes from (finding id, "plan", "fit")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    name: str
+    size_bytes: int
+    sha256_prefix: str  # first 12 hex digits; "" when the file could not be read again
+    version: str
+
+
+@dataclass
+class FirstScreen:
+    status: str  # "critical", "warning" or "ok": the colour of the answer
+    verdict: str  # what happened, one sentence
+    cause: str  # why, one or two sentences ("" when nothing went wrong)
+    made_of: list[tuple[str, str]]  # (by what, the line): category, module, top site
+    made_of_title: str
+    levers: list[Lever]
+    chart_svg: str
+    others: list[str] = field(default_factory=list)  # one line per further device
+    fit_answer: FitSummary | None = None
+
+
+def _parts(parts: tuple[Part, ...], limit: int = 4) -> str:
+    shown = ", ".join(f"{p.label} {format_bytes(p.bytes)} ({format_percent(p.share)})" for p in parts[:limit])
+    rest = parts[limit:]
+    if rest:
+        shown += f", {len(rest)} more {format_bytes(sum(p.bytes for p in rest))}"
+    return shown
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def made_of(comp: Composition) -> list[tuple[str, str]]:
+    """One line each: by category, by module (when known), the top allocation site."""
+    lines = [("by category", _parts(comp.by_category) or "nothing allocated")]
+    if comp.by_module:
+        approx = "" if comp.module_source == "tags" else " (approximate, from forward frames)"
+        lines.append((f"by module{approx}", _parts(comp.by_module)))
+    s = comp.top_site
+    if s is not None:
+        share = s.bytes / comp.total_bytes if comp.total_bytes else 0.0
+        lines.append(
+            (
+                "top allocation site",
+                f"{s.label}"
+                + (f" → {s.detail}" if s.detail else "")
+                + f": {format_bytes(s.bytes)} ({format_percent(share)}) in {_count(s.count, 'block')}",
+            )
+        )
+    return lines
+
+
+def oom_cause(o: OomAnalysis) -> str:
+    """The OOM in plain words: fragmentation or capacity, with the numbers that decide it."""
+    if o.cause == "fragmentation":
+        return (
+            f"Fragmentation: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, but the "
+            f"largest free hole was {format_bytes(o.largest_free_block_bytes)}, smaller than the request."
+        )
+    return (
+        f"Capacity: {format_bytes(o.reserved_bytes)} was reserved ({format_bytes(o.allocated_bytes)} in use) and "
+        f"all cached free memory together ({format_bytes(o.free_in_reserved_bytes)}) was less than the request."
+    )
+
+
+def verdict(
+    ooms: dict[int, OomAnalysis], findings: list[Finding], peak: str, with_history: bool = True
+) -> tuple[str, str, str]:
+    """(status, verdict, cause) from the OOMs (by device) and the findings; ``peak``: the numbers
+    a healthy run is summed up by; ``with_history``: whether the trace let leaks be checked."""
+    if ooms:
+        dev, o = next(iter(ooms.items()))
+        where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
+        return (
+            "critical",
+            f"Out of memory{where}: a request of {format_bytes(o.requested_bytes)} could not be served.",
+            oom_cause(o),
+        )
+    ranked = sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
+    worst = ranked[0] if ranked else None
+    if worst is not None and worst.severity in ("critical", "warning"):
+        return worst.severity, f"No out-of-memory error, but: {worst.title}.", worst.advice.split(". ")[0] + "."
+    if not with_history:
+        return (
+            "ok",
+            "Nothing wrong at the dump: no out-of-memory error, no warning (no history, so no leak check).",
+            peak,
+        )
+    return "ok", "Nothing wrong: no out-of-memory error and no warning among the findings.", peak
+
+
+def _sentences(text: str, limit: int = 2) -> str:
+    """The first ``limit`` sentences: the full advice stays in the finding below."""
+    parts = text.split(". ")
+    return text if len(parts) <= limit else ". ".join(parts[:limit]) + ". (More under Findings.)"
+
+
+def levers(
+    findings: list[Finding], plans: list[dict[str, Any]], fit: FitSummary | None = None, limit: int = 6
+) -> list[Lever]:
+    """What to change, best first."""
+    out: list[Lever] = []
+    if fit is not None:
+        out.append(
+            Lever(fit.verdict, " ".join(fit.steps), format_bytes(fit.saved_bytes) if fit.saved_bytes else "", "fit")
+        )
+    ranked = sorted(findings, key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), -(f.savings_bytes or 0)))
+    seen: set[str] = set()
+    for f in ranked:
+        if not f.advice or f.advice in seen:
+            continue
+        seen.add(f.advice)
+        dev = f" (device {f.device})" if f.device is not None and f.device != 0 else ""
+        out.append(
+            Lever(f.title + dev, _sentences(f.advice), format_bytes(f.savings_bytes) if f.savings_bytes else "", f.id)
+        )
+    for table in plans:
+        for row in table.get("rows", [])[1:]:
+            if row[3] == "yes":
+                out.append(
+                    Lever(
+                        f"{row[0]}: peak reserved {row[2]} per GPU, fits with {row[4]} to spare",
+                        "Replayed from the recorded run with every allocation rescaled for this layout "
+                        "(snaplab plan shows each rank).",
+                        source="plan",
+                    )
+                )
+    return out[:limit]
+
+
+__all__ = ["FirstScreen", "FitSummary", "Lever", "SourceFile", "levers", "made_of", "oom_cause", "verdict"]

@@ -1,0 +1,168 @@
+"""The explorer's payload: the page's data as JSON that no string from the file can break out of,
+the script that reads it, and the Content-Security-Policy that allows that script and nothing else.
+
+Every string of the snapshot (file names, function names, annotations) reaches the page inside
+``<script type="application/json">``; ``<``, ``>`` and ``&`` are written as ``\\u003c`` etc., so
+neither ``</script>`` nor ``<!--`` can end or bend the element. The script is an inlined package
+asset; the CSP allows it by its sha256, computed here from the very text that is inlined.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.resources
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..metrics.explore import Exploration
+from ..metrics.layout import PoolLayout
+from ..plots.palette import CATEGORY_COLORS
+
+STATES = ("active_allocated", "active_pending_free", "inactive")
+MAX_STACK_FRAMES = 24  # frames kept per stack (innermost first)
+MAX_BLOCKS_PER_SEGMENT = 300
+_JSON_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026"}
+
+
+@dataclass
+class Payload:
+    """Everything the explorer script reads; stacks and frame texts interned across devices."""
+
+    devices: list[dict[str, Any]] = field(default_factory=list)
+    frames: list[str] = field(default_factory=list)
+    stacks: dict[str, list[int]] = field(default_factory=dict)
+    _frame_ids: dict[str, int] = field(default_factory=dict)
+
+    def add_stack(self, stack_id: int, frames: list[dict[str, Any]]) -> None:
+        if str(stack_id) in self.stacks:
+            return
+        ids = []
+        for f in frames[:MAX_STACK_FRAMES]:
+            text = f"{f['name']} — {f['filename']}" + (f":{f['line']}" if f.get("line") else "")
+            fid = self._frame_ids.get(text)
+            if fid is None:
+                fid = self._frame_ids[text] = len(self.frames)
+                self.frames.append(text)
+            ids.append(fid)
+        self.stacks[str(stack_id)] = ids
+
+    def to_json(self) -> str:
+        body = {
+            "devices": self.devices,
+            "frames": self.frames,
+            "stacks": self.stacks,
+            "states": list(STATES),
+            "colors": CATEGORY_COLORS,
+        }
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).translate(_JSON_ESCAPES)
+
+
+def _round(values: np.ndarray) -> list[float]:
+    return [float(f"{v:.6g}") for v in values.tolist()]
+
+
+def _rows(levels: np.ndarray) -> list[list[int] | None]:
+    """Level rows as lists; a row that is zero throughout as null (most categories, in most runs)."""
+    return [row.tolist() if row.any() else None for row in levels]
+
+
+def timeline_data(ex: Exploration) -> dict[str, Any]:
+    """The timeline part of one device's payload (columns as lists)."""
+    b, a = ex.buckets, ex.allocations
+    return {
+        "axis": ex.axis,
+        "xLabel": ex.x_label,
+        "b": {
+            "x0": _round(b.x_start),
+            "x1": _round(b.x_end),
+            "lo": b.requested_low.tolist(),
+            "hi": b.requested_high.tolist(),
+            "res": b.reserved_high.tolist(),
+            "end": b.requested_end.tolist(),
+            "resEnd": b.reserved_end.tolist(),
+        },
+        "cats": list(ex.categories),
+        "catLv": _rows(ex.category_levels),
+        "sites": list(ex.sites),
+        "siteLv": _rows(ex.site_levels),
+        "allocs": {
+            "x0": _round(a["x_alloc"].to_numpy()),
+            "x1": [None if np.isnan(v) else float(f"{v:.6g}") for v in a["x_free"].to_numpy()],
+            "size": a["size_bytes"].tolist(),
+            "cat": a["category"].tolist(),
+            "site": a["site"].tolist(),
+            "mod": a["module"].tolist(),
+            "stack": a["stack_id"].tolist(),
+        },
+        "siteNames": list(ex.site_names),
+        "modNames": list(ex.module_names),
+        "unlisted": ex.unlisted_allocations,
+        "peak": {"x": ex.peak_x, "bytes": ex.peak_bytes},
+        "ooms": list(ex.oom_x),
+        "markers": [[x, label] for x, label in ex.markers],
+    }
+
+
+def layout_data(layouts: list[PoolLayout]) -> list[dict[str, Any]]:
+    """The drawn segments and their blocks: [offset, size, state code, stack id (-1: none)]."""
+    out = []
+    for pool in layouts:
+        blocks = pool.blocks.sort_values(["segment_id", "offset_bytes"])
+        by_segment = dict(tuple(blocks.groupby("segment_id", sort=False)))
+        segs = pool.segments
+        for seg_id, address, size, name, stream in zip(
+            segs["segment_id"].tolist(),
+            segs["address"].tolist(),
+            segs["total_size_bytes"].tolist(),
+            segs["pool"].astype(str).tolist(),
+            segs["stream"].tolist(),
+            strict=True,
+        ):
+            blk = by_segment.get(seg_id, blocks.iloc[:0])
+            shown = blk.head(MAX_BLOCKS_PER_SEGMENT)
+            states = pd.Categorical(shown["state"].astype(str), categories=list(STATES)).codes
+            out.append(
+                {
+                    "addr": f"0x{address:x}",
+                    "size": size,
+                    "pool": name,
+                    "stream": stream,
+                    "more": max(0, len(blk) - len(shown)),
+                    "blocks": [
+                        [int(o), int(s), int(c), int(k)]
+                        for o, s, c, k in zip(
+                            shown["offset_bytes"].tolist(),
+                            shown["size_bytes"].tolist(),
+                            states.tolist(),
+                            shown["stack_id"].to_numpy(dtype=np.int64, na_value=-1).tolist(),
+                            strict=True,
+                        )
+                    ],
+                }
+            )
+    return out
+
+
+def explorer_script() -> str:
+    """The explorer's JavaScript, as inlined."""
+    text = (importlib.resources.files("snapshot_lab") / "render" / "assets" / "explorer.js").read_text("utf-8")
+    if "</script" in text.lower():
+        raise AssertionError("explorer.js must not contain '</script'")
+    return text
+
+
+def script_hash(script: str) -> str:
+    """The CSP source that allows exactly this inline script."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+def content_security_policy(script: str = "") -> str:
+    """No request of any kind; images only from data: URIs; styles inline; ``script`` (when
+    given) the only script allowed to run."""
+    allowed = f"script-src {script_hash(script)}; " if script else ""
+    return f"default-src 'none'; img-src data:; style-src 'unsafe-inline'; {allowed}base-uri 'none'; form-action 'none'"

@@ -1,0 +1,147 @@
+"""The report as GitHub-flavoured Markdown, to paste into a ticket (``snaplab report --format md``).
+
+GitHub refuses a comment over 65,536 characters, so the text is built to a budget: the answer,
+the key numbers and the levers always fit; the stacks of the top sites are shortened (fewer
+frames, then fewer sites) until the whole does. Text from the snapshot is escaped: HTML as
+entities, Markdown's punctuation with backslashes, stacks inside code fences longer than any run
+of backticks they contain.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+from ..units import format_bytes, format_percent
+from .html import ReportContext, SiteView
+
+LIMIT_CHARS = 65_536
+BUDGET_CHARS = 60_000  # room under GitHub's limit for the reporter's own words
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]|~])")  # anywhere; < > & become HTML entities
+_LINE_START = re.compile(r"^(\s*)([#+\-=>!])")  # what makes a heading, list or quote of a line
+_ORDERED = re.compile(r"^(\s*\d+)\.")  # ... or an ordered list
+
+
+def md(text: object) -> str:
+    """Text from the file, inert in Markdown and HTML (one line, inside a line)."""
+    escaped = html.escape(str(text), quote=False).replace("\n", " ").replace("\r", " ")
+    return _MD_SPECIAL.sub(r"\\\1", escaped)
+
+
+def md_line(text: object) -> str:
+    """:func:`md` for text that starts a line: no heading, list or quote either."""
+    return _ORDERED.sub(r"\1\\.", _LINE_START.sub(r"\1\\\2", md(text)))
+
+
+def _fence(lines: list[str]) -> str:
+    longest = max((len(m) for line in lines for m in re.findall(r"`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n" + "\n".join(lines) + f"\n{fence}"
+
+
+def _stack_lines(view: SiteView, frames: int) -> list[str]:
+    lines = [f"{f['name']} — {f['filename']}" + (f":{f['line']}" if f.get("line") else "") for f in view.stack]
+    if len(lines) > frames:
+        lines = [*lines[:frames], f"… {len(lines) - frames} more frames (the HTML report has them all)"]
+    return lines
+
+
+def _answer(ctx: ReportContext) -> list[str]:
+    a = ctx.first
+    src = ctx.source
+    out = [f"## snaplab: {md(ctx.file_name)}", ""]
+    if src is not None:
+        out.append(
+            f"<sub>snaplab {md(ctx.version)} · {md(src.name)}, {format_bytes(src.size_bytes)}"
+            + (f", sha256 `{src.sha256_prefix}`" if src.sha256_prefix else "")
+            + "</sub>"
+        )
+        out.append("")
+    if a is None:
+        return [*out, md_line(ctx.headline), ""]
+    mark = {"critical": "🔴", "warning": "🟠", "ok": "🟢"}.get(a.status, "")
+    out += [f"**{mark} {md(a.verdict)}**", ""]
+    if a.cause:
+        out += [md_line(a.cause), ""]
+    out += [f"### What the memory was: {md(a.made_of_title)}", "", "| | |", "|---|---|"]
+    out += [f"| {md(k)} | {md(v)} |" for k, v in a.made_of]
+    out += [f"| | {md(line)} |" for line in a.others]
+    out += ["", "### What to change", ""]
+    if not a.levers:
+        out.append("Nothing to change: no finding calls for it.")
+    for i, lever in enumerate(a.levers, start=1):
+        stake = f" (at stake: {lever.stake})" if lever.stake else ""
+        out.append(f"{i}. **{md(lever.title)}**{stake}  ")
+        out.append(f"   {md(lever.detail)}")
+    return [*out, ""]
+
+
+def _numbers(ctx: ReportContext) -> list[str]:
+    out = [
+        "### Key numbers",
+        "",
+        "| device | reserved | allocated | peak in use | fragmentation (stranded) | cached, releasable | OOM |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
+    for d in ctx.devices:
+        cards = {c.label: c.value for c in d.cards}
+        oom = f"{d.oom.cause}, request of {format_bytes(d.oom.requested_bytes)}" if d.oom else "no"
+        out.append(
+            f"| {d.device} | {cards.get('reserved', '')} | {cards.get('allocated', '')} | "
+            f"{cards.get('peak in use', 'no trace')} | {cards.get('fragmentation', '')} | "
+            f"{_releasable(d)} | {oom} |"
+        )
+    return [*out, ""]
+
+
+def _releasable(d: Any) -> str:
+    for row in d.fragmentation_rows:
+        if row.name == "cached, releasable":
+            return str(row.values[0])
+    return ""
+
+
+def _sites(ctx: ReportContext, sites: int, frames: int) -> list[str]:
+    out: list[str] = []
+    for d in ctx.devices:
+        views = d.oom_sites or d.peak_sites or d.live_sites
+        if not views:
+            continue
+        where = "live at the OOM" if d.oom_sites else "live at the peak" if d.peak_sites else "live at the dump"
+        dev = f" (device {d.device})" if len(ctx.devices) > 1 else ""
+        out += [f"### Top allocation sites, {where}{dev}", ""]
+        for v in views[:sites]:
+            s = v.site
+            summary = (
+                f"<code>{html.escape(s.label)}</code> — {format_bytes(s.bytes)} ({format_percent(s.share)}), "
+                f"{s.count:,} block{'s' if s.count != 1 else ''}"
+            )
+            body = _fence(_stack_lines(v, frames)) if v.stack else "No stack was recorded for these blocks."
+            out += ["<details>", f"<summary>{summary}</summary>", "", body, "", "</details>", ""]
+    return out
+
+
+def _findings(ctx: ReportContext) -> list[str]:
+    if not ctx.findings:
+        return []
+    out = ["### Findings", ""]
+    for f in ctx.findings:
+        dev = f" (device {f.device})" if f.device is not None and len(ctx.devices) > 1 else ""
+        out.append(f"- **{f.severity}** `{f.id}`{dev}: {md(f.title)}")
+    return [*out, ""]
+
+
+def render_markdown(ctx: ReportContext, budget: int = BUDGET_CHARS) -> str:
+    """The report as Markdown, always under GitHub's 65,536-character limit."""
+    head = _answer(ctx) + _numbers(ctx)
+    tail = [
+        *_findings(ctx),
+        f"<sub>Made by snaplab {md(ctx.version)}; the HTML report has the timeline, layout and every stack.</sub>",
+        "",
+    ]
+    for sites, frames in ((8, 16), (8, 8), (5, 6), (3, 4), (3, 0), (0, 0)):
+        text = "\n".join(head + _sites(ctx, sites, frames) + tail)
+        if len(text) <= budget:
+            return text
+    return text[: LIMIT_CHARS - 200] + "\n\n… (shortened to fit GitHub's limit)\n"
