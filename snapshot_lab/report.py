@@ -12,7 +12,8 @@ import pandas as pd
 from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
-from .metrics.categories import CATEGORIES, CategoryBreakdown, categorize
+from .metrics.categories import CATEGORIES, INFERRED_RULES, RULE_HELP, CategoryBreakdown, categorize
+from .metrics.categories.kv_cache import KvCacheGrowth
 from .metrics.composition import compose
 from .metrics.diagnose import diagnose
 from .metrics.explore import explore
@@ -20,7 +21,7 @@ from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
 from .metrics.modules import ModuleBreakdown, ModuleRow
-from .metrics.moments import oom_moment
+from .metrics.moments import Moment, oom_moment
 from .metrics.sites import alive_at, allocation_forward_ids, display_stack, live_sites, snapshot_sites, top_sites
 from .metrics.summary import DeviceStats
 from .metrics.timeline import Timeline
@@ -145,6 +146,7 @@ CATEGORY_HELP = {
     "gradient": "parameter gradients (made in backward and kept past it), or their shards",
     "optimizer_state": "allocated inside torch.optim (e.g. Adam's moments)",
     "activation": "allocated in forward or backward (saved activations, temporaries, workspaces)",
+    "kv_cache": "an inference KV cache (transformers' cache classes, vLLM blocks, a growing cache)",
     "inflight_activation": "activations a pipeline stage keeps for microbatches whose backward has not run",
     "fsdp_unsharded_params": "FSDP's all-gathered (unsharded) parameters, alive until the unit reshards",
     "comm_buffer": "buffers of collectives: FSDP all-gather/reduce-scatter, tensor-parallel and pipeline transfers",
@@ -160,11 +162,22 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
         Row(
             c,
             [format_bytes(cats.live_bytes[c]), f"{cats.live_blocks[c]:,}", format_percent(cats.live_bytes[c] / total)],
-            CATEGORY_HELP[c],
+            CATEGORY_HELP[c] + _labelled_by(cats.live_requested_by_rule.get(c, {})),
         )
         for c in CATEGORIES
         if cats.live_blocks[c]
     ]
+
+
+def _labelled_by(by_rule: dict[str, int]) -> str:
+    """Which rules labelled a category's bytes, the inferred ones said to be inferred."""
+    inferred = {rule: nbytes for rule, nbytes in by_rule.items() if rule in INFERRED_RULES and nbytes}
+    if not inferred:
+        return ""
+    parts = [
+        f"{format_bytes(nbytes)} {RULE_HELP[rule]}" for rule, nbytes in sorted(inferred.items(), key=lambda kv: -kv[1])
+    ]
+    return ". Inferred, not from the allocation's own stack: " + "; ".join(parts)
 
 
 def _whatif_view(wi: WhatIf | None) -> dict[str, Any] | None:
@@ -188,14 +201,37 @@ def _device_section(
     lifetimes: pd.DataFrame,
     wi: WhatIf | None = None,
 ) -> DeviceSection:
+    """One device's section: what the dump shows, the moment of its OOM, then what the trace shows."""
     d = stats.devices[dev]
+    moment = oom_moment(frames, dev) if d.oom is not None else None
+    at_oom = moment if moment is not None and not moment.at_dump else None
+    section = _dump_section(frames, d, dev, tl, cats, la, wi, at_oom)
+    if stats.parallel and stats.parallel.get("strategies"):
+        section.parallel = str(stats.parallel["description"])
+    if at_oom is not None:
+        _show_oom_moment(section, frames, at_oom)
+    if tl is None:
+        _without_trace(section, frames, stats, dev, cats)
+    else:
+        _trace_views(section, frames, d, dev, tl, cats, lifetimes)
+    return section
+
+
+def _dump_section(
+    frames: SnapshotFrames,
+    d: DeviceStats,
+    dev: int,
+    tl: Timeline | None,
+    cats: CategoryBreakdown,
+    la: LeakAnalysis,
+    wi: WhatIf | None,
+    at_oom: Moment | None,
+) -> DeviceSection:
+    """The counters, layout, histogram, sites and categories (of the OOM's moment where the
+    snapshot was dumped after the stack unwound)."""
     seg = frames.segments[frames.segments["device"] == dev]
     blk = frames.blocks[frames.blocks["device"] == dev]
-    sites = snapshot_sites(frames)
-    # an OOM dumped after the stack unwound: the layout, holes and sites of the moment it happened
-    moment = oom_moment(frames, dev) if d.oom is not None else None
-    at_oom = moment is not None and not moment.at_dump
-    shown_seg, shown_blk = (moment.segments, moment.blocks) if at_oom and moment is not None else (seg, blk)
+    shown_seg, shown_blk = (at_oom.segments, at_oom.blocks) if at_oom is not None else (seg, blk)
     layouts = select_layout(shown_seg, shown_blk)
     hidden = sum(p.hidden_segments for p in layouts)
     layout_note = (
@@ -204,7 +240,7 @@ def _device_section(
         + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None
-    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom else d.fragmentation
+    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom is not None else d.fragmentation
     section = DeviceSection(
         device=dev,
         cards=_cards(d, tl),
@@ -213,40 +249,46 @@ def _device_section(
         histogram_svg=figure_svg(plot_free_histogram(histogram_frag, oom_req)),
         layout_png=figure_png_data_uri(plot_block_layout(layouts)),
         layout_note=layout_note,
-        live_sites=_site_views(frames, live_sites(blk, sites, MAX_SITES, categorize(frames).block_category[blk.index])),
+        live_sites=_site_views(
+            frames, live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
+        ),
         oom=d.oom,
         oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
         category_rows=_category_rows(cats),
         leaks=_leak_view(frames, la),
         whatif=_whatif_view(wi),
+        kv_cache_note=_kv_cache_note(d.kv_cache_growth),
     )
     section.layout_data = layout_data(layouts)
-    if stats.parallel and stats.parallel.get("strategies"):
-        section.parallel = str(stats.parallel["description"])
-    if at_oom and moment is not None and d.oom is not None:
-        section.layout_title = "Block layout at the OOM"
-        section.histogram_title = "Free (cached) blocks by size at the OOM."
-        section.oom_moment_note = (
-            f"This snapshot was dumped after the OOM, once the stack had unwound and freed what the failing step "
-            f"held. The explanation above, the free-block histogram, the block layout and the sites live at the "
-            f"OOM are those of the moment of the OOM, {moment.description}; the counters and the other tables "
-            "are those of the dump."
-        )
-        section.oom_sites = _site_views(frames, live_sites(moment.blocks, sites, MAX_SITES))
-    if tl is None:
-        dump_sites = live_sites(blk, sites, MAX_SITES, categorize(frames).block_category[blk.index])
-        section.composition = compose("dump", pd.Series(cats.live_bytes), dump_sites)
-        rec = stats.recording
-        section.timeline_missing = (
-            "No timeline: this snapshot was recorded with enabled='state' (no event history)."
-            if rec.mode == "state"
-            else "No timeline: the trace of this device is empty."
-        )
-        return section
-    section.timeline_png = figure_png_data_uri(plot_timeline(tl))
-    section.exploration = explore(frames, tl)
-    if cats.timeline is not None and len(cats.timeline) == tl.n_events:
-        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
+    return section
+
+
+def _show_oom_moment(section: DeviceSection, frames: SnapshotFrames, moment: Moment) -> None:
+    section.layout_title = "Block layout at the OOM"
+    section.histogram_title = "Free (cached) blocks by size at the OOM."
+    section.oom_moment_note = (
+        f"This snapshot was dumped after the OOM, once the stack had unwound and freed what the failing step "
+        f"held. The explanation above, the free-block histogram, the block layout and the sites live at the "
+        f"OOM are those of the moment of the OOM, {moment.description}; the counters and the other tables "
+        "are those of the dump."
+    )
+    section.oom_sites = _site_views(frames, live_sites(moment.blocks, snapshot_sites(frames), MAX_SITES))
+
+
+def _without_trace(
+    section: DeviceSection, frames: SnapshotFrames, stats: SnapshotStats, dev: int, cats: CategoryBreakdown
+) -> None:
+    blk = frames.blocks[frames.blocks["device"] == dev]
+    dump_sites = live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
+    section.composition = compose("dump", pd.Series(cats.live_bytes), dump_sites)
+    section.timeline_missing = (
+        "No timeline: this snapshot was recorded with enabled='state' (no event history)."
+        if stats.recording.mode == "state"
+        else "No timeline: the trace of this device is empty."
+    )
+
+
+def _timeline_notes(tl: Timeline) -> list[str]:
     notes = [
         "Blue: bytes requested by live tensors; grey: bytes reserved from CUDA. Both are exact sums of the "
         "trace's events.",
@@ -258,16 +300,38 @@ def _device_section(
         )
     if tl.markers:
         notes.append(f"Dashed lines: starts of '{tl.marker_group}' from the recorded annotations.")
-    section.timeline_notes = notes
+    return notes
+
+
+def _trace_views(
+    section: DeviceSection,
+    frames: SnapshotFrames,
+    d: DeviceStats,
+    dev: int,
+    tl: Timeline,
+    cats: CategoryBreakdown,
+    lifetimes: pd.DataFrame,
+) -> None:
+    """The timeline, the explorer and what was alive at the peak."""
+    section.timeline_png = figure_png_data_uri(plot_timeline(tl))
+    section.exploration = explore(frames, tl)
+    if cats.timeline is not None and len(cats.timeline) == tl.n_events:
+        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
+    section.timeline_notes = _timeline_notes(tl)
     alive = alive_at(lifetimes, tl.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
     fwd = allocation_forward_ids(frames, dev, alive["event_index"].to_numpy(dtype=np.int64))
     peak_sites = top_sites(alive["stack_id"], alive["size_bytes"], snapshot_sites(frames), MAX_SITES, alive_cats, fwd)
     section.peak_sites = _site_views(frames, peak_sites)
-    section.composition = compose(
-        "peak", alive["size_bytes"].groupby(alive_cats).sum(), peak_sites, d.modules, tl.peak_index
+    # the categories at the peak include memory older than the trace (weights of an inference
+    # recorded after loading, a mid-run recording's gradients) where the stats could tell them
+    by_category = (
+        pd.Series(d.categories_at_peak)
+        if d.categories_at_peak is not None
+        else alive["size_bytes"].groupby(alive_cats).sum()
     )
+    section.composition = compose("peak", by_category, peak_sites, d.modules, tl.peak_index)
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "
         f"{tl.peak_index:,}), by requested bytes."
@@ -275,7 +339,16 @@ def _device_section(
     )
     if d.modules is not None and d.modules.source != "none":
         section.modules = _module_view(d.modules)
-    return section
+
+
+def _kv_cache_note(growth: KvCacheGrowth | None) -> str:
+    if growth is None or not growth.steps:
+        return ""
+    return (
+        f"KV cache: {format_bytes(growth.bytes_at_end)} at the end of {growth.steps} decode steps, growing by "
+        f"{format_bytes(growth.bytes_per_step)} per step ({format_bytes(growth.bytes_after_first_step)} after "
+        "the first forward, the prompt's)."
+    )
 
 
 MODULE_ROWS = 40

@@ -7,6 +7,7 @@ CATEGORY_COLORS = {
     "gradient": "#f28e2b",
     "optimizer_state": "#59a14f",
     "activation": "#e15759",
+    "kv_cache": "#f1a2c0",
     "inflight_activation": "#ff9d9a",
     "fsdp_unsharded_params": "#76b7b2",
     "comm_buffer": "#edc948",

@@ -75,6 +75,7 @@ class DeviceSection:
     exploration: Exploration | None = None  # the explorer's timeline data (metrics/explore.py)
     layout_data: list[dict[str, Any]] = field(default_factory=list)  # the explorer's segments (render/explorer.py)
     composition: Composition | None = None  # what the peak (or, with no trace, the dump) was made of
+    kv_cache_note: str = ""  # inference: the KV cache's growth per decode step
 
 
 @dataclass
