@@ -12,7 +12,7 @@ from snapshot_lab.metrics.allocator_state import follow, layout_of, same_layout,
 from snapshot_lab.metrics.moments import last_oom_index, moment_at
 from snapshot_lab.metrics.oom import analyse_oom
 
-from .conftest import sample_names, sample_path, sample_truth
+from .conftest import block, event, make_snapshot, sample_names, sample_path, sample_truth, segment
 
 
 @pytest.mark.parametrize("name", sample_names())
@@ -59,6 +59,36 @@ def test_start_state_of_a_wrapped_trace(real_frames):
     # kept its unsplittable remainder (<= 1 MiB, large pool): the trace records only the request
     assert short and all(0 < d <= 2**20 for d in short)
     assert len(short) < sum(len(m) for _, m in rebuilt) / 4
+
+
+def test_a_freed_block_keeps_the_remainder_the_trace_shows(snap_file):
+    """A block alive before a wrapped trace, freed in it, was placed with its rounded request;
+    but a 6.75 MiB request that took a cached 7.5 MiB block kept the 768 KiB it could not
+    split. The trace shows it: while the block is live, the next allocation starts at 7.5 MiB
+    (the free block after a live one starts at its end), so the start state must end it there."""
+    from snapshot_lab import load_frames
+
+    base, req, real = 0x7F0000000000, 7077888, 7864320
+    trace = [
+        event("alloc", base + real, 4 << 20, 1),
+        event("free_requested", base, req, 2),
+        event("free_completed", base, req, 2),
+        event("free_requested", base + real, 4 << 20, 3),
+        event("free_completed", base + real, 4 << 20, 3),
+    ]
+    fr = load_frames(snap_file(make_snapshot([segment(base, [block(20 << 20, "inactive")])], [trace])))
+    settings = recorded_settings(fr.info.allocator_settings)
+    assert start_state(fr, 0, settings).segments[0].live == {base: real}
+    assert follow(fr, 0, settings).mismatches == 0
+
+
+def test_the_wrapped_midrun_trace_shows_an_unsplit_remainder(real_frames):
+    """midrun_wrapped_python: a 7077888 B block alive before the trace held 7864320 B; the
+    trace's 72 MiB allocation at its real end (event 121) says so."""
+    fr = real_frames("midrun_wrapped_python")
+    start = start_state(fr, 0, recorded_settings(fr.info.allocator_settings))
+    host = next(s for s in start.segments if s.address == 0x7F8448000000)
+    assert host.live == {0x7F844AD00000: 7864320}
 
 
 def test_the_oom_incident_explained_from_either_file(real_frames):

@@ -12,9 +12,11 @@ steps rebuild any earlier moment:
    This is exact except for one thing the trace does not record: when a large-pool request
    took a cached block whose remainder was too small to split (<= 1 MiB), the block was that
    much bigger than the rounded request. A block of the start state that the trace frees is
-   placed with its rounded size, and the sliver joins the free gap after it; the allocator
-   could only have used it for a request it would not fit in reality if that request lands
-   in that exact gap.
+   placed with its rounded size, and the sliver joins the free gap after it, unless the trace
+   shows the block's real end: the first allocation it records just past the rounded size,
+   while the block is still live, starts where the block ends (a wrapped trace often holds
+   one). Without that, the allocator could only have used the sliver for a request it would
+   not fit in reality if that request lands in that exact gap.
 2. :func:`follow`: the trace replayed from that state through
    :class:`~snapshot_lab.metrics.allocator_model.CachingAllocatorModel` *as recorded*: every
    allocation placed at its recorded address and split by the allocator's rules, every segment
@@ -162,8 +164,11 @@ def start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings
     matched = set(lt["free_index"].dropna().astype("int64").tolist())
     frees = ev[(ev["action"] == "free_completed") & ev["address"].notna()]
     orphan = frees[~frees["event_index"].isin(matched)]
-    for a, n in zip(orphan["address"].astype("int64"), orphan["size_bytes"], strict=True):
-        live.setdefault(int(a), round_size(int(n), settings))
+    freed_at: dict[int, int] = {}  # blocks of the start state the trace frees: address -> free's event_index
+    for a, n, i in zip(orphan["address"].astype("int64"), orphan["size_bytes"], orphan["event_index"], strict=True):
+        if int(a) not in live:
+            live[int(a)] = round_size(int(n), settings)
+            freed_at[int(a)] = int(i)
     starts = [s.address for s in segments]
     unplaced = 0
     for a, n in live.items():
@@ -172,7 +177,39 @@ def start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings
             segments[i].live[a] = n
         else:
             unplaced += 1
+    _restore_unsplit_remainders(segments, freed_at, ev, settings)
     return StartState(segments, unplaced)
+
+
+def _restore_unsplit_remainders(
+    segments: list[SeedSegment], freed_at: dict[int, int], ev: pd.DataFrame, settings: AllocatorSettings
+) -> None:
+    """Give a block of the start state that the trace frees the remainder it kept unsplit,
+    where the trace shows it. Such a block is placed with its rounded request, but a large-pool
+    block whose remainder was too small to split is longer (by <= 1 MiB; below
+    ``max_non_split_rounding`` for a request >= ``max_split_size``). While it is live, the free
+    block after it starts at its real end, and allocations take free blocks from their start:
+    so the trace's first allocation in that window, before the block's free, is at its end."""
+    allocs = ev[(ev["action"] == "alloc") & ev["address"].notna()]
+    order = np.argsort(allocs["address"].to_numpy(dtype=np.int64), kind="stable")
+    addrs = allocs["address"].to_numpy(dtype=np.int64)[order]
+    when = allocs["event_index"].to_numpy(dtype=np.int64)[order]
+    for seg in segments:
+        if seg.small or seg.expandable:
+            continue  # the small pool and expandable segments split every remainder >= 512 B
+        taken = sorted(seg.live)
+        for k, a in enumerate(taken):
+            if a not in freed_at:
+                continue
+            n = seg.live[a]
+            slack = SMALL_SIZE if n < settings.max_split_size else settings.max_non_split_rounding - 1
+            following = taken[k + 1] if k + 1 < len(taken) else seg.address + seg.size
+            lo, hi = bisect.bisect_left(addrs, a + n), bisect.bisect_right(addrs, a + n + slack)
+            before_free = [(t, x) for t, x in zip(when[lo:hi], addrs[lo:hi], strict=True) if t < freed_at[a]]
+            if before_free:
+                end = int(min(before_free)[1])
+                if a + n < end <= following:
+                    seg.live[a] = end - a
 
 
 def seed(model: CachingAllocatorModel, state: StartState) -> dict[int, Block]:
