@@ -70,3 +70,16 @@ def test_silent_on_real_samples_without_a_leak(real_frames, name):
     fr = real_frames(name)
     for dev in fr.info.devices:
         assert not state_only_suspects(fr, dev), (name, dev)
+
+
+def test_leaks_text_of_a_state_only_suspect(snap_file):
+    """``snaplab leaks`` on a state-only snapshot says what the site holds, never "0 iterations"
+    or "grows by 0 B per iteration"."""
+    from typer.testing import CliRunner
+
+    from snapshot_lab.cli import app
+
+    result = CliRunner().invoke(app, ["leaks", str(snap_file(_state_only(1241)))])
+    assert result.exit_code == 0, result.output
+    assert "0 iterations" not in result.output and "per iteration" not in result.output
+    assert "1,241" in result.output and "3.03 GiB" in result.output and "0.40" in result.output

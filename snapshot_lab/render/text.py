@@ -7,7 +7,7 @@ from typing import Any
 
 from ..metrics import SnapshotStats
 from ..metrics.findings import Finding, FleetFindings
-from ..metrics.leaks import LeakAnalysis
+from ..metrics.leaks import STATE_SOURCE, LeakAnalysis
 from ..metrics.modules import ModuleBreakdown
 from ..metrics.summary import DeviceStats
 from ..metrics.whatif import WhatIf, settings_label
@@ -130,6 +130,9 @@ def format_leaks(result: dict[int, LeakAnalysis]) -> str:
         if la.note and not la.suspects:
             parts.append(head + la.note)
             continue
+        if la.iteration_source == STATE_SOURCE:
+            parts.append(head + _state_only_suspects(la))
+            continue
         head += f"{la.iterations} iterations (from {la.iteration_source}: {la.iteration_label})"
         if not la.suspects:
             parts.append(head + "\nno leak suspects: no allocation site keeps growing across iterations")
@@ -151,6 +154,14 @@ def format_leaks(result: dict[int, LeakAnalysis]) -> str:
             + table(["site (allocation line)", "growth/iter", "iters", "live now", "blocks", "confidence"], rows)
         )
     return "\n\n".join(parts) + "\n"
+
+
+def _state_only_suspects(la: LeakAnalysis) -> str:
+    """A state-only snapshot has no iterations: say what one site holds, not growth per iteration."""
+    rows = [[s.site, format_bytes(s.bytes), f"{s.count:,}", f"{s.confidence:.2f}"] for s in la.suspects]
+    return f"{la.note or 'no allocation history'}; leak suspects from {STATE_SOURCE}\n" + table(
+        ["site (allocation line)", "live now", "blocks", "confidence"], rows
+    )
 
 
 def format_findings(findings: list[Finding]) -> str:
@@ -195,7 +206,7 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
         )
     c = w.replay_check
     limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
-    if w.memory_limit_bytes and w.memory_limit_inferred:
+    if w.memory_limit_bytes and w.memory_limit_inferred and not w.memory_limit_source.startswith("inferred from the"):
         limit += (
             " (inferred: the snapshot does not record the per-process cap the OOM happened under; the peak "
             "reserved before it stands in)"
