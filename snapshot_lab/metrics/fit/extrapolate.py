@@ -1,0 +1,324 @@
+"""A whole training step built from a trace that ran out of memory before its first step
+completed (the most common ticket).
+
+What the trace shows is kept: the model's construction, the input, the forward up to the
+failure. The rest is extrapolated from it:
+
+- the forward's remaining blocks: as many as the parameters repeat (the model's layers, counted
+  from the repeat in the parameters' sizes and stacks), each a copy of the last whole block the
+  forward completed;
+- the layers after the blocks, when the forward did not reach them: a final norm and a linear
+  head the size of the parameter matrix after the blocks (or, without one, of the embedding:
+  weights tied), their output kept by the program (the logits) and a log-softmax of it saved by
+  the loss;
+- the backward: in reverse, every tensor a part saved is freed after a gradient of its size has
+  been made, while the next gradient is made (two gradients of activations alive at a time),
+  and each part's parameter gradients (P in all) are made when its backward runs;
+- the optimizer: its state (from the optimizer named in the stacks, else the one assumed) is
+  alive from the start, as in every step after the first, and its step's temporaries are made
+  after the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...frames import SnapshotFrames
+from ..categories import CODES
+from ..plan.structure import TrainingStructure, tandem_repeat
+from .evidence import BlockSpan, PassSpan, cast_param_stacks, fp32_stacks
+from .tape import NEVER, Tape, empty_tape, make_tape
+
+PARAM_KEY = 1_000_003
+
+
+@dataclass
+class _Builder:
+    """Rows of the synthesized step, on a fresh time line (ticks)."""
+
+    rows: list[tuple[float, float, float, float, str, str, int, bool]] = field(default_factory=list)
+    now: float = 0.0
+
+    def add(self, start: float, end: float, fixed: float, per_batch: float, cat: str, phase: str, block: int = -1,
+            fp32: bool = False) -> int:
+        self.rows.append((start, end, fixed, per_batch, cat, phase, block, fp32))
+        return len(self.rows) - 1
+
+    def set_end(self, row: int, end: float) -> None:
+        r = self.rows[row]
+        self.rows[row] = (r[0], end, *r[2:])
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def tape(self) -> Tape:
+        if not self.rows:
+            return empty_tape()
+        cols = list(zip(*self.rows, strict=True))
+        return make_tape(
+            np.array(cols[0]),
+            np.array(cols[1]),
+            np.array(cols[2]),
+            np.array(cols[3]),
+            np.array(cols[4], dtype=object),
+            0,
+            np.array(cols[5], dtype=object),
+            np.array(cols[6], dtype=np.int64),
+            np.array(cols[7], dtype=bool),
+        )
+
+
+@dataclass(frozen=True)
+class PartialForward:
+    """What the trace shows of the first forward."""
+
+    forward_start: int  # position
+    pre: np.ndarray  # rows before the first block (embeddings); data rows before the forward too
+    data: np.ndarray
+    blocks: tuple[np.ndarray, ...]  # rows of each whole block seen
+    after: np.ndarray  # rows after the last whole block (a block cut short, or the head)
+    layers: int  # blocks the model has
+    params: np.ndarray  # parameter rows, in order
+    param_block: np.ndarray  # per parameter: its block (-1: outside)
+
+
+def partial_forward(s: TrainingStructure) -> PartialForward | None:
+    """The first forward as far as the trace goes (None: no forward in it)."""
+    a = s.allocs
+    pos = a["pos"].to_numpy()
+    main, module = a["main"].to_numpy(), a["module"].to_numpy()
+    code = a["code"].to_numpy()
+    in_fwd = np.flatnonzero(main & module)
+    if in_fwd.size == 0:
+        return None
+    f0 = int(pos[in_fwd[0]])
+    is_param = code == CODES["parameter"]
+    params = np.flatnonzero(is_param & (pos < f0))
+    data = np.flatnonzero((pos < f0) & ~is_param & (pos > (pos[params].max() if params.size else -1)))
+    fwd = np.flatnonzero(pos >= f0)
+    mod_rows = fwd[main[fwd] & module[fwd]]
+    period, start, count = tandem_repeat(a["sid"].to_numpy()[mod_rows])
+    keys = a["size"].to_numpy()[params] * PARAM_KEY + a["sid"].to_numpy()[params]
+    p_period, p_start, p_count = tandem_repeat(keys)
+    param_block = np.full(params.size, -1, dtype=np.int64)
+    if p_count >= 2:
+        for j in range(p_count):
+            param_block[p_start + j * p_period : p_start + (j + 1) * p_period] = j
+    if count < 1 or period == 0:
+        return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
+    bounds = [int(pos[mod_rows[start + j * period]]) for j in range(count)]
+    last_end = int(pos[mod_rows[start + count * period - 1]])
+    blocks = []
+    for j in range(count):
+        hi = bounds[j + 1] if j + 1 < count else last_end + 1
+        blocks.append(fwd[(pos[fwd] >= bounds[j]) & (pos[fwd] < hi)])
+    pre = fwd[pos[fwd] < bounds[0]]
+    after = fwd[pos[fwd] > last_end]
+    return PartialForward(f0, pre, data, tuple(blocks), after, max(p_count, count), params, param_block)
+
+
+@dataclass(frozen=True)
+class Extrapolated:
+    tape: Tape
+    blocks: tuple[BlockSpan, ...]
+    passes: tuple[PassSpan, ...]
+    notes: tuple[str, ...]
+
+
+class _Step:
+    """Synthesize the step on a fresh time line."""
+
+    def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
+        self.s, self.pf, self.b = s, pf, _Builder()
+        a = s.allocs
+        self.size = a["size"].to_numpy(dtype=np.float64)
+        self.sid = a["sid"].to_numpy()
+        self.pos = a["pos"].to_numpy()
+        self.free_pos = a["free_pos"].to_numpy()
+        self.fp32 = set(fp32_stacks(frames))
+        castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
+        self.p_size = self.size[pf.params]
+        largest = self.p_size.max(initial=0)
+        self.castable = castable & (self.p_size * 64 >= largest)
+        self.notes: list[str] = []
+        self.saved: list[tuple[str, int, list[int]]] = []  # (part, block, rows of the builder), forward order
+        self.spans: list[list[float]] = []
+        self.tied_head = 0.0
+
+    def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
+        """Recorded forward rows placed from now on: those freed in the trace keep their
+        lifetime; those alive at the failure are saved for the backward."""
+        b = self.b
+        if rows.size == 0:
+            return []
+        base = self.pos[rows[0]]
+        t0 = b.now + 1
+        kept = []
+        for r in rows.tolist():
+            start = t0 + (self.pos[r] - base)
+            fp32 = int(self.sid[r]) in self.fp32
+            if workspace is not None and workspace[r]:
+                b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
+                continue
+            if self.free_pos[r] >= 0:
+                b.add(start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32)
+            else:
+                kept.append(b.add(start, NEVER, 0.0, self.size[r], "activation", "forward", block, fp32))
+        b.now = t0 + float(self.pos[rows].max() - base) + 1
+        return kept
+
+    # ------------------------------------------------------------------ forward
+
+    def model_state(self, state_ratio: float) -> None:
+        """Parameters, memory older than the trace, and the optimizer state of the step before."""
+        b = self.b
+        for n in self.p_size.tolist():
+            b.add(-2.0, NEVER, n, 0.0, "parameter", "setup")
+        for n, cat, _ in self.s.untracked:
+            b.add(-2.0, NEVER, float(n), 0.0, "parameter" if cat == "parameter" else "workspace", "setup")
+        if state_ratio > 0:
+            for n in self.p_size.tolist():
+                b.add(-1.0, NEVER, n * state_ratio, 0.0, "optimizer_state", "setup")
+        for r in self.pf.data.tolist():  # the batch, copied to the GPU (a temporary freed before the forward)
+            b.add(-0.5, NEVER if self.free_pos[r] < 0 else -0.25, 0.0, self.size[r], "input", "data")
+
+    def workspace_rows(self) -> np.ndarray:
+        """Kept allocations of the first block whose stacks the next block does not repeat:
+        one-off caches (cuBLAS's workspace), not activations."""
+        out = np.zeros(self.size.size, dtype=bool)
+        if len(self.pf.blocks) < 2:
+            return out
+        first, second = self.pf.blocks[0], self.pf.blocks[1]
+        lone = first[~np.isin(self.sid[first], self.sid[second]) & (self.free_pos[first] < 0)]
+        out[lone] = True
+        return out
+
+    def forward(self) -> None:
+        pf = self.pf
+        self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
+        workspace = self.workspace_rows()
+        template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
+        for j in range(pf.layers if pf.blocks else 0):
+            rows = pf.blocks[j] if j < len(pf.blocks) else template
+            start = self.b.now + 1
+            self.saved.append(("block", j, self.copy_rows(rows, "block", j, workspace)))
+            self.spans.append([start, self.b.now, 0.0, 0.0])
+        if len(pf.blocks) < pf.layers:
+            self.notes.append(
+                f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
+                "are copies of the last whole block it ran"
+            )
+        if len(pf.blocks) >= pf.layers and pf.after.size:
+            kept = self.copy_rows(pf.after, "post", -1)
+            for _, req, _ in self.s.ooms[-1:]:
+                kept.append(self.b.add(self.b.tick(), NEVER, 0.0, float(req), "activation", "forward"))
+            self.saved.append(("post", -1, kept))
+        else:
+            self.head()
+
+    def head(self) -> None:
+        """The layers after the blocks, not reached: final norm, linear head, loss."""
+        pf, b = self.pf, self.b
+        if not pf.blocks:
+            return
+        last_block = self.saved[-1][2]
+        out_bytes = b.rows[last_block[-1]][3] if last_block else 0.0
+        in_block = self.p_size[pf.param_block >= 0]
+        d_bytes = float(in_block.min()) if in_block.size else 0.0
+        after = np.flatnonzero((pf.param_block < 0) & (np.arange(pf.param_block.size) > np.flatnonzero(pf.param_block >= 0).max(initial=0)))
+        mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
+        tied = mats.size == 0
+        matrix = float(self.p_size.max(initial=0)) if tied else float(mats.sum())
+        logits = out_bytes * matrix * 4 / d_bytes**2 if d_bytes else 0.0
+        self.tied_head = matrix if tied else 0.0
+        kept = [b.add(b.tick(), NEVER, 0.0, out_bytes, "activation", "forward")]  # final norm's output
+        b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward")  # logits: the program holds them
+        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=True))  # log-softmax
+        b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
+        self.saved.append(("post", -1, kept))
+        self.notes.append(
+            "the forward did not reach the layers after the blocks: taken as a final norm and a linear head "
+            + ("tied to the embedding" if tied else f"of {int(matrix):,} bytes")
+            + f" making {logits / max(out_bytes, 1):.1f}x the blocks' output (the logits), and a cross-entropy loss"
+        )
+
+    # ------------------------------------------------------------------ backward and step
+
+    def backward(self) -> float:
+        """Every part in reverse; returns where the backward began."""
+        b, pf = self.b, self.pf
+        start = b.now + 1
+        grad: int | None = None
+        spans = {j: sp for j, sp in enumerate(self.spans)}
+        for part, j, rows in reversed(self.saved):
+            if part == "block" and j in spans:
+                spans[j][2] = b.now + 1
+            owned = pf.param_block == j if part == "block" else self._outside(part)
+            for n in self.p_size[owned].tolist():
+                b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward")
+            for r in reversed(rows):
+                row = b.rows[r]
+                new = b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7])
+                if grad is not None:
+                    b.set_end(grad, b.tick())
+                b.set_end(r, b.tick())
+                grad = new
+            if part == "block" and j in spans:
+                spans[j][3] = b.now
+        if grad is not None:
+            b.set_end(grad, b.tick())
+        for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
+            if row[1] == NEVER and row[5] == "forward" and row[3] > 0:
+                b.set_end(r, b.now + 0.5)
+        return start
+
+    def _outside(self, part: str) -> np.ndarray:
+        """Parameters outside the blocks: before them (pre) or after (post)."""
+        idx = np.arange(self.pf.param_block.size)
+        inside = np.flatnonzero(self.pf.param_block >= 0)
+        first, last = (int(inside.min()), int(inside.max())) if inside.size else (idx.size, idx.size)
+        if part == "pre":
+            return (self.pf.param_block < 0) & (idx < first)
+        return (self.pf.param_block < 0) & (idx > last) if inside.size else np.zeros(idx.size, dtype=bool)
+
+    def step(self, temporary_ratio: float) -> None:
+        b = self.b
+        t = b.tick()
+        if temporary_ratio > 0:
+            for n in self.p_size.tolist():
+                b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
+        b.tick()
+
+    def spans_out(self, forward_start: float, backward_start: float) -> tuple[tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
+        pb = self.pf.param_block
+        blocks = tuple(
+            BlockSpan(j, j, sp[0], sp[1], sp[2], sp[3], int(self.p_size[self.castable & (pb == j)].sum()))
+            for j, sp in enumerate(self.spans)
+        )
+        outside = int(self.p_size[self.castable & (pb < 0)].sum() + self.tied_head)
+        return blocks, (PassSpan(forward_start, backward_start, self.b.now, outside),)
+
+
+def extrapolate_step(
+    frames: SnapshotFrames, s: TrainingStructure, state_ratio: float, temporary_ratio: float
+) -> Extrapolated | None:
+    """The whole step from a trace that ended in its first forward (None: no forward seen)."""
+    pf = partial_forward(s)
+    if pf is None:
+        return None
+    step = _Step(frames, s, pf)
+    step.model_state(state_ratio)
+    forward_start = step.b.now + 1
+    step.forward()
+    backward_start = step.backward()
+    step.step(temporary_ratio)
+    blocks, passes = step.spans_out(forward_start, backward_start)
+    notes = [
+        f"the trace ends in the first forward: the rest of the step is extrapolated ({pf.layers} repeated blocks, "
+        f"counted from the parameters; {len(pf.blocks)} ran)",
+        *step.notes,
+    ]
+    return Extrapolated(step.b.tape(), blocks, passes, tuple(notes))

@@ -1,0 +1,104 @@
+"""The levers, each a rewrite of the step's tape.
+
+- checkpointing: every repeated block keeps only its input; what its forward saved for the
+  backward is freed when the block's forward ends and made again (the forward re-run) just
+  before the block's backward, with the temporaries of that re-run;
+- bf16 autocast: what the forward and backward make at the batch's size is half as large,
+  except what operations autocast keeps in float32 make (softmax, norms, losses) and the
+  inputs; each block's Linear and convolution weights get a bfloat16 copy that lives from its
+  forward to its backward;
+- optimizer swaps: the optimizer state (and the step's temporaries) rescaled to what the other
+  optimizer keeps per parameter byte; offload: none of it on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .evidence import BlockSpan, StepEvidence
+from .tape import Tape, make_tape
+
+# optimizer state and step temporaries, in parameter bytes (fp32 parameters)
+OPTIMIZER_STATE_RATIO = {
+    "adamw": 2.0,
+    "adam": 2.0,
+    "sgd-momentum": 1.0,
+    "sgd": 0.0,
+    "8-bit adam": 0.5,
+    "adafactor": 0.02,
+    "adagrad": 1.0,
+    "rmsprop": 1.0,
+    "offload": 0.0,
+}
+STEP_TEMPORARY_RATIO = {"adamw": 1.0, "adam": 1.0, "8-bit adam": 0.25, "adafactor": 0.5, "rmsprop": 1.0}
+RECOMPUTE_WINDOW = 0.4  # the re-run forward is placed within the last positions before the block's backward
+
+
+def _block_rows(tape: Tape, b: BlockSpan) -> np.ndarray:
+    return np.flatnonzero((tape.block == b.uid) & (tape.phase == "forward") & (tape.per_batch > 0))
+
+
+def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
+    """Activation checkpointing of every repeated block."""
+    end = tape.end.copy()
+    added: list[Tape] = []
+    for b in blocks:
+        rows = _block_rows(tape, b)
+        if rows.size < 2:
+            continue
+        output = rows[np.argmax(tape.start[rows])]
+        rows = rows[rows != output]
+        saved = rows[tape.end[rows] > b.forward_end]
+        end[saved] = b.forward_end + 0.5
+        span = max(b.forward_end - b.forward_start, 1.0)
+        offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
+        start = b.backward_start - 0.5 + offset
+        is_saved = tape.end[rows] > b.forward_end
+        life = np.where(is_saved, tape.end[rows], start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW)
+        added.append(
+            make_tape(
+                start,
+                np.maximum(life, start + 1e-6),
+                tape.fixed[rows],
+                tape.per_batch[rows],
+                "activation",
+                tape.stream[rows],
+                "backward",
+                b.uid,
+                tape.keeps_fp32[rows],
+            )
+        )
+    out = Tape(tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.keeps_fp32)
+    for t in added:
+        out = out.with_rows(t)
+    return out
+
+
+def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
+    """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32."""
+    half = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0) & ~tape.keeps_fp32
+    out = tape.scaled(half, 0.5)
+    copies = []
+    for b in ev.blocks:
+        if b.matrix_bytes:
+            copies.append((b.forward_start - 0.25, b.backward_end + 0.25, b.matrix_bytes / 2))
+    for p in ev.passes:
+        if p.outside_matrix_bytes:
+            copies.append((p.forward_start - 0.25, p.backward_end - 0.25, p.outside_matrix_bytes / 2))
+    if copies:
+        arr = np.array(copies, dtype=np.float64)
+        out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
+    return out
+
+
+def swap_optimizer(tape: Tape, ev: StepEvidence, target: str) -> Tape:
+    """The recorded optimizer's state and step temporaries rescaled to ``target``'s."""
+    was = OPTIMIZER_STATE_RATIO.get(ev.optimizer, 2.0)
+    now = OPTIMIZER_STATE_RATIO[target]
+    state = (tape.category == "optimizer_state") & ~np.isfinite(tape.end)
+    out = tape.scaled(state, now / was if was else 0.0)
+    temp_was = STEP_TEMPORARY_RATIO.get(ev.optimizer, 0.0)
+    temp_now = STEP_TEMPORARY_RATIO.get(target, 0.0)
+    model = np.isin(tape.category, ["gradient", "parameter"])
+    temps = ((tape.phase == "step") | (tape.category == "optimizer_state")) & ~state & ~model
+    return out.scaled(temps, temp_now / temp_was if temp_was else 0.0)

@@ -1,0 +1,77 @@
+"""The step's evidence, from a trace with a whole step or from one that ran out of memory in
+its first forward."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...frames import SnapshotFrames
+from .._memo import memo
+from ..plan.structure import training_structure
+from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
+from .extrapolate import extrapolate_step
+from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
+
+ASSUMED_OPTIMIZER = "adamw"
+OPTIMIZER_NAMED = "named in the stacks"
+OPTIMIZER_GIVEN = "given"
+OPTIMIZER_ASSUMED = "assumed: the step never ran, and the stacks name no optimizer (give optimizer= to change it)"
+
+
+class FitUnsupported(ValueError):
+    """The trace shows no training step to build on."""
+
+
+def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = None) -> StepEvidence:
+    """What the trace shows of one training step on ``device`` (computed once per optimizer)."""
+    return memo(frames, ("fit.evidence", device, optimizer), lambda: _evidence(frames, device, optimizer))
+
+
+def _optimizer(frames: SnapshotFrames, given: str | None) -> tuple[str, str]:
+    if given is not None:
+        return given, OPTIMIZER_GIVEN
+    named = optimizer_in_stacks(frames)
+    if named is not None:
+        return named, OPTIMIZER_NAMED
+    return ASSUMED_OPTIMIZER, OPTIMIZER_ASSUMED
+
+
+def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
+    s = training_structure(frames, device)
+    if frames.stacks.empty:
+        raise FitUnsupported("the trace has no stacks: record with stacks='python' (or snaplab run)")
+    name, source = _optimizer(frames, optimizer)
+    params, castable = param_facts(frames, s)
+    complete = bool(s.passes) and bool(s.steps)
+    if complete:
+        tape = recorded_tape(frames, s, complete=True)
+        blocks, passes = block_spans(s, castable)
+        state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
+        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {s.n_blocks} repeated blocks)"]
+        return StepEvidence(tape, True, params, name, source, state, s.n_blocks, blocks, passes, tuple(notes))
+    ex = extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
+    if ex is None:
+        raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")
+    return StepEvidence(
+        ex.tape, False, params, name, source, 0, len(ex.blocks), ex.blocks, ex.passes, ex.notes
+    )
+
+
+def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
+    """The breakdown: model state, what scales with the batch (at the recorded batch, alive at
+    the end of the forward: saved activations), and workspaces."""
+    tape = ev.tape
+    kept = ~np.isfinite(tape.end)
+    by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
+    by["parameter"] = max(by["parameter"], ev.parameter_bytes)
+    by["gradient"] = ev.parameter_bytes
+    saved = 0.0
+    for p in ev.passes[:1]:
+        made = (tape.category == "gradient") & (tape.start >= p.forward_start) & (tape.start <= p.backward_end)
+        by["gradient"] = int(tape.fixed[made].sum()) or ev.parameter_bytes
+        alive = (tape.start < p.backward_start) & (tape.end >= p.backward_start) & (tape.phase == "forward")
+        saved = float(tape.per_batch[alive].sum())
+    workspace = tape.fixed[(tape.category == "workspace") & ~np.isfinite(tape.end)]
+    by["activations"] = int(saved)
+    by["workspaces"] = int(workspace.sum())
+    return by
