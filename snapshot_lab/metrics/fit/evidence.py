@@ -11,7 +11,7 @@ the forward and backward made does, except tensors the size of a parameter made 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -19,7 +19,8 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ..categories import CATEGORIES, CODES
 from ..categories.stacks import cache_stacks
-from ..plan.structure import TrainingStructure, stack_info
+from ..plan.structure import TrainingStructure, tandem_repeat
+from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
 
 # operations autocast runs in float32 whatever their inputs (torch's "fp32 list" and losses)
@@ -43,7 +44,7 @@ AUTOCAST_FP32_OPS = frozenset(
 )
 _FUNCTIONAL = "torch/nn/functional.py"
 # parameters of these modules are what autocast casts to bfloat16 (Linear, convolutions)
-_CAST_MODULES = ("torch/nn/modules/linear.py", "torch/nn/modules/conv.py")
+_CAST_MODULES = ("torch/nn/modules/linear.py", "torch/nn/modules/conv.py", "transformers/pytorch_utils.py")
 OPTIMIZER_FILES = {
     "adamw.py": "adamw",
     "adam.py": "adam",
@@ -106,11 +107,23 @@ def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
     )
 
 
-def fp32_stacks(frames: SnapshotFrames) -> set[int]:
-    """Stacks whose innermost Python frame is a functional autocast keeps in float32."""
+AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL = 0, 1, 2
+_MATMUL_FILES = r"torch/nn/modules/(?:linear|conv)\.py$|transformers/pytorch_utils\.py$"
+_ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
+
+
+def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
+    """Per stack, what autocast makes of the tensors made there: float32 (a functional on its
+    float32 list, or arithmetic written in the model's own code, where a float32 operand such
+    as the residual stream wins), bfloat16 out of a matrix multiply (Linear, convolution,
+    attention), or the dtype of the input (torch's other modules: norms, ReLU, pooling)."""
     inner = stack_innermost(frames)
-    hit = inner["filename"].str.endswith(_FUNCTIONAL) & inner["name"].isin(AUTOCAST_FP32_OPS)
-    return {int(s) for s in inner.index[hit.to_numpy()]}
+    fn, name = inner["filename"], inner["name"]
+    fp32 = fn.str.endswith(_FUNCTIONAL) & name.isin(AUTOCAST_FP32_OPS)
+    in_torch = fn.str.contains(r"(?:^|/)torch/(?:nn|autograd|utils|_tensor|functional|_jit)", regex=True)
+    matmul = fn.str.contains(_MATMUL_FILES, regex=True) | name.str.contains(_ATTENTION_NAMES, regex=True)
+    code = np.where(matmul, AUTOCAST_MATMUL, np.where(fp32 | ~in_torch, AUTOCAST_FP32, AUTOCAST_FOLLOWS))
+    return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
 
 def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
@@ -118,7 +131,7 @@ def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
     if frames.stacks.empty:
         return set()
     fn = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    hit = fn.str.endswith(_CAST_MODULES[0]) | fn.str.endswith(_CAST_MODULES[1])
+    hit = fn.str.endswith(_CAST_MODULES)
     fids = frames.stack_frames.loc[hit, "frame_id"]
     return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
 
@@ -163,17 +176,16 @@ def param_facts(frames: SnapshotFrames, s: TrainingStructure) -> tuple[int, np.n
     return int(sizes.sum()) + int(older), castable
 
 
-def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool) -> Tape:
-    """Every allocation of the trace (and the blocks older than it, from the start)."""
+def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, uid: np.ndarray) -> Tape:
+    """Every allocation of the trace (and the blocks older than it, from the start); ``uid``:
+    per allocation, the block instance it belongs to (-1: none)."""
     a = s.allocs
     cat, scales = row_categories(frames, s, complete)
     size = a["size"].to_numpy(dtype=np.float64)
     free_pos = a["free_pos"].to_numpy()
     end = np.where(free_pos >= 0, free_pos.astype(np.float64), NEVER)
-    n_blocks_per_pass = max(s.n_blocks, 1)
-    block = a["block"].to_numpy()
-    uid = np.where(block >= 0, a["pass_id"].to_numpy() * n_blocks_per_pass + block, -1)
-    fp32 = np.isin(a["sid"].to_numpy(), list(fp32_stacks(frames)))
+    codes = autocast_codes(frames)
+    fp32 = np.array([codes.get(int(x), AUTOCAST_FOLLOWS) for x in a["sid"].to_numpy()], dtype=np.int8)
     tape = make_tape(
         a["pos"].to_numpy(dtype=np.float64),
         end,
@@ -200,19 +212,61 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool) 
     return older.with_rows(tape)
 
 
-def block_spans(s: TrainingStructure, castable: np.ndarray) -> tuple[tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
-    """Where every block instance and every pass is on the recorded trace."""
-    p_block = s.params["block"].to_numpy()
+BLOCK_UID_STRIDE = 1_000  # block instance uid: pass * stride + block
+
+
+def block_spans(
+    frames: SnapshotFrames, s: TrainingStructure, castable: np.ndarray
+) -> tuple[np.ndarray, tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
+    """Per allocation its block instance (-1: none), and where every block instance and every
+    pass is on the recorded trace: a block's backward from the first of its saved tensors freed
+    to the last."""
+    a = s.allocs
+    pos, free_pos, sid = a["pos"].to_numpy(), a["free_pos"].to_numpy(), a["sid"].to_numpy()
+    main, module = a["main"].to_numpy(), a["module"].to_numpy()
+    uid = np.full(len(a), -1, dtype=np.int64)
     p_size = s.params["size"].to_numpy()
-    per_block = [int(p_size[castable & (p_block == j)].sum()) for j in range(s.n_blocks)]
-    outside = int(p_size[castable & (p_block < 0)].sum())
     blocks: list[BlockSpan] = []
     passes: list[PassSpan] = []
     for p in s.passes:
-        passes.append(PassSpan(p.forward_start, p.backward_start, p.backward_end, outside))
-        for j, ((f0, f1), (b0, b1)) in enumerate(zip(p.block_forward, p.block_backward, strict=False)):
-            if j >= s.n_blocks:
-                break
-            uid = p.index * max(s.n_blocks, 1) + j
-            blocks.append(BlockSpan(uid, j, float(f0), float(f1), float(b0), float(b1), per_block[j]))
-    return tuple(blocks), tuple(passes)
+        fwd = np.flatnonzero((pos >= p.forward_start) & (pos < p.backward_start) & main & module)
+        found = block_instances(frames, fwd, sid[fwd])
+        mapped = _param_blocks(s, len(found))
+        passes.append(
+            PassSpan(p.forward_start, p.backward_start, p.backward_end, int(p_size[castable & (mapped < 0)].sum()))
+        )
+        for j, rows in enumerate(found):
+            lo, hi = int(pos[rows[0]]), int(pos[rows[-1]])
+            mine = np.flatnonzero((pos >= lo) & (pos <= hi) & main)
+            uid[mine] = p.index * BLOCK_UID_STRIDE + j
+            saved = free_pos[mine][free_pos[mine] >= p.backward_start]
+            b0 = float(saved.min()) - 0.5 if saved.size else float(p.backward_start)
+            b1 = float(saved.max()) if saved.size else float(p.backward_end)
+            matrices = int(p_size[castable & (mapped == j)].sum())
+            blocks.append(BlockSpan(int(uid[mine[0]]), j, float(lo), float(hi), b0, b1, matrices))
+    return uid, _backward_starts(blocks), tuple(passes)
+
+
+def _backward_starts(blocks: list[BlockSpan]) -> tuple[BlockSpan, ...]:
+    """A block's backward begins once the next block's is over: before the gradients its own
+    backward makes, not at the first saved tensor it frees."""
+    out = list(blocks)
+    for k in range(len(out) - 1):
+        this, nxt = out[k], out[k + 1]
+        if nxt.uid == this.uid + 1 and nxt.backward_end + 0.25 < this.backward_start:
+            out[k] = replace(this, backward_start=nxt.backward_end + 0.25)
+    return tuple(out)
+
+
+def _param_blocks(s: TrainingStructure, n_blocks: int) -> np.ndarray:
+    """Per parameter its block, when the parameters repeat as many times as the forward's
+    blocks (else -1: all taken as outside the blocks)."""
+    keys = s.params["size"].to_numpy() * 1_000_003 + s.allocs["sid"].to_numpy()[s.params["row"].to_numpy()]
+    out = np.full(keys.size, -1, dtype=np.int64)
+    for k in (keys, s.params["size"].to_numpy()):
+        period, start, count = tandem_repeat(k)
+        if count >= n_blocks >= 2 and period:
+            for j in range(n_blocks):
+                out[start + j * period : start + (j + 1) * period] = j
+            return out
+    return out

@@ -28,7 +28,7 @@ import numpy as np
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from ..plan.structure import TrainingStructure, tandem_repeat
-from .evidence import BlockSpan, PassSpan, cast_param_stacks, fp32_stacks
+from .evidence import BlockSpan, PassSpan, AUTOCAST_FOLLOWS, AUTOCAST_FP32, cast_param_stacks, autocast_codes
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
@@ -38,11 +38,11 @@ PARAM_KEY = 1_000_003
 class _Builder:
     """Rows of the synthesized step, on a fresh time line (ticks)."""
 
-    rows: list[tuple[float, float, float, float, str, str, int, bool]] = field(default_factory=list)
+    rows: list[tuple[float, float, float, float, str, str, int, int]] = field(default_factory=list)
     now: float = 0.0
 
     def add(self, start: float, end: float, fixed: float, per_batch: float, cat: str, phase: str, block: int = -1,
-            fp32: bool = False) -> int:
+            fp32: int = 0) -> int:
         self.rows.append((start, end, fixed, per_batch, cat, phase, block, fp32))
         return len(self.rows) - 1
 
@@ -67,7 +67,7 @@ class _Builder:
             0,
             np.array(cols[5], dtype=object),
             np.array(cols[6], dtype=np.int64),
-            np.array(cols[7], dtype=bool),
+            np.array(cols[7], dtype=np.int8),
         )
 
 
@@ -138,7 +138,7 @@ class _Step:
         self.sid = a["sid"].to_numpy()
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
-        self.fp32 = set(fp32_stacks(frames))
+        self.autocast = autocast_codes(frames)
         castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
         self.p_size = self.size[pf.params]
         largest = self.p_size.max(initial=0)
@@ -159,7 +159,7 @@ class _Step:
         kept = []
         for r in rows.tolist():
             start = t0 + (self.pos[r] - base)
-            fp32 = int(self.sid[r]) in self.fp32
+            fp32 = self.autocast.get(int(self.sid[r]), AUTOCAST_FOLLOWS)
             if workspace is not None and workspace[r]:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
@@ -236,7 +236,7 @@ class _Step:
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, out_bytes, "activation", "forward")]  # final norm's output
         b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward")  # logits: the program holds them
-        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=True))  # log-softmax
+        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
         self.saved.append(("post", -1, kept))
         self.notes.append(

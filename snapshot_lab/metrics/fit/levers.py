@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evidence import BlockSpan, StepEvidence
+from .evidence import AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -46,8 +46,12 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
         rows = _block_rows(tape, b)
         if rows.size < 2:
             continue
-        output = rows[np.argmax(tape.start[rows])]
-        rows = rows[rows != output]
+        # the block's output (the next block's input, which the checkpoint keeps) is the first
+        # of its saved tensors the backward frees: in the next block's backward, or by its own
+        # first operation (an in-place ReLU saves its result)
+        kept = tape.end[rows] > b.forward_end
+        if kept.any():
+            rows = rows[rows != rows[kept][np.argmin(tape.end[rows][kept])]]
         saved = rows[tape.end[rows] > b.forward_end]
         end[saved] = b.forward_end + 0.5
         span = max(b.forward_end - b.forward_start, 1.0)
@@ -65,10 +69,10 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
                 tape.stream[rows],
                 "backward",
                 b.uid,
-                tape.keeps_fp32[rows],
+                tape.autocast[rows],
             )
         )
-    out = Tape(tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.keeps_fp32)
+    out = Tape(tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast)
     for t in added:
         out = out.with_rows(t)
     return out
@@ -76,7 +80,9 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
 
 def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
     """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32."""
-    half = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0) & ~tape.keeps_fp32
+    made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
+    half = made & (tape.autocast != AUTOCAST_FP32)
+    half |= made & _matmul_inputs(tape)
     out = tape.scaled(half, 0.5)
     copies = []
     for b in ev.blocks:
@@ -89,6 +95,18 @@ def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
         arr = np.array(copies, dtype=np.float64)
         out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
     return out
+
+
+def _matmul_inputs(tape: Tape) -> np.ndarray:
+    """Float32 tensors of the forward made just before a matrix multiply's output: that layer's
+    input, which autocast casts, so the layer saves a bfloat16 copy and the float32 one goes."""
+    fwd = np.flatnonzero(tape.phase == "forward")
+    fwd = fwd[np.argsort(tape.start[fwd], kind="stable")]
+    code = tape.autocast[fwd]
+    before = np.zeros(len(tape), dtype=bool)
+    feeds = (code[:-1] == AUTOCAST_FP32) & (code[1:] == AUTOCAST_MATMUL)
+    before[fwd[:-1][feeds]] = True
+    return before
 
 
 def swap_optimizer(tape: Tape, ev: StepEvidence, target: str) -> Tape:

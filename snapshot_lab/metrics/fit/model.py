@@ -44,11 +44,12 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
     params, castable = param_facts(frames, s)
     complete = bool(s.passes) and bool(s.steps)
     if complete:
-        tape = recorded_tape(frames, s, complete=True)
-        blocks, passes = block_spans(s, castable)
+        uid, blocks, passes = block_spans(frames, s, castable)
+        tape = recorded_tape(frames, s, True, uid)
         state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
-        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {s.n_blocks} repeated blocks)"]
-        return StepEvidence(tape, True, params, name, source, state, s.n_blocks, blocks, passes, tuple(notes))
+        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {len(blocks) // max(len(passes), 1)} repeated blocks)"]
+        n_blocks = len(blocks) // max(len(passes), 1)
+        return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
     ex = extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
     if ex is None:
         raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")

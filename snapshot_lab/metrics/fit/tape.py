@@ -29,7 +29,7 @@ class Tape:
     stream: np.ndarray  # int64
     phase: np.ndarray  # object: setup, data, forward, backward, step
     block: np.ndarray  # int64: the repeated block it belongs to (-1: none)
-    keeps_fp32: np.ndarray  # bool: an operation autocast runs in float32 made it
+    autocast: np.ndarray  # int8: what autocast makes of it (AUTOCAST_* in evidence)
 
     def __len__(self) -> int:
         return int(self.start.size)
@@ -53,7 +53,7 @@ class Tape:
         return replace(self, fixed=fixed, per_batch=per)
 
 
-_FIELDS = ("start", "end", "fixed", "per_batch", "category", "stream", "phase", "block", "keeps_fp32")
+_FIELDS = ("start", "end", "fixed", "per_batch", "category", "stream", "phase", "block", "autocast")
 
 
 def make_tape(
@@ -65,12 +65,12 @@ def make_tape(
     stream: np.ndarray | int = 0,
     phase: np.ndarray | str = "forward",
     block: np.ndarray | int = -1,
-    keeps_fp32: np.ndarray | bool = False,
+    autocast: np.ndarray | int = 0,
 ) -> Tape:
     """A tape from columns; a scalar stands for the same value in every row."""
     n = np.asarray(start).size
 
-    def column(v: object, dtype: type) -> np.ndarray:
+    def column(v: object, dtype: type | np.dtype) -> np.ndarray:
         if isinstance(v, np.ndarray):
             return v.astype(dtype)
         return np.full(n, v, dtype=dtype)
@@ -84,7 +84,7 @@ def make_tape(
         column(stream, np.int64),
         column(phase, object),
         column(block, np.int64),
-        column(keeps_fp32, bool),
+        column(autocast, np.int8),
     )
 
 
