@@ -28,10 +28,16 @@ import numpy as np
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from ..plan.structure import TrainingStructure, tandem_repeat
-from .evidence import BlockSpan, PassSpan, AUTOCAST_FOLLOWS, AUTOCAST_FP32, cast_param_stacks, autocast_codes
+from .blocks import block_instances
+from .evidence import BlockSpan, PassSpan, AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, cast_param_stacks, autocast_codes
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
+HEAD_ASSUMED = (
+    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
+    "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
+    "its log-softmax"
+)
 
 
 @dataclass
@@ -85,7 +91,7 @@ class PartialForward:
     param_block: np.ndarray  # per parameter: its block (-1: outside)
 
 
-def partial_forward(s: TrainingStructure) -> PartialForward | None:
+def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
     """The first forward as far as the trace goes (None: no forward in it)."""
     a = s.allocs
     pos = a["pos"].to_numpy()
@@ -100,24 +106,24 @@ def partial_forward(s: TrainingStructure) -> PartialForward | None:
     data = np.flatnonzero((pos < f0) & ~is_param & (pos > (pos[params].max() if params.size else -1)))
     fwd = np.flatnonzero(pos >= f0)
     mod_rows = fwd[main[fwd] & module[fwd]]
-    period, start, count = tandem_repeat(a["sid"].to_numpy()[mod_rows])
+    found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])
     keys = a["size"].to_numpy()[params] * PARAM_KEY + a["sid"].to_numpy()[params]
     p_period, p_start, p_count = tandem_repeat(keys)
     param_block = np.full(params.size, -1, dtype=np.int64)
     if p_count >= 2:
         for j in range(p_count):
             param_block[p_start + j * p_period : p_start + (j + 1) * p_period] = j
-    if count < 1 or period == 0:
+    if not found:
         return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
-    bounds = [int(pos[mod_rows[start + j * period]]) for j in range(count)]
-    last_end = int(pos[mod_rows[start + count * period - 1]])
-    blocks = []
-    for j in range(count):
-        hi = bounds[j + 1] if j + 1 < count else last_end + 1
-        blocks.append(fwd[(pos[fwd] >= bounds[j]) & (pos[fwd] < hi)])
-    pre = fwd[pos[fwd] < bounds[0]]
-    after = fwd[pos[fwd] > last_end]
-    return PartialForward(f0, pre, data, tuple(blocks), after, max(p_count, count), params, param_block)
+    spans = [(int(pos[r[0]]), int(pos[r[-1]])) for r in found]
+    blocks = [fwd[(pos[fwd] >= lo) & (pos[fwd] <= hi) & main[fwd]] for lo, hi in spans]
+    after = fwd[pos[fwd] > spans[-1][1]]
+    # the forward ran past the blocks when something outside them followed the last one
+    past = bool(np.isin(after, mod_rows).any())
+    whole = tuple(blocks if past else blocks[:-1])
+    pre = fwd[pos[fwd] < spans[0][0]]
+    return PartialForward(f0, pre, data, whole, after if past else np.zeros(0, dtype=np.int64),
+                          max(p_count, len(blocks)), params, param_block)
 
 
 @dataclass(frozen=True)
@@ -189,18 +195,23 @@ class _Step:
         """Kept allocations of the first block whose stacks the next block does not repeat:
         one-off caches (cuBLAS's workspace), not activations."""
         out = np.zeros(self.size.size, dtype=bool)
-        if len(self.pf.blocks) < 2:
-            return out
-        first, second = self.pf.blocks[0], self.pf.blocks[1]
-        lone = first[~np.isin(self.sid[first], self.sid[second]) & (self.free_pos[first] < 0)]
-        out[lone] = True
+        if self.pf.blocks:
+            first = self.pf.blocks[0]
+            out[first[self.lone_rows(first)]] = True
         return out
+
+    def lone_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Kept allocations of the first block whose stacks nothing else in the forward repeats."""
+        later = np.flatnonzero(self.pos > self.pos[rows].max())
+        return (self.free_pos[rows] < 0) & ~np.isin(self.sid[rows], self.sid[later])
 
     def forward(self) -> None:
         pf = self.pf
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
         template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
+        if len(pf.blocks) == 1:  # the first block's one-off allocations (a workspace) are not repeated
+            template = template[~self.lone_rows(template)]
         for j in range(pf.layers if pf.blocks else 0):
             rows = pf.blocks[j] if j < len(pf.blocks) else template
             start = self.b.now + 1
@@ -219,30 +230,47 @@ class _Step:
         else:
             self.head()
 
+    def model_width(self) -> float:
+        """Bytes per token of the blocks' width: the commonest size of the first block's
+        vectors (norm weights and biases)."""
+        first = self.p_size[self.pf.param_block == 0]
+        vectors = first[first * 64 < first.max(initial=0)]
+        if not vectors.size:
+            return 0.0
+        sizes, counts = np.unique(vectors, return_counts=True)
+        return float(sizes[np.argmax(counts)])
+
+    def head_matrix(self) -> tuple[float, bool]:
+        """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
+        pb = self.pf.param_block
+        inside = np.flatnonzero(pb >= 0)
+        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > inside.max(initial=pb.size)))
+        mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
+        if mats.size:
+            return float(mats.sum()), False
+        return float(self.p_size.max(initial=0)), True
+
     def head(self) -> None:
         """The layers after the blocks, not reached: final norm, linear head, loss."""
         pf, b = self.pf, self.b
         if not pf.blocks:
             return
         last_block = self.saved[-1][2]
-        out_bytes = b.rows[last_block[-1]][3] if last_block else 0.0
-        in_block = self.p_size[pf.param_block >= 0]
-        d_bytes = float(in_block.min()) if in_block.size else 0.0
-        after = np.flatnonzero((pf.param_block < 0) & (np.arange(pf.param_block.size) > np.flatnonzero(pf.param_block >= 0).max(initial=0)))
-        mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
-        tied = mats.size == 0
-        matrix = float(self.p_size.max(initial=0)) if tied else float(mats.sum())
-        logits = out_bytes * matrix * 4 / d_bytes**2 if d_bytes else 0.0
+        stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
+        width = self.model_width()
+        matrix, tied = self.head_matrix()
+        logits = stream * matrix * 4 / width**2 if width else 0.0
         self.tied_head = matrix if tied else 0.0
-        kept = [b.add(b.tick(), NEVER, 0.0, out_bytes, "activation", "forward")]  # final norm's output
-        b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward")  # logits: the program holds them
+        kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
+        made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
         kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
+        b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
         self.saved.append(("post", -1, kept))
         self.notes.append(
-            "the forward did not reach the layers after the blocks: taken as a final norm and a linear head "
-            + ("tied to the embedding" if tied else f"of {int(matrix):,} bytes")
-            + f" making {logits / max(out_bytes, 1):.1f}x the blocks' output (the logits), and a cross-entropy loss"
+            HEAD_ASSUMED.format(
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes", ratio=logits / max(stream, 1)
+            )
         )
 
     # ------------------------------------------------------------------ backward and step
@@ -306,7 +334,7 @@ def extrapolate_step(
     frames: SnapshotFrames, s: TrainingStructure, state_ratio: float, temporary_ratio: float
 ) -> Extrapolated | None:
     """The whole step from a trace that ended in its first forward (None: no forward seen)."""
-    pf = partial_forward(s)
+    pf = partial_forward(frames, s)
     if pf is None:
         return None
     step = _Step(frames, s, pf)
