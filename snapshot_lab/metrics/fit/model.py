@@ -15,7 +15,7 @@ from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 ASSUMED_OPTIMIZER = "adamw"
 OPTIMIZER_NAMED = "named in the stacks"
 OPTIMIZER_GIVEN = "given"
-OPTIMIZER_ASSUMED = "assumed: the step never ran, and the stacks name no optimizer (give optimizer= to change it)"
+OPTIMIZER_ASSUMED = "assumed: the step never ran and the stacks name no optimizer; give optimizer to change it"
 
 
 class FitUnsupported(ValueError):

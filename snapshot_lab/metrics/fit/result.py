@@ -170,15 +170,18 @@ def compute_fit(
     ev = step_evidence(frames, dev, optimizer)
     settings = recorded_settings(frames.info.allocator_settings)
     limit, source, _ = _limit(frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev))
-    asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings, limit)
+    asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     units = recorded_batch or FRACTION_STEPS
     outcomes = []
     for name, build in lever_tapes(ev).items():
         tape = build()
-        at = simulate(tape, batch_scale, settings, limit)
+        at = simulate(tape, batch_scale, settings)
+        fits = None
+        if limit is not None:
+            fits = at.peak_reserved_bytes <= limit or bool(simulate(tape, batch_scale, settings, limit).fits)
         found = None if limit is None else _in_units(largest_batch(tape, units, settings, limit), recorded_batch)
         outcomes.append(
-            LeverOutcome(name, ASSUMPTIONS[name], at.peak_allocated_bytes, at.peak_reserved_bytes, found, at.fits)
+            LeverOutcome(name, ASSUMPTIONS[name], at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
         )
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     return FitResult(
