@@ -8,6 +8,7 @@ for the peak allocated and reserved bytes and, under a memory limit, for the lar
 whole step runs (:mod:`.search`).
 """
 
-from .result import FitResult, LeverOutcome, compute_fit
+from .model import FitUnsupported
+from .result import FitResult, LeverOutcome, compute_fit, predict_step
 
-__all__ = ["FitResult", "LeverOutcome", "compute_fit"]
+__all__ = ["FitResult", "FitUnsupported", "LeverOutcome", "compute_fit", "predict_step"]

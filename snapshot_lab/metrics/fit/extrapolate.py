@@ -33,6 +33,17 @@ from .evidence import BlockSpan, PassSpan, AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTO
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
+NO_WHOLE_BLOCK = (
+    "the forward ran out of memory before its first repeated block completed: there is no block to extrapolate the "
+    "rest of the model from (record at a smaller batch, or under a larger limit, so that one block completes)"
+)
+
+
+class FitUnsupportedStep(ValueError):
+    """The trace shows too little of the step to extrapolate it."""
+
+
+GRADIENTS_ALIVE = 3  # an operation's output gradient, its input's, and one temporary of its backward
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
     "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
@@ -279,7 +290,7 @@ class _Step:
         """Every part in reverse; returns where the backward began."""
         b, pf = self.b, self.pf
         start = b.now + 1
-        grad: int | None = None
+        alive: list[int] = []  # gradients of activations, oldest first
         spans = {j: sp for j, sp in enumerate(self.spans)}
         for part, j, rows in reversed(self.saved):
             if part == "block" and j in spans:
@@ -289,15 +300,14 @@ class _Step:
                 b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward")
             for r in reversed(rows):
                 row = b.rows[r]
-                new = b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7])
-                if grad is not None:
-                    b.set_end(grad, b.tick())
+                alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
+                while len(alive) > GRADIENTS_ALIVE:
+                    b.set_end(alive.pop(0), b.tick())
                 b.set_end(r, b.tick())
-                grad = new
             if part == "block" and j in spans:
                 spans[j][3] = b.now
-        if grad is not None:
-            b.set_end(grad, b.tick())
+        for g in alive:
+            b.set_end(g, b.tick())
         for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
             if row[1] == NEVER and row[5] == "forward" and row[3] > 0:
                 b.set_end(r, b.now + 0.5)
@@ -337,6 +347,8 @@ def extrapolate_step(
     pf = partial_forward(frames, s)
     if pf is None:
         return None
+    if not pf.blocks:
+        raise FitUnsupportedStep(NO_WHOLE_BLOCK)
     step = _Step(frames, s, pf)
     step.model_state(state_ratio)
     forward_start = step.b.now + 1

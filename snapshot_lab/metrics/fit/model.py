@@ -7,9 +7,9 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from ..plan.structure import training_structure
+from ..plan.structure import TrainingStructure, training_structure
 from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
-from .extrapolate import extrapolate_step
+from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 
 ASSUMED_OPTIMIZER = "adamw"
@@ -20,6 +20,13 @@ OPTIMIZER_ASSUMED = "assumed: the step never ran and the stacks name no optimize
 
 class FitUnsupported(ValueError):
     """The trace shows no training step to build on."""
+
+
+def _extrapolated(frames: SnapshotFrames, s: TrainingStructure, name: str) -> Extrapolated | None:
+    try:
+        return extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
+    except FitUnsupportedStep as exc:
+        raise FitUnsupported(str(exc)) from None
 
 
 def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = None) -> StepEvidence:
@@ -50,7 +57,7 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
         notes = [f"a whole step was recorded ({len(s.passes)} iterations, {len(blocks) // max(len(passes), 1)} repeated blocks)"]
         n_blocks = len(blocks) // max(len(passes), 1)
         return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
-    ex = extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
+    ex = _extrapolated(frames, s, name)
     if ex is None:
         raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")
     return StepEvidence(

@@ -132,6 +132,23 @@ def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
     return lv.bf16_autocast(tape, ev) if bf16 else tape
 
 
+def predict_step(
+    frames: SnapshotFrames,
+    *,
+    batch_scale: float = 1.0,
+    checkpointing: bool = False,
+    bf16: bool = False,
+    optimizer: str | None = None,
+    device: int | None = None,
+) -> tuple[int, int]:
+    """Peak allocated and reserved bytes of one whole step at ``batch_scale`` times the recorded
+    batch under the levers asked for (no limit, nothing searched)."""
+    dev = _device(frames) if device is None else device
+    ev = step_evidence(frames, dev, optimizer)
+    sim = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, recorded_settings(frames.info.allocator_settings))
+    return sim.peak_allocated_bytes, sim.peak_reserved_bytes
+
+
 def _in_units(found: int, recorded_batch: int | None) -> float:
     return float(found) if recorded_batch else round(found / FRACTION_STEPS, 2)
 
