@@ -506,7 +506,6 @@ def plan(
     _run(work, debug)
 
 
-
 @app.command()
 def fit(
     snapshot: SnapshotArg,
@@ -555,6 +554,7 @@ def fit(
             sys.stdout.write(format_fit(result, snapshot.name))
 
     _run(work, debug)
+
 
 def main() -> None:
     """Console-script entry point."""

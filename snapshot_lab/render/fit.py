@@ -44,12 +44,16 @@ def _batch_words(r: FitResult, n: float | None) -> str:
 def headline(r: FitResult) -> str:
     """The answer in one or two sentences."""
     b = r.breakdown
-    what = f"at batch {_batch_words(r, r.batch)}" if r.batch is not None else (
-        "at the recorded batch" if r.batch_scale == 1 else f"at {r.batch_scale:g}x the recorded batch"
+    what = (
+        f"at batch {_batch_words(r, r.batch)}"
+        if r.batch is not None
+        else ("at the recorded batch" if r.batch_scale == 1 else f"at {r.batch_scale:g}x the recorded batch")
     )
     per = b.get("activations_per_sample_bytes")
-    acts = f"{_gib(per)} GiB per sample" if per is not None else (
-        f"{_gib(b.get('activations_at_recorded_batch_bytes', 0))} GiB at the recorded batch"
+    acts = (
+        f"{_gib(per)} GiB per sample"
+        if per is not None
+        else (f"{_gib(b.get('activations_at_recorded_batch_bytes', 0))} GiB at the recorded batch")
     )
     levers = [x for x in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if x[1]]
     if levers:

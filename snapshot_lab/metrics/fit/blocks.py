@@ -9,6 +9,7 @@ inside the block (its first layer) comes round again.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -46,6 +47,6 @@ def block_instances(frames: SnapshotFrames, rows: np.ndarray, sids: np.ndarray) 
             best, best_key = score, key
     if best_key is None:
         return []
-    idx = np.array(by_site[best_key])
-    starts = [*_instances(inner_of[best_key]), idx.size]
-    return [rows[idx[a:b]] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    members = np.array(by_site[best_key])
+    starts = [*_instances(inner_of[best_key]), members.size]
+    return [rows[members[a:b]] for a, b in itertools.pairwise(starts)]

@@ -29,7 +29,15 @@ from ...frames import SnapshotFrames
 from ..categories import CODES
 from ..plan.structure import TrainingStructure, tandem_repeat
 from .blocks import block_instances
-from .evidence import BlockSpan, PassSpan, AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, cast_param_stacks, autocast_codes
+from .evidence import (
+    AUTOCAST_FOLLOWS,
+    AUTOCAST_FP32,
+    AUTOCAST_MATMUL,
+    BlockSpan,
+    PassSpan,
+    autocast_codes,
+    cast_param_stacks,
+)
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
@@ -58,8 +66,17 @@ class _Builder:
     rows: list[tuple[float, float, float, float, str, str, int, int]] = field(default_factory=list)
     now: float = 0.0
 
-    def add(self, start: float, end: float, fixed: float, per_batch: float, cat: str, phase: str, block: int = -1,
-            fp32: int = 0) -> int:
+    def add(
+        self,
+        start: float,
+        end: float,
+        fixed: float,
+        per_batch: float,
+        cat: str,
+        phase: str,
+        block: int = -1,
+        fp32: int = 0,
+    ) -> int:
         self.rows.append((start, end, fixed, per_batch, cat, phase, block, fp32))
         return len(self.rows) - 1
 
@@ -133,8 +150,16 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
     past = bool(np.isin(after, mod_rows).any())
     whole = tuple(blocks if past else blocks[:-1])
     pre = fwd[pos[fwd] < spans[0][0]]
-    return PartialForward(f0, pre, data, whole, after if past else np.zeros(0, dtype=np.int64),
-                          max(p_count, len(blocks)), params, param_block)
+    return PartialForward(
+        f0,
+        pre,
+        data,
+        whole,
+        after if past else np.zeros(0, dtype=np.int64),
+        max(p_count, len(blocks)),
+        params,
+        param_block,
+    )
 
 
 @dataclass(frozen=True)
@@ -330,7 +355,9 @@ class _Step:
                 b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
         b.tick()
 
-    def spans_out(self, forward_start: float, backward_start: float) -> tuple[tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
+    def spans_out(
+        self, forward_start: float, backward_start: float
+    ) -> tuple[tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
         pb = self.pf.param_block
         blocks = tuple(
             BlockSpan(j, j, sp[0], sp[1], sp[2], sp[3], int(self.p_size[self.castable & (pb == j)].sum()))

@@ -58,7 +58,11 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
         offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
         start = b.backward_start - 0.5 + offset
         is_saved = tape.end[rows] > b.forward_end
-        life = np.where(is_saved, tape.end[rows], start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW)
+        life = np.where(
+            is_saved,
+            tape.end[rows],
+            start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW,
+        )
         added.append(
             make_tape(
                 start,
@@ -72,7 +76,9 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
                 tape.autocast[rows],
             )
         )
-    out = Tape(tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast)
+    out = Tape(
+        tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
+    )
     for t in added:
         out = out.with_rows(t)
     return out

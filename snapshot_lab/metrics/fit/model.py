@@ -54,15 +54,13 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
         uid, blocks, passes = block_spans(frames, s, castable)
         tape = recorded_tape(frames, s, True, uid)
         state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
-        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {len(blocks) // max(len(passes), 1)} repeated blocks)"]
         n_blocks = len(blocks) // max(len(passes), 1)
+        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"]
         return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
     ex = _extrapolated(frames, s, name)
     if ex is None:
         raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")
-    return StepEvidence(
-        ex.tape, False, params, name, source, 0, len(ex.blocks), ex.blocks, ex.passes, ex.notes
-    )
+    return StepEvidence(ex.tape, False, params, name, source, 0, len(ex.blocks), ex.blocks, ex.passes, ex.notes)
 
 
 def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:

@@ -145,7 +145,9 @@ def predict_step(
     batch under the levers asked for (no limit, nothing searched)."""
     dev = _device(frames) if device is None else device
     ev = step_evidence(frames, dev, optimizer)
-    sim = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, recorded_settings(frames.info.allocator_settings))
+    sim = simulate(
+        requested_tape(ev, checkpointing, bf16), batch_scale, recorded_settings(frames.info.allocator_settings)
+    )
     return sim.peak_allocated_bytes, sim.peak_reserved_bytes
 
 
@@ -186,7 +188,9 @@ def compute_fit(
     dev = _device(frames) if device is None else device
     ev = step_evidence(frames, dev, optimizer)
     settings = recorded_settings(frames.info.allocator_settings)
-    limit, source, _ = _limit(frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev))
+    limit, source, _ = _limit(
+        frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev)
+    )
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     units = recorded_batch or FRACTION_STEPS
     outcomes = []
