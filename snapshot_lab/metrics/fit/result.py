@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...frames import SnapshotFrames
-from ..allocator_model import recorded_settings
+from ..allocator_model import AllocatorSettings, recorded_settings
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
+from ..whatif import quick_grid, settings_label
 from . import levers as lv
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
@@ -33,6 +34,10 @@ ASSUMPTIONS = {
     "gradient accumulation": "the batch split into micro-batches whose gradients are summed before one step: the step "
     "needs what one micro-batch needs, so any batch runs as enough micro-batches of the largest that fits as recorded",
 }
+ALLOCATOR_ASSUMPTION = (
+    "PYTORCH_CUDA_ALLOC_CONF={conf} (an alternative snaplab whatif tries): the step as recorded, laid out by the "
+    "allocator under these settings"
+)
 OPTIMIZER_SWAPS = ("sgd-momentum", "8-bit adam", "adafactor")
 OFFLOAD = "optimizer offload"
 ACCUMULATION = "gradient accumulation"
@@ -151,8 +156,26 @@ def predict_step(
     return sim.peak_allocated_bytes, sim.peak_reserved_bytes
 
 
-def _in_units(found: int, recorded_batch: int | None) -> float:
-    return float(found) if recorded_batch else round(found / FRACTION_STEPS, 2)
+@dataclass(frozen=True)
+class _Search:
+    settings: AllocatorSettings
+    limit: int | None
+    batch_scale: float
+    recorded_batch: int | None
+
+    def outcome(
+        self, name: str, assumption: str, tape: Tape, settings: AllocatorSettings | None = None
+    ) -> LeverOutcome:
+        """The step at the batch asked for, and the largest batch under the limit."""
+        st = settings or self.settings
+        at = simulate(tape, self.batch_scale, st)
+        fits = found = None
+        if self.limit is not None:
+            fits = at.peak_reserved_bytes <= self.limit or bool(simulate(tape, self.batch_scale, st, self.limit).fits)
+            units = self.recorded_batch or FRACTION_STEPS
+            best = largest_batch(tape, units, st, self.limit)
+            found = float(best) if self.recorded_batch else round(best / FRACTION_STEPS, 2)
+        return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
 
 
 def _breakdown(ev: StepEvidence, recorded_batch: int | None) -> dict[str, int]:
@@ -192,18 +215,13 @@ def compute_fit(
         frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev)
     )
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
-    units = recorded_batch or FRACTION_STEPS
-    outcomes = []
-    for name, build in lever_tapes(ev).items():
-        tape = build()
-        at = simulate(tape, batch_scale, settings)
-        fits = None
-        if limit is not None:
-            fits = at.peak_reserved_bytes <= limit or bool(simulate(tape, batch_scale, settings, limit).fits)
-        found = None if limit is None else _in_units(largest_batch(tape, units, settings, limit), recorded_batch)
-        outcomes.append(
-            LeverOutcome(name, ASSUMPTIONS[name], at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
-        )
+    search = _Search(settings, limit, batch_scale, recorded_batch)
+    outcomes = [search.outcome(name, ASSUMPTIONS[name], build()) for name, build in lever_tapes(ev).items()]
+    if limit is not None:  # the allocator's settings: the same step, less fragmentation
+        confs = [(settings_label(alt.describe()), alt) for alt in quick_grid(settings, limit)]
+        outcomes[1:1] = [
+            search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt) for conf, alt in confs
+        ]
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     return FitResult(
         device=dev,
