@@ -19,7 +19,7 @@ LEVER_PHRASES = {
     "optimizer offload": "with the optimizer offloaded to the CPU",
 }
 HEADLINE_LEVERS = ("as recorded", "bf16", "checkpointing", "checkpointing+bf16")
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
 HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
 NO_LIMIT = "No memory limit is known: give memory_limit (--memory-limit) for the largest batch that fits."
 EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
@@ -31,6 +31,10 @@ ACCUMULATION = (
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
+
+
+def _amount(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 2 else format_bytes(n, 0)
 
 
 def _batch_words(r: FitResult, n: float | None) -> str:
@@ -51,9 +55,9 @@ def headline(r: FitResult) -> str:
     )
     per = b.get("activations_per_sample_bytes")
     acts = (
-        f"{_gib(per)} GiB per sample"
+        f"{_amount(per)} per sample"
         if per is not None
-        else (f"{_gib(b.get('activations_at_recorded_batch_bytes', 0))} GiB at the recorded batch")
+        else (f"{_amount(b.get('activations_at_recorded_batch_bytes', 0))} at the recorded batch")
     )
     levers = [x for x in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if x[1]]
     if levers:

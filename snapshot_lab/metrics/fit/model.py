@@ -11,6 +11,7 @@ from ..plan.structure import TrainingStructure, training_structure
 from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
+from .search import PeakCurve
 
 ASSUMED_OPTIMIZER = "adamw"
 OPTIMIZER_NAMED = "named in the stacks"
@@ -64,20 +65,18 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
 
 
 def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
-    """The breakdown: model state, what scales with the batch (at the recorded batch, alive at
-    the end of the forward: saved activations), and workspaces."""
+    """The breakdown: model state; what the batch adds to the step's peak (the peak at twice the
+    recorded batch minus the peak at it: activations saved for the backward and the backward's
+    own, at the recorded batch); workspaces."""
     tape = ev.tape
     kept = ~np.isfinite(tape.end)
     by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
     by["parameter"] = max(by["parameter"], ev.parameter_bytes)
     by["gradient"] = ev.parameter_bytes
-    saved = 0.0
     for p in ev.passes[:1]:
         made = (tape.category == "gradient") & (tape.start >= p.forward_start) & (tape.start <= p.backward_end)
         by["gradient"] = int(tape.fixed[made].sum()) or ev.parameter_bytes
-        alive = (tape.start < p.backward_start) & (tape.end >= p.backward_start) & (tape.phase == "forward")
-        saved = float(tape.per_batch[alive].sum())
-    workspace = tape.fixed[(tape.category == "workspace") & ~np.isfinite(tape.end)]
-    by["activations"] = int(saved)
-    by["workspaces"] = int(workspace.sum())
+    curve = PeakCurve(tape)
+    by["activations"] = max(curve.peak(2.0) - curve.peak(1.0), 0)
+    by["workspaces"] = int(tape.fixed[(tape.category == "workspace") & kept].sum())
     return by
