@@ -51,6 +51,8 @@ class FitUnsupportedStep(ValueError):
     """The trace shows too little of the step to extrapolate it."""
 
 
+PASSES = 2  # the first step makes the optimizer state; the second runs with it
+BLOCK_UID_STRIDE = 1_000
 GRADIENTS_ALIVE = 3  # an operation's output gradient, its input's, and one temporary of its backward
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
@@ -188,7 +190,13 @@ class _Step:
         self.notes: list[str] = []
         self.saved: list[tuple[str, int, list[int]]] = []  # (part, block, rows of the builder), forward order
         self.spans: list[list[float]] = []
+        self.pass_index = 0
+        self.grads: list[int] = []  # this pass's parameter gradients and inputs: freed by zero_grad
+        self.block_spans: list[BlockSpan] = []
+        self.pass_spans: list[PassSpan] = []
         self.tied_head = 0.0
+        self.transients: dict[tuple[str, int], list[int]] = {}  # what each part's forward made and freed
+        self.one_off = self.workspace_rows()
 
     def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
         """Recorded forward rows placed from now on: those freed in the trace keep their
@@ -206,7 +214,12 @@ class _Step:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
             if self.free_pos[r] >= 0:
-                b.add(start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32)
+                k = b.add(
+                    start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32
+                )
+                self.transients.setdefault((part, block), []).append(k)
+            elif workspace is None and part == "block" and self.one_off[r]:
+                continue  # a one-off cache of the first pass: made once
             else:
                 kept.append(b.add(start, NEVER, 0.0, self.size[r], "activation", "forward", block, fp32))
         b.now = t0 + float(self.pos[rows].max() - base) + 1
@@ -214,18 +227,23 @@ class _Step:
 
     # ------------------------------------------------------------------ forward
 
-    def model_state(self, state_ratio: float) -> None:
-        """Parameters, memory older than the trace, and the optimizer state of the step before."""
+    def model_state(self) -> None:
+        """Parameters and memory older than the trace."""
         b = self.b
         for n in self.p_size.tolist():
             b.add(-2.0, NEVER, n, 0.0, "parameter", "setup")
         for n, cat, _ in self.s.untracked:
             b.add(-2.0, NEVER, float(n), 0.0, "parameter" if cat == "parameter" else "workspace", "setup")
-        if state_ratio > 0:
-            for n in self.p_size.tolist():
-                b.add(-1.0, NEVER, n * state_ratio, 0.0, "optimizer_state", "setup")
-        for r in self.pf.data.tolist():  # the batch, copied to the GPU (a temporary freed before the forward)
-            b.add(-0.5, NEVER if self.free_pos[r] < 0 else -0.25, 0.0, self.size[r], "input", "data")
+
+    def inputs(self) -> None:
+        """The batch, copied to the GPU (a temporary freed before the forward, if the trace says so)."""
+        b = self.b
+        for r in self.pf.data.tolist():
+            t = b.tick()
+            kept = self.free_pos[r] < 0
+            row = b.add(t, NEVER if kept else t + 0.5, 0.0, self.size[r], "input", "data")
+            if kept:
+                self.grads.append(row)
 
     def workspace_rows(self) -> np.ndarray:
         """Kept allocations of the first block whose stacks the next block does not repeat:
@@ -243,6 +261,7 @@ class _Step:
 
     def forward(self) -> None:
         pf = self.pf
+        self.saved, self.spans = [], []
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
         template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
@@ -251,7 +270,9 @@ class _Step:
         for j in range(pf.layers if pf.blocks else 0):
             rows = pf.blocks[j] if j < len(pf.blocks) else template
             start = self.b.now + 1
-            self.saved.append(("block", j, self.copy_rows(rows, "block", j, workspace)))
+            uid = self.pass_index * BLOCK_UID_STRIDE + j
+            first_pass = workspace if self.pass_index == 0 else None
+            self.saved.append(("block", j, self.copy_rows(rows, "block", uid, first_pass)))
             self.spans.append([start, self.b.now, 0.0, 0.0])
         if len(pf.blocks) < pf.layers:
             self.notes.append(
@@ -322,13 +343,16 @@ class _Step:
                 spans[j][2] = b.now + 1
             owned = pf.param_block == j if part == "block" else self._outside(part)
             for n in self.p_size[owned].tolist():
-                b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward")
-            for r in reversed(rows):
+                self.grads.append(b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward"))
+            saved = set(rows)
+            uid = self.pass_index * BLOCK_UID_STRIDE + j if part == "block" else -1
+            for r in sorted([*rows, *self.transients.get((part, uid), [])], key=lambda k: -b.rows[k][0]):
                 row = b.rows[r]
                 alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
                 while len(alive) > GRADIENTS_ALIVE:
                     b.set_end(alive.pop(0), b.tick())
-                b.set_end(r, b.tick())
+                if r in saved:
+                    b.set_end(r, b.tick())
             if part == "block" and j in spans:
                 spans[j][3] = b.now
         for g in alive:
@@ -347,24 +371,37 @@ class _Step:
             return (self.pf.param_block < 0) & (idx < first)
         return (self.pf.param_block < 0) & (idx > last) if inside.size else np.zeros(idx.size, dtype=bool)
 
-    def step(self, temporary_ratio: float) -> None:
+    def step(self, state_ratio: float, temporary_ratio: float) -> None:
+        """The optimizer step (its state made by the first), then zero_grad."""
         b = self.b
         t = b.tick()
+        if self.pass_index == 0 and state_ratio > 0:
+            for n in self.p_size.tolist():
+                b.add(b.tick(), NEVER, n * state_ratio, 0.0, "optimizer_state", "step")
         if temporary_ratio > 0:
+            t = b.tick()
             for n in self.p_size.tolist():
                 b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
-        b.tick()
+        t = b.tick()
+        for r in self.grads:
+            b.set_end(r, t)
+        self.grads = []
 
-    def spans_out(
-        self, forward_start: float, backward_start: float
-    ) -> tuple[tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
+    def run_pass(self, state_ratio: float, temporary_ratio: float) -> None:
+        """Data, forward, backward, optimizer step; where its blocks and itself are."""
+        self.inputs()
+        forward_start = self.b.now + 1
+        self.forward()
+        backward_start = self.backward()
         pb = self.pf.param_block
-        blocks = tuple(
-            BlockSpan(j, j, sp[0], sp[1], sp[2], sp[3], int(self.p_size[self.castable & (pb == j)].sum()))
-            for j, sp in enumerate(self.spans)
-        )
+        for j, sp in enumerate(self.spans):
+            matrices = int(self.p_size[self.castable & (pb == j)].sum())
+            uid = self.pass_index * BLOCK_UID_STRIDE + j
+            self.block_spans.append(BlockSpan(uid, j, sp[0], sp[1], sp[2], sp[3], matrices))
         outside = int(self.p_size[self.castable & (pb < 0)].sum() + self.tied_head)
-        return blocks, (PassSpan(forward_start, backward_start, self.b.now, outside),)
+        self.pass_spans.append(PassSpan(forward_start, backward_start, self.b.now, outside))
+        self.step(state_ratio, temporary_ratio)
+        self.pass_index += 1
 
 
 def extrapolate_step(
@@ -377,15 +414,13 @@ def extrapolate_step(
     if not pf.blocks:
         raise FitUnsupportedStep(NO_WHOLE_BLOCK)
     step = _Step(frames, s, pf)
-    step.model_state(state_ratio)
-    forward_start = step.b.now + 1
-    step.forward()
-    backward_start = step.backward()
-    step.step(temporary_ratio)
-    blocks, passes = step.spans_out(forward_start, backward_start)
+    step.model_state()
+    for _ in range(PASSES):
+        step.run_pass(state_ratio, temporary_ratio)
     notes = [
         f"the trace ends in the first forward: the rest of the step is extrapolated ({pf.layers} repeated blocks, "
-        f"counted from the parameters; {len(pf.blocks)} ran)",
-        *step.notes,
+        f"counted from the parameters; {len(pf.blocks)} ran), then a second step as the first, with the optimizer "
+        "state its step made",
+        *dict.fromkeys(step.notes),
     ]
-    return Extrapolated(step.b.tape(), blocks, passes, tuple(notes))
+    return Extrapolated(step.b.tape(), tuple(step.block_spans), tuple(step.pass_spans), tuple(notes))
