@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evidence import AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
+from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -87,8 +87,10 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
 def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
     """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32."""
     made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
+    cast_inputs = _matmul_inputs(tape)
     half = made & (tape.autocast != AUTOCAST_FP32)
-    half |= made & _matmul_inputs(tape)
+    half |= made & cast_inputs
+    half &= ~_float32_gradients(tape, cast_inputs)
     out = tape.scaled(half, 0.5)
     copies = []
     for b in ev.blocks:
@@ -101,6 +103,15 @@ def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
         arr = np.array(copies, dtype=np.float64)
         out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
     return out
+
+
+def _float32_gradients(tape: Tape, cast_inputs: np.ndarray) -> np.ndarray:
+    """The backward's own tensors (no stack tells what made them) the size of a tensor the
+    forward keeps in float32: gradients take the dtype of what they are the gradient of."""
+    fwd = (tape.phase == "forward") & (tape.autocast == AUTOCAST_FP32) & ~cast_inputs & (tape.per_batch > 0)
+    sizes = np.unique(tape.per_batch[fwd])
+    own = (tape.phase == "backward") & (tape.autocast == AUTOCAST_FOLLOWS) & (tape.block < 0)
+    return own & np.isin(tape.per_batch, sizes)
 
 
 def _matmul_inputs(tape: Tape) -> np.ndarray:
