@@ -215,6 +215,8 @@ def test_cli_json_is_the_api():
     assert set(out["largest_batch"]) >= {"as recorded", "checkpointing", "bf16", "checkpointing+bf16", "8-bit adam"}
     assert {"parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "workspaces_bytes"} <= set(out["breakdown"])
     assert all(lever["assumption"] for lever in out["levers"])
+    acc = out["gradient_accumulation"]
+    assert acc["accumulation_steps"] == -(-8 // int(acc["micro_batch"]))
 
 
 def test_cli_text():

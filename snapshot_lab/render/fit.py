@@ -107,11 +107,11 @@ def format_fit(r: FitResult, name: str = "") -> str:
     out.append(table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, o) for o in r.levers]))
     if r.memory_limit_bytes is not None:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
-    as_is = r.largest_batch.get("as recorded")
-    if as_is and r.batch:
-        steps = -(-int(r.batch) // int(as_is)) if r.recorded_batch else None
-        if steps and steps > 1:
-            out.append(ACCUMULATION.format(micro=_batch_words(r, as_is), steps=steps, what=f"batch {int(r.batch)}"))
+    acc = r.accumulation
+    if acc["accumulation_steps"] and int(acc["accumulation_steps"]) > 1:
+        out.append(
+            ACCUMULATION.format(micro=_batch_words(r, acc["micro_batch"]), steps=acc["accumulation_steps"], what=at)
+        )
     out += ["", "The step (bytes):"]
     out += [f"  {k.removesuffix('_bytes').replace('_', ' ')}: {format_bytes(v)}" for k, v in r.breakdown.items()]
     out += ["", "Each lever assumes:"]

@@ -89,6 +89,15 @@ class FitResult:
     def largest_batch(self) -> dict[str, float | None]:
         return {o.lever: o.largest_batch for o in self.levers}
 
+    @property
+    def accumulation(self) -> dict[str, float | int | None]:
+        """Gradient accumulation: micro-batches of the largest batch that fits as recorded, as
+        many as the batch asked for needs."""
+        micro = self.largest_batch.get(AS_RECORDED)
+        wanted = self.batch if self.batch is not None else self.batch_scale
+        steps = -(-round(wanted * 100) // round(micro * 100)) if micro else None
+        return {"micro_batch": micro, "accumulation_steps": steps}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
@@ -106,6 +115,7 @@ class FitResult:
             "optimizer_source": self.optimizer_source,
             "breakdown": self.breakdown,
             "largest_batch": self.largest_batch,
+            "gradient_accumulation": {**self.accumulation, "assumption": ASSUMPTIONS[ACCUMULATION]},
             "levers": [o.to_dict() for o in self.levers],
             "notes": list(self.notes),
         }
