@@ -99,6 +99,20 @@ def test_checkpointing_keeps_the_blocks_output_and_recomputes_the_rest():
     assert list(again.end) == [20.0, 21.0]
 
 
+def test_the_search_steps_down_from_the_allocated_bound():
+    from snapshot_lab.metrics.fit.search import _down_from
+
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= 37
+
+    assert _down_from(40, fits) == 37
+    assert tried[:3] == [40, 39, 38]
+    assert _down_from(5, lambda n: False) == 0
+
+
 def test_largest_batch_is_the_last_that_fits():
     mib = 1 << 20
     t = make_tape(np.array([0, 1]), np.array([NEVER, 2]), np.array([64 * mib, 0]), np.array([0, 32 * mib]), "a")
@@ -157,7 +171,10 @@ def test_largest_batch_under_the_cap_is_near_the_measured_one(under_the_cap, lev
         assert abs(predicted - measured) <= max(1, NEAR * measured), (name, lever, predicted, measured)
 
 
-EXACT = {("fit_gpt2_b32_oom_python", "bf16")}  # (snapshot, lever) the model gets exactly right today
+EXACT = {  # (snapshot, lever) the model gets exactly right today
+    ("fit_gpt2_b32_oom_python", "bf16"),
+    ("fit_resnet50_b16_complete_python", "ckpt+bf16"),
+}
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))

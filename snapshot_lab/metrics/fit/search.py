@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,7 @@ from .tape import Tape, _ordered_ops, simulate
 
 FRACTION_STEPS = 100  # without the recorded batch in samples: the largest batch to 1% of the recorded one
 MAX_UNITS = 1 << 20
+LONG_TAPE_ROWS = 40_000  # above this, replaying the allocator for every candidate batch takes too long
 
 
 @dataclass
@@ -33,8 +35,9 @@ class PeakCurve:
 
 def largest_batch(tape: Tape, units: int, settings: AllocatorSettings, limit: int) -> int:
     """The largest batch, in ``units`` per recorded batch, whose step runs under ``limit``
-    (0: not even one unit). Monotone in the batch: bisection, first on the allocated peak (a
-    bound), then on replays through the allocator."""
+    (0: not even one unit). Monotone in the batch: bisection on the allocated peak (a bound),
+    then, down from that bound, replays through the allocator (none for a tape longer than
+    ``LONG_TAPE_ROWS``: the bound stands)."""
     curve = PeakCurve(tape)
     if curve.peak(1 / units) > limit:
         return 0
@@ -44,11 +47,23 @@ def largest_batch(tape: Tape, units: int, settings: AllocatorSettings, limit: in
     while hi - lo > 1:  # allocated: lo fits, hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if curve.peak(mid / units) <= limit else (lo, mid)
-    top = lo
-    if simulate(tape, top / units, settings, limit).fits:
+    if len(tape) > LONG_TAPE_ROWS:
+        return lo
+    return _down_from(lo, lambda n: bool(simulate(tape, n / units, settings, limit).fits))
+
+
+def _down_from(top: int, fits: Callable[[int], bool]) -> int:
+    """The largest n <= top that fits: steps down doubling until one fits, then bisection (the
+    answer is usually close to the allocated bound)."""
+    if fits(top):
         return top
-    lo, hi = 0, top
+    hi, step = top, 1
+    lo = top - step
+    while lo > 0 and not fits(lo):
+        hi, step = lo, step * 2
+        lo = max(top - step, 0)
+    lo = max(lo, 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if simulate(tape, mid / units, settings, limit).fits else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
