@@ -13,7 +13,7 @@ from ..whatif import quick_grid, settings_label
 from . import levers as lv
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
-from .search import FRACTION_STEPS, largest_batch
+from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
 from .tape import Tape, simulate
 
 AS_RECORDED = "as recorded"
@@ -37,6 +37,10 @@ ASSUMPTIONS = {
 ALLOCATOR_ASSUMPTION = (
     "PYTORCH_CUDA_ALLOC_CONF={conf} (an alternative snaplab whatif tries): the step as recorded, laid out by the "
     "allocator under these settings"
+)
+LONG_TAPE_NOTE = (
+    "the step has {rows:,} allocations: the largest batches are bounded by the peak allocated only, without "
+    "replaying the allocator for each (fragmentation can make them a little smaller)"
 )
 OPTIMIZER_SWAPS = ("sgd-momentum", "8-bit adam", "adafactor")
 OFFLOAD = "optimizer offload"
@@ -233,6 +237,8 @@ def compute_fit(
             search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt) for conf, alt in confs
         ]
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
+    if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
+        notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
     return FitResult(
         device=dev,
         recorded_batch=recorded_batch,
