@@ -33,6 +33,7 @@ from .evidence import (
     AUTOCAST_FOLLOWS,
     AUTOCAST_FP32,
     AUTOCAST_MATMUL,
+    BLOCK_UID_STRIDE,
     BlockSpan,
     PassSpan,
     autocast_codes,
@@ -52,7 +53,6 @@ class FitUnsupportedStep(ValueError):
 
 
 PASSES = 2  # the first step makes the optimizer state; the second runs with it
-BLOCK_UID_STRIDE = 1_000
 GRADIENTS_ALIVE = 3  # an operation's output gradient, its input's, and one temporary of its backward
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "

@@ -3,10 +3,14 @@
 - checkpointing: every repeated block keeps only its input; what its forward saved for the
   backward is freed when the block's forward ends and made again (the forward re-run) just
   before the block's backward, with the temporaries of that re-run;
-- bf16 autocast: what the forward and backward make at the batch's size is half as large,
-  except what operations autocast keeps in float32 make (softmax, norms, losses) and the
-  inputs; each block's Linear and convolution weights get a bfloat16 copy that lives from its
-  forward to its backward;
+- bf16 autocast: what a matrix multiply (Linear, convolution, attention) makes is half as
+  large, and so is what torch's other modules make from it (norms of a convolution's output,
+  ReLU, pooling); float32 stays what autocast's float32 operations make (softmax, layer norm,
+  losses) and the model's own arithmetic (a float32 operand such as the residual stream wins),
+  except a layer's float32 input, which the layer saves as a bfloat16 copy; the backward's own
+  tensors take the dtype of the forward tensors of their size; the inputs stay; each block's
+  Linear and convolution weights get a bfloat16 copy that lives from its forward to its
+  backward;
 - optimizer swaps: the optimizer state (and the step's temporaries) rescaled to what the other
   optimizer keeps per parameter byte; offload: none of it on the GPU.
 """

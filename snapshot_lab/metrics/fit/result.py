@@ -22,9 +22,10 @@ ASSUMPTIONS = {
     "make scale with it, parameters, gradients, optimizer state and workspaces do not",
     "checkpointing": "activation checkpointing of every repeated block (torch.utils.checkpoint, non-reentrant): each "
     "block keeps its input, re-runs its forward just before its backward",
-    "bf16": "torch.autocast(dtype=torch.bfloat16), float32 parameters: activations halve except what softmax, norms "
-    "and losses make (autocast keeps them in float32) and the inputs; a bfloat16 copy of every Linear and "
-    "convolution weight lives from its forward to its backward",
+    "bf16": "torch.autocast(dtype=torch.bfloat16), float32 parameters: what matrix multiplies (Linear, convolution, "
+    "attention) and the modules after them make halves; softmax, norms, losses and the model's own arithmetic stay "
+    "float32 (a layer saves a bfloat16 copy of its float32 input), gradients take their tensor's dtype, inputs "
+    "stay; a bfloat16 copy of every Linear and convolution weight lives from its forward to its backward",
     "checkpointing+bf16": "both: checkpointing of every repeated block under bf16 autocast",
     "sgd-momentum": "torch.optim.SGD with momentum instead: one state tensor per parameter (P)",
     "8-bit adam": "bitsandbytes 8-bit AdamW instead: two 1-byte states per parameter element (0.5 P)",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..allocator_model import MIN_BLOCK, AllocatorSettings
-from .tape import Tape, _ordered_ops, simulate
+from .tape import Tape, ordered_ops, simulate
 
 FRACTION_STEPS = 100  # without the recorded batch in samples: the largest batch to 1% of the recorded one
 MAX_UNITS = 1 << 20
@@ -22,7 +22,7 @@ class PeakCurve:
     tape: Tape
 
     def __post_init__(self) -> None:
-        self.which, self.is_free = _ordered_ops(self.tape)
+        self.which, self.is_free = ordered_ops(self.tape)
         self.sign = np.where(self.is_free, -1, 1)
 
     def peak(self, scale: float) -> int:

@@ -93,7 +93,7 @@ def empty_tape() -> Tape:
     return make_tape(z, z, z, z, "activation")
 
 
-def _ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
+def ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     """Row of every operation (allocations, then frees) and whether it is a free, in order:
     by position, an allocation before a free at the same position."""
     rows = np.arange(len(tape))
@@ -111,26 +111,9 @@ def peak_allocated(tape: Tape, scale: float) -> int:
         return 0
     rounded = np.maximum(-(-tape.sizes(scale) // MIN_BLOCK) * MIN_BLOCK, 0)
     rounded[tape.sizes(scale) == 0] = 0
-    which, is_free = _ordered_ops(tape)
+    which, is_free = ordered_ops(tape)
     delta = np.where(is_free, -rounded[which], rounded[which])
     return int(np.cumsum(delta).max(initial=0))
-
-
-def category_at_peak(tape: Tape, scale: float) -> dict[str, int]:
-    """Bytes per category alive at the allocated peak."""
-    if not len(tape):
-        return {}
-    size = tape.sizes(scale)
-    which, is_free = _ordered_ops(tape)
-    level = np.cumsum(np.where(is_free, -size[which], size[which]))
-    at = int(np.argmax(level))
-    alive = np.zeros(len(tape), dtype=bool)
-    for r, f in zip(which[: at + 1].tolist(), is_free[: at + 1].tolist(), strict=True):
-        alive[r] = not f
-    out: dict[str, int] = {}
-    for cat in dict.fromkeys(tape.category.tolist()):
-        out[str(cat)] = int(size[alive & (tape.category == cat)].sum())
-    return out
 
 
 @dataclass(frozen=True)
@@ -146,7 +129,7 @@ def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int |
     size = tape.sizes(scale)
     prog = Program()
     src = prog.source_id("activation", "fit")
-    which, is_free = _ordered_ops(tape)
+    which, is_free = ordered_ops(tape)
     made = size > 0
     for r, f in zip(which.tolist(), is_free.tolist(), strict=True):
         if not made[r]:
