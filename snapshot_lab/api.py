@@ -600,3 +600,63 @@ def plan(
 
         write_atomic(Path(output), render_plan_html(result, Path(snapshot).name, __version__))
     return result
+
+
+# --------------------------------------------------------------------------- what makes it fit
+
+if TYPE_CHECKING:
+    from .metrics.fit import FitResult
+
+
+def fit(
+    snapshot: str | Path,
+    *,
+    memory_limit: str | None = None,
+    recorded_batch: int | None = None,
+    batch_scale: float = 1.0,
+    checkpointing: bool = False,
+    bf16: bool = False,
+    optimizer: str | None = None,
+    progress: ProgressSink | None = None,
+) -> FitResult:
+    """The smallest change that makes the job fit: one whole training step (forward, backward,
+    optimizer step) predicted at ``batch_scale`` times the recorded batch under the levers asked
+    for (``checkpointing``, ``bf16``), and, under ``memory_limit`` (like ``6GiB``; default: the
+    limit the recorded run ran out of, else the device's capacity), the largest batch per lever,
+    in samples when ``recorded_batch`` is given. ``optimizer`` (``adamw``, ``sgd-momentum``...)
+    when the stacks do not name it (a run that failed before its first step)."""
+    from .errors import SnapshotFormatError
+    from .metrics.fit import compute_fit
+    from .metrics.fit.model import FitUnsupported
+
+    limit = _fit_memory_limit(memory_limit)
+    if recorded_batch is not None and recorded_batch < 1:
+        raise UsageError("recorded_batch must be at least 1")
+    if not batch_scale > 0:
+        raise UsageError("batch_scale must be positive")
+    frames = load_frames(snapshot, progress=progress)
+    (progress or NullProgress()).stage("Fitting")
+    try:
+        return compute_fit(
+            frames,
+            memory_limit=limit,
+            recorded_batch=recorded_batch,
+            batch_scale=batch_scale,
+            checkpointing=checkpointing,
+            bf16=bf16,
+            optimizer=optimizer,
+        )
+    except FitUnsupported as exc:
+        raise SnapshotFormatError(snapshot, f"cannot fit from this snapshot: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _fit_memory_limit(memory_limit: str | None) -> int | None:
+    """``memory_limit`` in bytes; a bad size is a usage error naming the parameter."""
+    if memory_limit is None:
+        return None
+    try:
+        return parse_bytes(memory_limit)
+    except ValueError as exc:
+        raise UsageError(f"memory_limit: {exc}") from None

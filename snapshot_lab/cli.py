@@ -520,6 +520,56 @@ def plan(
     _run(work, debug)
 
 
+@app.command()
+def fit(
+    snapshot: SnapshotArg,
+    memory_limit: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory to fit in, e.g. 6GiB [default: the limit the recorded run ran out of, else the device's "
+            "capacity]."
+        ),
+    ] = None,
+    recorded_batch: Annotated[
+        int | None, typer.Option(help="The recorded batch in samples (answers in samples, not fractions).")
+    ] = None,
+    batch_scale: Annotated[float, typer.Option(help="The batch to predict, as a multiple of the recorded one.")] = 1.0,
+    checkpointing: Annotated[
+        bool, typer.Option("--checkpointing", help="Predict with activation checkpointing of every repeated block.")
+    ] = False,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Predict under bf16 autocast.")] = False,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="The optimizer, when the stacks do not name it: adamw, sgd-momentum, 8-bit adam, ..."),
+    ] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """What makes this job fit: the whole step under other batches and levers, and the largest batch per lever."""
+
+    def work() -> None:
+        with progress_bar(quiet) as progress:
+            result = api.fit(
+                snapshot,
+                memory_limit=memory_limit,
+                recorded_batch=recorded_batch,
+                batch_scale=batch_scale,
+                checkpointing=checkpointing,
+                bf16=bf16,
+                optimizer=optimizer,
+                progress=progress,
+            )
+        if json_out:
+            _print_json(result.to_dict())
+        else:
+            from .render.fit import format_fit
+
+            sys.stdout.write(format_fit(result, snapshot.name))
+
+    _run(work, debug)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

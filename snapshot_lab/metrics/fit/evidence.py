@@ -1,0 +1,272 @@
+"""What the trace shows of one training step, as a :class:`~.tape.Tape` plus the facts the
+levers need: the parameters (and which are matrices autocast would copy), the optimizer, the
+repeated blocks and where each one's forward and backward are.
+
+Which allocations scale with the batch is decided by what they are: parameters, gradients,
+optimizer state, anything made while the model was built or during the optimizer step, and
+library caches kept for the process's life (cuBLAS workspaces) do not; the inputs and whatever
+the forward and backward made does, except tensors the size of a parameter made by the backward
+(a weight's gradient before it is accumulated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+
+from ...frames import SnapshotFrames
+from ..categories import CATEGORIES, CODES
+from ..categories.stacks import cache_stacks
+from ..plan.structure import TrainingStructure, tandem_repeat
+from .blocks import block_instances
+from .tape import NEVER, Tape, make_tape
+
+# operations autocast runs in float32 whatever their inputs (torch's "fp32 list" and losses)
+AUTOCAST_FP32_OPS = frozenset(
+    {
+        "softmax",
+        "log_softmax",
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "cross_entropy",
+        "nll_loss",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "binary_cross_entropy_with_logits",
+        "kl_div",
+        "normalize",
+        "cosine_similarity",
+    }
+)
+_FUNCTIONAL = "torch/nn/functional.py"
+# parameters of these modules are what autocast casts to bfloat16 (Linear, convolutions)
+_CAST_MODULES = ("torch/nn/modules/linear.py", "torch/nn/modules/conv.py", "transformers/pytorch_utils.py")
+OPTIMIZER_FILES = {
+    "adamw.py": "adamw",
+    "adam.py": "adam",
+    "sgd.py": "sgd-momentum",
+    "adafactor.py": "adafactor",
+    "adagrad.py": "adagrad",
+    "rmsprop.py": "rmsprop",
+    "bitsandbytes": "8-bit adam",
+}
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """One repeated block's instance in one pass, as positions on the tape."""
+
+    uid: int
+    index: int  # which block of the model (0..n-1)
+    forward_start: float
+    forward_end: float
+    backward_start: float
+    backward_end: float
+    matrix_bytes: int  # its parameters autocast would copy
+
+
+@dataclass(frozen=True)
+class PassSpan:
+    forward_start: float
+    backward_start: float
+    backward_end: float
+    outside_matrix_bytes: int  # matrices outside the blocks autocast would copy (a head)
+
+
+@dataclass(frozen=True)
+class StepEvidence:
+    tape: Tape
+    complete: bool  # a whole step (forward, backward, optimizer step) was recorded
+    parameter_bytes: int
+    optimizer: str
+    optimizer_source: str
+    optimizer_state_bytes: int  # as recorded (0 when the step was not reached)
+    n_blocks: int
+    blocks: tuple[BlockSpan, ...]
+    passes: tuple[PassSpan, ...]
+    notes: tuple[str, ...]
+
+
+def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
+    """Per stack_id, its innermost Python frame's file and function."""
+    if frames.stacks.empty:
+        return pd.DataFrame({"filename": [], "name": []})
+    sf = frames.stack_frames.set_index("frame_id")
+    rows = frames.stacks.join(sf, on="frame_id")
+    rows = rows[rows["line"] > 0].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
+    return pd.DataFrame(
+        {
+            "filename": rows["filename"].astype(str).str.replace("\\", "/", regex=False).to_numpy(),
+            "name": rows["name"].astype(str).to_numpy(),
+        },
+        index=rows["stack_id"].to_numpy(),
+    )
+
+
+AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL = 0, 1, 2
+_MATMUL_FILES = r"torch/nn/modules/(?:linear|conv)\.py$|transformers/pytorch_utils\.py$"
+_ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
+
+
+def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
+    """Per stack, what autocast makes of the tensors made there: float32 (a functional on its
+    float32 list, or arithmetic written in the model's own code, where a float32 operand such
+    as the residual stream wins), bfloat16 out of a matrix multiply (Linear, convolution,
+    attention), or the dtype of the input (torch's other modules: norms, ReLU, pooling)."""
+    inner = stack_innermost(frames)
+    fn, name = inner["filename"], inner["name"]
+    fp32 = fn.str.endswith(_FUNCTIONAL) & name.isin(AUTOCAST_FP32_OPS)
+    in_torch = fn.str.contains(r"(?:^|/)torch/(?:nn|autograd|utils|_tensor|functional|_jit)", regex=True)
+    matmul = fn.str.contains(_MATMUL_FILES, regex=True) | name.str.contains(_ATTENTION_NAMES, regex=True)
+    code = np.where(matmul, AUTOCAST_MATMUL, np.where(fp32 | ~in_torch, AUTOCAST_FP32, AUTOCAST_FOLLOWS))
+    return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
+
+
+def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
+    """Stacks that made a Linear's or convolution's parameter."""
+    if frames.stacks.empty:
+        return set()
+    fn = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    hit = fn.str.endswith(_CAST_MODULES)
+    fids = frames.stack_frames.loc[hit, "frame_id"]
+    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+
+
+def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
+    """The optimizer whose source file appears on the stacks (None: none did)."""
+    if frames.stack_frames.empty:
+        return None
+    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    for key, name in OPTIMIZER_FILES.items():
+        pattern = "bitsandbytes/optim" if key == "bitsandbytes" else f"/torch/optim/{key}"
+        if files.str.contains(pattern, regex=False).any():
+            return name
+    return None
+
+
+def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Tape category of every recorded allocation and whether it scales with the batch."""
+    a = s.allocs
+    code = a["code"].to_numpy()
+    phase = a["phase"].to_numpy(dtype=object)
+    size = a["size"].to_numpy()
+    sid = a["sid"].to_numpy()
+    cat = np.array(CATEGORIES, dtype=object)[np.clip(code, 0, len(CATEGORIES) - 1)]
+    model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
+    in_pass = np.isin(phase, ["data", "forward", "backward"])
+    cache = np.isin(sid, list(cache_stacks(frames)))
+    kept = complete & (a["free_pos"].to_numpy() < 0) & (phase != "data")
+    param_sized = (phase == "backward") & np.isin(size, s.params["size"].to_numpy())
+    scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized
+    out = np.where(model_state, cat, np.where(scales, np.where(phase == "data", "input", "activation"), "workspace"))
+    return out.astype(object), scales
+
+
+def param_facts(frames: SnapshotFrames, s: TrainingStructure) -> tuple[int, np.ndarray]:
+    """Parameter bytes and, per parameter, whether autocast would copy it."""
+    sizes = s.params["size"].to_numpy(dtype=np.int64)
+    rows = s.params["row"].to_numpy()
+    sid = s.allocs["sid"].to_numpy()[rows]
+    older = sum(n for n, c, _ in s.untracked if c == "parameter")
+    castable = np.isin(sid, list(cast_param_stacks(frames))) & s.params["matrix"].to_numpy(dtype=bool)
+    return int(sizes.sum()) + int(older), castable
+
+
+def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, uid: np.ndarray) -> Tape:
+    """Every allocation of the trace (and the blocks older than it, from the start); ``uid``:
+    per allocation, the block instance it belongs to (-1: none)."""
+    a = s.allocs
+    cat, scales = row_categories(frames, s, complete)
+    size = a["size"].to_numpy(dtype=np.float64)
+    free_pos = a["free_pos"].to_numpy()
+    end = np.where(free_pos >= 0, free_pos.astype(np.float64), NEVER)
+    codes = autocast_codes(frames)
+    fp32 = np.array([codes.get(int(x), AUTOCAST_FOLLOWS) for x in a["sid"].to_numpy()], dtype=np.int8)
+    tape = make_tape(
+        a["pos"].to_numpy(dtype=np.float64),
+        end,
+        np.where(scales, 0.0, size),
+        np.where(scales, size, 0.0),
+        cat,
+        a["stream"].to_numpy(dtype=np.int64),
+        a["phase"].to_numpy(dtype=object),
+        uid,
+        fp32,
+    )
+    if not s.untracked:
+        return tape
+    old = np.array([n for n, _, _ in s.untracked], dtype=np.float64)
+    older = make_tape(
+        np.full(old.size, -1.0),
+        np.full(old.size, NEVER),
+        old,
+        np.zeros(old.size),
+        np.array([c if c in CATEGORIES else "workspace" for _, c, _ in s.untracked], dtype=object),
+        np.array([st for _, _, st in s.untracked], dtype=np.int64),
+        "setup",
+    )
+    return older.with_rows(tape)
+
+
+BLOCK_UID_STRIDE = 1_000  # block instance uid: pass * stride + block
+
+
+def block_spans(
+    frames: SnapshotFrames, s: TrainingStructure, castable: np.ndarray
+) -> tuple[np.ndarray, tuple[BlockSpan, ...], tuple[PassSpan, ...]]:
+    """Per allocation its block instance (-1: none), and where every block instance and every
+    pass is on the recorded trace: a block's backward from the first of its saved tensors freed
+    to the last."""
+    a = s.allocs
+    pos, free_pos, sid = a["pos"].to_numpy(), a["free_pos"].to_numpy(), a["sid"].to_numpy()
+    main, module = a["main"].to_numpy(), a["module"].to_numpy()
+    uid = np.full(len(a), -1, dtype=np.int64)
+    p_size = s.params["size"].to_numpy()
+    blocks: list[BlockSpan] = []
+    passes: list[PassSpan] = []
+    for p in s.passes:
+        fwd = np.flatnonzero((pos >= p.forward_start) & (pos < p.backward_start) & main & module)
+        found = block_instances(frames, fwd, sid[fwd])
+        mapped = _param_blocks(s, len(found))
+        passes.append(
+            PassSpan(p.forward_start, p.backward_start, p.backward_end, int(p_size[castable & (mapped < 0)].sum()))
+        )
+        for j, rows in enumerate(found):
+            lo, hi = int(pos[rows[0]]), int(pos[rows[-1]])
+            mine = np.flatnonzero((pos >= lo) & (pos <= hi) & main)
+            uid[mine] = p.index * BLOCK_UID_STRIDE + j
+            saved = free_pos[mine][free_pos[mine] >= p.backward_start]
+            b0 = float(saved.min()) - 0.5 if saved.size else float(p.backward_start)
+            b1 = float(saved.max()) if saved.size else float(p.backward_end)
+            matrices = int(p_size[castable & (mapped == j)].sum())
+            blocks.append(BlockSpan(int(uid[mine[0]]), j, float(lo), float(hi), b0, b1, matrices))
+    return uid, _backward_starts(blocks), tuple(passes)
+
+
+def _backward_starts(blocks: list[BlockSpan]) -> tuple[BlockSpan, ...]:
+    """A block's backward begins once the next block's is over: before the gradients its own
+    backward makes, not at the first saved tensor it frees."""
+    out = list(blocks)
+    for k in range(len(out) - 1):
+        this, nxt = out[k], out[k + 1]
+        if nxt.uid == this.uid + 1 and nxt.backward_end + 0.25 < this.backward_start:
+            out[k] = replace(this, backward_start=nxt.backward_end + 0.25)
+    return tuple(out)
+
+
+def _param_blocks(s: TrainingStructure, n_blocks: int) -> np.ndarray:
+    """Per parameter its block, when the parameters repeat as many times as the forward's
+    blocks (else -1: all taken as outside the blocks)."""
+    keys = s.params["size"].to_numpy() * 1_000_003 + s.allocs["sid"].to_numpy()[s.params["row"].to_numpy()]
+    out = np.full(keys.size, -1, dtype=np.int64)
+    for k in (keys, s.params["size"].to_numpy()):
+        period, start, count = tandem_repeat(k)
+        if count >= n_blocks >= 2 and period:
+            for j in range(n_blocks):
+                out[start + j * period : start + (j + 1) * period] = j
+            return out
+    return out

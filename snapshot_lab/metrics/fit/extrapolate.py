@@ -1,0 +1,426 @@
+"""A whole training step built from a trace that ran out of memory before its first step
+completed (the most common ticket).
+
+What the trace shows is kept: the model's construction, the input, the forward up to the
+failure. The rest is extrapolated from it:
+
+- the forward's remaining blocks: as many as the parameters repeat (the model's layers, counted
+  from the repeat in the parameters' sizes and stacks), each a copy of the last whole block the
+  forward completed;
+- the layers after the blocks, when the forward did not reach them: a final norm and a linear
+  head the size of the parameter matrix after the blocks (or, without one, of the embedding:
+  weights tied), their output kept by the program (the logits) and a log-softmax of it saved by
+  the loss;
+- the backward: in reverse, every tensor a part saved is freed after a gradient of its size has
+  been made, while the next gradient is made (two gradients of activations alive at a time),
+  and each part's parameter gradients (P in all) are made when its backward runs;
+- the optimizer: its state (from the optimizer named in the stacks, else the one assumed) is
+  alive from the start, as in every step after the first, and its step's temporaries are made
+  after the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...frames import SnapshotFrames
+from ..categories import CODES
+from ..plan.structure import TrainingStructure, tandem_repeat
+from .blocks import block_instances
+from .evidence import (
+    AUTOCAST_FOLLOWS,
+    AUTOCAST_FP32,
+    AUTOCAST_MATMUL,
+    BLOCK_UID_STRIDE,
+    BlockSpan,
+    PassSpan,
+    autocast_codes,
+    cast_param_stacks,
+)
+from .tape import NEVER, Tape, empty_tape, make_tape
+
+PARAM_KEY = 1_000_003
+NO_WHOLE_BLOCK = (
+    "the forward ran out of memory before its first repeated block completed: there is no block to extrapolate the "
+    "rest of the model from (record at a smaller batch, or under a larger limit, so that one block completes)"
+)
+
+
+class FitUnsupportedStep(ValueError):
+    """The trace shows too little of the step to extrapolate it."""
+
+
+PASSES = 2  # the first step makes the optimizer state; the second runs with it
+GRADIENTS_ALIVE = 3  # an operation's output gradient, its input's, and one temporary of its backward
+HEAD_ASSUMED = (
+    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
+    "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
+    "its log-softmax"
+)
+
+
+@dataclass
+class _Builder:
+    """Rows of the synthesized step, on a fresh time line (ticks)."""
+
+    rows: list[tuple[float, float, float, float, str, str, int, int]] = field(default_factory=list)
+    now: float = 0.0
+
+    def add(
+        self,
+        start: float,
+        end: float,
+        fixed: float,
+        per_batch: float,
+        cat: str,
+        phase: str,
+        block: int = -1,
+        fp32: int = 0,
+    ) -> int:
+        self.rows.append((start, end, fixed, per_batch, cat, phase, block, fp32))
+        return len(self.rows) - 1
+
+    def set_end(self, row: int, end: float) -> None:
+        r = self.rows[row]
+        self.rows[row] = (r[0], end, *r[2:])
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def tape(self) -> Tape:
+        if not self.rows:
+            return empty_tape()
+        cols = list(zip(*self.rows, strict=True))
+        return make_tape(
+            np.array(cols[0]),
+            np.array(cols[1]),
+            np.array(cols[2]),
+            np.array(cols[3]),
+            np.array(cols[4], dtype=object),
+            0,
+            np.array(cols[5], dtype=object),
+            np.array(cols[6], dtype=np.int64),
+            np.array(cols[7], dtype=np.int8),
+        )
+
+
+@dataclass(frozen=True)
+class PartialForward:
+    """What the trace shows of the first forward."""
+
+    forward_start: int  # position
+    pre: np.ndarray  # rows before the first block (embeddings); data rows before the forward too
+    data: np.ndarray
+    blocks: tuple[np.ndarray, ...]  # rows of each whole block seen
+    after: np.ndarray  # rows after the last whole block (a block cut short, or the head)
+    layers: int  # blocks the model has
+    params: np.ndarray  # parameter rows, in order
+    param_block: np.ndarray  # per parameter: its block (-1: outside)
+
+
+def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
+    """The first forward as far as the trace goes (None: no forward in it)."""
+    a = s.allocs
+    pos = a["pos"].to_numpy()
+    main, module = a["main"].to_numpy(), a["module"].to_numpy()
+    code = a["code"].to_numpy()
+    in_fwd = np.flatnonzero(main & module)
+    if in_fwd.size == 0:
+        return None
+    f0 = int(pos[in_fwd[0]])
+    is_param = code == CODES["parameter"]
+    params = np.flatnonzero(is_param & (pos < f0))
+    data = np.flatnonzero((pos < f0) & ~is_param & (pos > (pos[params].max() if params.size else -1)))
+    fwd = np.flatnonzero(pos >= f0)
+    mod_rows = fwd[main[fwd] & module[fwd]]
+    found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])
+    keys = a["size"].to_numpy()[params] * PARAM_KEY + a["sid"].to_numpy()[params]
+    p_period, p_start, p_count = tandem_repeat(keys)
+    param_block = np.full(params.size, -1, dtype=np.int64)
+    if p_count >= 2:
+        for j in range(p_count):
+            param_block[p_start + j * p_period : p_start + (j + 1) * p_period] = j
+    if not found:
+        return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
+    spans = [(int(pos[r[0]]), int(pos[r[-1]])) for r in found]
+    blocks = [fwd[(pos[fwd] >= lo) & (pos[fwd] <= hi) & main[fwd]] for lo, hi in spans]
+    after = fwd[pos[fwd] > spans[-1][1]]
+    # the forward ran past the blocks when something outside them followed the last one
+    past = bool(np.isin(after, mod_rows).any())
+    whole = tuple(blocks if past else blocks[:-1])
+    pre = fwd[pos[fwd] < spans[0][0]]
+    return PartialForward(
+        f0,
+        pre,
+        data,
+        whole,
+        after if past else np.zeros(0, dtype=np.int64),
+        max(p_count, len(blocks)),
+        params,
+        param_block,
+    )
+
+
+@dataclass(frozen=True)
+class Extrapolated:
+    tape: Tape
+    blocks: tuple[BlockSpan, ...]
+    passes: tuple[PassSpan, ...]
+    notes: tuple[str, ...]
+
+
+class _Step:
+    """Synthesize the step on a fresh time line."""
+
+    def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
+        self.s, self.pf, self.b = s, pf, _Builder()
+        a = s.allocs
+        self.size = a["size"].to_numpy(dtype=np.float64)
+        self.sid = a["sid"].to_numpy()
+        self.pos = a["pos"].to_numpy()
+        self.free_pos = a["free_pos"].to_numpy()
+        self.autocast = autocast_codes(frames)
+        castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
+        self.p_size = self.size[pf.params]
+        largest = self.p_size.max(initial=0)
+        self.castable = castable & (self.p_size * 64 >= largest)
+        self.notes: list[str] = []
+        self.saved: list[tuple[str, int, list[int]]] = []  # (part, block, rows of the builder), forward order
+        self.spans: list[list[float]] = []
+        self.pass_index = 0
+        self.grads: list[int] = []  # this pass's parameter gradients and inputs: freed by zero_grad
+        self.block_spans: list[BlockSpan] = []
+        self.pass_spans: list[PassSpan] = []
+        self.tied_head = 0.0
+        self.transients: dict[tuple[str, int], list[int]] = {}  # what each part's forward made and freed
+        self.one_off = self.workspace_rows()
+
+    def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
+        """Recorded forward rows placed from now on: those freed in the trace keep their
+        lifetime; those alive at the failure are saved for the backward."""
+        b = self.b
+        if rows.size == 0:
+            return []
+        base = self.pos[rows[0]]
+        t0 = b.now + 1
+        kept = []
+        for r in rows.tolist():
+            start = t0 + (self.pos[r] - base)
+            fp32 = self.autocast.get(int(self.sid[r]), AUTOCAST_FOLLOWS)
+            if workspace is not None and workspace[r]:
+                b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
+                continue
+            if self.free_pos[r] >= 0:
+                k = b.add(
+                    start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32
+                )
+                self.transients.setdefault((part, block), []).append(k)
+            elif workspace is None and part == "block" and self.one_off[r]:
+                continue  # a one-off cache of the first pass: made once
+            else:
+                kept.append(b.add(start, NEVER, 0.0, self.size[r], "activation", "forward", block, fp32))
+        b.now = t0 + float(self.pos[rows].max() - base) + 1
+        return kept
+
+    # ------------------------------------------------------------------ forward
+
+    def model_state(self) -> None:
+        """Parameters and memory older than the trace."""
+        b = self.b
+        for n in self.p_size.tolist():
+            b.add(-2.0, NEVER, n, 0.0, "parameter", "setup")
+        for n, cat, _ in self.s.untracked:
+            b.add(-2.0, NEVER, float(n), 0.0, "parameter" if cat == "parameter" else "workspace", "setup")
+
+    def inputs(self) -> None:
+        """The batch, copied to the GPU (a temporary freed before the forward, if the trace says so)."""
+        b = self.b
+        for r in self.pf.data.tolist():
+            t = b.tick()
+            kept = self.free_pos[r] < 0
+            row = b.add(t, NEVER if kept else t + 0.5, 0.0, self.size[r], "input", "data")
+            if kept:
+                self.grads.append(row)
+
+    def workspace_rows(self) -> np.ndarray:
+        """Kept allocations of the first block whose stacks the next block does not repeat:
+        one-off caches (cuBLAS's workspace), not activations."""
+        out = np.zeros(self.size.size, dtype=bool)
+        if self.pf.blocks:
+            first = self.pf.blocks[0]
+            out[first[self.lone_rows(first)]] = True
+        return out
+
+    def lone_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Kept allocations of the first block whose stacks nothing else in the forward repeats."""
+        later = np.flatnonzero(self.pos > self.pos[rows].max())
+        return (self.free_pos[rows] < 0) & ~np.isin(self.sid[rows], self.sid[later])
+
+    def forward(self) -> None:
+        pf = self.pf
+        self.saved, self.spans = [], []
+        self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
+        workspace = self.workspace_rows()
+        template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
+        if len(pf.blocks) == 1:  # the first block's one-off allocations (a workspace) are not repeated
+            template = template[~self.lone_rows(template)]
+        for j in range(pf.layers if pf.blocks else 0):
+            rows = pf.blocks[j] if j < len(pf.blocks) else template
+            start = self.b.now + 1
+            uid = self.pass_index * BLOCK_UID_STRIDE + j
+            first_pass = workspace if self.pass_index == 0 else None
+            self.saved.append(("block", j, self.copy_rows(rows, "block", uid, first_pass)))
+            self.spans.append([start, self.b.now, 0.0, 0.0])
+        if len(pf.blocks) < pf.layers:
+            self.notes.append(
+                f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
+                "are copies of the last whole block it ran"
+            )
+        if len(pf.blocks) >= pf.layers and pf.after.size:
+            kept = self.copy_rows(pf.after, "post", -1)
+            for _, req, _ in self.s.ooms[-1:]:
+                kept.append(self.b.add(self.b.tick(), NEVER, 0.0, float(req), "activation", "forward"))
+            self.saved.append(("post", -1, kept))
+        else:
+            self.head()
+
+    def model_width(self) -> float:
+        """Bytes per token of the blocks' width: the commonest size of the first block's
+        vectors (norm weights and biases)."""
+        first = self.p_size[self.pf.param_block == 0]
+        vectors = first[first * 64 < first.max(initial=0)]
+        if not vectors.size:
+            return 0.0
+        sizes, counts = np.unique(vectors, return_counts=True)
+        return float(sizes[np.argmax(counts)])
+
+    def head_matrix(self) -> tuple[float, bool]:
+        """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
+        pb = self.pf.param_block
+        inside = np.flatnonzero(pb >= 0)
+        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > inside.max(initial=pb.size)))
+        mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
+        if mats.size:
+            return float(mats.sum()), False
+        return float(self.p_size.max(initial=0)), True
+
+    def head(self) -> None:
+        """The layers after the blocks, not reached: final norm, linear head, loss."""
+        pf, b = self.pf, self.b
+        if not pf.blocks:
+            return
+        last_block = self.saved[-1][2]
+        stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
+        width = self.model_width()
+        matrix, tied = self.head_matrix()
+        logits = stream * matrix * 4 / width**2 if width else 0.0
+        self.tied_head = matrix if tied else 0.0
+        kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
+        made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
+        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
+        b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
+        b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
+        self.saved.append(("post", -1, kept))
+        self.notes.append(
+            HEAD_ASSUMED.format(
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes", ratio=logits / max(stream, 1)
+            )
+        )
+
+    # ------------------------------------------------------------------ backward and step
+
+    def backward(self) -> float:
+        """Every part in reverse; returns where the backward began."""
+        b, pf = self.b, self.pf
+        start = b.now + 1
+        alive: list[int] = []  # gradients of activations, oldest first
+        spans = {j: sp for j, sp in enumerate(self.spans)}
+        for part, j, rows in reversed(self.saved):
+            if part == "block" and j in spans:
+                spans[j][2] = b.now + 1
+            owned = pf.param_block == j if part == "block" else self._outside(part)
+            for n in self.p_size[owned].tolist():
+                self.grads.append(b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward"))
+            saved = set(rows)
+            uid = self.pass_index * BLOCK_UID_STRIDE + j if part == "block" else -1
+            for r in sorted([*rows, *self.transients.get((part, uid), [])], key=lambda k: -b.rows[k][0]):
+                row = b.rows[r]
+                alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
+                while len(alive) > GRADIENTS_ALIVE:
+                    b.set_end(alive.pop(0), b.tick())
+                if r in saved:
+                    b.set_end(r, b.tick())
+            if part == "block" and j in spans:
+                spans[j][3] = b.now
+        for g in alive:
+            b.set_end(g, b.tick())
+        for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
+            if row[1] == NEVER and row[5] == "forward" and row[3] > 0:
+                b.set_end(r, b.now + 0.5)
+        return start
+
+    def _outside(self, part: str) -> np.ndarray:
+        """Parameters outside the blocks: before them (pre) or after (post)."""
+        idx = np.arange(self.pf.param_block.size)
+        inside = np.flatnonzero(self.pf.param_block >= 0)
+        first, last = (int(inside.min()), int(inside.max())) if inside.size else (idx.size, idx.size)
+        if part == "pre":
+            return (self.pf.param_block < 0) & (idx < first)
+        return (self.pf.param_block < 0) & (idx > last) if inside.size else np.zeros(idx.size, dtype=bool)
+
+    def step(self, state_ratio: float, temporary_ratio: float) -> None:
+        """The optimizer step (its state made by the first), then zero_grad."""
+        b = self.b
+        t = b.tick()
+        if self.pass_index == 0 and state_ratio > 0:
+            for n in self.p_size.tolist():
+                b.add(b.tick(), NEVER, n * state_ratio, 0.0, "optimizer_state", "step")
+        if temporary_ratio > 0:
+            t = b.tick()
+            for n in self.p_size.tolist():
+                b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
+        t = b.tick()
+        for r in self.grads:
+            b.set_end(r, t)
+        self.grads = []
+
+    def run_pass(self, state_ratio: float, temporary_ratio: float) -> None:
+        """Data, forward, backward, optimizer step; where its blocks and itself are."""
+        self.inputs()
+        forward_start = self.b.now + 1
+        self.forward()
+        backward_start = self.backward()
+        pb = self.pf.param_block
+        for j, sp in enumerate(self.spans):
+            matrices = int(self.p_size[self.castable & (pb == j)].sum())
+            uid = self.pass_index * BLOCK_UID_STRIDE + j
+            self.block_spans.append(BlockSpan(uid, j, sp[0], sp[1], sp[2], sp[3], matrices))
+        outside = int(self.p_size[self.castable & (pb < 0)].sum() + self.tied_head)
+        self.pass_spans.append(PassSpan(forward_start, backward_start, self.b.now, outside))
+        self.step(state_ratio, temporary_ratio)
+        self.pass_index += 1
+
+
+def extrapolate_step(
+    frames: SnapshotFrames, s: TrainingStructure, state_ratio: float, temporary_ratio: float
+) -> Extrapolated | None:
+    """The whole step from a trace that ended in its first forward (None: no forward seen)."""
+    pf = partial_forward(frames, s)
+    if pf is None:
+        return None
+    if not pf.blocks:
+        raise FitUnsupportedStep(NO_WHOLE_BLOCK)
+    step = _Step(frames, s, pf)
+    step.model_state()
+    for _ in range(PASSES):
+        step.run_pass(state_ratio, temporary_ratio)
+    notes = [
+        f"the trace ends in the first forward: the rest of the step is extrapolated ({pf.layers} repeated blocks, "
+        f"counted from the parameters; {len(pf.blocks)} ran), then a second step as the first, with the optimizer "
+        "state its step made",
+        *dict.fromkeys(step.notes),
+    ]
+    return Extrapolated(step.b.tape(), tuple(step.block_spans), tuple(step.pass_spans), tuple(notes))

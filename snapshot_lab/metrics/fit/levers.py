@@ -1,0 +1,143 @@
+"""The levers, each a rewrite of the step's tape.
+
+- checkpointing: every repeated block keeps only its input; what its forward saved for the
+  backward is freed when the block's forward ends and made again (the forward re-run) just
+  before the block's backward, with the temporaries of that re-run;
+- bf16 autocast: what a matrix multiply (Linear, convolution, attention) makes is half as
+  large, and so is what torch's other modules make from it (norms of a convolution's output,
+  ReLU, pooling); float32 stays what autocast's float32 operations make (softmax, layer norm,
+  losses) and the model's own arithmetic (a float32 operand such as the residual stream wins),
+  except a layer's float32 input, which the layer saves as a bfloat16 copy; the backward's own
+  tensors take the dtype of the forward tensors of their size; the inputs stay; each block's
+  Linear and convolution weights get a bfloat16 copy that lives from its forward to its
+  backward;
+- optimizer swaps: the optimizer state (and the step's temporaries) rescaled to what the other
+  optimizer keeps per parameter byte; offload: none of it on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
+from .tape import Tape, make_tape
+
+# optimizer state and step temporaries, in parameter bytes (fp32 parameters)
+OPTIMIZER_STATE_RATIO = {
+    "adamw": 2.0,
+    "adam": 2.0,
+    "sgd-momentum": 1.0,
+    "sgd": 0.0,
+    "8-bit adam": 0.5,
+    "adafactor": 0.02,
+    "adagrad": 1.0,
+    "rmsprop": 1.0,
+    "offload": 0.0,
+}
+STEP_TEMPORARY_RATIO = {"adamw": 1.0, "adam": 1.0, "8-bit adam": 0.25, "adafactor": 0.5, "rmsprop": 1.0}
+RECOMPUTE_WINDOW = 0.4  # the re-run forward is placed within the last positions before the block's backward
+
+
+def _block_rows(tape: Tape, b: BlockSpan) -> np.ndarray:
+    return np.flatnonzero((tape.block == b.uid) & (tape.phase == "forward") & (tape.per_batch > 0))
+
+
+def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
+    """Activation checkpointing of every repeated block."""
+    end = tape.end.copy()
+    added: list[Tape] = []
+    for b in blocks:
+        rows = _block_rows(tape, b)
+        if rows.size < 2:
+            continue
+        # the block's output (the next block's input, which the checkpoint keeps) is the first
+        # of its saved tensors the backward frees: in the next block's backward, or by its own
+        # first operation (an in-place ReLU saves its result)
+        kept = tape.end[rows] > b.forward_end
+        if kept.any():
+            rows = rows[rows != rows[kept][np.argmin(tape.end[rows][kept])]]
+        saved = rows[tape.end[rows] > b.forward_end]
+        end[saved] = b.forward_end + 0.5
+        span = max(b.forward_end - b.forward_start, 1.0)
+        offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
+        start = b.backward_start - 0.5 + offset
+        is_saved = tape.end[rows] > b.forward_end
+        life = np.where(
+            is_saved,
+            tape.end[rows],
+            start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW,
+        )
+        added.append(
+            make_tape(
+                start,
+                np.maximum(life, start + 1e-6),
+                tape.fixed[rows],
+                tape.per_batch[rows],
+                "activation",
+                tape.stream[rows],
+                "backward",
+                b.uid,
+                tape.autocast[rows],
+            )
+        )
+    out = Tape(
+        tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
+    )
+    for t in added:
+        out = out.with_rows(t)
+    return out
+
+
+def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
+    """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32."""
+    made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
+    cast_inputs = _matmul_inputs(tape)
+    half = made & (tape.autocast != AUTOCAST_FP32)
+    half |= made & cast_inputs
+    half &= ~_float32_gradients(tape, cast_inputs)
+    out = tape.scaled(half, 0.5)
+    copies = []
+    for b in ev.blocks:
+        if b.matrix_bytes:
+            copies.append((b.forward_start - 0.25, b.backward_end + 0.25, b.matrix_bytes / 2))
+    for p in ev.passes:
+        if p.outside_matrix_bytes:
+            copies.append((p.forward_start - 0.25, p.backward_end - 0.25, p.outside_matrix_bytes / 2))
+    if copies:
+        arr = np.array(copies, dtype=np.float64)
+        out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
+    return out
+
+
+def _float32_gradients(tape: Tape, cast_inputs: np.ndarray) -> np.ndarray:
+    """The backward's own tensors (no stack tells what made them) the size of a tensor the
+    forward keeps in float32: gradients take the dtype of what they are the gradient of."""
+    fwd = (tape.phase == "forward") & (tape.autocast == AUTOCAST_FP32) & ~cast_inputs & (tape.per_batch > 0)
+    sizes = np.unique(tape.per_batch[fwd])
+    own = (tape.phase == "backward") & (tape.autocast == AUTOCAST_FOLLOWS) & (tape.block < 0)
+    return own & np.isin(tape.per_batch, sizes)
+
+
+def _matmul_inputs(tape: Tape) -> np.ndarray:
+    """Float32 tensors of the forward made just before a matrix multiply's output: that layer's
+    input, which autocast casts, so the layer saves a bfloat16 copy and the float32 one goes."""
+    fwd = np.flatnonzero(tape.phase == "forward")
+    fwd = fwd[np.argsort(tape.start[fwd], kind="stable")]
+    code = tape.autocast[fwd]
+    before = np.zeros(len(tape), dtype=bool)
+    feeds = (code[:-1] == AUTOCAST_FP32) & (code[1:] == AUTOCAST_MATMUL)
+    before[fwd[:-1][feeds]] = True
+    return before
+
+
+def swap_optimizer(tape: Tape, ev: StepEvidence, target: str) -> Tape:
+    """The recorded optimizer's state and step temporaries rescaled to ``target``'s."""
+    was = OPTIMIZER_STATE_RATIO.get(ev.optimizer, 2.0)
+    now = OPTIMIZER_STATE_RATIO[target]
+    state = (tape.category == "optimizer_state") & ~np.isfinite(tape.end)
+    out = tape.scaled(state, now / was if was else 0.0)
+    temp_was = STEP_TEMPORARY_RATIO.get(ev.optimizer, 0.0)
+    temp_now = STEP_TEMPORARY_RATIO.get(target, 0.0)
+    model = np.isin(tape.category, ["gradient", "parameter"])
+    temps = ((tape.phase == "step") | (tape.category == "optimizer_state")) & ~state & ~model
+    return out.scaled(temps, temp_now / temp_was if temp_was else 0.0)

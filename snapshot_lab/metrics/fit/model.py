@@ -1,0 +1,82 @@
+"""The step's evidence, from a trace with a whole step or from one that ran out of memory in
+its first forward."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...frames import SnapshotFrames
+from .._memo import memo
+from ..plan.structure import TrainingStructure, training_structure
+from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
+from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
+from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
+from .search import PeakCurve
+
+ASSUMED_OPTIMIZER = "adamw"
+OPTIMIZER_NAMED = "named in the stacks"
+OPTIMIZER_GIVEN = "given"
+OPTIMIZER_ASSUMED = "assumed: the step never ran and the stacks name no optimizer; give optimizer to change it"
+
+
+class FitUnsupported(ValueError):
+    """The trace shows no training step to build on."""
+
+
+def _extrapolated(frames: SnapshotFrames, s: TrainingStructure, name: str) -> Extrapolated | None:
+    try:
+        return extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
+    except FitUnsupportedStep as exc:
+        raise FitUnsupported(str(exc)) from None
+
+
+def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = None) -> StepEvidence:
+    """What the trace shows of one training step on ``device`` (computed once per optimizer)."""
+    return memo(frames, ("fit.evidence", device, optimizer), lambda: _evidence(frames, device, optimizer))
+
+
+def _optimizer(frames: SnapshotFrames, given: str | None) -> tuple[str, str]:
+    if given is not None:
+        return given, OPTIMIZER_GIVEN
+    named = optimizer_in_stacks(frames)
+    if named is not None:
+        return named, OPTIMIZER_NAMED
+    return ASSUMED_OPTIMIZER, OPTIMIZER_ASSUMED
+
+
+def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
+    s = training_structure(frames, device)
+    if frames.stacks.empty:
+        raise FitUnsupported("the trace has no stacks: record with stacks='python' (or snaplab run)")
+    name, source = _optimizer(frames, optimizer)
+    params, castable = param_facts(frames, s)
+    complete = bool(s.passes) and bool(s.steps)
+    if complete:
+        uid, blocks, passes = block_spans(frames, s, castable)
+        tape = recorded_tape(frames, s, True, uid)
+        state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
+        n_blocks = len(blocks) // max(len(passes), 1)
+        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"]
+        return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
+    ex = _extrapolated(frames, s, name)
+    if ex is None:
+        raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")
+    return StepEvidence(ex.tape, False, params, name, source, 0, len(ex.blocks), ex.blocks, ex.passes, ex.notes)
+
+
+def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
+    """The breakdown: model state; what the batch adds to the step's peak (the peak at twice the
+    recorded batch minus the peak at it: activations saved for the backward and the backward's
+    own, at the recorded batch); workspaces."""
+    tape = ev.tape
+    kept = ~np.isfinite(tape.end)
+    by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
+    by["parameter"] = max(by["parameter"], ev.parameter_bytes)
+    by["gradient"] = ev.parameter_bytes
+    for p in ev.passes[:1]:
+        made = (tape.category == "gradient") & (tape.start >= p.forward_start) & (tape.start <= p.backward_end)
+        by["gradient"] = int(tape.fixed[made].sum()) or ev.parameter_bytes
+    curve = PeakCurve(tape)
+    by["activations"] = max(curve.peak(2.0) - curve.peak(1.0), 0)
+    by["workspaces"] = int(tape.fixed[(tape.category == "workspace") & kept].sum())
+    return by

@@ -1,0 +1,259 @@
+"""The answer: the step under the levers asked for, and per lever the largest batch that fits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...frames import SnapshotFrames
+from ..allocator_model import AllocatorSettings, recorded_settings
+from ..plan.planner import _device, _limit, _recorded_reserved_peak
+from ..whatif import quick_grid, settings_label
+from . import levers as lv
+from .evidence import StepEvidence
+from .model import FitUnsupported, recorded_batch_bytes, step_evidence
+from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
+from .tape import Tape, simulate
+
+AS_RECORDED = "as recorded"
+ASSUMPTIONS = {
+    AS_RECORDED: "the step as the trace shows it, only the batch changed: inputs and what the forward and backward "
+    "make scale with it, parameters, gradients, optimizer state and workspaces do not",
+    "checkpointing": "activation checkpointing of every repeated block (torch.utils.checkpoint, non-reentrant): each "
+    "block keeps its input, re-runs its forward just before its backward",
+    "bf16": "torch.autocast(dtype=torch.bfloat16), float32 parameters: what matrix multiplies (Linear, convolution, "
+    "attention) and the modules after them make halves; softmax, norms, losses and the model's own arithmetic stay "
+    "float32 (a layer saves a bfloat16 copy of its float32 input), gradients take their tensor's dtype, inputs "
+    "stay; a bfloat16 copy of every Linear and convolution weight lives from its forward to its backward",
+    "checkpointing+bf16": "both: checkpointing of every repeated block under bf16 autocast",
+    "sgd-momentum": "torch.optim.SGD with momentum instead: one state tensor per parameter (P)",
+    "8-bit adam": "bitsandbytes 8-bit AdamW instead: two 1-byte states per parameter element (0.5 P)",
+    "adafactor": "Adafactor instead: factored second moments, no momentum (about 0.02 P)",
+    "optimizer offload": "optimizer state and step on the CPU (ZeRO-Offload style): no optimizer state on the GPU, "
+    "gradients still made there",
+    "gradient accumulation": "the batch split into micro-batches whose gradients are summed before one step: the step "
+    "needs what one micro-batch needs, so any batch runs as enough micro-batches of the largest that fits as recorded",
+}
+ALLOCATOR_ASSUMPTION = (
+    "PYTORCH_CUDA_ALLOC_CONF={conf} (an alternative snaplab whatif tries): the step as recorded, laid out by the "
+    "allocator under these settings"
+)
+LONG_TAPE_NOTE = (
+    "the step has {rows:,} allocations: the largest batches are bounded by the peak allocated only, without "
+    "replaying the allocator for each (fragmentation can make them a little smaller)"
+)
+OPTIMIZER_SWAPS = ("sgd-momentum", "8-bit adam", "adafactor")
+OFFLOAD = "optimizer offload"
+ACCUMULATION = "gradient accumulation"
+
+
+@dataclass(frozen=True)
+class LeverOutcome:
+    lever: str
+    assumption: str
+    peak_allocated_bytes: int  # of the whole step at the batch asked for
+    peak_reserved_bytes: int
+    largest_batch: float | None  # samples (with the recorded batch) or a fraction of the recorded batch
+    fits: bool | None = None  # at the batch asked for, under the limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lever": self.lever,
+            "assumption": self.assumption,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "largest_batch": self.largest_batch,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class FitResult:
+    device: int
+    recorded_batch: int | None
+    batch_scale: float
+    checkpointing: bool
+    bf16: bool
+    peak_allocated_bytes: int  # the whole step with the levers asked for
+    peak_reserved_bytes: int
+    memory_limit_bytes: int | None
+    memory_limit_source: str
+    complete: bool  # a whole step was recorded (else extrapolated from a forward that ran out of memory)
+    optimizer: str
+    optimizer_source: str
+    breakdown: dict[str, int]
+    levers: tuple[LeverOutcome, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def batch(self) -> float | None:
+        return None if self.recorded_batch is None else self.recorded_batch * self.batch_scale
+
+    @property
+    def largest_batch(self) -> dict[str, float | None]:
+        return {o.lever: o.largest_batch for o in self.levers}
+
+    @property
+    def accumulation(self) -> dict[str, float | int | None]:
+        """Gradient accumulation: micro-batches of the largest batch that fits as recorded, as
+        many as the batch asked for needs."""
+        micro = self.largest_batch.get(AS_RECORDED)
+        wanted = self.batch if self.batch is not None else self.batch_scale
+        steps = -(-round(wanted * 100) // round(micro * 100)) if micro else None
+        return {"micro_batch": micro, "accumulation_steps": steps}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "recorded_batch": self.recorded_batch,
+            "batch_scale": self.batch_scale,
+            "batch": self.batch,
+            "checkpointing": self.checkpointing,
+            "bf16": self.bf16,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "memory_limit_source": self.memory_limit_source,
+            "whole_step_recorded": self.complete,
+            "optimizer": self.optimizer,
+            "optimizer_source": self.optimizer_source,
+            "breakdown": self.breakdown,
+            "largest_batch": self.largest_batch,
+            "gradient_accumulation": {**self.accumulation, "assumption": ASSUMPTIONS[ACCUMULATION]},
+            "levers": [o.to_dict() for o in self.levers],
+            "notes": list(self.notes),
+        }
+
+
+def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
+    """Every lever that makes sense for this step, as a way to build its tape."""
+    t = ev.tape
+    out: dict[str, Callable[[], Tape]] = {AS_RECORDED: lambda: t}
+    if ev.blocks:
+        out["checkpointing"] = lambda: lv.checkpoint(t, ev.blocks)
+    out["bf16"] = lambda: lv.bf16_autocast(t, ev)
+    if ev.blocks:
+        out["checkpointing+bf16"] = lambda: lv.bf16_autocast(lv.checkpoint(t, ev.blocks), ev)
+    for name in OPTIMIZER_SWAPS:
+        if name != ev.optimizer and lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
+            out[name] = lambda name=name: lv.swap_optimizer(t, ev, name)  # type: ignore[misc]
+    if lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
+        out[OFFLOAD] = lambda: lv.swap_optimizer(t, ev, "offload")
+    return out
+
+
+def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
+    tape = ev.tape
+    if checkpointing:
+        if not ev.blocks:
+            raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
+        tape = lv.checkpoint(tape, ev.blocks)
+    return lv.bf16_autocast(tape, ev) if bf16 else tape
+
+
+def predict_step(
+    frames: SnapshotFrames,
+    *,
+    batch_scale: float = 1.0,
+    checkpointing: bool = False,
+    bf16: bool = False,
+    optimizer: str | None = None,
+    device: int | None = None,
+) -> tuple[int, int]:
+    """Peak allocated and reserved bytes of one whole step at ``batch_scale`` times the recorded
+    batch under the levers asked for (no limit, nothing searched)."""
+    dev = _device(frames) if device is None else device
+    ev = step_evidence(frames, dev, optimizer)
+    sim = simulate(
+        requested_tape(ev, checkpointing, bf16), batch_scale, recorded_settings(frames.info.allocator_settings)
+    )
+    return sim.peak_allocated_bytes, sim.peak_reserved_bytes
+
+
+@dataclass(frozen=True)
+class _Search:
+    settings: AllocatorSettings
+    limit: int | None
+    batch_scale: float
+    recorded_batch: int | None
+
+    def outcome(
+        self, name: str, assumption: str, tape: Tape, settings: AllocatorSettings | None = None
+    ) -> LeverOutcome:
+        """The step at the batch asked for, and the largest batch under the limit."""
+        st = settings or self.settings
+        at = simulate(tape, self.batch_scale, st)
+        fits = found = None
+        if self.limit is not None:
+            fits = at.peak_reserved_bytes <= self.limit or bool(simulate(tape, self.batch_scale, st, self.limit).fits)
+            units = self.recorded_batch or FRACTION_STEPS
+            best = largest_batch(tape, units, st, self.limit)
+            found = float(best) if self.recorded_batch else round(best / FRACTION_STEPS, 2)
+        return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
+
+
+def _breakdown(ev: StepEvidence, recorded_batch: int | None) -> dict[str, int]:
+    by = recorded_batch_bytes(ev)
+    acts = by.pop("activations")
+    return {
+        "parameters_bytes": by["parameter"],
+        "gradients_bytes": by["gradient"],
+        "optimizer_state_bytes": by["optimizer_state"],
+        "activations_per_sample_bytes" if recorded_batch else "activations_at_recorded_batch_bytes": (
+            acts // recorded_batch if recorded_batch else acts
+        ),
+        "workspaces_bytes": by["workspaces"],
+    }
+
+
+def compute_fit(
+    frames: SnapshotFrames,
+    *,
+    memory_limit: int | None = None,
+    recorded_batch: int | None = None,
+    batch_scale: float = 1.0,
+    checkpointing: bool = False,
+    bf16: bool = False,
+    optimizer: str | None = None,
+    device: int | None = None,
+) -> FitResult:
+    """The whole step under the levers asked for and, under the memory limit (given, or the one
+    the recorded run ran out of, or the device's capacity), the largest batch per lever.
+    Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
+    if optimizer is not None and optimizer not in lv.OPTIMIZER_STATE_RATIO:
+        raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(lv.OPTIMIZER_STATE_RATIO)}")
+    dev = _device(frames) if device is None else device
+    ev = step_evidence(frames, dev, optimizer)
+    settings = recorded_settings(frames.info.allocator_settings)
+    limit, source, _ = _limit(
+        frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev)
+    )
+    asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
+    search = _Search(settings, limit, batch_scale, recorded_batch)
+    outcomes = [search.outcome(name, ASSUMPTIONS[name], build()) for name, build in lever_tapes(ev).items()]
+    if limit is not None:  # the allocator's settings: the same step, less fragmentation
+        confs = [(settings_label(alt.describe()), alt) for alt in quick_grid(settings, limit)]
+        outcomes[1:1] = [
+            search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt) for conf, alt in confs
+        ]
+    notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
+    if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
+        notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
+    return FitResult(
+        device=dev,
+        recorded_batch=recorded_batch,
+        batch_scale=batch_scale,
+        checkpointing=checkpointing,
+        bf16=bf16,
+        peak_allocated_bytes=asked.peak_allocated_bytes,
+        peak_reserved_bytes=asked.peak_reserved_bytes,
+        memory_limit_bytes=limit,
+        memory_limit_source=source,
+        complete=ev.complete,
+        optimizer=ev.optimizer,
+        optimizer_source=ev.optimizer_source,
+        breakdown=_breakdown(ev, recorded_batch),
+        levers=tuple(outcomes),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,143 @@
+"""One training step as a tape of allocations whose sizes are functions of the batch.
+
+Every row is one tensor: where it is allocated and freed (positions on the recorded trace,
+fractional for what a lever or the extrapolation adds), its size as ``fixed + per_batch * k``
+(``k``: the batch as a fraction of the recorded one), its category and its stream. The peak
+allocated at any ``k`` is a running sum over the tape; reserved memory, and whether a capped
+process survives, come from replaying the tape through the caching-allocator model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..allocator_model import MIN_BLOCK, AllocatorSettings
+from ..plan.program import Program, replay
+
+NEVER = np.inf
+
+
+@dataclass(frozen=True)
+class Tape:
+    start: np.ndarray  # float64 positions
+    end: np.ndarray  # float64; NEVER: alive to the end of the step
+    fixed: np.ndarray  # float64 bytes that do not depend on the batch
+    per_batch: np.ndarray  # float64 bytes at the recorded batch that scale with it
+    category: np.ndarray  # object: parameter, gradient, optimizer_state, activation, workspace, input
+    stream: np.ndarray  # int64
+    phase: np.ndarray  # object: setup, data, forward, backward, step
+    block: np.ndarray  # int64: the repeated block it belongs to (-1: none)
+    autocast: np.ndarray  # int8: what autocast makes of it (AUTOCAST_* in evidence)
+
+    def __len__(self) -> int:
+        return int(self.start.size)
+
+    def sizes(self, scale: float) -> np.ndarray:
+        """Bytes each tensor asks for at ``scale`` times the recorded batch (0: not made)."""
+        raw = np.ceil(self.fixed + self.per_batch * scale)
+        return np.maximum(raw, 0).astype(np.int64)
+
+    def select(self, keep: np.ndarray) -> Tape:
+        return Tape(*(getattr(self, f)[keep] for f in _FIELDS))
+
+    def with_rows(self, other: Tape) -> Tape:
+        return Tape(*(np.concatenate([getattr(self, f), getattr(other, f)]) for f in _FIELDS))
+
+    def scaled(self, rows: np.ndarray, factor: float) -> Tape:
+        """``rows`` (a mask) made ``factor`` times as large (both parts)."""
+        fixed, per = self.fixed.copy(), self.per_batch.copy()
+        fixed[rows] *= factor
+        per[rows] *= factor
+        return replace(self, fixed=fixed, per_batch=per)
+
+
+_FIELDS = ("start", "end", "fixed", "per_batch", "category", "stream", "phase", "block", "autocast")
+
+
+def make_tape(
+    start: np.ndarray,
+    end: np.ndarray,
+    fixed: np.ndarray,
+    per_batch: np.ndarray,
+    category: np.ndarray | str,
+    stream: np.ndarray | int = 0,
+    phase: np.ndarray | str = "forward",
+    block: np.ndarray | int = -1,
+    autocast: np.ndarray | int = 0,
+) -> Tape:
+    """A tape from columns; a scalar stands for the same value in every row."""
+    n = np.asarray(start).size
+
+    def column(v: object, dtype: type | np.dtype) -> np.ndarray:
+        if isinstance(v, np.ndarray):
+            return v.astype(dtype)
+        return np.full(n, v, dtype=dtype)
+
+    return Tape(
+        np.asarray(start, dtype=np.float64).reshape(n),
+        np.asarray(end, dtype=np.float64).reshape(n),
+        np.asarray(fixed, dtype=np.float64).reshape(n),
+        np.asarray(per_batch, dtype=np.float64).reshape(n),
+        column(category, object),
+        column(stream, np.int64),
+        column(phase, object),
+        column(block, np.int64),
+        column(autocast, np.int8),
+    )
+
+
+def empty_tape() -> Tape:
+    z = np.zeros(0)
+    return make_tape(z, z, z, z, "activation")
+
+
+def ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
+    """Row of every operation (allocations, then frees) and whether it is a free, in order:
+    by position, an allocation before a free at the same position."""
+    rows = np.arange(len(tape))
+    freed = np.isfinite(tape.end)
+    pos = np.r_[tape.start, tape.end[freed]]
+    kind = np.r_[np.zeros(len(tape), dtype=np.int64), np.ones(int(freed.sum()), dtype=np.int64)]
+    which = np.r_[rows, rows[freed]]
+    order = np.lexsort((kind, pos))
+    return which[order], kind[order].astype(bool)
+
+
+def peak_allocated(tape: Tape, scale: float) -> int:
+    """Most bytes allocated at once (rounded blocks, like torch's counter)."""
+    if not len(tape):
+        return 0
+    rounded = np.maximum(-(-tape.sizes(scale) // MIN_BLOCK) * MIN_BLOCK, 0)
+    rounded[tape.sizes(scale) == 0] = 0
+    which, is_free = ordered_ops(tape)
+    delta = np.where(is_free, -rounded[which], rounded[which])
+    return int(np.cumsum(delta).max(initial=0))
+
+
+@dataclass(frozen=True)
+class Simulated:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    fits: bool | None  # under the limit: did the whole step run
+
+
+def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None = None) -> Simulated:
+    """Replay the tape at ``scale`` through the allocator model (under ``limit``: a
+    per-process cap, cached blocks released and the request retried before giving up)."""
+    size = tape.sizes(scale)
+    prog = Program()
+    src = prog.source_id("activation", "fit")
+    which, is_free = ordered_ops(tape)
+    made = size > 0
+    for r, f in zip(which.tolist(), is_free.tolist(), strict=True):
+        if not made[r]:
+            continue
+        if f:
+            prog.free(r, 0)
+        else:
+            prog.alloc(r, int(size[r]), int(tape.stream[r]), src, 0, int(size[r]))
+    result = replay(prog, settings, limit, limit_is_cap=True)
+    fits = None if limit is None else result.oom_at is None
+    return Simulated(result.peak_allocated_bytes, result.peak_reserved_bytes, fits)

@@ -1,0 +1,121 @@
+"""Text for ``snaplab fit``: the answer in a sentence or two, then a table of levers, the
+breakdown of the step and what each lever assumes."""
+
+from __future__ import annotations
+
+from ..metrics.fit import FitResult, LeverOutcome
+from ..units import format_bytes
+from .text import table
+
+GiB = 1 << 30
+LEVER_PHRASES = {
+    "as recorded": "as is",
+    "checkpointing": "with activation checkpointing",
+    "bf16": "with bf16 autocast",
+    "checkpointing+bf16": "with checkpointing and bf16 autocast",
+    "sgd-momentum": "with SGD (momentum) as the optimizer",
+    "8-bit adam": "with 8-bit Adam",
+    "adafactor": "with Adafactor",
+    "optimizer offload": "with the optimizer offloaded to the CPU",
+}
+HEADLINE_LEVERS = ("as recorded", "bf16", "checkpointing", "checkpointing+bf16")
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
+HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
+NO_LIMIT = "No memory limit is known: give memory_limit (--memory-limit) for the largest batch that fits."
+EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
+ACCUMULATION = (
+    "Gradient accumulation: the step needs what one micro-batch needs, so any batch runs as micro-batches of the "
+    "largest that fits as is ({micro}), {steps} of them for {what}."
+)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _amount(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 2 else format_bytes(n, 0)
+
+
+def _batch_words(r: FitResult, n: float | None) -> str:
+    if n is None:
+        return "—"
+    if r.recorded_batch:
+        return f"{int(n)}"
+    return f"{n:g}x the recorded batch"
+
+
+def headline(r: FitResult) -> str:
+    """The answer in one or two sentences."""
+    b = r.breakdown
+    what = (
+        f"at batch {_batch_words(r, r.batch)}"
+        if r.batch is not None
+        else ("at the recorded batch" if r.batch_scale == 1 else f"at {r.batch_scale:g}x the recorded batch")
+    )
+    per = b.get("activations_per_sample_bytes")
+    acts = (
+        f"{_amount(per)} per sample"
+        if per is not None
+        else (f"{_amount(b.get('activations_at_recorded_batch_bytes', 0))} at the recorded batch")
+    )
+    levers = [x for x in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if x[1]]
+    if levers:
+        what += " with " + " and ".join(n for n, _ in levers)
+    first = HEADLINE.format(
+        what=what,
+        peak=format_bytes(r.peak_allocated_bytes, 1),
+        p=_gib(b["parameters_bytes"]),
+        g=_gib(b["gradients_bytes"]),
+        opt=OPTIMIZER_NAMES.get(r.optimizer, r.optimizer),
+        o=_gib(b["optimizer_state_bytes"]),
+        a=acts,
+    )
+    if r.memory_limit_bytes is None:
+        return first + " " + NO_LIMIT
+    found = r.largest_batch
+    parts = [
+        f"{_batch_words(r, found[lever])} {LEVER_PHRASES[lever]}"
+        for lever in HEADLINE_LEVERS
+        if found.get(lever) is not None
+    ]
+    if not parts:
+        return first
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return first + f" Under {format_bytes(r.memory_limit_bytes, 1)}, batch {listed} fits."
+
+
+def _row(r: FitResult, o: LeverOutcome) -> list[str]:
+    fits = "—" if o.fits is None else ("yes" if o.fits else "NO")
+    return [
+        o.lever,
+        format_bytes(o.peak_allocated_bytes),
+        format_bytes(o.peak_reserved_bytes),
+        fits,
+        _batch_words(r, o.largest_batch),
+    ]
+
+
+def format_fit(r: FitResult, name: str = "") -> str:
+    """The whole answer as text."""
+    out = [headline(r), ""]
+    if not r.complete:
+        out += [EXTRAPOLATED, ""]
+    at = f"batch {_batch_words(r, r.batch)}" if r.batch is not None else f"{r.batch_scale:g}x the recorded batch"
+    largest = "largest batch" + ("" if r.recorded_batch else " (x recorded)")
+    out.append(f"Levers, from {name or 'the snapshot'} (device {r.device}): the whole step at {at}")
+    out.append(table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, o) for o in r.levers]))
+    if r.memory_limit_bytes is not None:
+        out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
+    acc = r.accumulation
+    if acc["accumulation_steps"] and int(acc["accumulation_steps"]) > 1:
+        out.append(
+            ACCUMULATION.format(micro=_batch_words(r, acc["micro_batch"]), steps=acc["accumulation_steps"], what=at)
+        )
+    out += ["", "The step (bytes):"]
+    out += [f"  {k.removesuffix('_bytes').replace('_', ' ')}: {format_bytes(v)}" for k, v in r.breakdown.items()]
+    out += ["", "Each lever assumes:"]
+    out += [f"  - {o.lever}: {o.assumption}" for o in r.levers]
+    out += ["", "From the trace:"]
+    out += [f"  - {n}" for n in r.notes]
+    return "\n".join(out) + "\n"
