@@ -17,6 +17,8 @@ from .metrics.categories.kv_cache import KvCacheGrowth
 from .metrics.composition import compose
 from .metrics.diagnose import diagnose
 from .metrics.explore import explore
+from .metrics.fit import compute_fit
+from .metrics.fit.model import FitUnsupported
 from .metrics.fragmentation import compute_fragmentation
 from .metrics.layout import select_layout
 from .metrics.leaks import LeakAnalysis
@@ -38,6 +40,7 @@ from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
+from .render.fit import headline as fit_headline
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.markdown import render_markdown
 from .render.text import whatif_view
@@ -538,6 +541,26 @@ def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
 
 
 REPORT_FORMATS = ("html", "md", "png")
+FIT_HOW = (
+    "Predicted by snaplab fit from the step this trace recorded, replayed through the allocator model; "
+    "`snaplab fit SNAP --memory-limit SIZE --recorded-batch N` gives every lever, its assumption, and batches "
+    "in samples."
+)
+
+
+def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
+    """``snaplab fit``'s answer for the first screen, under the limit the run ran out of (else the
+    device's capacity); None when the trace shows no step to build on."""
+    try:
+        result = compute_fit(frames)
+    except (FitUnsupported, ValueError):
+        return None
+    return FitSummary(verdict=fit_headline(result), steps=(*map(_sentence, result.notes), FIT_HOW))
+
+
+def _sentence(note: str) -> str:
+    note = note.strip()
+    return note[:1].upper() + note[1:] + ("" if note.endswith(".") else ".")
 
 
 def build_report(
@@ -552,6 +575,8 @@ def build_report(
     ``fit_answer`` (what ``snaplab fit`` concluded) leads the levers when given."""
     if format not in REPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
+    if fit_answer is None:
+        fit_answer = fit_summary(frames)
     ctx = build_report_context(frames, stats, progress, fit_answer)
     if format == "md":
         return render_markdown(ctx)
