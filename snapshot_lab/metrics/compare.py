@@ -23,6 +23,7 @@ from .modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
 from .parallelism import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
 from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
 from .sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
+from .snapshot_summary import SnapshotSummary
 from .summary import SnapshotStats
 
 MiB = 1024 * 1024
@@ -57,49 +58,6 @@ def peak_site_table(frames: SnapshotFrames, device: int, peak_index: int) -> pd.
     df = pd.DataFrame({"site": site, "detail": detail, "category": cats, "bytes": alive["size_bytes"].to_numpy()})
     out = df.groupby(["site", "detail", "category"], as_index=False)["bytes"].sum()
     return out.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)
-
-
-@dataclass(frozen=True)
-class SnapshotSummary:
-    """What ``diff``, ``ranks`` and ``check`` need of one snapshot (small, picklable)."""
-
-    path: str
-    devices: list[int]
-    torch_stats: dict[str, int]
-    external_fragmentation: float
-    free_in_reserved_bytes: int
-    stranded_bytes: int
-    peak_requested_bytes: int | None
-    peak_reserved_bytes: int | None
-    oom_cause: str | None
-    oom_requested_bytes: int | None
-    categories: dict[str, int]
-    findings: list[str]
-    leak_growth_bytes_per_iteration: int
-    sites: list[dict[str, Any]] = field(default_factory=list)
-    # where the rank sits in the parallel layout (from the capture sidecar), when it says
-    layout: ParallelLayout | None = None
-    # at each device's peak of requested bytes (summed over devices): requested bytes per
-    # category, and the largest sites alive then ({site, detail, category, bytes}, at most
-    # PEAK_SITES_LIMIT); empty without a trace
-    peak_categories: dict[str, int] = field(default_factory=dict)
-    peak_sites: list[dict[str, Any]] = field(default_factory=list)
-    # at the same peaks: requested bytes by module (self bytes; metrics.modules), with the
-    # bytes outside any module and those allocated before the trace as rows of their own;
-    # modules_source 'tags' (exact), 'stacks' (approximate) or 'none'
-    peak_modules: dict[str, int] = field(default_factory=dict)
-    modules_source: str = "none"
-
-    @property
-    def reserved(self) -> int:
-        return self.torch_stats["reserved_bytes.all.current"]
-
-    @property
-    def allocated(self) -> int:
-        return self.torch_stats["allocated_bytes.all.current"]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_sites: bool = True) -> SnapshotSummary:
