@@ -30,17 +30,19 @@ ALIASES = {
 }
 
 NOT_MODELLED = (
-    "memory outside PyTorch's caching allocator: the CUDA context, NCCL's own buffers and communicators, "
-    "cuBLAS/cuDNN handles made outside it (typically 0.5–2 GiB per GPU): compare the plan with the device's "
-    "capacity minus that",
-    "compute-communication overlap and timing: the plan follows the recorded order of operations; a collective "
-    "that finishes late (or early) shifts when its buffers are freed, which moves reserved memory more than the "
-    "allocated peak",
-    "tensor parallelism's backward all-reduces (their buffers) and sequence parallelism; activations are divided "
-    "between column- and row-parallel layers only",
-    "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded run), "
-    "uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision policies and CPU offload",
-    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it mirrors, by size)",
+    "memory outside PyTorch's caching allocator: the CUDA context, NCCL's own buffers and "
+    "communicators, cuBLAS/cuDNN handles made outside it (typically 0.5–2 GiB per GPU): compare "
+    "the plan with the device's capacity minus that",
+    "compute-communication overlap and timing: the plan follows the recorded order of operations; "
+    "a collective that finishes late (or early) shifts when its buffers are freed, which moves "
+    "reserved memory more than the allocated peak",
+    "tensor parallelism's backward all-reduces (their buffers) and sequence parallelism; "
+    "activations are divided between column- and row-parallel layers only",
+    "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded "
+    "run), uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision "
+    "policies and CPU offload",
+    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it "
+    "mirrors, by size)",
 )
 
 
@@ -76,10 +78,14 @@ class Strategy:
         s = self
         if name in ALIASES:
             base, reshard = ALIASES[name]
-            s = replace(s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward)
+            s = replace(
+                s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward
+            )
             name = base
         if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)")
+            raise ValueError(
+                f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)"
+            )
         n = s.world_size
         if n < 1:
             raise ValueError("the world size must be at least 1")
@@ -127,7 +133,11 @@ class Strategy:
         if self.name in ("fsdp", "fsdp1"):
             v = "FSDP2" if self.name == "fsdp" else "FSDP1"
             how = (
-                ("reshard after forward" if self.reshard_after_forward else "no reshard after forward")
+                (
+                    "reshard after forward"
+                    if self.reshard_after_forward
+                    else "no reshard after forward"
+                )
                 if self.name == "fsdp"
                 else ("FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
             )
@@ -136,7 +146,8 @@ class Strategy:
         if self.name == "tp":
             return f"tensor parallel, degree {self.tp}"
         if self.name == "pp":
-            return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {self.schedule.upper()}"
+            schedule = self.schedule.upper()
+            return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {schedule}"
         return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {n}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,7 +195,8 @@ class MemoryPlan:
     device: int
     strategy: Strategy
     recorded: RankPlan  # the recording replayed as it was (world size 1)
-    recorded_torch_peaks: dict[str, int]  # torch's own counters from the capture sidecar, when present
+    # torch's own counters from the capture sidecar, when present
+    recorded_torch_peaks: dict[str, int]
     ranks: tuple[RankPlan, ...]
     memory_limit_bytes: int | None
     memory_limit_source: str
@@ -254,7 +266,11 @@ def _moment(s: TrainingStructure, event: int) -> str:
                         return f"{it}, backward, block {j}"
                 return f"{it}, backward, end (embeddings)"
             return f"{it}, optimizer step"
-    return "before the first iteration (model set-up)" if s.passes and p < s.passes[0].forward_start else ""
+    return (
+        "before the first iteration (model set-up)"
+        if s.passes and p < s.passes[0].forward_start
+        else ""
+    )
 
 
 def _rank(
@@ -280,11 +296,15 @@ def _rank(
                 fits = True
                 headroom = limit - capped.peak_reserved_bytes
                 note = (
-                    f"fits only because the allocator releases cached blocks under the limit (peak reserved "
-                    f"{capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc retries"
+                    "fits only because the allocator releases cached blocks under the limit (peak "
+                    f"reserved {capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc "
+                    "retries"
                 )
             else:
-                note = f"under the limit the replay runs out of memory at recorded event {capped.oom_at:,}"
+                note = (
+                    "under the limit the replay runs out of memory at recorded event "
+                    f"{capped.oom_at:,}"
+                )
     return RankPlan(
         label=label,
         peak_allocated_bytes=r.peak_allocated_bytes,
@@ -316,12 +336,15 @@ def programs_for(
         if s.n_blocks < (st.stages or 1):
             raise PlanUnsupported(
                 [
-                    f"a pipeline of {st.stages} stages needs at least {st.stages} repeated blocks in the forward pass; "
-                    f"the trace shows {s.n_blocks}"
+                    f"a pipeline of {st.stages} stages needs at least {st.stages} repeated blocks "
+                    f"in the forward pass; the trace shows {s.n_blocks}"
                 ]
             )
         if st.pp_split is not None and sum(st.pp_split) != s.n_blocks:
-            raise ValueError(f"--pp-split {','.join(map(str, st.pp_split))} does not add up to the {s.n_blocks} blocks")
+            raise ValueError(
+                f"--pp-split {','.join(map(str, st.pp_split))} does not add up to the {s.n_blocks} "
+                "blocks"
+            )
         assign = pp.assign_stages(s, st.stages or 1, st.pp_split)
         out = []
         for k in range(st.stages or 1):
@@ -330,12 +353,23 @@ def programs_for(
             parts = set(s.params.loc[s.params["block"] < 0, "part"].tolist())
             extra = " + the layers before the blocks" if k == 0 and "pre" in parts else ""
             if k == (st.stages or 1) - 1:
-                extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
+                extra += (
+                    " + the layers after the blocks and the loss"
+                    if "post" in parts
+                    else " + the loss"
+                )
             label = f"stage {k} (rank {k}: {where}{extra})"
-            out.append((label, pp.build_stage(s, assign, k, st.stages or 1, st.microbatches or 1, st.schedule)))
+            out.append(
+                (
+                    label,
+                    pp.build_stage(s, assign, k, st.stages or 1, st.microbatches or 1, st.schedule),
+                )
+            )
         notes.append(
-            f"pipeline stages: {', '.join(str(assign.block_stage.count(k)) for k in range(st.stages or 1))} blocks; "
-            f"microbatches of 1/{st.microbatches} of the recorded batch (activations taken as proportional to it)"
+            "pipeline stages: "
+            f"{', '.join(str(assign.block_stage.count(k)) for k in range(st.stages or 1))} blocks; "
+            f"microbatches of 1/{st.microbatches} of the recorded batch (activations taken as "
+            "proportional to it)"
         )
         return out
     rw = Rewrite.identity(s)
@@ -343,8 +377,8 @@ def programs_for(
     if st.name in ("tp", "fsdp+tp") and (st.tp or 1) > 1:
         tp = tpm.plan_tensor_parallel(frames, s, st.tp or 1, st.tp_layers)
         notes.append(
-            f"tensor parallelism: {tp.column_layers} column- and {tp.row_layers} row-parallel Linear layers per "
-            f"iteration ({st.tp_layers}: "
+            f"tensor parallelism: {tp.column_layers} column- and {tp.row_layers} row-parallel "
+            f"Linear layers per iteration ({st.tp_layers}: "
             + (
                 "Linear layers inside the repeated blocks; embeddings, norms and head replicated"
                 if st.tp_layers == "blocks"
@@ -356,9 +390,9 @@ def programs_for(
     older = np.array([n for n, cat, _ in s.untracked if cat == "parameter"], dtype=np.int64)
     if not len(s.params) and older.size:
         notes.append(
-            f"the parameters ({int(older.sum()):,} bytes) were allocated before the trace began: which block each "
-            "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are not planned "
-            "(DDP's buckets are)"
+            f"the parameters ({int(older.sum()):,} bytes) were allocated before the trace began: "
+            "which block each belongs to is unknown, so FSDP's all-gathers and tensor "
+            "parallelism's shards of them are not planned (DDP's buckets are)"
         )
     if tp is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps them
         tpm.apply_tensor_parallel(rw, tp, local, wrap=st.name == "tp" or st.dp == 1)
@@ -372,11 +406,19 @@ def programs_for(
     elif st.name in ("fsdp", "fsdp1", "fsdp+tp"):
         world = st.dp if st.name == "fsdp+tp" else st.world_size
         if world > 1:
-            units = dp.apply_fsdp(rw, world, st.reshard_after_forward, 1 if st.name == "fsdp1" else 2, local)
-            rw.untracked = dp.untracked_sharded(("parameter", "gradient", "optimizer_state"), world, "FSDP")
+            units = dp.apply_fsdp(
+                rw, world, st.reshard_after_forward, 1 if st.name == "fsdp1" else 2, local
+            )
+            rw.untracked = dp.untracked_sharded(
+                ("parameter", "gradient", "optimizer_state"), world, "FSDP"
+            )
             notes.append(
                 f"FSDP units: {len(units)} ("
-                + (", ".join(u.name for u in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}")
+                + (
+                    ", ".join(u.name for u in units)
+                    if len(units) <= 4
+                    else f"{units[0].name}, …, {units[-1].name}"
+                )
                 + "): each repeated block one unit, the root (everything else) one more"
             )
     if st.name not in ("tp", "fsdp+tp") and st.name != "pp":
@@ -396,7 +438,9 @@ def structure_summary(s: TrainingStructure) -> dict[str, Any]:
         "parameters": len(p),
         "parameter_bytes": int(p["size"].sum()),
         "parameter_bytes_in_blocks": int(blocks["size"].sum()),
-        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max()) if len(blocks) else 0,
+        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max())
+        if len(blocks)
+        else 0,
         "model_built_before_event": s.wrap_pos,
         "passes": [
             {
@@ -427,19 +471,23 @@ def plan_memory(
     settings = recorded_settings(frames.info.allocator_settings)
     notes: list[str] = list(s.notes)
     rec_prog, rec_replay = memo(frames, ("plan.recorded", dev), lambda: _recorded(s, settings))
-    limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
+    limit, source, is_cap = _limit(
+        frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev)
+    )
     recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
     ranks = []
     for label, prog in programs_for(frames, s, st, notes):
         ranks.append(_rank(label, replay(prog, settings), s, limit, prog, settings, is_cap))
     if s.ooms:
         notes.append(
-            "the recorded run ran out of memory: the plan replays it up to that moment (the failing request "
-            "included); what the rest of that iteration would have needed is not in the trace"
+            "the recorded run ran out of memory: the plan replays it up to that moment (the "
+            "failing request included); what the rest of that iteration would have needed is not "
+            "in the trace"
         )
     notes.append(
-        f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated blocks "
-        f"(called from {s.block_call_site or 'an unnamed site'}), parameters assigned to blocks by their order"
+        f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated "
+        f"blocks (called from {s.block_call_site or 'an unnamed site'}), parameters assigned to "
+        "blocks by their order"
     )
     return MemoryPlan(
         device=dev,
@@ -509,7 +557,11 @@ def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
     d = stats.get(str(dev))
     if not isinstance(d, dict):
         return {}
-    return {k: int(d[k]) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak") if isinstance(d.get(k), int)}
+    return {
+        k: int(d[k])
+        for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+        if isinstance(d.get(k), int)
+    }
 
 
 # --------------------------------------------------------------------------- the usual choices
@@ -537,7 +589,8 @@ def usual_strategies(world_size: int, n_blocks: int) -> list[Strategy]:
 class PlanTable:
     world_size: int
     plans: tuple[MemoryPlan, ...]
-    skipped: dict[str, str] = field(default_factory=dict)  # strategy label -> why it could not be planned
+    # strategy label -> why it could not be planned
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -548,7 +601,8 @@ class PlanTable:
 
 
 WOULD_IT_FIT_WORLD_SIZES = (2, 4)
-WOULD_IT_FIT_FULL_EVENTS = 200_000  # above this, the report plans for 2 GPUs only, without a pipeline
+# above this, the report plans for 2 GPUs only, without a pipeline
+WOULD_IT_FIT_FULL_EVENTS = 200_000
 
 
 def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
@@ -568,7 +622,8 @@ def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
             Strategy("fsdp", n),
             Strategy("tp", n),
         ]
-        if s.n_blocks >= n and not long:  # a pipeline replays every microbatch: too slow for a report here
+        # a pipeline replays every microbatch: too slow for a report here
+        if s.n_blocks >= n and not long:
             choices.append(Strategy("pp", n))
         out.append(plan_table(frames, n, device, strategies=choices))
     return out

@@ -15,7 +15,8 @@ from ..categories import CATEGORIES
 from .program import Program
 from .structure import TrainingStructure
 
-Op = tuple  # ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
+# ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
+Op = tuple
 
 AS_RECORDED = "as recorded"
 
@@ -67,7 +68,9 @@ class Rewrite:
             stream=a["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
             rule=rule,
-            free_after=a["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
+            free_after=a["free_pos_recorded" if as_recorded else "free_pos"]
+            .to_numpy(dtype=np.int64)
+            .copy(),
         )
 
     def new_key(self) -> int:
@@ -97,8 +100,11 @@ class Rewrite:
     def free_at(self, pos: int, key: int, before: bool = True) -> None:
         self.add(pos, ("f", key), before)
 
-    def set(self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str) -> None:
-        """Planned size, category (None: unchanged) and rule of the recorded allocations ``rows``."""
+    def set(
+        self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str
+    ) -> None:
+        """Planned size, category (None: unchanged) and rule of the recorded allocations
+        ``rows``."""
         self.size[rows] = size
         if category is not None:
             self.category[rows] = category
@@ -122,11 +128,18 @@ class Rewrite:
         # memory older than the trace: alive from the start
         for old_bytes, cat, old_stream in s.untracked:
             new_bytes, why = (
-                self.untracked(old_bytes, cat) if self.untracked is not None else (old_bytes, recorded_rule(cat))
+                self.untracked(old_bytes, cat)
+                if self.untracked is not None
+                else (old_bytes, recorded_rule(cat))
             )
             if new_bytes > 0:
                 prog.alloc(
-                    self.new_key(), new_bytes, old_stream, src(cat, why + " (older than the trace)"), base, old_bytes
+                    self.new_key(),
+                    new_bytes,
+                    old_stream,
+                    src(cat, why + " (older than the trace)"),
+                    base,
+                    old_bytes,
                 )
         alloc_row = np.full(s.n_events, -1, dtype=np.int64)
         alloc_row[a["pos"].to_numpy()] = a["row"].to_numpy()
@@ -145,7 +158,15 @@ class Rewrite:
             if op[0] == "a":
                 r = op[6]
                 if r >= 0:  # stands for a recorded allocation: that is where it came from
-                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), int(event_index[r]), int(recorded[r]), origin(p))
+                    prog.alloc(
+                        op[1],
+                        op[2],
+                        op[3],
+                        src(op[4], op[5]),
+                        int(event_index[r]),
+                        int(recorded[r]),
+                        origin(p),
+                    )
                 else:
                     prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), origin(p), 0)
             elif op[0] == "f":
@@ -161,7 +182,12 @@ class Rewrite:
             r = int(alloc_row[p])
             if r >= 0 and size[r] > 0:
                 prog.alloc(
-                    r, int(size[r]), int(stream[r]), src(category[r], rule[r]), int(event_index[r]), int(recorded[r])
+                    r,
+                    int(size[r]),
+                    int(stream[r]),
+                    src(category[r], rule[r]),
+                    int(event_index[r]),
+                    int(recorded[r]),
                 )
                 made[r] = True
             if p in ooms:
