@@ -59,6 +59,7 @@ import socket
 import sys
 import time
 from contextlib import ContextDecorator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,9 @@ from .errors import SnaplabError
 log = logging.getLogger("snapshot_lab.capture")
 
 SIDECAR_SUFFIX = ".meta.json"
+DEFAULT_OUT_DIR = "snapshots"
+STACKS = ("python", "all")
+CONTEXTS = ("state", "alloc", "all")
 
 
 class CaptureError(SnaplabError):
@@ -111,6 +115,51 @@ def snapshot_name(prefix: str, rank: int, host: str, when: float, why: str | Non
     return f"{prefix}_rank{rank}_{safe_host}_{stamp}{tail}.pickle"
 
 
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How to record: the options that :class:`recording`, ``snaplab run``, the framework
+    callbacks and their :class:`~snapshot_lab.integrations._session.CaptureSession` share, with
+    their defaults, defined here once. Each entry point takes them as keywords and builds one of
+    these; bad values raise :class:`CaptureError` when it is built.
+
+    (``snaplab run``/``api.run`` take all but ``context`` and ``prefix`` and still spell out
+    their defaults; they should take them from here too: ``CAPTURE_DEFAULTS.max_entries``...)
+    """
+
+    #: trace ring-buffer size: the allocator events kept (older ones are dropped)
+    max_entries: int = 100_000
+    #: ``python`` (fast) or ``all`` (adds C++ frames; slow to dump)
+    stacks: str = "python"
+    #: what torch records: ``state`` (the segments only), ``alloc`` or ``all`` (frees too)
+    context: str = "all"
+    #: dump a snapshot at an out-of-memory error, from the allocator's OOM observer
+    on_oom: bool = True
+    #: also dump every N calls of ``step()`` (None: never)
+    every_n_steps: int | None = None
+    #: file names start with it: ``<prefix>_rank<R>_<host>_<time>[_<why>].pickle``
+    prefix: str = "snapshot"
+    #: tag allocations with the module that made them, for memory by module (torch >= 2.10)
+    tag_modules: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stacks not in STACKS:
+            raise CaptureError(f"stacks must be 'python' or 'all', not {self.stacks!r}")
+        if self.context not in CONTEXTS:
+            raise CaptureError(f"context must be 'state', 'alloc' or 'all', not {self.context!r}")
+        if self.max_entries < 1:
+            raise CaptureError("max_entries must be at least 1")
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise CaptureError("every_n_steps must be at least 1")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in order."""
+        return tuple(field.name for field in fields(cls))
+
+
+CAPTURE_DEFAULTS = CaptureOptions()
+
+
 # one OOM observer per process (torch cannot detach them): it forwards to the active recorders
 _ACTIVE: list[recording] = []
 _OBSERVER_ATTACHED = False
@@ -126,37 +175,32 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
 
     def __init__(
         self,
-        out_dir: str | os.PathLike[str] = "snapshots",
+        out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR,
         *,
-        max_entries: int = 100_000,
-        stacks: str = "python",
-        context: str = "all",
-        on_oom: bool = True,
-        every_n_steps: int | None = None,
-        prefix: str = "snapshot",
+        max_entries: int = CAPTURE_DEFAULTS.max_entries,
+        stacks: str = CAPTURE_DEFAULTS.stacks,
+        context: str = CAPTURE_DEFAULTS.context,
+        on_oom: bool = CAPTURE_DEFAULTS.on_oom,
+        every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
+        prefix: str = CAPTURE_DEFAULTS.prefix,
         dump_on_exit: bool = True,
-        tag_modules: bool = True,
+        tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
         model: Any = None,
     ) -> None:
-        if stacks not in ("python", "all"):
-            raise CaptureError(f"stacks must be 'python' or 'all', not {stacks!r}")
-        if context not in ("state", "alloc", "all"):
-            raise CaptureError(f"context must be 'state', 'alloc' or 'all', not {context!r}")
-        if max_entries < 1:
-            raise CaptureError("max_entries must be at least 1")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise CaptureError("every_n_steps must be at least 1")
+        """The options are :class:`CaptureOptions`'s; ``dump_on_exit``: dump when the block
+        exits; ``model``: the module to tag (None: every module of the process, what ``snaplab
+        run`` does)."""
+        self.options = CaptureOptions(
+            max_entries=max_entries,
+            stacks=stacks,
+            context=context,
+            on_oom=on_oom,
+            every_n_steps=every_n_steps,
+            prefix=prefix,
+            tag_modules=tag_modules,
+        )
         self.out_dir = Path(out_dir)
-        self.max_entries = max_entries
-        self.stacks = stacks
-        self.context = context
-        self.on_oom = on_oom
-        self.every_n_steps = every_n_steps
-        self.prefix = prefix
         self.dump_on_exit = dump_on_exit
-        # memory by module: allocations tagged with the module that made them (torch >= 2.10);
-        # ``model=None`` tags every module of the process (what ``snaplab run`` does)
-        self.tag_modules = tag_modules
         self.model = model
         self._tags: Any = None
         self.steps = 0
@@ -168,18 +212,36 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self._oom_path: Path | None = None  # the snapshot the OOM observer wrote
         self._oom_record: dict[str, int] = {}
 
+    @classmethod
+    def from_options(
+        cls,
+        out_dir: str | os.PathLike[str],
+        options: CaptureOptions,
+        *,
+        dump_on_exit: bool = True,
+        model: Any = None,
+    ) -> recording:
+        """A recording with ``options`` (what the callbacks and ``snaplab run`` build)."""
+        return cls(out_dir, **asdict(options), dump_on_exit=dump_on_exit, model=model)
+
     # -- recording state -------------------------------------------------------------------
 
     def _enable(self) -> None:
         torch = self._torch
-        mem = torch.cuda.memory
+        memory = torch.cuda.memory
+        options = self.options
         if _torch_version(torch) >= (2, 1):
-            mem._record_memory_history(
-                enabled="all", context=self.context, stacks=self.stacks, max_entries=self.max_entries
+            memory._record_memory_history(
+                enabled="all",
+                context=options.context,
+                stacks=options.stacks,
+                max_entries=options.max_entries,
             )
         else:  # 2.0: the boolean API
-            mem._record_memory_history(
-                True, trace_alloc_max_entries=self.max_entries, trace_alloc_record_context=self.context != "state"
+            memory._record_memory_history(
+                True,
+                trace_alloc_max_entries=options.max_entries,
+                trace_alloc_record_context=options.context != "state",
             )
 
     def _disable(self) -> None:
@@ -195,10 +257,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if not torch.cuda.is_available():
             raise CaptureError("CUDA is not available: there is no GPU memory to record")
         self._enable()
-        if self.tag_modules:
+        if self.options.tag_modules:
             self._tags = module_tags.tag_modules(self.model)  # never raises: says why when it cannot
         _ACTIVE.append(self)
-        if self.on_oom and not _OBSERVER_ATTACHED:
+        if self.options.on_oom and not _OBSERVER_ATTACHED:
             try:
                 torch._C._cuda_attach_out_of_memory_observer(_on_oom)
                 _OBSERVER_ATTACHED = True
@@ -231,11 +293,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
     def step(self) -> None:
         """Call once per training iteration: counts steps and dumps every ``every_n_steps``."""
         self.steps += 1
-        if self.every_n_steps and self.steps % self.every_n_steps == 0:
+        every_n_steps = self.options.every_n_steps
+        if every_n_steps and self.steps % every_n_steps == 0:
             self.dump(f"step{self.steps}")
 
     def _handle_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        if not self.on_oom or self._oom_dumped:
+        if not self.options.on_oom or self._oom_dumped:
             return
         self._oom_dumped = True  # one dump per recording: later OOMs while unwinding add nothing
         self._oom_record = {
@@ -272,7 +335,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         host = socket.gethostname()
         now = time.time()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / snapshot_name(self.prefix, rank, host, now, why)
+        path = self.out_dir / snapshot_name(self.options.prefix, rank, host, now, why)
         # counters of this process's device; of every device only for one process driving several
         # (asking about another rank's GPU would create a CUDA context there)
         devices = [torch.cuda.current_device()]
@@ -303,7 +366,11 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "time_unix_s": now,
             "argv": list(sys.argv),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
-            "recording": {"max_entries": self.max_entries, "stacks": self.stacks, "context": self.context},
+            "recording": {
+                "max_entries": self.options.max_entries,
+                "stacks": self.options.stacks,
+                "context": self.options.context,
+            },
             "module_tags": self._tags.describe() if self._tags is not None else None,
             "memory_stats": stats,
             "device_total_bytes": totals,
