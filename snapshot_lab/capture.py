@@ -653,87 +653,113 @@ def parallel_layout() -> dict[str, Any]:
     rank, world = _rank_info()
     out: dict[str, Any] = {"world_size": world, "rank": rank}
     found = _parallel_objects()
-    lay = _Layout()
-    kind_of_name: dict[str, str] = {}
+    layout = _Layout()
+    kind_of_name: dict[str, str] = {}  # mesh dimension name -> the degree FSDP shards over
+    descriptions = _mesh_descriptions(found.get("mesh", []))
+    if descriptions:
+        out["mesh"] = descriptions[0]
+        if len(descriptions) > 1:
+            out["meshes"] = descriptions
+    if found.get("fsdp2"):
+        layout.strategy("fsdp2")
+        out["fsdp"] = _fsdp2_info(found["fsdp2"], layout, kind_of_name)
+    if found.get("fsdp1"):
+        layout.strategy("fsdp1")
+        out["fsdp"] = _fsdp1_info(found["fsdp1"], layout)
+    _set_mesh_degrees(descriptions, kind_of_name, layout)
+    if found.get("ddp"):
+        layout.strategy("ddp")
+        out["ddp"] = _ddp_info(found["ddp"][0], layout)
+    if found.get("stage") or found.get("schedule"):
+        layout.strategy("pipeline")
+        out["pp"] = _pipeline_info(found.get("stage", []), found.get("schedule", []), layout)
+    if _DECLARED:
+        _apply_declared(dict(_DECLARED), out, layout)
+    if layout.degrees or world == 1:
+        _set_degrees(out, layout, world)
+    if layout.strategies:
+        out["strategies"] = layout.strategies
+    return out
 
+
+def _mesh_descriptions(meshes: list[Any]) -> list[dict[str, Any]]:
+    """Every root DeviceMesh of the process, described, the main one (the largest) first."""
     roots: list[Any] = []
-    for mesh in found.get("mesh", []):
+    for mesh in meshes:
         root = _root_mesh(mesh)
-        if all(r is not root for r in roots):
+        if all(known is not root for known in roots):
             roots.append(root)
-    descs = []
+    descriptions = []
     for root in roots:
         with contextlib.suppress(Exception):
-            descs.append(_describe_mesh(root))
-    descs.sort(key=lambda d: (-_prod(d["shape"]), -len(d["shape"]), d.get("dim_names") is None))
-    if descs:
-        out["mesh"] = descs[0]
-        if len(descs) > 1:
-            out["meshes"] = descs
+            descriptions.append(_describe_mesh(root))
 
-    if found.get("fsdp2"):
-        lay.strategy("fsdp2")
-        out["fsdp"] = _fsdp2_info(found["fsdp2"], lay, kind_of_name)
-    if found.get("fsdp1"):
-        lay.strategy("fsdp1")
-        out["fsdp"] = _fsdp1_info(found["fsdp1"], lay)
-    for desc in descs:  # named mesh dimensions, the main mesh first
+    def main_first(desc: dict[str, Any]) -> tuple[int, int, bool]:
+        return -_prod(desc["shape"]), -len(desc["shape"]), desc.get("dim_names") is None
+
+    descriptions.sort(key=main_first)
+    return descriptions
+
+
+def _set_mesh_degrees(descriptions: list[dict[str, Any]], kind_of_name: dict[str, str], layout: _Layout) -> None:
+    """The degrees the named mesh dimensions say, the main mesh first."""
+    for desc in descriptions:
         for dim, name in enumerate(desc.get("dim_names") or []):
             kind = kind_of_name.get(name) or _dim_kind(name)
             spec = _mesh_dim(desc, dim)
-            if kind is not None and spec is not None:
-                lay.set(kind, spec[1], spec[2], "mesh")
-                if kind == "tp" and spec[1] > 1:
-                    lay.strategy("tensor_parallel")
-                if kind == "cp" and spec[1] > 1:
-                    lay.strategy("context_parallel")
-    if found.get("ddp"):
-        lay.strategy("ddp")
-        ddp = found["ddp"][0]
-        out["ddp"] = {
-            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
-            "bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
-        }
-        size = coord = None
-        with contextlib.suppress(Exception):
-            size, coord = int(ddp.process_group.size()), int(ddp.process_group.rank())
-        lay.set("dp", size, coord, "ddp")
-    if found.get("stage") or found.get("schedule"):
-        lay.strategy("pipeline")
-        out["pp"] = _pipeline_info(found.get("stage", []), found.get("schedule", []), lay)
+            if kind is None or spec is None:
+                continue
+            layout.set(kind, spec[1], spec[2], "mesh")
+            if kind == "tp" and spec[1] > 1:
+                layout.strategy("tensor_parallel")
+            if kind == "cp" and spec[1] > 1:
+                layout.strategy("context_parallel")
 
-    if _DECLARED:
-        decl = dict(_DECLARED)
-        out["declared"] = decl
-        coords = decl.get("coordinates") or {}
-        for kind in (*_DEGREES, "ep"):
-            key = "pp_degree" if kind == "pp" else kind
-            if decl.get(key) is not None:
-                lay.set(kind, decl[key], coords.get(kind), "declared", override=True)
-        if decl.get("pp_stage") is not None:
-            out.setdefault("pp", {})["stage"] = decl["pp_stage"]
-            lay.coordinates.setdefault("pp", int(decl["pp_stage"]))
-        for key in ("schedule", "microbatches"):
-            if decl.get(key) is not None:
-                out.setdefault("pp", {})[key] = decl[key]
-        if decl.get("pp_degree") is not None:
-            out.setdefault("pp", {})["num_stages"] = decl["pp_degree"]
-        for kind, c in coords.items():
-            lay.coordinates[kind] = c
-        if isinstance(decl.get("strategy"), str):
-            lay.strategy(decl["strategy"])
 
-    if lay.degrees or world == 1:
-        if _prod(list(lay.degrees.values())) == world:  # the rest of the world is accounted for
-            for kind in _DEGREES:
-                if kind not in lay.degrees:
-                    lay.set(kind, 1, 0, "rest")
-        out["degrees"] = {k: lay.degrees[k] for k in (*_DEGREES, "ep") if k in lay.degrees}
-        out["coordinates"] = {k: lay.coordinates[k] for k in out["degrees"] if k in lay.coordinates}
-        out["sources"] = {k: lay.sources[k] for k in out["degrees"]}
-    if lay.strategies:
-        out["strategies"] = lay.strategies
-    return out
+def _ddp_info(ddp: Any, layout: _Layout) -> dict[str, Any]:
+    size = coord = None
+    with contextlib.suppress(Exception):
+        size, coord = int(ddp.process_group.size()), int(ddp.process_group.rank())
+    layout.set("dp", size, coord, "ddp")
+    return {
+        "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+        "bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
+    }
+
+
+def _apply_declared(declared: dict[str, Any], out: dict[str, Any], layout: _Layout) -> None:
+    """What :func:`describe_parallel` was told wins over detection."""
+    out["declared"] = declared
+    coords = declared.get("coordinates") or {}
+    for kind in (*_DEGREES, "ep"):
+        key = "pp_degree" if kind == "pp" else kind
+        if declared.get(key) is not None:
+            layout.set(kind, declared[key], coords.get(kind), "declared", override=True)
+    if declared.get("pp_stage") is not None:
+        out.setdefault("pp", {})["stage"] = declared["pp_stage"]
+        layout.coordinates.setdefault("pp", int(declared["pp_stage"]))
+    for key in ("schedule", "microbatches"):
+        if declared.get(key) is not None:
+            out.setdefault("pp", {})[key] = declared[key]
+    if declared.get("pp_degree") is not None:
+        out.setdefault("pp", {})["num_stages"] = declared["pp_degree"]
+    for kind, coord in coords.items():
+        layout.coordinates[kind] = coord
+    if isinstance(declared.get("strategy"), str):
+        layout.strategy(declared["strategy"])
+
+
+def _set_degrees(out: dict[str, Any], layout: _Layout, world: int) -> None:
+    """The degrees, coordinates and sources known; the degrees not seen are 1 when those seen
+    account for the whole world."""
+    if _prod(list(layout.degrees.values())) == world:
+        for kind in _DEGREES:
+            if kind not in layout.degrees:
+                layout.set(kind, 1, 0, "rest")
+    degrees = {kind: layout.degrees[kind] for kind in (*_DEGREES, "ep") if kind in layout.degrees}
+    out["degrees"] = degrees
+    out["coordinates"] = {kind: layout.coordinates[kind] for kind in degrees if kind in layout.coordinates}
+    out["sources"] = {kind: layout.sources[kind] for kind in degrees}
 
 
 def _prod(xs: list[int]) -> int:
