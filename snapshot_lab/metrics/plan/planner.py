@@ -328,103 +328,133 @@ def _local_after_tp(s: TrainingStructure, tp: tpm.TensorParallel | None) -> np.n
 
 
 def programs_for(
-    frames: SnapshotFrames, s: TrainingStructure, st: Strategy, notes: list[str]
+    frames: SnapshotFrames, structure: TrainingStructure, strategy: Strategy, notes: list[str]
 ) -> list[tuple[str, Program]]:
     """The planned program of every distinct rank (one for data/tensor parallelism, one per
     pipeline stage)."""
-    if st.name == "pp":
-        if s.n_blocks < (st.stages or 1):
-            raise PlanUnsupported(
-                [
-                    f"a pipeline of {st.stages} stages needs at least {st.stages} repeated blocks "
-                    f"in the forward pass; the trace shows {s.n_blocks}"
-                ]
-            )
-        if st.pp_split is not None and sum(st.pp_split) != s.n_blocks:
-            raise ValueError(
-                f"--pp-split {','.join(map(str, st.pp_split))} does not add up to the {s.n_blocks} "
-                "blocks"
-            )
-        assign = pp.assign_stages(s, st.stages or 1, st.pp_split)
-        out = []
-        for k in range(st.stages or 1):
-            blocks = [j for j, x in enumerate(assign.block_stage) if x == k]
-            where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
-            parts = set(s.params.loc[s.params["block"] < 0, "part"].tolist())
-            extra = " + the layers before the blocks" if k == 0 and "pre" in parts else ""
-            if k == (st.stages or 1) - 1:
-                extra += (
-                    " + the layers after the blocks and the loss"
-                    if "post" in parts
-                    else " + the loss"
-                )
-            label = f"stage {k} (rank {k}: {where}{extra})"
-            out.append(
-                (
-                    label,
-                    pp.build_stage(s, assign, k, st.stages or 1, st.microbatches or 1, st.schedule),
-                )
-            )
-        notes.append(
-            "pipeline stages: "
-            f"{', '.join(str(assign.block_stage.count(k)) for k in range(st.stages or 1))} blocks; "
-            f"microbatches of 1/{st.microbatches} of the recorded batch (activations taken as "
-            "proportional to it)"
+    if strategy.name == "pp":
+        return _pipeline_programs(structure, strategy, notes)
+    rewrite = Rewrite.identity(structure)
+    tensor_parallel = None
+    if strategy.name in ("tp", "fsdp+tp") and (strategy.tp or 1) > 1:
+        tensor_parallel = tpm.plan_tensor_parallel(
+            frames, structure, strategy.tp or 1, strategy.tp_layers
         )
-        return out
-    rw = Rewrite.identity(s)
-    tp = None
-    if st.name in ("tp", "fsdp+tp") and (st.tp or 1) > 1:
-        tp = tpm.plan_tensor_parallel(frames, s, st.tp or 1, st.tp_layers)
-        notes.append(
-            f"tensor parallelism: {tp.column_layers} column- and {tp.row_layers} row-parallel "
-            f"Linear layers per iteration ({st.tp_layers}: "
-            + (
-                "Linear layers inside the repeated blocks; embeddings, norms and head replicated"
-                if st.tp_layers == "blocks"
-                else "every matrix, head and embeddings included"
-            )
-            + ")"
-        )
-    local = _local_after_tp(s, tp)
-    older = np.array([n for n, cat, _ in s.untracked if cat == "parameter"], dtype=np.int64)
-    if not len(s.params) and older.size:
-        notes.append(
-            f"the parameters ({int(older.sum()):,} bytes) were allocated before the trace began: "
-            "which block each belongs to is unknown, so FSDP's all-gathers and tensor "
-            "parallelism's shards of them are not planned (DDP's buckets are)"
-        )
-    if tp is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps them
-        tpm.apply_tensor_parallel(rw, tp, local, wrap=st.name == "tp" or st.dp == 1)
-    bucketed = local if len(s.params) else older
-    if st.name == "ddp":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed)
-    elif st.name == "zero1":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed, label="DDP (under ZeRO-1)")
-        dp.apply_zero1(rw, st.world_size)
-        rw.untracked = dp.untracked_sharded(("optimizer_state",), st.world_size, "ZeRO-1")
-    elif st.name in ("fsdp", "fsdp1", "fsdp+tp"):
-        world = st.dp if st.name == "fsdp+tp" else st.world_size
-        if world > 1:
-            units = dp.apply_fsdp(
-                rw, world, st.reshard_after_forward, 1 if st.name == "fsdp1" else 2, local
-            )
-            rw.untracked = dp.untracked_sharded(
-                ("parameter", "gradient", "optimizer_state"), world, "FSDP"
-            )
-            notes.append(
-                f"FSDP units: {len(units)} ("
-                + (
-                    ", ".join(u.name for u in units)
-                    if len(units) <= 4
-                    else f"{units[0].name}, …, {units[-1].name}"
-                )
-                + "): each repeated block one unit, the root (everything else) one more"
-            )
-    if st.name not in ("tp", "fsdp+tp") and st.name != "pp":
+        notes.append(_tensor_parallel_note(tensor_parallel, strategy.tp_layers))
+    local = _local_after_tp(structure, tensor_parallel)
+    older = np.array(
+        [nbytes for nbytes, category, _ in structure.untracked if category == "parameter"],
+        dtype=np.int64,
+    )
+    if not len(structure.params) and older.size:
+        notes.append(NOTE_PARAMETERS_BEFORE_TRACE.format(nbytes=int(older.sum())))
+    if tensor_parallel is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps
+        wrap = strategy.name == "tp" or strategy.dp == 1
+        tpm.apply_tensor_parallel(rewrite, tensor_parallel, local, wrap=wrap)
+    bucketed = local if len(structure.params) else older
+    _apply_data_parallel(rewrite, strategy, local, bucketed, notes)
+    if strategy.name not in ("tp", "fsdp+tp") and strategy.name != "pp":
         notes.append("every rank runs the recorded per-rank batch: activations as recorded")
-    label = "every rank" if st.world_size > 1 else "the one GPU"
-    return [(label, rw.build())]
+    label = "every rank" if strategy.world_size > 1 else "the one GPU"
+    return [(label, rewrite.build())]
+
+
+NOTE_PARAMETERS_BEFORE_TRACE = (
+    "the parameters ({nbytes:,} bytes) were allocated before the trace began: which block each "
+    "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are "
+    "not planned (DDP's buckets are)"
+)
+TP_LAYERS_NOTE = {
+    "blocks": "Linear layers inside the repeated blocks; embeddings, norms and head replicated",
+    "all": "every matrix, head and embeddings included",
+}
+
+
+def _tensor_parallel_note(tensor_parallel: tpm.TensorParallel, tp_layers: str) -> str:
+    which = TP_LAYERS_NOTE["blocks" if tp_layers == "blocks" else "all"]
+    return (
+        f"tensor parallelism: {tensor_parallel.column_layers} column- and "
+        f"{tensor_parallel.row_layers} row-parallel Linear layers per iteration ({tp_layers}: "
+        f"{which})"
+    )
+
+
+def _apply_data_parallel(
+    rewrite: Rewrite,
+    strategy: Strategy,
+    local: np.ndarray,
+    bucketed: np.ndarray,
+    notes: list[str],
+) -> None:
+    """DDP's buckets, ZeRO-1's optimizer shards or FSDP's units, as the strategy says."""
+    name = strategy.name
+    if name == "ddp":
+        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed)
+    elif name == "zero1":
+        label = "DDP (under ZeRO-1)"
+        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed, label=label)
+        dp.apply_zero1(rewrite, strategy.world_size)
+        rewrite.untracked = dp.untracked_sharded(
+            ("optimizer_state",), strategy.world_size, "ZeRO-1"
+        )
+    elif name in ("fsdp", "fsdp1", "fsdp+tp"):
+        world = strategy.dp if name == "fsdp+tp" else strategy.world_size
+        if world <= 1:
+            return
+        version = 1 if name == "fsdp1" else 2
+        units = dp.apply_fsdp(rewrite, world, strategy.reshard_after_forward, version, local)
+        rewrite.untracked = dp.untracked_sharded(
+            ("parameter", "gradient", "optimizer_state"), world, "FSDP"
+        )
+        if len(units) <= 4:
+            named = ", ".join(unit.name for unit in units)
+        else:
+            named = f"{units[0].name}, …, {units[-1].name}"
+        notes.append(
+            f"FSDP units: {len(units)} ({named}): each repeated block one unit, the root "
+            "(everything else) one more"
+        )
+
+
+def _pipeline_programs(
+    structure: TrainingStructure, strategy: Strategy, notes: list[str]
+) -> list[tuple[str, Program]]:
+    """One program per pipeline stage."""
+    stages = strategy.stages or 1
+    if structure.n_blocks < stages:
+        raise PlanUnsupported(
+            [
+                f"a pipeline of {strategy.stages} stages needs at least {strategy.stages} repeated "
+                f"blocks in the forward pass; the trace shows {structure.n_blocks}"
+            ]
+        )
+    split = strategy.pp_split
+    if split is not None and sum(split) != structure.n_blocks:
+        raise ValueError(
+            f"--pp-split {','.join(map(str, split))} does not add up to the "
+            f"{structure.n_blocks} blocks"
+        )
+    assignment = pp.assign_stages(structure, stages, split)
+    parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
+    out = []
+    for stage in range(stages):
+        blocks = [j for j, holder in enumerate(assignment.block_stage) if holder == stage]
+        where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
+        extra = " + the layers before the blocks" if stage == 0 and "pre" in parts else ""
+        if stage == stages - 1:
+            extra += (
+                " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
+            )
+        program = pp.build_stage(
+            structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule
+        )
+        out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
+    counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
+    notes.append(
+        f"pipeline stages: {counts} blocks; microbatches of 1/{strategy.microbatches} of the "
+        "recorded batch (activations taken as proportional to it)"
+    )
+    return out
 
 
 def structure_summary(s: TrainingStructure) -> dict[str, Any]:
