@@ -96,19 +96,31 @@ def relative(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def single_jobs(path: Path) -> list[tuple[Path, list[str]]]:
-    """(output file relative to the folder, arguments) of every command over one sample."""
+def single_jobs(path: Path, only: set[str] | None = None) -> list[tuple[Path, list[str]]]:
+    """(output file relative to the folder, arguments) of every command over one sample (those
+    labelled in ``only``, when given)."""
     name = sample_name(path)
     return [
         (Path(name) / f"{label}.json", [command, relative(path), *options])
         for label, (command, *options) in SINGLE_COMMANDS
+        if only is None or label in only
     ]
 
 
-def pair_jobs(name: str, first: Path, second: Path) -> list[tuple[Path, list[str]]]:
-    """(output file relative to the folder, arguments) of every command over one pair of ranks."""
+def pair_jobs(
+    name: str,
+    first: Path,
+    second: Path,
+    only: set[str] | None = None,
+) -> list[tuple[Path, list[str]]]:
+    """(output file relative to the folder, arguments) of every command over one pair of ranks
+    (those labelled in ``only``, when given)."""
     arguments = [relative(first), relative(second)]
-    return [(Path(name) / f"{label}.json", [cmd, *arguments]) for label, cmd in PAIR_COMMANDS]
+    return [
+        (Path(name) / f"{label}.json", [command, *arguments])
+        for label, command in PAIR_COMMANDS
+        if only is None or label in only
+    ]
 
 
 def run_jobs(out: Path, jobs: list[tuple[Path, list[str]]]) -> int:
@@ -122,21 +134,28 @@ def run_jobs(out: Path, jobs: list[tuple[Path, list[str]]]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="Folder to write the outputs into.")
-    parser.add_argument("--samples", default="*.pickle*", help="Glob inside sample_snapshots/.")
+    parser.add_argument(
+        "--samples",
+        default="*.pickle*",
+        help="Comma-separated globs inside sample_snapshots/.",
+    )
     parser.add_argument("--jobs", "-j", type=int, default=1, help="Worker processes.")
+    parser.add_argument("--only", help="Comma-separated labels of the outputs to write.")
     args = parser.parse_args(argv)
+    out = args.out.resolve()
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)  # the commands get paths relative to the checkout
-    paths = sample_paths(args.samples)
-    batches = [single_jobs(path) for path in paths]
-    batches += [pair_jobs(*pair) for pair in rank_pairs(paths)]
-    args.out.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(",")) if args.only else None
+    paths = [path for pattern in args.samples.split(",") for path in sample_paths(pattern)]
+    batches = [single_jobs(path, only) for path in paths]
+    batches += [pair_jobs(*pair, only) for pair in rank_pairs(paths)]
+    out.mkdir(parents=True, exist_ok=True)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
-            done = sum(pool.map(run_jobs, [args.out] * len(batches), batches))
+            done = sum(pool.map(run_jobs, [out] * len(batches), batches))
     else:
-        done = sum(run_jobs(args.out, batch) for batch in batches)
-    print(f"{done} outputs of {len(paths)} samples in {args.out}")
+        done = sum(run_jobs(out, batch) for batch in batches)
+    print(f"{done} outputs of {len(paths)} samples in {out}")
     return 0
 
 
