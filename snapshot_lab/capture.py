@@ -258,7 +258,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             raise CaptureError("CUDA is not available: there is no GPU memory to record")
         self._enable()
         if self.options.tag_modules:
-            self._tags = module_tags.tag_modules(self.model)  # never raises: says why when it cannot
+            # never raises: says why when it cannot
+            self._tags = module_tags.tag_modules(self.model)
         _ACTIVE.append(self)
         if self.options.on_oom and not _OBSERVER_ATTACHED:
             try:
@@ -488,7 +489,8 @@ def _parallel_objects() -> dict[str, list[Any]]:
     wanted = tuple(cls for cls, _ in classes)
     found: dict[str, list[Any]] = {}
     for obj in gc.get_objects():
-        cls_of = type(obj)  # not isinstance: it would ask proxies (deprecated modules) for __class__
+        # not isinstance: it would ask proxies (deprecated modules) for __class__
+        cls_of = type(obj)
         if not issubclass(cls_of, wanted):
             continue
         for cls, kind in classes:

@@ -239,7 +239,8 @@ def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | Non
         return None, f"CUDA could not be initialised: {exc}"
     setter = getattr(torch._C, "_cuda_setMemoryMetadata", None) or mem._set_memory_metadata
     try:
-        setter(OUTSIDE)  # an allocator backend without metadata (cudaMallocAsync) refuses here, not in a hook
+        # an allocator backend without metadata (cudaMallocAsync) refuses here, not in a hook
+        setter(OUTSIDE)
     except Exception as exc:
         return None, f"the CUDA allocator does not take metadata: {exc}"
     return setter, None

@@ -83,7 +83,8 @@ class CaptureSession:
         self.disabled = None
         if self.options.tag_modules and model is not None:
             self.tags = tag_modules(model)
-        if not self._atexit:  # a run that dies without telling its callbacks still leaves a snapshot
+        # a run that dies without telling its callbacks still leaves a snapshot
+        if not self._atexit:
             atexit.register(self.stop)
             self._atexit = True
 

@@ -191,7 +191,8 @@ def _module_changes(a: SnapshotSummary, b: SnapshotSummary, limit: int) -> list[
     if a.modules_source != b.modules_source or a.modules_source == "none":
         return []
     rows = []
-    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):  # every name holds bytes in a or b
+    # every name holds bytes in a or b
+    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):
         before, after = a.peak_modules.get(name, 0), b.peak_modules.get(name, 0)
         rows.append(SiteChange(name, "", before, after, _status(before, after)))
     rows.sort(key=lambda r: (-abs(r.delta_bytes), -r.after_bytes, r.site))
@@ -347,8 +348,8 @@ def rank_outliers(summaries: dict[K, SnapshotSummary], within: str | None = None
                 if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= ratio:
                     word = "above" if diff > 0 else "below"
                     flags[r].append(
-                        f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} the median "
-                        f"{format_bytes(med)}{of_group}"
+                        f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} "
+                        f"the median {format_bytes(med)}{of_group}"
                     )
     for r, s in summaries.items():
         if s.oom_cause:
@@ -526,8 +527,9 @@ def check_limits(s: SnapshotSummary, limits: Limits, baseline: SnapshotSummary |
                         f"max_growth:{name}",
                         round(growth, 6),
                         limits.max_growth,
-                        f"{name} grew {format_percent(growth)} over the baseline ({format_bytes(then)} -> "
-                        f"{format_bytes(now)}), more than {format_percent(limits.max_growth)}",
+                        f"{name} grew {format_percent(growth)} over the baseline "
+                        f"({format_bytes(then)} -> {format_bytes(now)}), more than "
+                        f"{format_percent(limits.max_growth)}",
                     )
                 )
     return out
