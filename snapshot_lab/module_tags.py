@@ -58,6 +58,7 @@ from typing import Any
 log = logging.getLogger("snapshot_lab.module_tags")
 
 TAG_FORMAT_VERSION = 1
+NOT_A_MODULE = "tag_modules needs a torch.nn.Module (or None for every module), not {kind}"
 PHASES: dict[str, str] = {
     "fwd": "forward",
     "bwd": "backward",
@@ -105,7 +106,9 @@ class _Mod:
         self.fqn = fqn
         self.cls = cls
         self.parent = parent
-        self.ancestors: frozenset[_Mod] = frozenset() if parent is None else parent.ancestors | {parent}
+        self.ancestors: frozenset[_Mod] = frozenset()
+        if parent is not None:
+            self.ancestors = parent.ancestors | {parent}
         self.tags = (f"fwd:{fqn}", f"bwd:{fqn}", f"rec:{fqn}")
         self.out_hook: Callable[[Any], None] | None = None
         self.in_hook: Callable[[Any], None] | None = None
@@ -149,7 +152,14 @@ class ModuleTags:
     the hooks away; ``enabled`` says whether tags are being written and ``reason`` why not;
     ``describe()`` is a JSON-able summary for a snapshot's sidecar."""
 
-    def __init__(self, *, enabled: bool, reason: str | None = None, mode: str = "model", backward: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        reason: str | None = None,
+        mode: str = "model",
+        backward: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.reason = reason
         self.mode = mode  # 'model' or 'process'
@@ -165,7 +175,8 @@ class ModuleTags:
 
     @property
     def modules(self) -> dict[str, str]:
-        """Tagged modules so far: path -> class name (a process-wide tagger finds them as they run)."""
+        """Tagged modules so far: path -> class name (a process-wide tagger finds them as they
+        run)."""
         return {fqn: m.cls for fqn, m in self._mods.items()}
 
     def describe(self) -> dict[str, Any]:
@@ -227,7 +238,8 @@ def _torch() -> Any:
 
 
 def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | None]:
-    """The allocator's setter (the C function itself when there, to skip a Python frame), or why not."""
+    """The allocator's setter (the C function itself when there, to skip a Python frame), or why
+    not."""
     mem = getattr(getattr(torch, "cuda", None), "memory", None)
     if mem is None or not hasattr(mem, "_set_memory_metadata"):
         return None, f"{NEEDS}; this is PyTorch {getattr(torch, '__version__', '?')}"
@@ -254,7 +266,8 @@ def tag_modules(
     backward: bool = True,
     set_metadata: Callable[[str], Any] | None = None,
 ) -> ModuleTags:
-    """Tag CUDA allocations with the module that made them (see the module docstring for the format).
+    """Tag CUDA allocations with the module that made them (see the module docstring for the
+    format).
 
     ``model``: an ``nn.Module`` (its modules and itself get per-module hooks), or None for every
     module of the process (global hooks; for ``snaplab run``, which has no model at hand; a model
@@ -272,21 +285,37 @@ def tag_modules(
     try:
         torch = _torch()
     except ImportError:
-        return ModuleTags(enabled=False, reason="PyTorch is not installed", mode="model" if model else "process")
+        return ModuleTags(
+            enabled=False,
+            reason="PyTorch is not installed",
+            mode="model" if model else "process",
+        )
     nn_module = getattr(getattr(torch, "nn", None), "Module", None)
     if model is not None and nn_module is not None and not isinstance(model, nn_module):
-        raise TypeError(f"tag_modules needs a torch.nn.Module (or None for every module), not {type(model).__name__}")
+        raise TypeError(NOT_A_MODULE.format(kind=type(model).__name__))
     setter = set_metadata
     if setter is None:
         setter, reason = _metadata_setter(torch)
         if setter is None:
             _warn_once(str(reason))
-            return ModuleTags(enabled=False, reason=reason, mode="process" if model is None else "model")
+            return ModuleTags(
+                enabled=False,
+                reason=reason,
+                mode="process" if model is None else "model",
+            )
     if model is None and _PROCESS:  # nested recordings: the outer one already tags everything
-        inner = ModuleTags(enabled=True, reason="already tagged by an enclosing tag_modules(None)", mode="process")
+        inner = ModuleTags(
+            enabled=True,
+            reason="already tagged by an enclosing tag_modules(None)",
+            mode="process",
+        )
         inner._mods = _PROCESS[0]._mods
         return inner
-    handle = ModuleTags(enabled=True, mode="process" if model is None else "model", backward=backward)
+    handle = ModuleTags(
+        enabled=True,
+        mode="process" if model is None else "model",
+        backward=backward,
+    )
     handle._set = setter
     _Installer(torch, handle, setter, backward, max_depth).install(model, prefix)
     return handle
@@ -367,7 +396,13 @@ class _Installer:
         first_grad_tensor = self._make_first_grad_tensor()
         weakref_ref = weakref.ref
 
-        def hook_backward(tagged: _Mod, before: _Hooked | None, args: Any, kwargs: Any, output: Any) -> None:
+        def hook_backward(
+            tagged: _Mod,
+            before: _Hooked | None,
+            args: Any,
+            kwargs: Any,
+            output: Any,
+        ) -> None:
             first_output = first_grad_tensor(output)
             if first_output is None:
                 return
@@ -510,7 +545,8 @@ class _Installer:
             tagged = _Mod(fqn, type(module).__name__, parent)
             attach(tagged)
             out.append((module, tagged))
-            children = [(name, child) for name, child in getattr(module, "_modules", {}).items() if child is not None]
+            named = getattr(module, "_modules", {}).items()
+            children = [(name, child) for name, child in named if child is not None]
             for name, child in reversed(children):
                 todo.append((child, f"{fqn}.{name}" if fqn else name, tagged, depth + 1))
         return out
@@ -534,7 +570,9 @@ class _Installer:
                 return None
 
             handle._handles.append(module.register_forward_pre_hook(pre))
-            handle._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+            handle._handles.append(
+                module.register_forward_hook(post, with_kwargs=True, always_call=True),
+            )
             _EXPLICIT[module] = handle
             handle._explicit.append(weakref.ref(module))
 
