@@ -22,14 +22,16 @@ The sidecar's ``"parallel"`` key says how this rank's job was split (what is kno
 
     "parallel": {
       "world_size": 2, "rank": 0,
-      "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0], "device_type": "cuda"},
-      "meshes": [...],                   # every root DeviceMesh of the process, when there are several
+      "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0],
+               "device_type": "cuda"},
+      "meshes": [...],                   # every root DeviceMesh of the process, when several
       "degrees": {"dp": 1, "fsdp": 1, "tp": 2, "pp": 1, "cp": 1},   # + "ep" when a mesh names it
       "coordinates": {"dp": 0, "tp": 0},  # this rank's index along each degree, when known
       "strategies": ["tensor_parallel"],  # of ddp, fsdp1, fsdp2, tensor_parallel, context_parallel,
                                           # pipeline, and the strategy describe_parallel() named
       "sources": {"tp": "mesh"},         # where each degree came from: mesh, fsdp2, fsdp1, ddp,
-                                         # pipeline, declared, or rest (1: the others fill the world)
+                                         # pipeline, declared, or rest (1: the others fill the
+                                         # world)
       "ddp": {"gradient_as_bucket_view": true, "bucket_cap_bytes": 26214400},
       "fsdp": {"version": 2, "units": 9, "reshard_after_forward": true},   # or version 1 with
                                          # "sharding_strategy": "FULL_SHARD"
@@ -69,6 +71,11 @@ from .errors import SnaplabError
 log = logging.getLogger("snapshot_lab.capture")
 
 SIDECAR_SUFFIX = ".meta.json"
+NEEDS_TORCH = (
+    "recording needs PyTorch with CUDA: pip install torch "
+    # torch is imported here only, and lazily
+    "(snaplab's analysis commands do not need it)"
+)
 DEFAULT_OUT_DIR = "snapshots"
 STACKS = ("python", "all")
 CONTEXTS = ("state", "alloc", "all")
@@ -84,9 +91,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise CaptureError(
-            "recording needs PyTorch with CUDA: pip install torch (snaplab's analysis commands do not need it)"
-        ) from None
+        raise CaptureError(NEEDS_TORCH) from None
     return torch
 
 
@@ -318,7 +323,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if self._oom_path is None or self.exception_type not in ("OutOfMemoryError", "OutOfMemory"):
             return {}
         return {
-            "incident": {"same_as": self._oom_path.name, "moment": "after the out-of-memory error unwound"},
+            "incident": {
+                "same_as": self._oom_path.name,
+                "moment": "after the out-of-memory error unwound",
+            },
             "oom": self._oom_record,  # the observer's record: the limit the OOM happened under
         }
 
@@ -347,7 +355,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             stats = {str(d): dict(torch.cuda.memory_stats(d)) for d in devices}
         totals = {}
         with contextlib.suppress(Exception):  # tells a per-process cap from the device's capacity
-            totals = {str(d): int(torch.cuda.get_device_properties(d).total_memory) for d in devices}
+            totals = {
+                str(d): int(
+                    torch.cuda.get_device_properties(d).total_memory,
+                )
+                for d in devices
+            }
         snap = torch.cuda.memory._snapshot()
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
@@ -366,7 +379,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "step": self.steps,
             "time_unix_s": now,
             "argv": list(sys.argv),
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
+            "alloc_conf": _alloc_conf(),
             "recording": {
                 "max_entries": self.options.max_entries,
                 "stacks": self.options.stacks,
@@ -383,6 +396,11 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self.written.append(path)
         log.info("snaplab: wrote %s", path)
         return path
+
+
+def _alloc_conf() -> str:
+    """The allocator settings the process runs under (the newer variable's name second)."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
 
 
 def active() -> recording | None:
@@ -504,7 +522,11 @@ def _parallel_objects() -> dict[str, list[Any]]:
 def _root_mesh(mesh: Any) -> Any:
     root = getattr(mesh, "_root_mesh", None)  # 2.9+: slices and flattened meshes know their root
     if root is None:  # 2.4-2.8: a registry of the process
-        resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+        resources = getattr(
+            sys.modules.get("torch.distributed.device_mesh"),
+            "_mesh_resources",
+            None,
+        )
         mapping = getattr(resources, "child_to_root_mapping", None)
         if isinstance(mapping, dict):
             with contextlib.suppress(Exception):
@@ -554,7 +576,15 @@ class _Layout:
         self.sources: dict[str, str] = {}
         self.strategies: list[str] = []
 
-    def set(self, kind: str, size: int | None, coord: int | None, source: str, *, override: bool = False) -> None:
+    def set(
+        self,
+        kind: str,
+        size: int | None,
+        coord: int | None,
+        source: str,
+        *,
+        override: bool = False,
+    ) -> None:
         if size is None or (kind in self.degrees and not override):
             return
         self.degrees[kind] = int(size)
@@ -581,7 +611,8 @@ def _fsdp2_info(units: list[Any], lay: _Layout, kind_of_name: dict[str, str]) ->
             continue
         if group is None:
             continue
-        if getattr(state, "_is_root", None) is not True and hasattr(group, "post_forward_mesh_info"):
+        is_root = getattr(state, "_is_root", None) is True
+        if not is_root and hasattr(group, "post_forward_mesh_info"):
             reshard.append(group.post_forward_mesh_info is not None)
         mesh_info = getattr(group, "mesh_info", None)
         if mesh_done or mesh_info is None:
@@ -642,7 +673,8 @@ def _pipeline_info(stages: list[Any], schedules: list[Any], lay: _Layout) -> dic
     if schedules:
         sched = schedules[0]
         name = type(sched).__name__
-        info["schedule"] = name[len("Schedule") :] if name.startswith("Schedule") and len(name) > 8 else name
+        prefixed = name.startswith("Schedule") and len(name) > len("Schedule")
+        info["schedule"] = name[len("Schedule") :] if prefixed else name
         n = getattr(sched, "_n_microbatches", None)
         if n is not None:
             info["microbatches"] = int(n)
@@ -703,7 +735,11 @@ def _mesh_descriptions(meshes: list[Any]) -> list[dict[str, Any]]:
     return descriptions
 
 
-def _set_mesh_degrees(descriptions: list[dict[str, Any]], kind_of_name: dict[str, str], layout: _Layout) -> None:
+def _set_mesh_degrees(
+    descriptions: list[dict[str, Any]],
+    kind_of_name: dict[str, str],
+    layout: _Layout,
+) -> None:
     """The degrees the named mesh dimensions say, the main mesh first."""
     for desc in descriptions:
         for dim, name in enumerate(desc.get("dim_names") or []):
@@ -760,7 +796,8 @@ def _set_degrees(out: dict[str, Any], layout: _Layout, world: int) -> None:
                 layout.set(kind, 1, 0, "rest")
     degrees = {kind: layout.degrees[kind] for kind in (*_DEGREES, "ep") if kind in layout.degrees}
     out["degrees"] = degrees
-    out["coordinates"] = {kind: layout.coordinates[kind] for kind in degrees if kind in layout.coordinates}
+    coordinates = layout.coordinates
+    out["coordinates"] = {kind: coordinates[kind] for kind in degrees if kind in coordinates}
     out["sources"] = {kind: layout.sources[kind] for kind in degrees}
 
 

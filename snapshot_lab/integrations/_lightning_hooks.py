@@ -31,7 +31,14 @@ class LightningHooks(SessionCallback):
 
     # -- steps -------------------------------------------------------------------------------
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         step = int(getattr(trainer, "global_step", self._last_step + 1))
         while self._last_step < step:  # gradient accumulation: no step for some batches
             self._last_step += 1

@@ -29,7 +29,14 @@ from ._session import SessionCallback
 class SnaplabCallback(SessionCallback, TrainerCallback):  # type: ignore[misc]
     __doc__ = __doc__
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self.session.start(model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
