@@ -155,30 +155,18 @@ def _boundary_bytes(
     return tuple(out)
 
 
-def build_stage(
-    structure: TrainingStructure,
-    assignment: StageAssignment,
-    stage: int,
-    stages: int,
-    microbatches: int,
-    schedule: str,
-) -> Program:
-    """The program of ``stage``: the recorded run's allocations of its layers, replayed once
-    per microbatch in the schedule's order, with what the pipeline adds (receive buffers, the
-    outputs held until the step ends)."""
-    return _StageBuilder(structure, assignment, stage, stages, microbatches, schedule).build()
-
-
 def microbatch_key(row: int, microbatch: int) -> int:
     """The program key of ``microbatch``'s copy of recorded allocation ``row``."""
     return row + (microbatch + 1) * MB_KEY
 
 
-class _StageBuilder:
-    """Builds one stage's :class:`Program`, step by step: memory older than the trace, then
-    per recorded pass the data loading (once), the shape-inferring microbatch (first pass
-    only), the schedule's forwards and backwards, the step's end; after the last pass the rest
-    of the trace (once)."""
+class StageBuilder:
+    """Builds the program of one ``stage`` (:meth:`build`): the recorded run's allocations of
+    its layers, replayed once per microbatch in the schedule's order, with what the pipeline
+    adds (receive buffers, the outputs held until the step ends). Step by step: memory older
+    than the trace, then per recorded pass the data loading (once), the shape-inferring
+    microbatch (first pass only), the schedule's forwards and backwards, the step's end; after
+    the last pass the rest of the trace (once)."""
 
     def __init__(
         self,
@@ -235,6 +223,7 @@ class _StageBuilder:
     # ------------------------------------------------------------------ the steps
 
     def build(self) -> Program:
+        """The stage's program."""
         self._alloc_untracked()
         passes = self.structure.passes
         for index, training_pass in enumerate(passes):

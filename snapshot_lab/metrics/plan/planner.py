@@ -445,9 +445,10 @@ def _pipeline_programs(
             extra += (
                 " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
             )
-        program = pp.build_stage(
+        builder = pp.StageBuilder(
             structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule
         )
+        program = builder.build()
         out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
     counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
     notes.append(
