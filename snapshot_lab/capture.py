@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ContextDecorator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -163,6 +165,24 @@ class CaptureOptions:
 
 
 CAPTURE_DEFAULTS = CaptureOptions()
+
+
+def with_capture_options(function: Callable[..., Any]) -> inspect.Signature:
+    """The signature of ``function``, which takes the capture options as ``**options``, with
+    them spelled out instead: keyword-only, each with its default (for help() and inspect)."""
+    signature = inspect.signature(function)
+    options = [
+        inspect.Parameter(
+            field.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=getattr(CAPTURE_DEFAULTS, field.name),
+            annotation=field.type,
+        )
+        for field in fields(CaptureOptions)
+    ]
+    var_keyword = inspect.Parameter.VAR_KEYWORD
+    kept = [param for param in signature.parameters.values() if param.kind is not var_keyword]
+    return signature.replace(parameters=[*kept, *options])
 
 
 # one OOM observer per process (torch cannot detach them): it forwards to the active recorders

@@ -8,6 +8,7 @@ here may stop a training job: without CUDA, or when a dump or the report fails, 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import types
@@ -15,7 +16,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureError, CaptureOptions, recording
+from ..capture import (
+    DEFAULT_OUT_DIR,
+    CaptureError,
+    CaptureOptions,
+    recording,
+    with_capture_options,
+)
 from ..module_tags import ModuleTags, tag_modules
 
 log = logging.getLogger("snapshot_lab.integrations")
@@ -28,26 +35,13 @@ class CaptureSession:
         self,
         out: str | os.PathLike[str] = DEFAULT_OUT_DIR,
         *,
-        max_entries: int = CAPTURE_DEFAULTS.max_entries,
-        stacks: str = CAPTURE_DEFAULTS.stacks,
-        context: str = CAPTURE_DEFAULTS.context,
-        on_oom: bool = CAPTURE_DEFAULTS.on_oom,
-        every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
-        prefix: str = CAPTURE_DEFAULTS.prefix,
         report: bool = False,
-        tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
+        **options: Any,
     ) -> None:
-        """The options are :class:`~snapshot_lab.capture.CaptureOptions`'s (bad ones fail here,
-        when the callback is made); ``report``: write the HTML report of the last snapshot."""
-        self.options = CaptureOptions(
-            max_entries=max_entries,
-            stacks=stacks,
-            context=context,
-            on_oom=on_oom,
-            every_n_steps=every_n_steps,
-            prefix=prefix,
-            tag_modules=tag_modules,
-        )
+        """The options are :class:`~snapshot_lab.capture.CaptureOptions`' fields, as keywords
+        (bad ones fail here, when the callback is made); ``report``: write the HTML report of the
+        last snapshot."""
+        self.options = CaptureOptions(**options)
         self.out = Path(out)
         self.report = report
         self.rec: recording | None = None
@@ -56,6 +50,9 @@ class CaptureSession:
         self.reports: list[Path] = []
         self.disabled: str | None = None  # why nothing is recorded (no CUDA...)
         self._atexit = False
+
+    # help() and inspect.signature() list the options one by one, with their defaults
+    __init__.__signature__ = with_capture_options(__init__)  # type: ignore[attr-defined]
 
     @classmethod
     def from_options(
@@ -129,33 +126,15 @@ class CaptureSession:
 
 
 class SessionCallback:
-    """What the framework callbacks share: their options (those of
-    :class:`~snapshot_lab.capture.CaptureOptions`, and ``report``), one :class:`CaptureSession`,
+    """What the framework callbacks share: their options (those of :class:`CaptureSession`:
+    :class:`~snapshot_lab.capture.CaptureOptions`' and ``report``), one :class:`CaptureSession`,
     and what it wrote."""
 
-    def __init__(
-        self,
-        out: str | os.PathLike[str] = DEFAULT_OUT_DIR,
-        *,
-        every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
-        on_oom: bool = CAPTURE_DEFAULTS.on_oom,
-        max_entries: int = CAPTURE_DEFAULTS.max_entries,
-        stacks: str = CAPTURE_DEFAULTS.stacks,
-        context: str = CAPTURE_DEFAULTS.context,
-        prefix: str = CAPTURE_DEFAULTS.prefix,
-        report: bool = False,
-        tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
-    ) -> None:
-        options = CaptureOptions(
-            max_entries=max_entries,
-            stacks=stacks,
-            context=context,
-            on_oom=on_oom,
-            every_n_steps=every_n_steps,
-            prefix=prefix,
-            tag_modules=tag_modules,
-        )
-        self.session = CaptureSession.from_options(out, options, report=report)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.session = CaptureSession(*args, **kwargs)
+
+    # help() and inspect.signature() show the session's keywords and their docs
+    functools.update_wrapper(__init__, CaptureSession.__init__, assigned=("__doc__",))
 
     @property
     def written(self) -> list[Path]:
