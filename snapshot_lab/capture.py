@@ -22,14 +22,16 @@ The sidecar's ``"parallel"`` key says how this rank's job was split (what is kno
 
     "parallel": {
       "world_size": 2, "rank": 0,
-      "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0], "device_type": "cuda"},
-      "meshes": [...],                   # every root DeviceMesh of the process, when there are several
+      "mesh": {"dim_names": ["dp", "tp"], "shape": [1, 2], "coordinate": [0, 0],
+               "device_type": "cuda"},
+      "meshes": [...],                   # every root DeviceMesh of the process, when several
       "degrees": {"dp": 1, "fsdp": 1, "tp": 2, "pp": 1, "cp": 1},   # + "ep" when a mesh names it
       "coordinates": {"dp": 0, "tp": 0},  # this rank's index along each degree, when known
       "strategies": ["tensor_parallel"],  # of ddp, fsdp1, fsdp2, tensor_parallel, context_parallel,
                                           # pipeline, and the strategy describe_parallel() named
       "sources": {"tp": "mesh"},         # where each degree came from: mesh, fsdp2, fsdp1, ddp,
-                                         # pipeline, declared, or rest (1: the others fill the world)
+                                         # pipeline, declared, or rest (1: the others fill the
+                                         # world)
       "ddp": {"gradient_as_bucket_view": true, "bucket_cap_bytes": 26214400},
       "fsdp": {"version": 2, "units": 9, "reshard_after_forward": true},   # or version 1 with
                                          # "sharding_strategy": "FULL_SHARD"
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import os
@@ -58,7 +61,9 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ContextDecorator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,14 @@ from .errors import SnaplabError
 log = logging.getLogger("snapshot_lab.capture")
 
 SIDECAR_SUFFIX = ".meta.json"
+NEEDS_TORCH = (
+    "recording needs PyTorch with CUDA: pip install torch "
+    # torch is imported here only, and lazily
+    "(snaplab's analysis commands do not need it)"
+)
+DEFAULT_OUT_DIR = "snapshots"
+STACKS = ("python", "all")
+CONTEXTS = ("state", "alloc", "all")
 
 
 class CaptureError(SnaplabError):
@@ -80,9 +93,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise CaptureError(
-            "recording needs PyTorch with CUDA: pip install torch (snaplab's analysis commands do not need it)"
-        ) from None
+        raise CaptureError(NEEDS_TORCH) from None
     return torch
 
 
@@ -111,6 +122,69 @@ def snapshot_name(prefix: str, rank: int, host: str, when: float, why: str | Non
     return f"{prefix}_rank{rank}_{safe_host}_{stamp}{tail}.pickle"
 
 
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How to record: the options that :class:`recording`, ``snaplab run``, the framework
+    callbacks and their :class:`~snapshot_lab.integrations._session.CaptureSession` share, with
+    their defaults, defined here once. Each entry point takes them as keywords and builds one of
+    these; bad values raise :class:`CaptureError` when it is built.
+
+    (``snaplab run``/``api.run`` take all but ``context`` and ``prefix`` and still spell out
+    their defaults; they should take them from here too: ``CAPTURE_DEFAULTS.max_entries``...)
+    """
+
+    #: trace ring-buffer size: the allocator events kept (older ones are dropped)
+    max_entries: int = 100_000
+    #: ``python`` (fast) or ``all`` (adds C++ frames; slow to dump)
+    stacks: str = "python"
+    #: what torch records: ``state`` (the segments only), ``alloc`` or ``all`` (frees too)
+    context: str = "all"
+    #: dump a snapshot at an out-of-memory error, from the allocator's OOM observer
+    on_oom: bool = True
+    #: also dump every N calls of ``step()`` (None: never)
+    every_n_steps: int | None = None
+    #: file names start with it: ``<prefix>_rank<R>_<host>_<time>[_<why>].pickle``
+    prefix: str = "snapshot"
+    #: tag allocations with the module that made them, for memory by module (torch >= 2.10)
+    tag_modules: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stacks not in STACKS:
+            raise CaptureError(f"stacks must be 'python' or 'all', not {self.stacks!r}")
+        if self.context not in CONTEXTS:
+            raise CaptureError(f"context must be 'state', 'alloc' or 'all', not {self.context!r}")
+        if self.max_entries < 1:
+            raise CaptureError("max_entries must be at least 1")
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise CaptureError("every_n_steps must be at least 1")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in order."""
+        return tuple(field.name for field in fields(cls))
+
+
+CAPTURE_DEFAULTS = CaptureOptions()
+
+
+def with_capture_options(function: Callable[..., Any]) -> inspect.Signature:
+    """The signature of ``function``, which takes the capture options as ``**options``, with
+    them spelled out instead: keyword-only, each with its default (for help() and inspect)."""
+    signature = inspect.signature(function)
+    options = [
+        inspect.Parameter(
+            field.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=getattr(CAPTURE_DEFAULTS, field.name),
+            annotation=field.type,
+        )
+        for field in fields(CaptureOptions)
+    ]
+    var_keyword = inspect.Parameter.VAR_KEYWORD
+    kept = [param for param in signature.parameters.values() if param.kind is not var_keyword]
+    return signature.replace(parameters=[*kept, *options])
+
+
 # one OOM observer per process (torch cannot detach them): it forwards to the active recorders
 _ACTIVE: list[recording] = []
 _OBSERVER_ATTACHED = False
@@ -126,37 +200,32 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
 
     def __init__(
         self,
-        out_dir: str | os.PathLike[str] = "snapshots",
+        out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR,
         *,
-        max_entries: int = 100_000,
-        stacks: str = "python",
-        context: str = "all",
-        on_oom: bool = True,
-        every_n_steps: int | None = None,
-        prefix: str = "snapshot",
+        max_entries: int = CAPTURE_DEFAULTS.max_entries,
+        stacks: str = CAPTURE_DEFAULTS.stacks,
+        context: str = CAPTURE_DEFAULTS.context,
+        on_oom: bool = CAPTURE_DEFAULTS.on_oom,
+        every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
+        prefix: str = CAPTURE_DEFAULTS.prefix,
         dump_on_exit: bool = True,
-        tag_modules: bool = True,
+        tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
         model: Any = None,
     ) -> None:
-        if stacks not in ("python", "all"):
-            raise CaptureError(f"stacks must be 'python' or 'all', not {stacks!r}")
-        if context not in ("state", "alloc", "all"):
-            raise CaptureError(f"context must be 'state', 'alloc' or 'all', not {context!r}")
-        if max_entries < 1:
-            raise CaptureError("max_entries must be at least 1")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise CaptureError("every_n_steps must be at least 1")
+        """The options are :class:`CaptureOptions`'s; ``dump_on_exit``: dump when the block
+        exits; ``model``: the module to tag (None: every module of the process, what ``snaplab
+        run`` does)."""
+        self.options = CaptureOptions(
+            max_entries=max_entries,
+            stacks=stacks,
+            context=context,
+            on_oom=on_oom,
+            every_n_steps=every_n_steps,
+            prefix=prefix,
+            tag_modules=tag_modules,
+        )
         self.out_dir = Path(out_dir)
-        self.max_entries = max_entries
-        self.stacks = stacks
-        self.context = context
-        self.on_oom = on_oom
-        self.every_n_steps = every_n_steps
-        self.prefix = prefix
         self.dump_on_exit = dump_on_exit
-        # memory by module: allocations tagged with the module that made them (torch >= 2.10);
-        # ``model=None`` tags every module of the process (what ``snaplab run`` does)
-        self.tag_modules = tag_modules
         self.model = model
         self._tags: Any = None
         self.steps = 0
@@ -168,18 +237,36 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self._oom_path: Path | None = None  # the snapshot the OOM observer wrote
         self._oom_record: dict[str, int] = {}
 
+    @classmethod
+    def from_options(
+        cls,
+        out_dir: str | os.PathLike[str],
+        options: CaptureOptions,
+        *,
+        dump_on_exit: bool = True,
+        model: Any = None,
+    ) -> recording:
+        """A recording with ``options`` (what the callbacks and ``snaplab run`` build)."""
+        return cls(out_dir, **asdict(options), dump_on_exit=dump_on_exit, model=model)
+
     # -- recording state -------------------------------------------------------------------
 
     def _enable(self) -> None:
         torch = self._torch
-        mem = torch.cuda.memory
+        memory = torch.cuda.memory
+        options = self.options
         if _torch_version(torch) >= (2, 1):
-            mem._record_memory_history(
-                enabled="all", context=self.context, stacks=self.stacks, max_entries=self.max_entries
+            memory._record_memory_history(
+                enabled="all",
+                context=options.context,
+                stacks=options.stacks,
+                max_entries=options.max_entries,
             )
         else:  # 2.0: the boolean API
-            mem._record_memory_history(
-                True, trace_alloc_max_entries=self.max_entries, trace_alloc_record_context=self.context != "state"
+            memory._record_memory_history(
+                True,
+                trace_alloc_max_entries=options.max_entries,
+                trace_alloc_record_context=options.context != "state",
             )
 
     def _disable(self) -> None:
@@ -195,10 +282,11 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if not torch.cuda.is_available():
             raise CaptureError("CUDA is not available: there is no GPU memory to record")
         self._enable()
-        if self.tag_modules:
-            self._tags = module_tags.tag_modules(self.model)  # never raises: says why when it cannot
+        if self.options.tag_modules:
+            # never raises: says why when it cannot
+            self._tags = module_tags.tag_modules(self.model)
         _ACTIVE.append(self)
-        if self.on_oom and not _OBSERVER_ATTACHED:
+        if self.options.on_oom and not _OBSERVER_ATTACHED:
             try:
                 torch._C._cuda_attach_out_of_memory_observer(_on_oom)
                 _OBSERVER_ATTACHED = True
@@ -231,11 +319,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
     def step(self) -> None:
         """Call once per training iteration: counts steps and dumps every ``every_n_steps``."""
         self.steps += 1
-        if self.every_n_steps and self.steps % self.every_n_steps == 0:
+        every_n_steps = self.options.every_n_steps
+        if every_n_steps and self.steps % every_n_steps == 0:
             self.dump(f"step{self.steps}")
 
     def _handle_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        if not self.on_oom or self._oom_dumped:
+        if not self.options.on_oom or self._oom_dumped:
             return
         self._oom_dumped = True  # one dump per recording: later OOMs while unwinding add nothing
         self._oom_record = {
@@ -254,7 +343,10 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         if self._oom_path is None or self.exception_type not in ("OutOfMemoryError", "OutOfMemory"):
             return {}
         return {
-            "incident": {"same_as": self._oom_path.name, "moment": "after the out-of-memory error unwound"},
+            "incident": {
+                "same_as": self._oom_path.name,
+                "moment": "after the out-of-memory error unwound",
+            },
             "oom": self._oom_record,  # the observer's record: the limit the OOM happened under
         }
 
@@ -272,7 +364,7 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         host = socket.gethostname()
         now = time.time()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / snapshot_name(self.prefix, rank, host, now, why)
+        path = self.out_dir / snapshot_name(self.options.prefix, rank, host, now, why)
         # counters of this process's device; of every device only for one process driving several
         # (asking about another rank's GPU would create a CUDA context there)
         devices = [torch.cuda.current_device()]
@@ -283,7 +375,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             stats = {str(d): dict(torch.cuda.memory_stats(d)) for d in devices}
         totals = {}
         with contextlib.suppress(Exception):  # tells a per-process cap from the device's capacity
-            totals = {str(d): int(torch.cuda.get_device_properties(d).total_memory) for d in devices}
+            totals = {
+                str(d): int(
+                    torch.cuda.get_device_properties(d).total_memory,
+                )
+                for d in devices
+            }
         snap = torch.cuda.memory._snapshot()
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
@@ -302,8 +399,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             "step": self.steps,
             "time_unix_s": now,
             "argv": list(sys.argv),
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
-            "recording": {"max_entries": self.max_entries, "stacks": self.stacks, "context": self.context},
+            "alloc_conf": _alloc_conf(),
+            "recording": {
+                "max_entries": self.options.max_entries,
+                "stacks": self.options.stacks,
+                "context": self.options.context,
+            },
             "module_tags": self._tags.describe() if self._tags is not None else None,
             "memory_stats": stats,
             "device_total_bytes": totals,
@@ -315,6 +416,11 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self.written.append(path)
         log.info("snaplab: wrote %s", path)
         return path
+
+
+def _alloc_conf() -> str:
+    """The allocator settings the process runs under (the newer variable's name second)."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
 
 
 def active() -> recording | None:
@@ -421,7 +527,8 @@ def _parallel_objects() -> dict[str, list[Any]]:
     wanted = tuple(cls for cls, _ in classes)
     found: dict[str, list[Any]] = {}
     for obj in gc.get_objects():
-        cls_of = type(obj)  # not isinstance: it would ask proxies (deprecated modules) for __class__
+        # not isinstance: it would ask proxies (deprecated modules) for __class__
+        cls_of = type(obj)
         if not issubclass(cls_of, wanted):
             continue
         for cls, kind in classes:
@@ -435,7 +542,11 @@ def _parallel_objects() -> dict[str, list[Any]]:
 def _root_mesh(mesh: Any) -> Any:
     root = getattr(mesh, "_root_mesh", None)  # 2.9+: slices and flattened meshes know their root
     if root is None:  # 2.4-2.8: a registry of the process
-        resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+        resources = getattr(
+            sys.modules.get("torch.distributed.device_mesh"),
+            "_mesh_resources",
+            None,
+        )
         mapping = getattr(resources, "child_to_root_mapping", None)
         if isinstance(mapping, dict):
             with contextlib.suppress(Exception):
@@ -485,7 +596,15 @@ class _Layout:
         self.sources: dict[str, str] = {}
         self.strategies: list[str] = []
 
-    def set(self, kind: str, size: int | None, coord: int | None, source: str, *, override: bool = False) -> None:
+    def set(
+        self,
+        kind: str,
+        size: int | None,
+        coord: int | None,
+        source: str,
+        *,
+        override: bool = False,
+    ) -> None:
         if size is None or (kind in self.degrees and not override):
             return
         self.degrees[kind] = int(size)
@@ -512,7 +631,8 @@ def _fsdp2_info(units: list[Any], lay: _Layout, kind_of_name: dict[str, str]) ->
             continue
         if group is None:
             continue
-        if getattr(state, "_is_root", None) is not True and hasattr(group, "post_forward_mesh_info"):
+        is_root = getattr(state, "_is_root", None) is True
+        if not is_root and hasattr(group, "post_forward_mesh_info"):
             reshard.append(group.post_forward_mesh_info is not None)
         mesh_info = getattr(group, "mesh_info", None)
         if mesh_done or mesh_info is None:
@@ -573,7 +693,8 @@ def _pipeline_info(stages: list[Any], schedules: list[Any], lay: _Layout) -> dic
     if schedules:
         sched = schedules[0]
         name = type(sched).__name__
-        info["schedule"] = name[len("Schedule") :] if name.startswith("Schedule") and len(name) > 8 else name
+        prefixed = name.startswith("Schedule") and len(name) > len("Schedule")
+        info["schedule"] = name[len("Schedule") :] if prefixed else name
         n = getattr(sched, "_n_microbatches", None)
         if n is not None:
             info["microbatches"] = int(n)
@@ -586,87 +707,118 @@ def parallel_layout() -> dict[str, Any]:
     rank, world = _rank_info()
     out: dict[str, Any] = {"world_size": world, "rank": rank}
     found = _parallel_objects()
-    lay = _Layout()
-    kind_of_name: dict[str, str] = {}
+    layout = _Layout()
+    kind_of_name: dict[str, str] = {}  # mesh dimension name -> the degree FSDP shards over
+    descriptions = _mesh_descriptions(found.get("mesh", []))
+    if descriptions:
+        out["mesh"] = descriptions[0]
+        if len(descriptions) > 1:
+            out["meshes"] = descriptions
+    if found.get("fsdp2"):
+        layout.strategy("fsdp2")
+        out["fsdp"] = _fsdp2_info(found["fsdp2"], layout, kind_of_name)
+    if found.get("fsdp1"):
+        layout.strategy("fsdp1")
+        out["fsdp"] = _fsdp1_info(found["fsdp1"], layout)
+    _set_mesh_degrees(descriptions, kind_of_name, layout)
+    if found.get("ddp"):
+        layout.strategy("ddp")
+        out["ddp"] = _ddp_info(found["ddp"][0], layout)
+    if found.get("stage") or found.get("schedule"):
+        layout.strategy("pipeline")
+        out["pp"] = _pipeline_info(found.get("stage", []), found.get("schedule", []), layout)
+    if _DECLARED:
+        _apply_declared(dict(_DECLARED), out, layout)
+    if layout.degrees or world == 1:
+        _set_degrees(out, layout, world)
+    if layout.strategies:
+        out["strategies"] = layout.strategies
+    return out
 
+
+def _mesh_descriptions(meshes: list[Any]) -> list[dict[str, Any]]:
+    """Every root DeviceMesh of the process, described, the main one (the largest) first."""
     roots: list[Any] = []
-    for mesh in found.get("mesh", []):
+    for mesh in meshes:
         root = _root_mesh(mesh)
-        if all(r is not root for r in roots):
+        if all(known is not root for known in roots):
             roots.append(root)
-    descs = []
+    descriptions = []
     for root in roots:
         with contextlib.suppress(Exception):
-            descs.append(_describe_mesh(root))
-    descs.sort(key=lambda d: (-_prod(d["shape"]), -len(d["shape"]), d.get("dim_names") is None))
-    if descs:
-        out["mesh"] = descs[0]
-        if len(descs) > 1:
-            out["meshes"] = descs
+            descriptions.append(_describe_mesh(root))
 
-    if found.get("fsdp2"):
-        lay.strategy("fsdp2")
-        out["fsdp"] = _fsdp2_info(found["fsdp2"], lay, kind_of_name)
-    if found.get("fsdp1"):
-        lay.strategy("fsdp1")
-        out["fsdp"] = _fsdp1_info(found["fsdp1"], lay)
-    for desc in descs:  # named mesh dimensions, the main mesh first
+    def main_first(desc: dict[str, Any]) -> tuple[int, int, bool]:
+        return -_prod(desc["shape"]), -len(desc["shape"]), desc.get("dim_names") is None
+
+    descriptions.sort(key=main_first)
+    return descriptions
+
+
+def _set_mesh_degrees(
+    descriptions: list[dict[str, Any]],
+    kind_of_name: dict[str, str],
+    layout: _Layout,
+) -> None:
+    """The degrees the named mesh dimensions say, the main mesh first."""
+    for desc in descriptions:
         for dim, name in enumerate(desc.get("dim_names") or []):
             kind = kind_of_name.get(name) or _dim_kind(name)
             spec = _mesh_dim(desc, dim)
-            if kind is not None and spec is not None:
-                lay.set(kind, spec[1], spec[2], "mesh")
-                if kind == "tp" and spec[1] > 1:
-                    lay.strategy("tensor_parallel")
-                if kind == "cp" and spec[1] > 1:
-                    lay.strategy("context_parallel")
-    if found.get("ddp"):
-        lay.strategy("ddp")
-        ddp = found["ddp"][0]
-        out["ddp"] = {
-            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
-            "bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
-        }
-        size = coord = None
-        with contextlib.suppress(Exception):
-            size, coord = int(ddp.process_group.size()), int(ddp.process_group.rank())
-        lay.set("dp", size, coord, "ddp")
-    if found.get("stage") or found.get("schedule"):
-        lay.strategy("pipeline")
-        out["pp"] = _pipeline_info(found.get("stage", []), found.get("schedule", []), lay)
+            if kind is None or spec is None:
+                continue
+            layout.set(kind, spec[1], spec[2], "mesh")
+            if kind == "tp" and spec[1] > 1:
+                layout.strategy("tensor_parallel")
+            if kind == "cp" and spec[1] > 1:
+                layout.strategy("context_parallel")
 
-    if _DECLARED:
-        decl = dict(_DECLARED)
-        out["declared"] = decl
-        coords = decl.get("coordinates") or {}
-        for kind in (*_DEGREES, "ep"):
-            key = "pp_degree" if kind == "pp" else kind
-            if decl.get(key) is not None:
-                lay.set(kind, decl[key], coords.get(kind), "declared", override=True)
-        if decl.get("pp_stage") is not None:
-            out.setdefault("pp", {})["stage"] = decl["pp_stage"]
-            lay.coordinates.setdefault("pp", int(decl["pp_stage"]))
-        for key in ("schedule", "microbatches"):
-            if decl.get(key) is not None:
-                out.setdefault("pp", {})[key] = decl[key]
-        if decl.get("pp_degree") is not None:
-            out.setdefault("pp", {})["num_stages"] = decl["pp_degree"]
-        for kind, c in coords.items():
-            lay.coordinates[kind] = c
-        if isinstance(decl.get("strategy"), str):
-            lay.strategy(decl["strategy"])
 
-    if lay.degrees or world == 1:
-        if _prod(list(lay.degrees.values())) == world:  # the rest of the world is accounted for
-            for kind in _DEGREES:
-                if kind not in lay.degrees:
-                    lay.set(kind, 1, 0, "rest")
-        out["degrees"] = {k: lay.degrees[k] for k in (*_DEGREES, "ep") if k in lay.degrees}
-        out["coordinates"] = {k: lay.coordinates[k] for k in out["degrees"] if k in lay.coordinates}
-        out["sources"] = {k: lay.sources[k] for k in out["degrees"]}
-    if lay.strategies:
-        out["strategies"] = lay.strategies
-    return out
+def _ddp_info(ddp: Any, layout: _Layout) -> dict[str, Any]:
+    size = coord = None
+    with contextlib.suppress(Exception):
+        size, coord = int(ddp.process_group.size()), int(ddp.process_group.rank())
+    layout.set("dp", size, coord, "ddp")
+    return {
+        "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+        "bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
+    }
+
+
+def _apply_declared(declared: dict[str, Any], out: dict[str, Any], layout: _Layout) -> None:
+    """What :func:`describe_parallel` was told wins over detection."""
+    out["declared"] = declared
+    coords = declared.get("coordinates") or {}
+    for kind in (*_DEGREES, "ep"):
+        key = "pp_degree" if kind == "pp" else kind
+        if declared.get(key) is not None:
+            layout.set(kind, declared[key], coords.get(kind), "declared", override=True)
+    if declared.get("pp_stage") is not None:
+        out.setdefault("pp", {})["stage"] = declared["pp_stage"]
+        layout.coordinates.setdefault("pp", int(declared["pp_stage"]))
+    for key in ("schedule", "microbatches"):
+        if declared.get(key) is not None:
+            out.setdefault("pp", {})[key] = declared[key]
+    if declared.get("pp_degree") is not None:
+        out.setdefault("pp", {})["num_stages"] = declared["pp_degree"]
+    for kind, coord in coords.items():
+        layout.coordinates[kind] = coord
+    if isinstance(declared.get("strategy"), str):
+        layout.strategy(declared["strategy"])
+
+
+def _set_degrees(out: dict[str, Any], layout: _Layout, world: int) -> None:
+    """The degrees, coordinates and sources known; the degrees not seen are 1 when those seen
+    account for the whole world."""
+    if _prod(list(layout.degrees.values())) == world:
+        for kind in _DEGREES:
+            if kind not in layout.degrees:
+                layout.set(kind, 1, 0, "rest")
+    degrees = {kind: layout.degrees[kind] for kind in (*_DEGREES, "ep") if kind in layout.degrees}
+    out["degrees"] = degrees
+    coordinates = layout.coordinates
+    out["coordinates"] = {kind: coordinates[kind] for kind in degrees if kind in coordinates}
+    out["sources"] = {kind: layout.sources[kind] for kind in degrees}
 
 
 def _prod(xs: list[int]) -> int:

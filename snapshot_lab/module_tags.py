@@ -58,6 +58,7 @@ from typing import Any
 log = logging.getLogger("snapshot_lab.module_tags")
 
 TAG_FORMAT_VERSION = 1
+NOT_A_MODULE = "tag_modules needs a torch.nn.Module (or None for every module), not {kind}"
 PHASES: dict[str, str] = {
     "fwd": "forward",
     "bwd": "backward",
@@ -105,7 +106,9 @@ class _Mod:
         self.fqn = fqn
         self.cls = cls
         self.parent = parent
-        self.ancestors: frozenset[_Mod] = frozenset() if parent is None else parent.ancestors | {parent}
+        self.ancestors: frozenset[_Mod] = frozenset()
+        if parent is not None:
+            self.ancestors = parent.ancestors | {parent}
         self.tags = (f"fwd:{fqn}", f"bwd:{fqn}", f"rec:{fqn}")
         self.out_hook: Callable[[Any], None] | None = None
         self.in_hook: Callable[[Any], None] | None = None
@@ -149,7 +152,14 @@ class ModuleTags:
     the hooks away; ``enabled`` says whether tags are being written and ``reason`` why not;
     ``describe()`` is a JSON-able summary for a snapshot's sidecar."""
 
-    def __init__(self, *, enabled: bool, reason: str | None = None, mode: str = "model", backward: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        reason: str | None = None,
+        mode: str = "model",
+        backward: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.reason = reason
         self.mode = mode  # 'model' or 'process'
@@ -165,7 +175,8 @@ class ModuleTags:
 
     @property
     def modules(self) -> dict[str, str]:
-        """Tagged modules so far: path -> class name (a process-wide tagger finds them as they run)."""
+        """Tagged modules so far: path -> class name (a process-wide tagger finds them as they
+        run)."""
         return {fqn: m.cls for fqn, m in self._mods.items()}
 
     def describe(self) -> dict[str, Any]:
@@ -227,7 +238,8 @@ def _torch() -> Any:
 
 
 def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | None]:
-    """The allocator's setter (the C function itself when there, to skip a Python frame), or why not."""
+    """The allocator's setter (the C function itself when there, to skip a Python frame), or why
+    not."""
     mem = getattr(getattr(torch, "cuda", None), "memory", None)
     if mem is None or not hasattr(mem, "_set_memory_metadata"):
         return None, f"{NEEDS}; this is PyTorch {getattr(torch, '__version__', '?')}"
@@ -239,7 +251,8 @@ def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | Non
         return None, f"CUDA could not be initialised: {exc}"
     setter = getattr(torch._C, "_cuda_setMemoryMetadata", None) or mem._set_memory_metadata
     try:
-        setter(OUTSIDE)  # an allocator backend without metadata (cudaMallocAsync) refuses here, not in a hook
+        # an allocator backend without metadata (cudaMallocAsync) refuses here, not in a hook
+        setter(OUTSIDE)
     except Exception as exc:
         return None, f"the CUDA allocator does not take metadata: {exc}"
     return setter, None
@@ -253,7 +266,8 @@ def tag_modules(
     backward: bool = True,
     set_metadata: Callable[[str], Any] | None = None,
 ) -> ModuleTags:
-    """Tag CUDA allocations with the module that made them (see the module docstring for the format).
+    """Tag CUDA allocations with the module that made them (see the module docstring for the
+    format).
 
     ``model``: an ``nn.Module`` (its modules and itself get per-module hooks), or None for every
     module of the process (global hooks; for ``snaplab run``, which has no model at hand; a model
@@ -271,21 +285,37 @@ def tag_modules(
     try:
         torch = _torch()
     except ImportError:
-        return ModuleTags(enabled=False, reason="PyTorch is not installed", mode="model" if model else "process")
+        return ModuleTags(
+            enabled=False,
+            reason="PyTorch is not installed",
+            mode="model" if model else "process",
+        )
     nn_module = getattr(getattr(torch, "nn", None), "Module", None)
     if model is not None and nn_module is not None and not isinstance(model, nn_module):
-        raise TypeError(f"tag_modules needs a torch.nn.Module (or None for every module), not {type(model).__name__}")
+        raise TypeError(NOT_A_MODULE.format(kind=type(model).__name__))
     setter = set_metadata
     if setter is None:
         setter, reason = _metadata_setter(torch)
         if setter is None:
             _warn_once(str(reason))
-            return ModuleTags(enabled=False, reason=reason, mode="process" if model is None else "model")
+            return ModuleTags(
+                enabled=False,
+                reason=reason,
+                mode="process" if model is None else "model",
+            )
     if model is None and _PROCESS:  # nested recordings: the outer one already tags everything
-        inner = ModuleTags(enabled=True, reason="already tagged by an enclosing tag_modules(None)", mode="process")
+        inner = ModuleTags(
+            enabled=True,
+            reason="already tagged by an enclosing tag_modules(None)",
+            mode="process",
+        )
         inner._mods = _PROCESS[0]._mods
         return inner
-    handle = ModuleTags(enabled=True, mode="process" if model is None else "model", backward=backward)
+    handle = ModuleTags(
+        enabled=True,
+        mode="process" if model is None else "model",
+        backward=backward,
+    )
     handle._set = setter
     _Installer(torch, handle, setter, backward, max_depth).install(model, prefix)
     return handle
@@ -296,31 +326,127 @@ class _Installer:
     has), one set per module for a model, one pair for the whole process."""
 
     def __init__(
-        self, torch: Any, handle: ModuleTags, setter: Callable[[str], Any], backward: bool, max_depth: int | None
+        self,
+        torch: Any,
+        handle: ModuleTags,
+        setter: Callable[[str], Any],
+        backward: bool,
+        max_depth: int | None,
     ):
         self.torch = torch
         self.handle = handle
         self.set = setter
         self.backward = backward
         self.max_depth = max_depth
+        compiler = getattr(torch, "compiler", None)
+        self.is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
+        self.graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
 
     # -- the hooks ------------------------------------------------------------------------
 
-    def make_hooks(self) -> tuple[Callable[..., None], Callable[..., None], Callable[[_Mod], None]]:
+    def make_hooks(
+        self,
+    ) -> tuple[Callable[..., None], Callable[..., None], Callable[[_Mod], None]]:
         """(enter(m), leave(m, args, kwargs, output), attach(m)): what every pre/post hook does."""
-        torch = self.torch
-        handle = self.handle
-        set_md = self.set
+        return self._make_enter(), self._make_leave(), self._make_attach(self._make_queue_reset())
+
+    def _make_enter(self) -> Callable[[_Mod], None]:
+        """A module's forward begins: its tag (``rec:`` when recomputed inside a backward)."""
         state = _STATE
-        tensor_type = torch.Tensor
-        is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-        graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
-        grad_enabled = torch.is_grad_enabled
-        engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+        set_tag = self.set
+        graph_task_id = self.graph_task_id
+
+        def enter(tagged: _Mod) -> None:
+            tag = tagged.tags[0] if graph_task_id() == -1 else tagged.tags[2]
+            state.stack.append((tagged, state.mod, state.tag, state.hooked))
+            state.mod, state.tag = tagged, tag
+            set_tag(tag)
+
+        return enter
+
+    def _make_leave(self) -> Callable[..., None]:
+        """A module's forward is over: back to the enclosing module's tag, and the hooks that tag
+        its backward."""
+        state = _STATE
+        set_tag = self.set
+        grad_enabled = self.torch.is_grad_enabled
         backward = self.backward
+        hook_backward = self._make_hook_backward()
+
+        def leave(tagged: _Mod, args: Any, kwargs: Any, output: Any) -> None:
+            stack = state.stack
+            before: _Hooked | None = None  # the hooked output when the module entered
+            if stack and stack[-1][0] is tagged:
+                _, state.mod, state.tag, before = stack.pop()
+            else:  # a pre-hook that did not run (hooks added mid-forward): start clean
+                stack.clear()
+                state.mod, state.tag = None, OUTSIDE
+            set_tag(state.tag)
+            if not stack:
+                state.hooked = None  # the outermost forward is over: nothing to chain to
+            if backward and output is not None and grad_enabled():
+                hook_backward(tagged, before, args, kwargs, output)
+
+        return leave
+
+    def _make_hook_backward(self) -> Callable[..., None]:
+        """Hooks on the module's first output and input that require grad: where its backward
+        begins and where it ends."""
+        state = _STATE
+        first_grad_tensor = self._make_first_grad_tensor()
         weakref_ref = weakref.ref
 
+        def hook_backward(
+            tagged: _Mod,
+            before: _Hooked | None,
+            args: Any,
+            kwargs: Any,
+            output: Any,
+        ) -> None:
+            first_output = first_grad_tensor(output)
+            if first_output is None:
+                return
+            first_input = first_grad_tensor(args)
+            if first_input is None and kwargs:
+                first_input = first_grad_tensor(kwargs)
+            if first_input is first_output:  # identity modules: their backward is nothing
+                return
+            hooked = state.hooked
+            try:
+                # on the node that made the tensor: it runs once that tensor's gradient is
+                # complete; cheaper than Tensor.register_hook; leaves have no node. Skipped where
+                # a module inside this one made the same output (it begins there, this module's
+                # hook would find it current and do nothing)
+                if (
+                    hooked is None
+                    or hooked.ref() is not first_output
+                    or hooked.version != first_output._version
+                    or tagged not in hooked.mod.ancestors
+                ):
+                    _hook_gradient(first_output, tagged.out_hook)
+                    if state.stack:  # else the outermost forward is over: nothing chains to it
+                        version = first_output._version
+                        state.hooked = _Hooked(weakref_ref(first_output), version, tagged)
+                # "the backward has ended" is said by the hook of the module that made this one's
+                # input when there is one (b(a(x)): a's backward begins where b's ends), so this
+                # module needs its own only where its input came from elsewhere
+                if first_input is not None and (
+                    before is None
+                    or before.ref() is not first_input
+                    or before.version != first_input._version
+                    or before.mod in tagged.ancestors
+                ):
+                    _hook_gradient(first_input, tagged.in_hook)
+            except RuntimeError:  # tensors that refuse hooks (inference mode...): no backward tag
+                pass
+
+        return hook_backward
+
+    def _make_first_grad_tensor(self) -> Callable[[Any], Any]:
+        tensor_type = self.torch.Tensor
+
         def first_grad_tensor(obj: Any) -> Any:
+            """``obj`` or its first item that is a tensor requiring grad (None: none is)."""
             if isinstance(obj, tensor_type):
                 return obj if obj.requires_grad else None
             if isinstance(obj, (tuple, list)):
@@ -329,36 +455,54 @@ class _Installer:
                 items = obj.values()
             else:
                 return None
-            for x in items:
-                if isinstance(x, tensor_type) and x.requires_grad:
-                    return x
+            for item in items:
+                if isinstance(item, tensor_type) and item.requires_grad:
+                    return item
             return None
+
+        return first_grad_tensor
+
+    def _make_queue_reset(self) -> Callable[[], None]:
+        """Queue (once per backward) a callback that resets the tag when the backward ends."""
+        state = _STATE
+        set_tag = self.set
+        handle = self.handle
+        graph_task_id = self.graph_task_id
+        variable = getattr(self.torch.autograd, "Variable", None)
+        engine = getattr(variable, "_execution_engine", None)
 
         def reset_at_backward_end() -> None:
             # runs on the thread that finished the backward (autograd's device thread for CUDA)
-            st = state
-            if not st.stack:
-                st.mod, st.tag = None, OUTSIDE
-                set_md(OUTSIDE)
+            if not state.stack:
+                state.mod, state.tag = None, OUTSIDE
+                set_tag(OUTSIDE)
 
         def queue_reset() -> None:
-            gid = graph_task_id()
-            if gid != handle._queued_for and engine is not None:
-                handle._queued_for = gid
+            task_id = graph_task_id()
+            if task_id != handle._queued_for and engine is not None:
+                handle._queued_for = task_id
                 with contextlib.suppress(Exception):  # not inside a backward after all
                     engine.queue_callback(reset_at_backward_end)
 
-        def attach(m: _Mod) -> None:
+        return queue_reset
+
+    def _make_attach(self, queue_reset: Callable[[], None]) -> Callable[[_Mod], None]:
+        """Give a module its two gradient hooks (``out_hook``, ``in_hook``)."""
+        state = _STATE
+        set_tag = self.set
+        handle = self.handle
+
+        def attach(tagged: _Mod) -> None:
             def on_output_grad(grad: Any) -> None:
                 # the gradient of the module's output is complete: its backward begins
                 if not handle.active:
                     return None
-                st = state
-                cur = st.mod
-                if cur is None or m not in cur.ancestors:  # else a module inside m is already current
-                    tag = m.tags[1]
-                    st.mod, st.tag = m, tag
-                    set_md(tag)
+                current = state.mod
+                # else a module inside this one is already current
+                if current is None or tagged not in current.ancestors:
+                    tag = tagged.tags[1]
+                    state.mod, state.tag = tagged, tag
+                    set_tag(tag)
                 queue_reset()
                 return None
 
@@ -366,83 +510,17 @@ class _Installer:
                 # the gradient of the module's input is complete: its backward is over
                 if not handle.active:
                     return None
-                st = state
-                cur = st.mod
-                if cur is m or (cur is not None and m in cur.ancestors):
-                    p = m.parent
-                    tag = OUTSIDE if p is None else p.tags[1]
-                    st.mod, st.tag = p, tag
-                    set_md(tag)
+                current = state.mod
+                if current is tagged or (current is not None and tagged in current.ancestors):
+                    parent = tagged.parent
+                    tag = OUTSIDE if parent is None else parent.tags[1]
+                    state.mod, state.tag = parent, tag
+                    set_tag(tag)
                 return None
 
-            m.out_hook, m.in_hook = on_output_grad, on_input_grad
+            tagged.out_hook, tagged.in_hook = on_output_grad, on_input_grad
 
-        def enter(m: _Mod) -> None:
-            st = state
-            tag = m.tags[0] if graph_task_id() == -1 else m.tags[2]
-            st.stack.append((m, st.mod, st.tag, st.hooked))
-            st.mod, st.tag = m, tag
-            set_md(tag)
-
-        def leave(m: _Mod, args: Any, kwargs: Any, output: Any) -> None:
-            st = state
-            stack = st.stack
-            before: _Hooked | None = None  # the hooked output when m entered
-            if stack and stack[-1][0] is m:
-                _, st.mod, st.tag, before = stack.pop()
-            else:  # a pre-hook that did not run (hooks added mid-forward): start clean
-                stack.clear()
-                st.mod, st.tag = None, OUTSIDE
-            set_md(st.tag)
-            if not stack:
-                st.hooked = None  # the outermost forward is over: nothing to chain to
-            if backward and output is not None and grad_enabled():
-                out = first_grad_tensor(output)
-                if out is None:
-                    return
-                inp = first_grad_tensor(args)
-                if inp is None and kwargs:
-                    inp = first_grad_tensor(kwargs)
-                if inp is out:  # identity modules: their backward is nothing
-                    return
-                hooked = st.hooked
-                try:
-                    # on the node that made the tensor: it runs once that tensor's gradient is
-                    # complete; cheaper than Tensor.register_hook; leaves have no node. Skipped
-                    # where a module inside m made the same output (it begins there, m's hook
-                    # would find it current and do nothing)
-                    if (
-                        hooked is None
-                        or hooked.ref() is not out
-                        or hooked.version != out._version
-                        or m not in hooked.mod.ancestors
-                    ):
-                        node = out.grad_fn
-                        if node is not None:
-                            node.register_prehook(m.out_hook)
-                        else:
-                            out.register_hook(m.out_hook)
-                        if stack:  # else the outermost forward is over: nothing chains to it
-                            st.hooked = _Hooked(weakref_ref(out), out._version, m)
-                    # "m's backward has ended" is said by the hook of the module that made m's
-                    # input when there is one (b(a(x)): a's backward begins where b's ends), so
-                    # m needs its own only where m's input came from elsewhere
-                    if inp is not None and (
-                        before is None
-                        or before.ref() is not inp
-                        or before.version != inp._version
-                        or before.mod in m.ancestors
-                    ):
-                        node = inp.grad_fn
-                        if node is not None:
-                            node.register_prehook(m.in_hook)
-                        else:
-                            inp.register_hook(m.in_hook)
-                except RuntimeError:  # tensors that refuse hooks (inference mode...): no backward tag
-                    pass
-
-        self.is_compiling = is_compiling
-        return enter, leave, attach
+        return attach
 
     # -- installing -----------------------------------------------------------------------
 
@@ -460,66 +538,100 @@ class _Installer:
         seen: set[int] = set()
         todo: list[tuple[Any, str, _Mod | None, int]] = [(root, root_name, root_parent, 0)]
         while todo:
-            mod, fqn, parent, depth = todo.pop()
-            if id(mod) in seen or (self.max_depth is not None and depth > self.max_depth):
+            module, fqn, parent, depth = todo.pop()
+            if id(module) in seen or (self.max_depth is not None and depth > self.max_depth):
                 continue
-            seen.add(id(mod))
-            m = _Mod(fqn, type(mod).__name__, parent)
-            attach(m)
-            out.append((mod, m))
-            children = [(n, c) for n, c in getattr(mod, "_modules", {}).items() if c is not None]
+            seen.add(id(module))
+            tagged = _Mod(fqn, type(module).__name__, parent)
+            attach(tagged)
+            out.append((module, tagged))
+            named = getattr(module, "_modules", {}).items()
+            children = [(name, child) for name, child in named if child is not None]
             for name, child in reversed(children):
-                todo.append((child, f"{fqn}.{name}" if fqn else name, m, depth + 1))
+                todo.append((child, f"{fqn}.{name}" if fqn else name, tagged, depth + 1))
         return out
 
     def _install_model(self, model: Any, prefix: str, enter: Any, leave: Any, attach: Any) -> None:
         handle = self.handle
         is_compiling = self.is_compiling
-        for mod, m in self._walk(model, prefix, None, attach):
-            if mod in _EXPLICIT:  # already tagged by another live handle: it keeps its names
+        for module, tagged in self._walk(model, prefix, None, attach):
+            if module in _EXPLICIT:  # already tagged by another live handle: it keeps its names
                 continue
-            handle._mods.setdefault(m.fqn, m)
+            handle._mods.setdefault(tagged.fqn, tagged)
 
-            def pre(module: Any, args: Any, m: _Mod = m) -> None:
+            def pre(module: Any, args: Any, tagged: _Mod = tagged) -> None:
                 if handle.active and not is_compiling():
-                    enter(m)
+                    enter(tagged)
                 return None
 
-            def post(module: Any, args: Any, *rest: Any, m: _Mod = m) -> None:
+            def post(module: Any, args: Any, *rest: Any, tagged: _Mod = tagged) -> None:
                 if handle.active and not is_compiling():
-                    leave(m, args, rest[0] if len(rest) == 2 else None, rest[-1])
+                    leave(tagged, args, rest[0] if len(rest) == 2 else None, rest[-1])
                 return None
 
-            handle._handles.append(mod.register_forward_pre_hook(pre))
-            handle._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
-            _EXPLICIT[mod] = handle
-            handle._explicit.append(weakref.ref(mod))
+            handle._handles.append(module.register_forward_pre_hook(pre))
+            handle._handles.append(
+                module.register_forward_hook(post, with_kwargs=True, always_call=True),
+            )
+            _EXPLICIT[module] = handle
+            handle._explicit.append(weakref.ref(module))
 
     def _install_process(self, enter: Any, leave: Any, attach: Any) -> None:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
 
         handle = self.handle
         is_compiling = self.is_compiling
+        lookup = self._make_lookup(attach)
+
+        def pre(module: Any, args: Any) -> None:
+            if handle.active and not is_compiling():
+                tagged = lookup(module)
+                if tagged is not None:
+                    enter(tagged)
+            return None
+
+        def post(module: Any, args: Any, *rest: Any) -> None:
+            if handle.active and not is_compiling():
+                tagged = lookup(module)
+                if tagged is not None:
+                    # on an exception torch calls global hooks without kwargs
+                    leave(tagged, args, rest[0] if len(rest) == 2 else None, rest[-1])
+            return None
+
+        handle._handles.append(register_module_forward_pre_hook(pre))
+        global_hook = register_module_forward_hook(post, with_kwargs=True, always_call=True)
+        handle._handles.append(_GlobalHookHandle(global_hook))
+        _PROCESS.append(handle)
+
+    def _make_lookup(self, attach: Callable[[_Mod], None]) -> Callable[[Any], _Mod | None]:
+        """A module's tag entry for the process-wide hooks, found the first time it runs."""
+        handle = self.handle
         known: weakref.WeakKeyDictionary[Any, _Mod | None] = weakref.WeakKeyDictionary()
         roots: dict[str, int] = {}
         walk = self._walk
 
         def discover(module: Any) -> _Mod | None:
-            cur = _STATE.mod
-            if cur is not None and _STATE.stack:  # called inside a tagged module but not one of its children
-                m = _Mod(f"{cur.fqn}.{type(module).__name__}", type(module).__name__, cur)
-                attach(m)
-                known[module] = m
-                handle._mods.setdefault(m.fqn, m)
-                return m
-            cls = type(module).__name__
-            n = roots.get(cls, 0) + 1
-            roots[cls] = n
-            for mod, m in walk(module, cls if n == 1 else f"{cls}#{n}", None, attach):
-                old = known.get(mod)
-                if old is None or old.parent is None:  # new, or a former root now found inside this one
-                    known[mod] = m
-                    handle._mods.setdefault(m.fqn, m)
+            current = _STATE.mod
+            class_name = type(module).__name__
+            # called inside a tagged module but not one of its children
+            if current is not None and _STATE.stack:
+                tagged = _Mod(f"{current.fqn}.{class_name}", class_name, current)
+                attach(tagged)
+                known[module] = tagged
+                handle._mods.setdefault(tagged.fqn, tagged)
+                return tagged
+            count = roots.get(class_name, 0) + 1
+            roots[class_name] = count
+            root_name = class_name if count == 1 else f"{class_name}#{count}"
+            for found, tagged in walk(module, root_name, None, attach):
+                old = known.get(found)
+                # new, or a former root now found inside this one
+                if old is None or old.parent is None:
+                    known[found] = tagged
+                    handle._mods.setdefault(tagged.fqn, tagged)
             if module not in known:  # deeper than max_depth
                 known[module] = None
             return known[module]
@@ -534,26 +646,17 @@ class _Installer:
             except TypeError:  # an unhashable module
                 return None
 
-        def pre(module: Any, args: Any) -> None:
-            if handle.active and not is_compiling():
-                m = lookup(module)
-                if m is not None:
-                    enter(m)
-            return None
+        return lookup
 
-        def post(module: Any, args: Any, *rest: Any) -> None:
-            if handle.active and not is_compiling():
-                m = lookup(module)
-                if m is not None:
-                    # on an exception torch calls global hooks without kwargs
-                    leave(m, args, rest[0] if len(rest) == 2 else None, rest[-1])
-            return None
 
-        handle._handles.append(register_module_forward_pre_hook(pre))
-        handle._handles.append(
-            _GlobalHookHandle(register_module_forward_hook(post, with_kwargs=True, always_call=True))
-        )
-        _PROCESS.append(handle)
+def _hook_gradient(tensor: Any, hook: Any) -> None:
+    """Call ``hook`` once ``tensor``'s gradient is complete: a pre-hook on the node that made it
+    (cheaper than Tensor.register_hook), a tensor hook on a leaf (which has no node)."""
+    node = tensor.grad_fn
+    if node is not None:
+        node.register_prehook(hook)
+    else:
+        tensor.register_hook(hook)
 
 
 class _GlobalHookHandle:

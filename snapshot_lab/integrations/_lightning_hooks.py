@@ -11,50 +11,14 @@ here), then its own teardown (the model moves back to the CPU), ``on_fit_end`` a
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
-from ._session import CaptureSession
+from ._session import SessionCallback
 
 
-class LightningHooks:
-    def __init__(
-        self,
-        out: str | os.PathLike[str] = "snapshots",
-        *,
-        every_n_steps: int | None = None,
-        on_oom: bool = True,
-        max_entries: int = 100_000,
-        stacks: str = "python",
-        context: str = "all",
-        prefix: str = "snapshot",
-        report: bool = False,
-        tag_modules: bool = True,
-    ) -> None:
-        self.session = CaptureSession(
-            out,
-            max_entries=max_entries,
-            stacks=stacks,
-            context=context,
-            on_oom=on_oom,
-            every_n_steps=every_n_steps,
-            prefix=prefix,
-            report=report,
-            tag_modules=tag_modules,
-        )
-        self._stage: str | None = None
-        self._last_step = 0
-
-    @property
-    def written(self) -> list[Path]:
-        """Every snapshot written so far (all ranks write their own, named by rank)."""
-        return list(self.session.written)
-
-    @property
-    def reports(self) -> list[Path]:
-        """The HTML reports written (with ``report=True``)."""
-        return list(self.session.reports)
+class LightningHooks(SessionCallback):
+    _stage: str | None = None  # what the trainer runs: fit, validate, test or predict
+    _last_step = 0  # the optimizer steps counted so far
 
     # -- start -------------------------------------------------------------------------------
 
@@ -67,7 +31,14 @@ class LightningHooks:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         step = int(getattr(trainer, "global_step", self._last_step + 1))
         while self._last_step < step:  # gradient accumulation: no step for some batches
             self._last_step += 1

@@ -8,13 +8,21 @@ here may stop a training job: without CUDA, or when a dump or the report fails, 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import types
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..capture import CaptureError, recording
+from ..capture import (
+    DEFAULT_OUT_DIR,
+    CaptureError,
+    CaptureOptions,
+    recording,
+    with_capture_options,
+)
 from ..module_tags import ModuleTags, tag_modules
 
 log = logging.getLogger("snapshot_lab.integrations")
@@ -25,35 +33,33 @@ class CaptureSession:
 
     def __init__(
         self,
-        out: str | os.PathLike[str] = "snapshots",
+        out: str | os.PathLike[str] = DEFAULT_OUT_DIR,
         *,
-        max_entries: int = 100_000,
-        stacks: str = "python",
-        context: str = "all",
-        on_oom: bool = True,
-        every_n_steps: int | None = None,
-        prefix: str = "snapshot",
         report: bool = False,
-        tag_modules: bool = True,
+        **options: Any,
     ) -> None:
-        self.options: dict[str, Any] = {
-            "max_entries": max_entries,
-            "stacks": stacks,
-            "context": context,
-            "on_oom": on_oom,
-            "every_n_steps": every_n_steps,
-            "prefix": prefix,
-        }
+        """The options are :class:`~snapshot_lab.capture.CaptureOptions`' fields, as keywords
+        (bad ones fail here, when the callback is made); ``report``: write the HTML report of the
+        last snapshot."""
+        self.options = CaptureOptions(**options)
         self.out = Path(out)
         self.report = report
-        self.tag = tag_modules
-        recording(self.out, **self.options)  # bad options fail here, when the callback is made
         self.rec: recording | None = None
         self.tags: ModuleTags | None = None
         self.written: list[Path] = []  # snapshots of every run of this callback
         self.reports: list[Path] = []
         self.disabled: str | None = None  # why nothing is recorded (no CUDA...)
         self._atexit = False
+
+    # help() and inspect.signature() list the options one by one, with their defaults
+    __init__.__signature__ = with_capture_options(__init__)  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_options(
+        cls, out: str | os.PathLike[str], options: CaptureOptions, *, report: bool = False
+    ) -> CaptureSession:
+        """A session recording with ``options`` (what the framework callbacks build)."""
+        return cls(out, **asdict(options), report=report)
 
     @property
     def active(self) -> bool:
@@ -63,7 +69,7 @@ class CaptureSession:
         """Begin recording (a no-op when already recording)."""
         if self.rec is not None:
             return
-        rec = recording(self.out, **self.options)
+        rec = recording.from_options(self.out, self.options)
         try:
             rec.__enter__()
         except CaptureError as exc:
@@ -72,9 +78,10 @@ class CaptureSession:
             return
         self.rec = rec
         self.disabled = None
-        if self.tag and model is not None:
+        if self.options.tag_modules and model is not None:
             self.tags = tag_modules(model)
-        if not self._atexit:  # a run that dies without telling its callbacks still leaves a snapshot
+        # a run that dies without telling its callbacks still leaves a snapshot
+        if not self._atexit:
             atexit.register(self.stop)
             self._atexit = True
 
@@ -116,3 +123,25 @@ class CaptureSession:
         self.reports.append(path)
         log.info("snaplab: wrote %s", path)
         return path
+
+
+class SessionCallback:
+    """What the framework callbacks share: their options (those of :class:`CaptureSession`:
+    :class:`~snapshot_lab.capture.CaptureOptions`' and ``report``), one :class:`CaptureSession`,
+    and what it wrote."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.session = CaptureSession(*args, **kwargs)
+
+    # help() and inspect.signature() show the session's keywords and their docs
+    functools.update_wrapper(__init__, CaptureSession.__init__, assigned=("__doc__",))
+
+    @property
+    def written(self) -> list[Path]:
+        """Every snapshot written so far (all ranks write their own, named by rank)."""
+        return list(self.session.written)
+
+    @property
+    def reports(self) -> list[Path]:
+        """The HTML reports written (with ``report=True``)."""
+        return list(self.session.reports)

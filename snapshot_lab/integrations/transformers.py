@@ -19,54 +19,24 @@ never stops training. Needs ``pip install "snapshot-lab[transformers]"``.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from ._session import CaptureSession
+from ._session import SessionCallback
 
 
-class SnaplabCallback(TrainerCallback):  # type: ignore[misc]
+class SnaplabCallback(SessionCallback, TrainerCallback):  # type: ignore[misc]
     __doc__ = __doc__
 
-    def __init__(
+    def on_train_begin(
         self,
-        out: str | os.PathLike[str] = "snapshots",
-        *,
-        every_n_steps: int | None = None,
-        on_oom: bool = True,
-        max_entries: int = 100_000,
-        stacks: str = "python",
-        context: str = "all",
-        prefix: str = "snapshot",
-        report: bool = False,
-        tag_modules: bool = True,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        **kwargs: Any,
     ) -> None:
-        self.session = CaptureSession(
-            out,
-            max_entries=max_entries,
-            stacks=stacks,
-            context=context,
-            on_oom=on_oom,
-            every_n_steps=every_n_steps,
-            prefix=prefix,
-            report=report,
-            tag_modules=tag_modules,
-        )
-
-    @property
-    def written(self) -> list[Path]:
-        """Every snapshot written so far (all ranks write their own, named by rank)."""
-        return list(self.session.written)
-
-    @property
-    def reports(self) -> list[Path]:
-        """The HTML reports written (with ``report=True``)."""
-        return list(self.session.reports)
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.session.start(model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -20,10 +20,18 @@ from .diagnose import Diagnosis
 from .findings import Finding, compute_fleet_findings
 from .lifetimes import device_lifetimes
 from .modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
-from .parallelism import ParallelLayout, group_label, layout_from_name, layout_from_sidecar, pipeline_stages
+from .parallelism import (
+    ParallelLayout,
+    group_label,
+    layout_from_name,
+    layout_from_sidecar,
+    pipeline_stages,
+)
 from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
 from .sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
+from .snapshot_summary import SnapshotSummary
 from .summary import SnapshotStats
+from .timeline import Timeline
 
 MiB = 1024 * 1024
 
@@ -40,7 +48,10 @@ def site_table(frames: SnapshotFrames) -> pd.DataFrame:
     sid = b["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     site, detail = site_labels(sid, sites, cats.to_numpy(dtype=object), block_forward_ids(b))
     df = pd.DataFrame({"site": site, "detail": detail, "bytes": b["size_bytes"].to_numpy()})
-    return df.groupby(["site", "detail"], as_index=False).agg(bytes=("bytes", "sum"), blocks=("bytes", "size"))
+    return df.groupby(["site", "detail"], as_index=False).agg(
+        bytes=("bytes", "sum"),
+        blocks=("bytes", "size"),
+    )
 
 
 def peak_site_table(frames: SnapshotFrames, device: int, peak_index: int) -> pd.DataFrame:
@@ -54,100 +65,102 @@ def peak_site_table(frames: SnapshotFrames, device: int, peak_index: int) -> pd.
     sid = alive["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     fwd = allocation_forward_ids(frames, device, alive["event_index"].to_numpy(dtype=np.int64))
     site, detail = site_labels(sid, sites, cats, fwd)
-    df = pd.DataFrame({"site": site, "detail": detail, "category": cats, "bytes": alive["size_bytes"].to_numpy()})
+    df = pd.DataFrame(
+        {"site": site, "detail": detail, "category": cats, "bytes": alive["size_bytes"].to_numpy()},
+    )
     out = df.groupby(["site", "detail", "category"], as_index=False)["bytes"].sum()
     return out.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)
 
 
-@dataclass(frozen=True)
-class SnapshotSummary:
-    """What ``diff``, ``ranks`` and ``check`` need of one snapshot (small, picklable)."""
-
-    path: str
-    devices: list[int]
-    torch_stats: dict[str, int]
-    external_fragmentation: float
-    free_in_reserved_bytes: int
-    stranded_bytes: int
-    peak_requested_bytes: int | None
-    peak_reserved_bytes: int | None
-    oom_cause: str | None
-    oom_requested_bytes: int | None
-    categories: dict[str, int]
-    findings: list[str]
-    leak_growth_bytes_per_iteration: int
-    sites: list[dict[str, Any]] = field(default_factory=list)
-    # where the rank sits in the parallel layout (from the capture sidecar), when it says
-    layout: ParallelLayout | None = None
-    # at each device's peak of requested bytes (summed over devices): requested bytes per
-    # category, and the largest sites alive then ({site, detail, category, bytes}, at most
-    # PEAK_SITES_LIMIT); empty without a trace
-    peak_categories: dict[str, int] = field(default_factory=dict)
-    peak_sites: list[dict[str, Any]] = field(default_factory=list)
-    # at the same peaks: requested bytes by module (self bytes; metrics.modules), with the
-    # bytes outside any module and those allocated before the trace as rows of their own;
-    # modules_source 'tags' (exact), 'stacks' (approximate) or 'none'
-    peak_modules: dict[str, int] = field(default_factory=dict)
-    modules_source: str = "none"
-
-    @property
-    def reserved(self) -> int:
-        return self.torch_stats["reserved_bytes.all.current"]
-
-    @property
-    def allocated(self) -> int:
-        return self.torch_stats["allocated_bytes.all.current"]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def summarize(frames: SnapshotFrames, stats: SnapshotStats, dg: Diagnosis, with_sites: bool = True) -> SnapshotSummary:
-    peaks = [tl for tl in dg.timelines.values() if tl is not None]
-    frag = stats.fragmentation["all"]
-    peak_categories: dict[str, int] = {}
-    tables = []
-    for tl in peaks:
-        for c, v in category_levels_at(frames, tl.device, tl.peak_index).items():
-            peak_categories[c] = peak_categories.get(c, 0) + v
-        tables.append(peak_site_table(frames, tl.device, tl.peak_index))
-    peak_modules: dict[str, int] = {}
-    sources = set()
-    for tl in peaks:
-        mb = module_breakdown(frames, tl.device)
-        sources.add(mb.source)
-        for r in mb.rows:
-            peak_modules[r.label] = peak_modules.get(r.label, 0) + r.self_bytes
-        peak_modules[OUTSIDE_ROW] = peak_modules.get(OUTSIDE_ROW, 0) + mb.outside_bytes
-        peak_modules[BEFORE_ROW] = peak_modules.get(BEFORE_ROW, 0) + mb.before_trace_bytes
-    peak_sites = tables[0] if len(tables) == 1 else pd.DataFrame(columns=["site", "detail", "category", "bytes"])
-    if len(tables) > 1:
-        both = pd.concat(tables, ignore_index=True).groupby(["site", "detail", "category"], as_index=False).sum()
-        peak_sites = both.sort_values(["bytes", "site"], ascending=[False, True], ignore_index=True)
+def summarize(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    diagnosis: Diagnosis,
+    with_sites: bool = True,
+) -> SnapshotSummary:
+    """The summary of one snapshot (``with_sites``: its allocation sites too)."""
+    peaks = [timeline for timeline in diagnosis.timelines.values() if timeline is not None]
+    fragmentation = stats.fragmentation["all"]
+    peak_categories, peak_sites = _at_peaks(frames, peaks)
+    peak_modules, modules_source = _modules_at_peaks(frames, peaks)
+    leaks = diagnosis.leaks.values()
+    sites = site_table(frames).to_dict("records") if with_sites else []
     return SnapshotSummary(
         path=stats.file["path"],
         devices=list(stats.devices),
         torch_stats=stats.torch_stats,
-        external_fragmentation=frag.external_fragmentation,
-        free_in_reserved_bytes=frag.free_bytes,
-        stranded_bytes=frag.stranded_bytes,
+        external_fragmentation=fragmentation.external_fragmentation,
+        free_in_reserved_bytes=fragmentation.free_bytes,
+        stranded_bytes=fragmentation.stranded_bytes,
         peak_requested_bytes=sum(t.peak_requested_bytes for t in peaks) if peaks else None,
         peak_reserved_bytes=sum(t.peak_reserved_bytes for t in peaks) if peaks else None,
         oom_cause=stats.oom.cause if stats.oom else None,
         oom_requested_bytes=stats.oom.requested_bytes if stats.oom else None,
         categories=stats.categories,
-        findings=[f.id for f in dg.findings],
-        leak_growth_bytes_per_iteration=sum(la.growth_bytes_per_iteration for la in dg.leaks.values()),
-        sites=[{str(k): v for k, v in r.items()} for r in site_table(frames).to_dict("records")] if with_sites else [],
+        findings=[finding.id for finding in diagnosis.findings],
+        leak_growth_bytes_per_iteration=sum(leak.growth_bytes_per_iteration for leak in leaks),
+        sites=[{str(key): value for key, value in row.items()} for row in sites],
         layout=layout_from_sidecar(frames.info.capture),
         peak_categories=peak_categories,
-        peak_sites=[
-            {"site": str(r.site), "detail": str(r.detail), "category": str(r.category), "bytes": int(r.bytes)}
-            for r in peak_sites.head(PEAK_SITES_LIMIT).itertuples(index=False)
-        ],
-        peak_modules={k: v for k, v in peak_modules.items() if v},
-        modules_source="tags" if sources == {"tags"} else "stacks" if sources - {"none"} else "none",
+        peak_sites=peak_sites,
+        peak_modules=peak_modules,
+        modules_source=modules_source,
     )
+
+
+def _at_peaks(
+    frames: SnapshotFrames,
+    peaks: list[Timeline],
+) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """At each device's peak of requested bytes (summed over devices): requested bytes per
+    category, and the largest sites alive then (at most PEAK_SITES_LIMIT)."""
+    peak_categories: dict[str, int] = {}
+    tables = []
+    for timeline in peaks:
+        levels = category_levels_at(frames, timeline.device, timeline.peak_index)
+        for category, nbytes in levels.items():
+            peak_categories[category] = peak_categories.get(category, 0) + nbytes
+        tables.append(peak_site_table(frames, timeline.device, timeline.peak_index))
+    columns = ["site", "detail", "category", "bytes"]
+    peak_sites = tables[0] if len(tables) == 1 else pd.DataFrame(columns=columns)
+    if len(tables) > 1:
+        both = pd.concat(tables, ignore_index=True)
+        summed = both.groupby(["site", "detail", "category"], as_index=False).sum()
+        largest_first = [False, True]
+        peak_sites = summed.sort_values(
+            ["bytes", "site"],
+            ascending=largest_first,
+            ignore_index=True,
+        )
+    rows = peak_sites.head(PEAK_SITES_LIMIT).itertuples(index=False)
+    return peak_categories, [
+        {
+            "site": str(row.site),
+            "detail": str(row.detail),
+            "category": str(row.category),
+            "bytes": int(row.bytes),
+        }
+        for row in rows
+    ]
+
+
+def _modules_at_peaks(frames: SnapshotFrames, peaks: list[Timeline]) -> tuple[dict[str, int], str]:
+    """Requested bytes by module at the same peaks (self bytes), with the bytes outside any
+    module and those allocated before the trace as rows of their own; and where the modules
+    came from: 'tags' (exact), 'stacks' (approximate) or 'none'."""
+    peak_modules: dict[str, int] = {}
+    sources = set()
+    for timeline in peaks:
+        breakdown = module_breakdown(frames, timeline.device)
+        sources.add(breakdown.source)
+        for row in breakdown.rows:
+            peak_modules[row.label] = peak_modules.get(row.label, 0) + row.self_bytes
+        outside = peak_modules.get(OUTSIDE_ROW, 0) + breakdown.outside_bytes
+        peak_modules[OUTSIDE_ROW] = outside
+        peak_modules[BEFORE_ROW] = peak_modules.get(BEFORE_ROW, 0) + breakdown.before_trace_bytes
+    approximate = "stacks" if sources - {"none"} else "none"
+    source = "tags" if sources == {"tags"} else approximate
+    return {label: nbytes for label, nbytes in peak_modules.items() if nbytes}, source
 
 
 # --------------------------------------------------------------------------- diff
@@ -233,7 +246,8 @@ def _module_changes(a: SnapshotSummary, b: SnapshotSummary, limit: int) -> list[
     if a.modules_source != b.modules_source or a.modules_source == "none":
         return []
     rows = []
-    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):  # every name holds bytes in a or b
+    # every name holds bytes in a or b
+    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):
         before, after = a.peak_modules.get(name, 0), b.peak_modules.get(name, 0)
         rows.append(SiteChange(name, "", before, after, _status(before, after)))
     rows.sort(key=lambda r: (-abs(r.delta_bytes), -r.after_bytes, r.site))
@@ -254,7 +268,11 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
         Change("external_fragmentation", a.external_fragmentation, b.external_fragmentation),
         Change("peak_requested_bytes", a.peak_requested_bytes, b.peak_requested_bytes),
         Change("peak_reserved_bytes", a.peak_reserved_bytes, b.peak_reserved_bytes),
-        Change("segments", a.torch_stats["segment.all.current"], b.torch_stats["segment.all.current"]),
+        Change(
+            "segments",
+            a.torch_stats["segment.all.current"],
+            b.torch_stats["segment.all.current"],
+        ),
     ]
     cats = [Change(c, a.categories.get(c, 0), b.categories.get(c, 0)) for c in a.categories]
     sa = pd.DataFrame(a.sites, columns=["site", "detail", "bytes", "blocks"])
@@ -283,7 +301,8 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
 # --------------------------------------------------------------------------- ranks
 
 RANK_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
-# ``snaplab run`` names files <prefix>_rank<R>_<host>_<YYYYmmdd-HHMMSS>[_<why>].pickle (host without '_')
+# ``snaplab run`` names files <prefix>_rank<R>_<host>_<YYYYmmdd-HHMMSS>[_<why>].pickle (host
+# without '_')
 CAPTURE_HOST_RE = re.compile(r"rank[_-]?\d+_([A-Za-z0-9.-]+)_\d{8}-\d{6}", re.IGNORECASE)
 # otherwise only a token that plainly names a machine (node3, node-7, host12, nid001234): a bare
 # prefix such as 'a_rank0' or 'run2_rank0' is not taken for a host
@@ -310,7 +329,8 @@ def host_of(path: str, sidecar: dict[str, Any] | None = None) -> str | None:
     name (``snaplab run``'s naming, or a token like ``node3``), else None."""
     if sidecar is not None and isinstance(sidecar.get("host"), str) and sidecar["host"].strip():
         # it goes into one-line messages and labels: no newline, control character or space
-        host = "".join(c if c.isprintable() and not c.isspace() else "-" for c in sidecar["host"].strip())
+        recorded = sidecar["host"].strip()
+        host = "".join(c if c.isprintable() and not c.isspace() else "-" for c in recorded)
         return host[:64]
     name = _file_name(path)
     m = CAPTURE_HOST_RE.search(name) or NAME_HOST_RE.search(name)
@@ -366,7 +386,10 @@ class RankRow:
         }
 
 
-def rank_outliers(summaries: dict[K, SnapshotSummary], within: str | None = None) -> dict[K, list[str]]:
+def rank_outliers(
+    summaries: dict[K, SnapshotSummary],
+    within: str | None = None,
+) -> dict[K, list[str]]:
     """Why each file stands out from the others (empty list: it does not); keys are anything
     that names a file (its rank, its path). ``within`` names the group they form in the
     messages ('pp stage 1': '... above the median ... of pp stage 1')."""
@@ -389,13 +412,19 @@ def rank_outliers(summaries: dict[K, SnapshotSummary], within: str | None = None
                 if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= ratio:
                     word = "above" if diff > 0 else "below"
                     flags[r].append(
-                        f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} the median "
-                        f"{format_bytes(med)}{of_group}"
+                        f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} "
+                        f"the median {format_bytes(med)}{of_group}"
                     )
     for r, s in summaries.items():
         if s.oom_cause:
-            flags[r].append(f"out of memory ({s.oom_cause}) on a request of {format_bytes(s.oom_requested_bytes)}")
+            requested = format_bytes(s.oom_requested_bytes)
+            flags[r].append(f"out of memory ({s.oom_cause}) on a request of {requested}")
     return flags
+
+
+def _path_end(parts: list[str], depth: int) -> str | None:
+    """The last ``depth`` parts of a path, joined; None when it has fewer."""
+    return "/".join(parts[-depth:]) if depth <= len(parts) else None
 
 
 def _path_labels(paths: list[str]) -> dict[str, str]:
@@ -404,7 +433,7 @@ def _path_labels(paths: list[str]) -> dict[str, str]:
     parts = {p: [x for x in p.replace("\\", "/").split("/") if x] or [p] for p in paths}
     depth = dict.fromkeys(paths, 1)
     while True:
-        labels = {p: "/".join(parts[p][-depth[p] :]) if depth[p] <= len(parts[p]) else p for p in paths}
+        labels = {p: _path_end(parts[p], depth[p]) or p for p in paths}
         seen = Counter(labels.values())
         clash = [p for p in paths if seen[labels[p]] > 1 and labels[p] != p]
         if not clash:
@@ -413,7 +442,10 @@ def _path_labels(paths: list[str]) -> dict[str, str]:
             depth[p] += 1
 
 
-def rank_labels(paths: list[str], hosts: dict[str, str | None]) -> dict[str, tuple[int | None, str, LabelKind]]:
+def rank_labels(
+    paths: list[str],
+    hosts: dict[str, str | None],
+) -> dict[str, tuple[int | None, str, LabelKind]]:
     """Rank, label and what the label comes from, per path (see ``RankRow``)."""
     rank = {p: rank_of(p) for p in paths}
     count = Counter(r for r in rank.values() if r is not None)
@@ -439,7 +471,10 @@ def rank_labels(paths: list[str], hosts: dict[str, str | None]) -> dict[str, tup
 
 def rank_layouts(summaries: dict[str, SnapshotSummary]) -> dict[str, ParallelLayout | None]:
     """Each file's place in the parallel layout: its capture sidecar's, else its file name's."""
-    return {p: s.layout if s.layout is not None else layout_from_name(p) for p, s in summaries.items()}
+    return {
+        path: summary.layout if summary.layout is not None else layout_from_name(path)
+        for path, summary in summaries.items()
+    }
 
 
 def rank_groups(layouts: dict[str, ParallelLayout | None]) -> dict[str, str | None]:
@@ -452,7 +487,10 @@ def rank_groups(layouts: dict[str, ParallelLayout | None]) -> dict[str, str | No
     return {p: group_label(st) for p, st in stage.items()}
 
 
-def rank_rows(summaries: dict[str, SnapshotSummary], hosts: dict[str, str | None] | None = None) -> list[RankRow]:
+def rank_rows(
+    summaries: dict[str, SnapshotSummary],
+    hosts: dict[str, str | None] | None = None,
+) -> list[RankRow]:
     """One row per file (``summaries`` keyed by path), labelled (see ``RankRow``) and flagged
     against the median of the rows that should look like it: the other ranks of its pipeline
     stage when the files span several stages (see :func:`rank_groups`), else all rows. Rows are
@@ -474,8 +512,9 @@ def rank_rows(summaries: dict[str, SnapshotSummary], hosts: dict[str, str | None
         return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", text))]
 
     def order(p: str) -> tuple[bool, int, list[str | int], list[str | int], str]:
-        r = labels[p][0]
-        return (r is None, r if r is not None else 0, natural(hosts.get(p) or ""), natural(_file_name(p)), p)
+        rank = labels[p][0]
+        host, name = natural(hosts.get(p) or ""), natural(_file_name(p))
+        return (rank is None, rank if rank is not None else 0, host, name, p)
 
     return [
         RankRow(
@@ -523,27 +562,28 @@ class Violation:
     message: str
 
 
-def check_limits(s: SnapshotSummary, limits: Limits, baseline: SnapshotSummary | None = None) -> list[Violation]:
+def check_limits(
+    s: SnapshotSummary,
+    limits: Limits,
+    baseline: SnapshotSummary | None = None,
+) -> list[Violation]:
     out = []
 
     def over(name: str, value: int | None, limit: int | None, what: str) -> None:
         if limit is not None and value is not None and value > limit:
-            out.append(Violation(name, value, limit, f"{what} {format_bytes(value)} exceeds {format_bytes(limit)}"))
+            message = f"{what} {format_bytes(value)} exceeds {format_bytes(limit)}"
+            out.append(Violation(name, value, limit, message))
 
     over("max_reserved", s.reserved, limits.max_reserved_bytes, "reserved")
     over("max_allocated", s.allocated, limits.max_allocated_bytes, "allocated")
     over("max_peak", s.peak_requested_bytes, limits.max_peak_bytes, "peak in use")
     if limits.max_fragmentation is not None and s.external_fragmentation > limits.max_fragmentation:
-        out.append(
-            Violation(
-                "max_fragmentation",
-                s.external_fragmentation,
-                limits.max_fragmentation,
-                f"external fragmentation {s.external_fragmentation:.3f} exceeds {limits.max_fragmentation:.3f}",
-            )
-        )
+        fragmentation, limit = s.external_fragmentation, limits.max_fragmentation
+        message = f"external fragmentation {fragmentation:.3f} exceeds {limit:.3f}"
+        out.append(Violation("max_fragmentation", fragmentation, limit, message))
     if limits.no_oom and s.oom_cause:
-        out.append(Violation("no_oom", s.oom_cause, "none", f"the trace holds an out-of-memory error ({s.oom_cause})"))
+        message = f"the trace holds an out-of-memory error ({s.oom_cause})"
+        out.append(Violation("no_oom", s.oom_cause, "none", message))
     if limits.no_leaks and s.leak_growth_bytes_per_iteration:
         out.append(
             Violation(
@@ -568,8 +608,9 @@ def check_limits(s: SnapshotSummary, limits: Limits, baseline: SnapshotSummary |
                         f"max_growth:{name}",
                         round(growth, 6),
                         limits.max_growth,
-                        f"{name} grew {format_percent(growth)} over the baseline ({format_bytes(then)} -> "
-                        f"{format_bytes(now)}), more than {format_percent(limits.max_growth)}",
+                        f"{name} grew {format_percent(growth)} over the baseline "
+                        f"({format_bytes(then)} -> {format_bytes(now)}), more than "
+                        f"{format_percent(limits.max_growth)}",
                     )
                 )
     return out

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...frames import SnapshotFrames
 from ..categories import CategoryBreakdown
 from ..leaks import LeakAnalysis
 from ..parallelism import ParallelLayout, layout_from_name
 from ..pipeline import pipeline_skew
+from ..snapshot_summary import SnapshotSummary
 from ..summary import SnapshotStats
 from ..timeline import Timeline
 from ..whatif import WhatIf
@@ -39,9 +40,6 @@ from . import (
     tensor_parallel,
 )
 from .base import SEVERITY_ORDER, Finding, FindingContext, FleetContext
-
-if TYPE_CHECKING:
-    from ..compare import SnapshotSummary
 
 RULES: list[Callable[[FindingContext], list[Finding]]] = [
     oom.find,

@@ -30,27 +30,52 @@ import numpy as np
 from ..categories import CATEGORIES, CODES
 from .program import MB_KEY, Program
 from .rewrite import recorded_rule
-from .structure import TrainingStructure
+from .structure import Pass, TrainingStructure
 
 SCHEDULES = ("1f1b", "gpipe")
+PASS_PHASES = ["forward", "backward"]
+MODEL_STATE = ("parameter", "gradient", "optimizer_state")  # split between the stages
+
+# Program keys of what is not a recorded allocation (those are keyed by their row, >= 0, and
+# their microbatch copies by microbatch_key): negative, one range per kind
+RECV_BUFFER_KEYS = 10  # the stage's receive buffer i: -(RECV_BUFFER_KEYS + i)
+MERGED_OUTPUT_KEYS = 1000  # the merged microbatch outputs of pass p: -(MERGED_OUTPUT_KEYS + p)
+UNTRACKED_KEYS = 100_000  # memory older than the trace, entry i: -(UNTRACKED_KEYS + i)
+
+# the rules that say what each planned allocation is
+RULE_FIRST_GRADIENTS = "gradients of the stage's parameters (first microbatch)"
+RULE_LATER_GRADIENTS = "weight gradients of later microbatches (accumulated)"
+RULE_MODEL_OUTPUT = "the model's output, kept per microbatch until the step ends"
+RULE_STAGE_OUTPUT = "the stage's output, sent to the next stage (held until the step ends)"
+RULE_SAVED_ACTIVATIONS = (
+    "activations saved for a microbatch's backward, 1/{microbatches} of the batch"
+)
+RULE_ONE_MICROBATCH = "{what}, one microbatch (1/{microbatches} of the batch)"
+RULE_MERGED_OUTPUTS = "the microbatches' outputs, merged into one at the step's end"
+RULE_RECV_ACTIVATIONS = (
+    "pipeline receive buffers: activations from stage {stage}, one per microbatch"
+)
+RULE_RECV_GRADIENTS = "pipeline receive buffers: gradients from stage {stage}, one per microbatch"
 
 
-def schedule_ops(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """The order of forwards and backwards one stage runs (torch's ScheduleGPipe and Schedule1F1B)."""
-    m = microbatches
+def schedule_ops(
+    schedule: str, stage: int, stages: int, microbatches: int
+) -> list[tuple[str, int]]:
+    """The order of forwards and backwards one stage runs (torch's ScheduleGPipe and
+    Schedule1F1B)."""
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(m, stages - stage)
+        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+    warmup = min(microbatches, stages - stage)
     ops = [("F", i) for i in range(warmup)]
-    f, b = warmup, 0
+    next_forward, next_backward = warmup, 0
     while True:
-        ops.append(("B", b))
-        b += 1
-        if f == m:
+        ops.append(("B", next_backward))
+        next_backward += 1
+        if next_forward == microbatches:
             break
-        ops.append(("F", f))
-        f += 1
-    ops += [("B", i) for i in range(b, m)]
+        ops.append(("F", next_forward))
+        next_forward += 1
+    ops += [("B", i) for i in range(next_backward, microbatches)]
     return ops
 
 
@@ -59,11 +84,11 @@ def stage_blocks(n_blocks: int, stages: int, split: tuple[int, ...] | None = Non
     if split:
         counts = list(split)
     else:
-        per = n_blocks // stages
-        counts = [per] * (stages - 1) + [n_blocks - per * (stages - 1)]
+        per_stage = n_blocks // stages
+        counts = [per_stage] * (stages - 1) + [n_blocks - per_stage * (stages - 1)]
     out: list[int] = []
-    for s, c in enumerate(counts):
-        out += [s] * c
+    for stage, count in enumerate(counts):
+        out += [stage] * count
     return out
 
 
@@ -71,255 +96,392 @@ def stage_blocks(n_blocks: int, stages: int, split: tuple[int, ...] | None = Non
 class StageAssignment:
     block_stage: tuple[int, ...]
     row_stage: np.ndarray  # per recorded allocation: its stage, -1: every stage (inputs, setup)
-    boundary_bytes: tuple[int, ...]  # per stage boundary s|s+1: recorded bytes of the tensor that crosses it
+    # per stage boundary s|s+1: recorded bytes of the tensor that crosses it
+    boundary_bytes: tuple[int, ...]
 
 
-def assign_stages(s: TrainingStructure, stages: int, split: tuple[int, ...] | None) -> StageAssignment:
-    a = s.allocs
-    bstage = stage_blocks(s.n_blocks, stages, split)
+def assign_stages(
+    structure: TrainingStructure, stages: int, split: tuple[int, ...] | None
+) -> StageAssignment:
+    """Which stage holds each block and each recorded allocation, and what crosses the stage
+    boundaries."""
+    allocs = structure.allocs
+    block_stage = stage_blocks(structure.n_blocks, stages, split)
     last = stages - 1
-    part = a["part"].to_numpy()
-    block = a["block"].to_numpy()
-    phase = a["phase"].to_numpy()
-    code = a["code"].to_numpy()
-    param = a["param"].to_numpy()
-    out = np.full(len(a), -1, dtype=np.int64)
-    in_pass = np.isin(phase, ["forward", "backward"])
-    out[in_pass & (part == "pre")] = 0
-    out[in_pass & (part == "post")] = last
-    for j, st in enumerate(bstage):
-        out[in_pass & (part == "block") & (block == j)] = st
-    p_block = s.params["block"].to_numpy()
-    p_part = s.params["part"].to_numpy()
-    p_stage = np.where(p_block >= 0, np.array([*bstage, 0])[np.clip(p_block, 0, len(bstage))], 0)
-    p_stage = np.where((p_block < 0) & (p_part == "post"), last, p_stage)
-    mirrors = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]]) & (param >= 0)
-    out[mirrors] = p_stage[param[mirrors]]
-    # kept for the whole run from inside a pass (a library's cache or workspace): every process has one
-    kept = in_pass & (a["free_pos"].to_numpy() < 0) & ~np.isin(code, [CODES["gradient"], CODES["parameter"]])
-    out[kept] = -1
-    # the tensor crossing boundary s|s+1: the output of stage s's last block (first pass)
-    bounds = []
-    p0 = s.passes[0] if s.passes else None
-    pos = a["pos"].to_numpy()
-    for st in range(stages - 1):
-        js = [j for j, x in enumerate(bstage) if x == st]
-        size = 0
-        if p0 is not None and js and js[-1] < len(p0.block_forward):
-            last_pos = p0.block_forward[js[-1]][1]
-            hit = np.flatnonzero(pos == last_pos)
-            size = int(a["size"].to_numpy()[int(hit[0])]) if hit.size else 0
-        bounds.append(size)
-    return StageAssignment(tuple(bstage), out, tuple(bounds))
+    part = allocs["part"].to_numpy()
+    block = allocs["block"].to_numpy()
+    code = allocs["code"].to_numpy()
+    param = allocs["param"].to_numpy()
+    row_stage = np.full(len(allocs), -1, dtype=np.int64)
+    in_pass = np.isin(allocs["phase"].to_numpy(), PASS_PHASES)
+    row_stage[in_pass & (part == "pre")] = 0
+    row_stage[in_pass & (part == "post")] = last
+    for j, stage in enumerate(block_stage):
+        row_stage[in_pass & (part == "block") & (block == j)] = stage
+    param_block = structure.params["block"].to_numpy()
+    param_part = structure.params["part"].to_numpy()
+    block_stage_or_first = np.array([*block_stage, 0])[np.clip(param_block, 0, len(block_stage))]
+    param_stage = np.where(param_block >= 0, block_stage_or_first, 0)
+    param_stage = np.where((param_block < 0) & (param_part == "post"), last, param_stage)
+    mirrors = np.isin(code, [CODES[name] for name in MODEL_STATE]) & (param >= 0)
+    row_stage[mirrors] = param_stage[param[mirrors]]
+    # kept for the whole run from inside a pass (a library's cache or workspace): every process
+    # has one
+    never_freed = allocs["free_pos"].to_numpy() < 0
+    kept = in_pass & never_freed & ~np.isin(code, [CODES["gradient"], CODES["parameter"]])
+    row_stage[kept] = -1
+    boundaries = _boundary_bytes(structure, block_stage, stages)
+    return StageAssignment(tuple(block_stage), row_stage, boundaries)
 
 
-def build_stage(
-    s: TrainingStructure,
-    assign: StageAssignment,
-    stage: int,
-    stages: int,
-    microbatches: int,
-    schedule: str,
-) -> Program:
-    a = s.allocs
-    m = microbatches
-    prog = Program()
-    n = s.n_events
-    row_at = np.full(n, -1, dtype=np.int64)
-    row_at[a["pos"].to_numpy()] = a["row"].to_numpy()
-    free_rows: dict[int, list[int]] = {}
-    for r, p in enumerate(a["free_pos"].tolist()):
-        if p >= 0:
-            free_rows.setdefault(int(p), []).append(r)
-    size = a["size"].to_numpy()
-    stream = a["stream"].to_numpy()
-    code = a["code"].to_numpy()
-    phase = a["phase"].to_numpy()
-    free_pos = a["free_pos"].to_numpy()
-    pass_id = a["pass_id"].to_numpy()
-    event_index = a["event_index"].to_numpy()
-    row_stage = assign.row_stage
-    origin = s.origin
-    live: dict[int, list[int]] = {}  # recorded row -> live keys (its copies)
-    cats = np.array(CATEGORIES, dtype=object)
-    mine = ((row_stage == stage) | (row_stage < 0)) & ~a["dropped"].to_numpy()
-    releases = set(s.releases)
-    # every stage keeps each microbatch's output until the step ends (the schedule's output
-    # chunks): the model's output on the last stage, its last block's output on the others
-    outputs = _stage_outputs(s, assign, stage, stages)
+def _boundary_bytes(
+    structure: TrainingStructure, block_stage: list[int], stages: int
+) -> tuple[int, ...]:
+    """Per boundary s|s+1, the recorded bytes of the tensor crossing it: the output of stage s's
+    last block (first pass)."""
+    allocs = structure.allocs
+    first_pass = structure.passes[0] if structure.passes else None
+    positions = allocs["pos"].to_numpy()
+    sizes = allocs["size"].to_numpy()
+    out = []
+    for stage in range(stages - 1):
+        blocks = [j for j, holder in enumerate(block_stage) if holder == stage]
+        nbytes = 0
+        if first_pass is not None and blocks and blocks[-1] < len(first_pass.block_forward):
+            last_position = first_pass.block_forward[blocks[-1]][1]
+            hit = np.flatnonzero(positions == last_position)
+            nbytes = int(sizes[int(hit[0])]) if hit.size else 0
+        out.append(nbytes)
+    return tuple(out)
 
-    def src(cat: str, rule: str) -> int:
-        return prog.source_id(cat, rule)
 
-    def alloc(key: int, r: int, nbytes: int, cat: str, rule: str) -> None:
-        prog.alloc(key, max(int(nbytes), 1), int(stream[r]), src(cat, rule), int(event_index[r]), int(size[r]))
-        live.setdefault(r, []).append(key)
+def microbatch_key(row: int, microbatch: int) -> int:
+    """The program key of ``microbatch``'s copy of recorded allocation ``row``."""
+    return row + (microbatch + 1) * MB_KEY
 
-    def free_all(r: int, p: int) -> None:
-        for k in live.pop(r, []):
-            prog.free(k, origin(p))
 
-    def once(lo: int, hi: int) -> None:
-        for p in range(lo, hi):
-            r = int(row_at[p])
-            if r >= 0 and mine[r]:
-                c = str(cats[code[r]])
-                alloc(r, r, size[r], c, recorded_rule(c))
-            for fr in free_rows.get(p, ()):
-                free_all(fr, p)
-            if p in releases:
-                prog.empty_cache(origin(p))
+class StageBuilder:
+    """Builds the program of one ``stage`` (:meth:`build`): the recorded run's allocations of
+    its layers, replayed once per microbatch in the schedule's order, with what the pipeline
+    adds (receive buffers, the outputs held until the step ends). Step by step: memory older
+    than the trace, then per recorded pass the data loading (once), the shape-inferring
+    microbatch (first pass only), the schedule's forwards and backwards, the step's end; after
+    the last pass the rest of the trace (once)."""
 
-    pass_rows: dict[int, set[int]] = {}
-    for p_ in s.passes:
-        span = (pass_id == p_.index) & np.isin(phase, ["forward", "backward"])
-        pass_rows[p_.index] = set(np.flatnonzero(span).tolist())
-
-    def micro(
-        lo: int, hi: int, mb: int, first_backward: bool, final: bool, pass_index: int, last_pass_end: int
+    def __init__(
+        self,
+        structure: TrainingStructure,
+        assignment: StageAssignment,
+        stage: int,
+        stages: int,
+        microbatches: int,
+        schedule: str,
     ) -> None:
-        in_pass = pass_rows[pass_index]
-        for p in range(lo, hi):
-            r = int(row_at[p])
-            if r >= 0 and mine[r]:
-                c = str(cats[code[r]])
-                if code[r] == CODES["gradient"]:
-                    if first_backward:
-                        alloc(r, r, size[r], "gradient", "gradients of the stage's parameters (first microbatch)")
-                    else:
-                        k = r + (mb + 1) * MB_KEY
-                        alloc(k, r, size[r], "activation", "weight gradients of later microbatches (accumulated)")
-                        prog.free(k, origin(p))
-                        live[r].remove(k)
-                elif free_pos[r] < 0:
-                    if mb == 0:  # kept for the run: a cache or workspace
-                        alloc(r, r, size[r], c, recorded_rule(c))
-                else:
-                    saved = phase[r] == "forward" and free_pos[r] >= 0 and free_pos[r] < last_pass_end
-                    held = saved and int(free_pos[r]) >= lo_b[0]
-                    if r in outputs:
-                        cat, rule = (
-                            "activation",
-                            (
-                                "the model's output, kept per microbatch until the step ends"
-                                if stage == stages - 1
-                                else "the stage's output, sent to the next stage (held until the step ends)"
-                            ),
-                        )
-                    elif held:
-                        cat, rule = (
-                            "inflight_activation",
-                            f"activations saved for a microbatch's backward, 1/{m} of the batch",
-                        )
-                    else:
-                        cat, rule = (
-                            c if c != "inflight_activation" else "activation",
-                            f"{c.replace('_', ' ')}, one microbatch (1/{m} of the batch)",
-                        )
-                    alloc(r + (mb + 1) * MB_KEY, r, -(-int(size[r]) // m), cat, rule)
-            for fr in free_rows.get(p, ()):
-                if fr in outputs:
-                    continue
-                k = fr + (mb + 1) * MB_KEY
-                keys = live.get(fr)
-                if not keys:
-                    continue
-                if k in keys:
-                    keys.remove(k)
-                    prog.free(k, origin(p))
-                elif fr not in in_pass and final:
-                    # made once (inputs) and freed by the program after its backward call: in a
-                    # pipeline that is after the schedule's step() returned
-                    after_step.append(fr)
-            if p in releases:
-                prog.empty_cache(origin(p))
+        allocs = structure.allocs
+        self.structure = structure
+        self.assignment = assignment
+        self.stage = stage
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.origin = structure.origin
+        self.program = Program()
+        self.row_at = np.full(structure.n_events, -1, dtype=np.int64)
+        self.row_at[allocs["pos"].to_numpy()] = allocs["row"].to_numpy()
+        self.free_rows: dict[int, list[int]] = {}  # trace position -> recorded rows freed there
+        for row, free_position in enumerate(allocs["free_pos"].tolist()):
+            if free_position >= 0:
+                self.free_rows.setdefault(int(free_position), []).append(row)
+        self.size = allocs["size"].to_numpy()
+        self.stream = allocs["stream"].to_numpy()
+        self.code = allocs["code"].to_numpy()
+        self.phase = allocs["phase"].to_numpy()
+        self.free_pos = allocs["free_pos"].to_numpy()
+        self.event_index = allocs["event_index"].to_numpy()
+        self.categories = np.array(CATEGORIES, dtype=object)
+        row_stage = assignment.row_stage
+        dropped = allocs["dropped"].to_numpy()
+        self.mine = ((row_stage == stage) | (row_stage < 0)) & ~dropped
+        self.releases = set(structure.releases)
+        # every stage keeps each microbatch's output until the step ends (the schedule's output
+        # chunks): the model's output on the last stage, its last block's output on the others
+        self.outputs = _stage_outputs(structure, assignment, stage, stages)
+        in_pass = np.isin(allocs["phase"].to_numpy(), PASS_PHASES)
+        pass_id = allocs["pass_id"].to_numpy()
+        self.pass_rows = {
+            training_pass.index: set(
+                np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist()
+            )
+            for training_pass in structure.passes
+        }
+        self.live: dict[int, list[int]] = {}  # recorded row -> live keys (its copies)
+        # activations freed from here on were saved for the backward (the pass's backward start;
+        # 0 while the first step infers its shapes)
+        self.saved_until = 0
+        self.after_step: list[int] = []  # made once, freed after the schedule's step() returns
 
-    # memory older than the trace: the model state split between the stages, the rest on each
-    for k, (nbytes, cat, st_) in enumerate(s.untracked):
-        shared = cat in ("parameter", "gradient", "optimizer_state")
-        what = f"{cat.replace('_', ' ')} older than the trace" + (
-            f", 1/{stages} per stage" if shared else ", as recorded"
+    # ------------------------------------------------------------------ the steps
+
+    def build(self) -> Program:
+        """The stage's program."""
+        self._alloc_untracked()
+        passes = self.structure.passes
+        for index, training_pass in enumerate(passes):
+            self._replay_once(training_pass.data_start, training_pass.forward_start)
+            if index == 0:
+                self._infer_shapes(training_pass)
+            self._run_schedule(training_pass)
+            self._end_step(training_pass)
+            if index == len(passes) - 1:
+                self._replay_once(training_pass.backward_end, self.structure.n_events)
+        return self.program
+
+    def _alloc_untracked(self) -> None:
+        """Memory older than the trace: the model state split between the stages, the rest on
+        each stage as recorded."""
+        for index, (nbytes, category, stream) in enumerate(self.structure.untracked):
+            shared = category in MODEL_STATE
+            share = f", 1/{self.stages} per stage" if shared else ", as recorded"
+            what = f"{category.replace('_', ' ')} older than the trace{share}"
+            self.program.alloc(
+                -(UNTRACKED_KEYS + index),
+                _ceil_div(nbytes, self.stages) if shared else nbytes,
+                stream,
+                self.program.source_id(category, what),
+                self.origin(0),
+                nbytes,
+            )
+
+    def _replay_once(self, start: int, stop: int) -> None:
+        """Trace positions ``start`` to ``stop`` as recorded (data loading, the optimizer step)."""
+        for position in range(start, stop):
+            row = int(self.row_at[position])
+            if row >= 0 and self.mine[row]:
+                category = self._category(row)
+                self._alloc(row, row, self.size[row], category, recorded_rule(category))
+            for freed in self.free_rows.get(position, ()):
+                self._free_all(freed, position)
+            self._release_at(position)
+
+    def _infer_shapes(self, training_pass: Pass) -> None:
+        """The stage's first step infers its shapes by running one microbatch's forward
+        (PipelineStage without input_args), then allocates its receive buffers."""
+        extra = self.microbatches  # the microbatch after the schedule's own
+        self._replay_microbatch(
+            training_pass,
+            training_pass.forward_start,
+            training_pass.backward_start,
+            extra,
+            False,
+            False,
         )
-        prog.alloc(-(100_000 + k), -(-nbytes // stages) if shared else nbytes, st_, src(cat, what), origin(0), nbytes)
-    lo_b = [0]
-    after_step: list[int] = []
-    recv_done = False
-    for i, p_ in enumerate(s.passes):
-        once(p_.data_start, p_.forward_start)
-        if not recv_done:
-            recv_done = True
-            # the stage's first step infers its shapes by running one microbatch's forward
-            # (PipelineStage without input_args), then allocates its receive buffers
-            micro(p_.forward_start, p_.backward_start, m, False, False, p_.index, p_.backward_end)
-            for r in list(live):
-                key = r + (m + 1) * MB_KEY
-                if key in live[r]:
-                    live[r].remove(key)
-                    prog.free(key, origin(p_.forward_start))
-            _recv_buffers(prog, assign, stage, stages, m, origin(p_.forward_start))
-        lo_b[0] = p_.backward_start
-        first_b = True
-        ops = schedule_ops(schedule, stage, stages, m)
-        last_f = max(i for i, (o, _) in enumerate(ops) if o == "F")
-        last_b = max(i for i, (o, _) in enumerate(ops) if o == "B")
-        for k, (op, mb) in enumerate(ops):
+        for row in list(self.live):
+            key = microbatch_key(row, extra)
+            if key in self.live[row]:
+                self.live[row].remove(key)
+                self.program.free(key, self.origin(training_pass.forward_start))
+        start = self.origin(training_pass.forward_start)
+        _recv_buffers(
+            self.program, self.assignment, self.stage, self.stages, self.microbatches, start
+        )
+
+    def _run_schedule(self, training_pass: Pass) -> None:
+        """The schedule's forwards and backwards, each over the pass's recorded span."""
+        self.saved_until = training_pass.backward_start
+        first_backward = True
+        ops = schedule_ops(self.schedule, self.stage, self.stages, self.microbatches)
+        last_forward = max(index for index, (op, _) in enumerate(ops) if op == "F")
+        last_backward = max(index for index, (op, _) in enumerate(ops) if op == "B")
+        forward = (training_pass.forward_start, training_pass.backward_start)
+        backward = (training_pass.backward_start, training_pass.backward_end)
+        for index, (op, microbatch) in enumerate(ops):
             if op == "F":
-                micro(p_.forward_start, p_.backward_start, mb, False, k == last_f, p_.index, p_.backward_end)
+                self._replay_microbatch(
+                    training_pass, *forward, microbatch, False, index == last_forward
+                )
+                continue
+            self._replay_microbatch(
+                training_pass, *backward, microbatch, first_backward, index == last_backward
+            )
+            first_backward = False
+            if self.stage < self.stages - 1:
+                self._release_sent_outputs(microbatch, training_pass.backward_end - 1)
+
+    def _release_sent_outputs(self, microbatch: int, position: int) -> None:
+        """The output was sent to the next stage (record_stream on the communication stream):
+        released after this microbatch's backward, its block back at the step's end."""
+        for row in self.outputs:
+            key = microbatch_key(row, microbatch)
+            if key in self.live.get(row, []):
+                self.program.free_requested(key, self.origin(position))
+
+    def _end_step(self, training_pass: Pass) -> None:
+        """The step's end: the last stage merges the microbatches' outputs into one (then
+        dropped); the held outputs and what waited for the step are freed."""
+        last_position = training_pass.backward_end - 1
+        if self.stage == self.stages - 1 and training_pass.output_row >= 0:
+            row = training_pass.output_row
+            key = -(MERGED_OUTPUT_KEYS + training_pass.index)
+            source = self.program.source_id("activation", RULE_MERGED_OUTPUTS)
+            at = self.origin(last_position)
+            self.program.alloc(key, int(self.size[row]), int(self.stream[row]), source, at, 0)
+            self.program.free(key, self.origin(last_position))
+        for row in list(self.live):
+            if row in self.outputs:
+                self._free_all(row, last_position)
+        for row in self.after_step:
+            self._free_all(row, last_position)
+        self.after_step.clear()
+
+    # ------------------------------------------------------------------ one microbatch
+
+    def _replay_microbatch(
+        self,
+        training_pass: Pass,
+        start: int,
+        stop: int,
+        microbatch: int,
+        first_backward: bool,
+        final: bool,
+    ) -> None:
+        """Trace positions ``start`` to ``stop`` of ``training_pass`` for one microbatch;
+        ``final``: the schedule's last forward or backward of the step."""
+        pass_rows = self.pass_rows[training_pass.index]
+        for position in range(start, stop):
+            row = int(self.row_at[position])
+            if row >= 0 and self.mine[row]:
+                self._alloc_for_microbatch(row, position, microbatch, first_backward, training_pass)
+            self._free_for_microbatch(position, microbatch, pass_rows, final)
+            self._release_at(position)
+
+    def _alloc_for_microbatch(
+        self, row: int, position: int, microbatch: int, first_backward: bool, training_pass: Pass
+    ) -> None:
+        if self.code[row] == CODES["gradient"]:
+            if first_backward:
+                self._alloc(row, row, self.size[row], "gradient", RULE_FIRST_GRADIENTS)
             else:
-                micro(p_.backward_start, p_.backward_end, mb, first_b, k == last_b, p_.index, p_.backward_end)
-                first_b = False
-                if stage < stages - 1:
-                    # the output was sent to the next stage (record_stream on the communication
-                    # stream): released after this microbatch's backward, its block back at the step's end
-                    for r in outputs:
-                        key = r + (mb + 1) * MB_KEY
-                        if key in live.get(r, []):
-                            prog.free_requested(key, origin(p_.backward_end - 1))
-        if stage == stages - 1 and p_.output_row >= 0:
-            # the schedule concatenates the microbatches' outputs into one (then dropped here)
-            r = p_.output_row
-            k = -(1000 + p_.index)
-            what = "the microbatches' outputs, merged into one at the step's end"
-            prog.alloc(k, int(size[r]), int(stream[r]), src("activation", what), origin(p_.backward_end - 1), 0)
-            prog.free(k, origin(p_.backward_end - 1))
-        for r in list(live):
-            if r in outputs:
-                free_all(r, p_.backward_end - 1)
-        for r in after_step:
-            free_all(r, p_.backward_end - 1)
-        after_step.clear()
-        if i == len(s.passes) - 1:
-            once(p_.backward_end, n)
-    return prog
+                key = microbatch_key(row, microbatch)
+                self._alloc(key, row, self.size[row], "activation", RULE_LATER_GRADIENTS)
+                self.program.free(key, self.origin(position))
+                self.live[row].remove(key)
+        elif self.free_pos[row] < 0:
+            if microbatch == 0:  # kept for the run: a cache or workspace
+                category = self._category(row)
+                self._alloc(row, row, self.size[row], category, recorded_rule(category))
+        else:
+            category, rule = self._microbatch_source(row, training_pass)
+            nbytes = _ceil_div(int(self.size[row]), self.microbatches)
+            self._alloc(microbatch_key(row, microbatch), row, nbytes, category, rule)
+
+    def _microbatch_source(self, row: int, training_pass: Pass) -> tuple[str, str]:
+        """Category and rule of one microbatch's copy of recorded allocation ``row``."""
+        free_position = self.free_pos[row]
+        saved = (
+            self.phase[row] == "forward"
+            and free_position >= 0
+            and free_position < training_pass.backward_end
+        )
+        if row in self.outputs:
+            last = self.stage == self.stages - 1
+            return "activation", RULE_MODEL_OUTPUT if last else RULE_STAGE_OUTPUT
+        if saved and int(free_position) >= self.saved_until:
+            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(
+                microbatches=self.microbatches
+            )
+        category = self._category(row)
+        rule = RULE_ONE_MICROBATCH.format(
+            what=category.replace("_", " "), microbatches=self.microbatches
+        )
+        return (category if category != "inflight_activation" else "activation"), rule
+
+    def _free_for_microbatch(
+        self, position: int, microbatch: int, pass_rows: set[int], final: bool
+    ) -> None:
+        for row in self.free_rows.get(position, ()):
+            if row in self.outputs:
+                continue
+            key = microbatch_key(row, microbatch)
+            keys = self.live.get(row)
+            if not keys:
+                continue
+            if key in keys:
+                keys.remove(key)
+                self.program.free(key, self.origin(position))
+            elif row not in pass_rows and final:
+                # made once (inputs) and freed by the program after its backward call: in a
+                # pipeline that is after the schedule's step() returned
+                self.after_step.append(row)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _category(self, row: int) -> str:
+        return str(self.categories[self.code[row]])
+
+    def _alloc(self, key: int, row: int, nbytes: int, category: str, rule: str) -> None:
+        source = self.program.source_id(category, rule)
+        self.program.alloc(
+            key,
+            max(int(nbytes), 1),
+            int(self.stream[row]),
+            source,
+            int(self.event_index[row]),
+            int(self.size[row]),
+        )
+        self.live.setdefault(row, []).append(key)
+
+    def _free_all(self, row: int, position: int) -> None:
+        for key in self.live.pop(row, []):
+            self.program.free(key, self.origin(position))
+
+    def _release_at(self, position: int) -> None:
+        if position in self.releases:
+            self.program.empty_cache(self.origin(position))
 
 
-def _stage_outputs(s: TrainingStructure, assign: StageAssignment, stage: int, stages: int) -> set[int]:
+def _ceil_div(nbytes: int, parts: int) -> int:
+    return -(-nbytes // parts)
+
+
+def _stage_outputs(
+    structure: TrainingStructure, assignment: StageAssignment, stage: int, stages: int
+) -> set[int]:
+    """Rows of the outputs the stage keeps per microbatch: the model's on the last stage, its
+    last block's on the others."""
     if stage == stages - 1:
-        return {p.output_row for p in s.passes if p.output_row >= 0}
-    js = [j for j, x in enumerate(assign.block_stage) if x == stage]
-    if not js:
+        return {p.output_row for p in structure.passes if p.output_row >= 0}
+    blocks = [j for j, holder in enumerate(assignment.block_stage) if holder == stage]
+    if not blocks:
         return set()
-    pos = s.allocs["pos"].to_numpy()
+    positions = structure.allocs["pos"].to_numpy()
     out: set[int] = set()
-    for p in s.passes:
-        if js[-1] < len(p.block_forward):
-            hit = np.flatnonzero(pos == p.block_forward[js[-1]][1])
-            out.update(int(h) for h in hit.tolist())
+    for training_pass in structure.passes:
+        if blocks[-1] < len(training_pass.block_forward):
+            hit = np.flatnonzero(positions == training_pass.block_forward[blocks[-1]][1])
+            out.update(int(row) for row in hit.tolist())
     return out
 
 
-def _recv_buffers(prog: Program, assign: StageAssignment, stage: int, stages: int, m: int, origin: int) -> None:
+def _recv_buffers(
+    program: Program,
+    assignment: StageAssignment,
+    stage: int,
+    stages: int,
+    microbatches: int,
+    origin: int,
+) -> None:
+    """One receive buffer per microbatch for the activations coming in (every stage but the
+    first) and one for the gradients coming back (every stage but the last)."""
     if stage > 0:
-        b = assign.boundary_bytes[stage - 1]
-        sid = prog.source_id(
-            "comm_buffer", f"pipeline receive buffers: activations from stage {stage - 1}, one per microbatch"
-        )
-        for i in range(m):
-            prog.alloc(-(10 + i), -(-b // m), 0, sid, origin, 0)
+        nbytes = assignment.boundary_bytes[stage - 1]
+        source = program.source_id("comm_buffer", RULE_RECV_ACTIVATIONS.format(stage=stage - 1))
+        for i in range(microbatches):
+            program.alloc(
+                -(RECV_BUFFER_KEYS + i), _ceil_div(nbytes, microbatches), 0, source, origin, 0
+            )
     if stage < stages - 1:
-        b = assign.boundary_bytes[stage]
-        sid = prog.source_id(
-            "comm_buffer", f"pipeline receive buffers: gradients from stage {stage + 1}, one per microbatch"
-        )
-        for i in range(m):
-            prog.alloc(-(10 + m + i), -(-b // m), 0, sid, origin, 0)
+        nbytes = assignment.boundary_bytes[stage]
+        source = program.source_id("comm_buffer", RULE_RECV_GRADIENTS.format(stage=stage + 1))
+        for i in range(microbatches):
+            key = -(RECV_BUFFER_KEYS + microbatches + i)
+            program.alloc(key, _ceil_div(nbytes, microbatches), 0, source, origin, 0)

@@ -30,17 +30,19 @@ ALIASES = {
 }
 
 NOT_MODELLED = (
-    "memory outside PyTorch's caching allocator: the CUDA context, NCCL's own buffers and communicators, "
-    "cuBLAS/cuDNN handles made outside it (typically 0.5–2 GiB per GPU): compare the plan with the device's "
-    "capacity minus that",
-    "compute-communication overlap and timing: the plan follows the recorded order of operations; a collective "
-    "that finishes late (or early) shifts when its buffers are freed, which moves reserved memory more than the "
-    "allocated peak",
-    "tensor parallelism's backward all-reduces (their buffers) and sequence parallelism; activations are divided "
-    "between column- and row-parallel layers only",
-    "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded run), "
-    "uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision policies and CPU offload",
-    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it mirrors, by size)",
+    "memory outside PyTorch's caching allocator: the CUDA context, NCCL's own buffers and "
+    "communicators, cuBLAS/cuDNN handles made outside it (typically 0.5–2 GiB per GPU): compare "
+    "the plan with the device's capacity minus that",
+    "compute-communication overlap and timing: the plan follows the recorded order of operations; "
+    "a collective that finishes late (or early) shifts when its buffers are freed, which moves "
+    "reserved memory more than the allocated peak",
+    "tensor parallelism's backward all-reduces (their buffers) and sequence parallelism; "
+    "activations are divided between column- and row-parallel layers only",
+    "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded "
+    "run), uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision "
+    "policies and CPU offload",
+    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it "
+    "mirrors, by size)",
 )
 
 
@@ -76,10 +78,14 @@ class Strategy:
         s = self
         if name in ALIASES:
             base, reshard = ALIASES[name]
-            s = replace(s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward)
+            s = replace(
+                s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward
+            )
             name = base
         if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)")
+            raise ValueError(
+                f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)"
+            )
         n = s.world_size
         if n < 1:
             raise ValueError("the world size must be at least 1")
@@ -127,7 +133,11 @@ class Strategy:
         if self.name in ("fsdp", "fsdp1"):
             v = "FSDP2" if self.name == "fsdp" else "FSDP1"
             how = (
-                ("reshard after forward" if self.reshard_after_forward else "no reshard after forward")
+                (
+                    "reshard after forward"
+                    if self.reshard_after_forward
+                    else "no reshard after forward"
+                )
                 if self.name == "fsdp"
                 else ("FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
             )
@@ -136,7 +146,8 @@ class Strategy:
         if self.name == "tp":
             return f"tensor parallel, degree {self.tp}"
         if self.name == "pp":
-            return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {self.schedule.upper()}"
+            schedule = self.schedule.upper()
+            return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {schedule}"
         return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {n}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,7 +195,8 @@ class MemoryPlan:
     device: int
     strategy: Strategy
     recorded: RankPlan  # the recording replayed as it was (world size 1)
-    recorded_torch_peaks: dict[str, int]  # torch's own counters from the capture sidecar, when present
+    # torch's own counters from the capture sidecar, when present
+    recorded_torch_peaks: dict[str, int]
     ranks: tuple[RankPlan, ...]
     memory_limit_bytes: int | None
     memory_limit_source: str
@@ -254,7 +266,11 @@ def _moment(s: TrainingStructure, event: int) -> str:
                         return f"{it}, backward, block {j}"
                 return f"{it}, backward, end (embeddings)"
             return f"{it}, optimizer step"
-    return "before the first iteration (model set-up)" if s.passes and p < s.passes[0].forward_start else ""
+    return (
+        "before the first iteration (model set-up)"
+        if s.passes and p < s.passes[0].forward_start
+        else ""
+    )
 
 
 def _rank(
@@ -280,11 +296,15 @@ def _rank(
                 fits = True
                 headroom = limit - capped.peak_reserved_bytes
                 note = (
-                    f"fits only because the allocator releases cached blocks under the limit (peak reserved "
-                    f"{capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc retries"
+                    "fits only because the allocator releases cached blocks under the limit (peak "
+                    f"reserved {capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc "
+                    "retries"
                 )
             else:
-                note = f"under the limit the replay runs out of memory at recorded event {capped.oom_at:,}"
+                note = (
+                    "under the limit the replay runs out of memory at recorded event "
+                    f"{capped.oom_at:,}"
+                )
     return RankPlan(
         label=label,
         peak_allocated_bytes=r.peak_allocated_bytes,
@@ -308,81 +328,134 @@ def _local_after_tp(s: TrainingStructure, tp: tpm.TensorParallel | None) -> np.n
 
 
 def programs_for(
-    frames: SnapshotFrames, s: TrainingStructure, st: Strategy, notes: list[str]
+    frames: SnapshotFrames, structure: TrainingStructure, strategy: Strategy, notes: list[str]
 ) -> list[tuple[str, Program]]:
     """The planned program of every distinct rank (one for data/tensor parallelism, one per
     pipeline stage)."""
-    if st.name == "pp":
-        if s.n_blocks < (st.stages or 1):
-            raise PlanUnsupported(
-                [
-                    f"a pipeline of {st.stages} stages needs at least {st.stages} repeated blocks in the forward pass; "
-                    f"the trace shows {s.n_blocks}"
-                ]
-            )
-        if st.pp_split is not None and sum(st.pp_split) != s.n_blocks:
-            raise ValueError(f"--pp-split {','.join(map(str, st.pp_split))} does not add up to the {s.n_blocks} blocks")
-        assign = pp.assign_stages(s, st.stages or 1, st.pp_split)
-        out = []
-        for k in range(st.stages or 1):
-            blocks = [j for j, x in enumerate(assign.block_stage) if x == k]
-            where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
-            parts = set(s.params.loc[s.params["block"] < 0, "part"].tolist())
-            extra = " + the layers before the blocks" if k == 0 and "pre" in parts else ""
-            if k == (st.stages or 1) - 1:
-                extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
-            label = f"stage {k} (rank {k}: {where}{extra})"
-            out.append((label, pp.build_stage(s, assign, k, st.stages or 1, st.microbatches or 1, st.schedule)))
-        notes.append(
-            f"pipeline stages: {', '.join(str(assign.block_stage.count(k)) for k in range(st.stages or 1))} blocks; "
-            f"microbatches of 1/{st.microbatches} of the recorded batch (activations taken as proportional to it)"
+    if strategy.name == "pp":
+        return _pipeline_programs(structure, strategy, notes)
+    rewrite = Rewrite.identity(structure)
+    tensor_parallel = None
+    if strategy.name in ("tp", "fsdp+tp") and (strategy.tp or 1) > 1:
+        tensor_parallel = tpm.plan_tensor_parallel(
+            frames, structure, strategy.tp or 1, strategy.tp_layers
         )
-        return out
-    rw = Rewrite.identity(s)
-    tp = None
-    if st.name in ("tp", "fsdp+tp") and (st.tp or 1) > 1:
-        tp = tpm.plan_tensor_parallel(frames, s, st.tp or 1, st.tp_layers)
-        notes.append(
-            f"tensor parallelism: {tp.column_layers} column- and {tp.row_layers} row-parallel Linear layers per "
-            f"iteration ({st.tp_layers}: "
-            + (
-                "Linear layers inside the repeated blocks; embeddings, norms and head replicated"
-                if st.tp_layers == "blocks"
-                else "every matrix, head and embeddings included"
-            )
-            + ")"
-        )
-    local = _local_after_tp(s, tp)
-    older = np.array([n for n, cat, _ in s.untracked if cat == "parameter"], dtype=np.int64)
-    if not len(s.params) and older.size:
-        notes.append(
-            f"the parameters ({int(older.sum()):,} bytes) were allocated before the trace began: which block each "
-            "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are not planned "
-            "(DDP's buckets are)"
-        )
-    if tp is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps them
-        tpm.apply_tensor_parallel(rw, tp, local, wrap=st.name == "tp" or st.dp == 1)
-    bucketed = local if len(s.params) else older
-    if st.name == "ddp":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed)
-    elif st.name == "zero1":
-        dp.apply_ddp(rw, st.bucket_view, st.bucket_cap_mb, bucketed, label="DDP (under ZeRO-1)")
-        dp.apply_zero1(rw, st.world_size)
-        rw.untracked = dp.untracked_sharded(("optimizer_state",), st.world_size, "ZeRO-1")
-    elif st.name in ("fsdp", "fsdp1", "fsdp+tp"):
-        world = st.dp if st.name == "fsdp+tp" else st.world_size
-        if world > 1:
-            units = dp.apply_fsdp(rw, world, st.reshard_after_forward, 1 if st.name == "fsdp1" else 2, local)
-            rw.untracked = dp.untracked_sharded(("parameter", "gradient", "optimizer_state"), world, "FSDP")
-            notes.append(
-                f"FSDP units: {len(units)} ("
-                + (", ".join(u.name for u in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}")
-                + "): each repeated block one unit, the root (everything else) one more"
-            )
-    if st.name not in ("tp", "fsdp+tp") and st.name != "pp":
+        notes.append(_tensor_parallel_note(tensor_parallel, strategy.tp_layers))
+    local = _local_after_tp(structure, tensor_parallel)
+    older = np.array(
+        [nbytes for nbytes, category, _ in structure.untracked if category == "parameter"],
+        dtype=np.int64,
+    )
+    if not len(structure.params) and older.size:
+        notes.append(NOTE_PARAMETERS_BEFORE_TRACE.format(nbytes=int(older.sum())))
+    if tensor_parallel is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps
+        wrap = strategy.name == "tp" or strategy.dp == 1
+        tpm.apply_tensor_parallel(rewrite, tensor_parallel, local, wrap=wrap)
+    bucketed = local if len(structure.params) else older
+    _apply_data_parallel(rewrite, strategy, local, bucketed, notes)
+    if strategy.name not in ("tp", "fsdp+tp") and strategy.name != "pp":
         notes.append("every rank runs the recorded per-rank batch: activations as recorded")
-    label = "every rank" if st.world_size > 1 else "the one GPU"
-    return [(label, rw.build())]
+    label = "every rank" if strategy.world_size > 1 else "the one GPU"
+    return [(label, rewrite.build())]
+
+
+NOTE_PARAMETERS_BEFORE_TRACE = (
+    "the parameters ({nbytes:,} bytes) were allocated before the trace began: which block each "
+    "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are "
+    "not planned (DDP's buckets are)"
+)
+TP_LAYERS_NOTE = {
+    "blocks": "Linear layers inside the repeated blocks; embeddings, norms and head replicated",
+    "all": "every matrix, head and embeddings included",
+}
+
+
+def _tensor_parallel_note(tensor_parallel: tpm.TensorParallel, tp_layers: str) -> str:
+    which = TP_LAYERS_NOTE["blocks" if tp_layers == "blocks" else "all"]
+    return (
+        f"tensor parallelism: {tensor_parallel.column_layers} column- and "
+        f"{tensor_parallel.row_layers} row-parallel Linear layers per iteration ({tp_layers}: "
+        f"{which})"
+    )
+
+
+def _apply_data_parallel(
+    rewrite: Rewrite,
+    strategy: Strategy,
+    local: np.ndarray,
+    bucketed: np.ndarray,
+    notes: list[str],
+) -> None:
+    """DDP's buckets, ZeRO-1's optimizer shards or FSDP's units, as the strategy says."""
+    name = strategy.name
+    if name == "ddp":
+        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed)
+    elif name == "zero1":
+        label = "DDP (under ZeRO-1)"
+        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed, label=label)
+        dp.apply_zero1(rewrite, strategy.world_size)
+        rewrite.untracked = dp.untracked_sharded(
+            ("optimizer_state",), strategy.world_size, "ZeRO-1"
+        )
+    elif name in ("fsdp", "fsdp1", "fsdp+tp"):
+        world = strategy.dp if name == "fsdp+tp" else strategy.world_size
+        if world <= 1:
+            return
+        version = 1 if name == "fsdp1" else 2
+        units = dp.apply_fsdp(rewrite, world, strategy.reshard_after_forward, version, local)
+        rewrite.untracked = dp.untracked_sharded(
+            ("parameter", "gradient", "optimizer_state"), world, "FSDP"
+        )
+        if len(units) <= 4:
+            named = ", ".join(unit.name for unit in units)
+        else:
+            named = f"{units[0].name}, …, {units[-1].name}"
+        notes.append(
+            f"FSDP units: {len(units)} ({named}): each repeated block one unit, the root "
+            "(everything else) one more"
+        )
+
+
+def _pipeline_programs(
+    structure: TrainingStructure, strategy: Strategy, notes: list[str]
+) -> list[tuple[str, Program]]:
+    """One program per pipeline stage."""
+    stages = strategy.stages or 1
+    if structure.n_blocks < stages:
+        raise PlanUnsupported(
+            [
+                f"a pipeline of {strategy.stages} stages needs at least {strategy.stages} repeated "
+                f"blocks in the forward pass; the trace shows {structure.n_blocks}"
+            ]
+        )
+    split = strategy.pp_split
+    if split is not None and sum(split) != structure.n_blocks:
+        raise ValueError(
+            f"--pp-split {','.join(map(str, split))} does not add up to the "
+            f"{structure.n_blocks} blocks"
+        )
+    assignment = pp.assign_stages(structure, stages, split)
+    parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
+    out = []
+    for stage in range(stages):
+        blocks = [j for j, holder in enumerate(assignment.block_stage) if holder == stage]
+        where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
+        extra = " + the layers before the blocks" if stage == 0 and "pre" in parts else ""
+        if stage == stages - 1:
+            extra += (
+                " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
+            )
+        builder = pp.StageBuilder(
+            structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule
+        )
+        program = builder.build()
+        out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
+    counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
+    notes.append(
+        f"pipeline stages: {counts} blocks; microbatches of 1/{strategy.microbatches} of the "
+        "recorded batch (activations taken as proportional to it)"
+    )
+    return out
 
 
 def structure_summary(s: TrainingStructure) -> dict[str, Any]:
@@ -396,7 +469,9 @@ def structure_summary(s: TrainingStructure) -> dict[str, Any]:
         "parameters": len(p),
         "parameter_bytes": int(p["size"].sum()),
         "parameter_bytes_in_blocks": int(blocks["size"].sum()),
-        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max()) if len(blocks) else 0,
+        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max())
+        if len(blocks)
+        else 0,
         "model_built_before_event": s.wrap_pos,
         "passes": [
             {
@@ -427,19 +502,23 @@ def plan_memory(
     settings = recorded_settings(frames.info.allocator_settings)
     notes: list[str] = list(s.notes)
     rec_prog, rec_replay = memo(frames, ("plan.recorded", dev), lambda: _recorded(s, settings))
-    limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
+    limit, source, is_cap = _limit(
+        frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev)
+    )
     recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
     ranks = []
     for label, prog in programs_for(frames, s, st, notes):
         ranks.append(_rank(label, replay(prog, settings), s, limit, prog, settings, is_cap))
     if s.ooms:
         notes.append(
-            "the recorded run ran out of memory: the plan replays it up to that moment (the failing request "
-            "included); what the rest of that iteration would have needed is not in the trace"
+            "the recorded run ran out of memory: the plan replays it up to that moment (the "
+            "failing request included); what the rest of that iteration would have needed is not "
+            "in the trace"
         )
     notes.append(
-        f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated blocks "
-        f"(called from {s.block_call_site or 'an unnamed site'}), parameters assigned to blocks by their order"
+        f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated "
+        f"blocks (called from {s.block_call_site or 'an unnamed site'}), parameters assigned to "
+        "blocks by their order"
     )
     return MemoryPlan(
         device=dev,
@@ -509,7 +588,11 @@ def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
     d = stats.get(str(dev))
     if not isinstance(d, dict):
         return {}
-    return {k: int(d[k]) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak") if isinstance(d.get(k), int)}
+    return {
+        k: int(d[k])
+        for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+        if isinstance(d.get(k), int)
+    }
 
 
 # --------------------------------------------------------------------------- the usual choices
@@ -537,7 +620,8 @@ def usual_strategies(world_size: int, n_blocks: int) -> list[Strategy]:
 class PlanTable:
     world_size: int
     plans: tuple[MemoryPlan, ...]
-    skipped: dict[str, str] = field(default_factory=dict)  # strategy label -> why it could not be planned
+    # strategy label -> why it could not be planned
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -548,7 +632,8 @@ class PlanTable:
 
 
 WOULD_IT_FIT_WORLD_SIZES = (2, 4)
-WOULD_IT_FIT_FULL_EVENTS = 200_000  # above this, the report plans for 2 GPUs only, without a pipeline
+# above this, the report plans for 2 GPUs only, without a pipeline
+WOULD_IT_FIT_FULL_EVENTS = 200_000
 
 
 def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
@@ -568,7 +653,8 @@ def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
             Strategy("fsdp", n),
             Strategy("tp", n),
         ]
-        if s.n_blocks >= n and not long:  # a pipeline replays every microbatch: too slow for a report here
+        # a pipeline replays every microbatch: too slow for a report here
+        if s.n_blocks >= n and not long:
             choices.append(Strategy("pp", n))
         out.append(plan_table(frames, n, device, strategies=choices))
     return out

@@ -37,9 +37,12 @@ class Program:
     size: list[int] = field(default_factory=list)
     stream: list[int] = field(default_factory=list)
     source: list[int] = field(default_factory=list)  # index into sources
-    origin: list[int] = field(default_factory=list)  # recorded event index it comes from (or is placed at)
-    recorded: list[int] = field(default_factory=list)  # recorded bytes it rescales (0: added by the plan)
-    placed: list[int] = field(default_factory=list)  # recorded event index where it happens in the plan
+    # recorded event index it comes from (or is placed at)
+    origin: list[int] = field(default_factory=list)
+    # recorded bytes it rescales (0: added by the plan)
+    recorded: list[int] = field(default_factory=list)
+    # recorded event index where it happens in the plan
+    placed: list[int] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
     _source_ids: dict[Source, int] = field(default_factory=dict)
 
@@ -52,7 +55,14 @@ class Program:
         return sid
 
     def alloc(
-        self, key: int, size: int, stream: int, source: int, origin: int, recorded: int, placed: int | None = None
+        self,
+        key: int,
+        size: int,
+        stream: int,
+        source: int,
+        origin: int,
+        recorded: int,
+        placed: int | None = None,
     ) -> None:
         self.placed.append(int(origin if placed is None else placed))
         self.kind.append(ALLOC)
@@ -96,7 +106,8 @@ class PeakPart:
     category: str
     rule: str
     planned_bytes: int  # as the allocator holds them (rounded blocks)
-    recorded_bytes: int  # what the recorded allocations it rescales asked for (0: added by the plan)
+    # what the recorded allocations it rescales asked for (0: added by the plan)
+    recorded_bytes: int
     count: int
     first_event: int  # recorded event indexes these allocations come from (or are placed at)
     last_event: int
@@ -132,7 +143,10 @@ class Replayed:
 
 
 def replay(
-    program: Program, settings: AllocatorSettings, memory_limit: int | None = None, limit_is_cap: bool = False
+    program: Program,
+    settings: AllocatorSettings,
+    memory_limit: int | None = None,
+    limit_is_cap: bool = False,
 ) -> Replayed:
     """Replay through the allocator model; peak allocated (block sizes, like torch's
     ``allocated_bytes.all.peak``) and peak reserved. Under ``memory_limit`` the replay stops at
@@ -199,7 +213,9 @@ def replay(
     )
 
 
-def _at_peak(program: Program, block_size: np.ndarray, peak_op: int) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
+def _at_peak(
+    program: Program, block_size: np.ndarray, peak_op: int
+) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
     alive: dict[int, int] = {}
     kind, key = program.kind, program.key
     for i in range(peak_op + 1):

@@ -15,7 +15,8 @@ from ..categories import CATEGORIES
 from .program import Program
 from .structure import TrainingStructure
 
-Op = tuple  # ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
+# ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
+Op = tuple
 
 AS_RECORDED = "as recorded"
 
@@ -67,7 +68,9 @@ class Rewrite:
             stream=a["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
             rule=rule,
-            free_after=a["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
+            free_after=a["free_pos_recorded" if as_recorded else "free_pos"]
+            .to_numpy(dtype=np.int64)
+            .copy(),
         )
 
     def new_key(self) -> int:
@@ -97,88 +100,111 @@ class Rewrite:
     def free_at(self, pos: int, key: int, before: bool = True) -> None:
         self.add(pos, ("f", key), before)
 
-    def set(self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str) -> None:
-        """Planned size, category (None: unchanged) and rule of the recorded allocations ``rows``."""
+    def set(
+        self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str
+    ) -> None:
+        """Planned size, category (None: unchanged) and rule of the recorded allocations
+        ``rows``."""
         self.size[rows] = size
         if category is not None:
             self.category[rows] = category
         self.rule[rows] = rule
 
     def build(self) -> Program:
-        s = self.structure
-        a = s.allocs
-        prog = Program()
-        sources: dict[tuple[str, str], int] = {}
+        """The program: memory older than the trace, then at every recorded position what the
+        strategy adds before it, the recorded allocation (rescaled), a recorded OOM's request,
+        the frees, an empty_cache() and what the strategy adds after it."""
+        structure = self.structure
+        allocs = structure.allocs
+        writer = _ProgramWriter(
+            Program(),
+            structure.origin,
+            allocs["event_index"].to_numpy(),
+            allocs["size"].to_numpy(),
+        )
+        self._alloc_untracked(writer.program)
+        alloc_row = np.full(structure.n_events, -1, dtype=np.int64)
+        alloc_row[allocs["pos"].to_numpy()] = allocs["row"].to_numpy()
+        frees: dict[int, list[int]] = {}  # position -> rows freed after it
+        for row, position in enumerate(self.free_after.tolist()):
+            if position >= 0:
+                frees.setdefault(int(position), []).append(row)
+        releases = set(structure.releases)
+        ooms = {position: (requested, stream) for position, requested, stream in structure.ooms}
+        made = np.zeros(len(allocs), dtype=bool)
+        program, origin, size, emit = writer.program, structure.origin, self.size, writer.emit
+        for position in range(structure.n_events):
+            for op in self.before.get(position, ()):
+                emit(op, position)
+            row = int(alloc_row[position])
+            if row >= 0 and size[row] > 0:
+                writer.alloc_row(self, row)
+                made[row] = True
+            if position in ooms:
+                requested, stream = ooms[position]
+                source = program.source_id("other", OOM_REQUEST)
+                at = origin(position)
+                program.alloc(self.new_key(), requested, stream, source, at, requested)
+            for freed in frees.get(position, ()):
+                if made[freed]:
+                    program.free(freed, origin(position))
+            if position in releases:
+                program.empty_cache(origin(position))
+            for op in self.after.get(position, ()):
+                emit(op, position)
+        return program
 
-        def src(category: str, rule: str) -> int:
-            sid = sources.get((category, rule))
-            if sid is None:
-                sid = sources[(category, rule)] = prog.source_id(category, rule)
-            return sid
-
-        origin = s.origin
-        base = s.origin(0)
-
-        # memory older than the trace: alive from the start
-        for old_bytes, cat, old_stream in s.untracked:
-            new_bytes, why = (
-                self.untracked(old_bytes, cat) if self.untracked is not None else (old_bytes, recorded_rule(cat))
-            )
-            if new_bytes > 0:
-                prog.alloc(
-                    self.new_key(), new_bytes, old_stream, src(cat, why + " (older than the trace)"), base, old_bytes
-                )
-        alloc_row = np.full(s.n_events, -1, dtype=np.int64)
-        alloc_row[a["pos"].to_numpy()] = a["row"].to_numpy()
-        frees: dict[int, list[int]] = {}
-        for r, p in enumerate(self.free_after.tolist()):
-            if p >= 0:
-                frees.setdefault(int(p), []).append(r)
-        releases = set(s.releases)
-        ooms = {p: (req, st) for p, req, st in s.ooms}
-        made = np.zeros(len(a), dtype=bool)
-        recorded = a["size"].to_numpy()
-        size, stream, category, rule = self.size, self.stream, self.category, self.rule
-        event_index = a["event_index"].to_numpy()
-
-        def emit(op: Op, p: int) -> None:
-            if op[0] == "a":
-                r = op[6]
-                if r >= 0:  # stands for a recorded allocation: that is where it came from
-                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), int(event_index[r]), int(recorded[r]), origin(p))
-                else:
-                    prog.alloc(op[1], op[2], op[3], src(op[4], op[5]), origin(p), 0)
-            elif op[0] == "f":
-                prog.free(op[1], origin(p))
-            elif op[0] == "r":
-                prog.free_requested(op[1], origin(p))
+    def _alloc_untracked(self, program: Program) -> None:
+        """Memory older than the trace: alive from the start."""
+        base = self.structure.origin(0)
+        for old_bytes, category, old_stream in self.structure.untracked:
+            if self.untracked is not None:
+                new_bytes, why = self.untracked(old_bytes, category)
             else:
-                prog.empty_cache(origin(p))
+                new_bytes, why = old_bytes, recorded_rule(category)
+            if new_bytes > 0:
+                source = program.source_id(category, why + " (older than the trace)")
+                program.alloc(self.new_key(), new_bytes, old_stream, source, base, old_bytes)
 
-        for p in range(s.n_events):
-            for op in self.before.get(p, ()):
-                emit(op, p)
-            r = int(alloc_row[p])
-            if r >= 0 and size[r] > 0:
-                prog.alloc(
-                    r, int(size[r]), int(stream[r]), src(category[r], rule[r]), int(event_index[r]), int(recorded[r])
-                )
-                made[r] = True
-            if p in ooms:
-                req, st = ooms[p]
-                prog.alloc(
-                    self.new_key(),
-                    req,
-                    st,
-                    src("other", "the request that ran out of memory, as recorded"),
-                    origin(p),
-                    req,
-                )
-            for fr in frees.get(p, ()):
-                if made[fr]:
-                    prog.free(fr, origin(p))
-            if p in releases:
-                prog.empty_cache(origin(p))
-            for op in self.after.get(p, ()):
-                emit(op, p)
-        return prog
+
+OOM_REQUEST = "the request that ran out of memory, as recorded"
+
+
+@dataclass(frozen=True)
+class _ProgramWriter:
+    """Writes a rewrite's operations into ``program``, each with the recorded allocation it
+    stands for or the recorded moment it is placed at."""
+
+    program: Program
+    origin: Callable[[int], int]  # trace position -> recorded event index
+    event_index: np.ndarray  # per recorded allocation
+    recorded: np.ndarray  # per recorded allocation: its recorded size
+
+    def alloc_row(self, rewrite: Rewrite, row: int) -> None:
+        """Recorded allocation ``row``, as planned."""
+        self.program.alloc(
+            row,
+            int(rewrite.size[row]),
+            int(rewrite.stream[row]),
+            self.program.source_id(rewrite.category[row], rewrite.rule[row]),
+            int(self.event_index[row]),
+            int(self.recorded[row]),
+        )
+
+    def emit(self, op: Op, position: int) -> None:
+        """One operation the strategy added at ``position``."""
+        program, origin = self.program, self.origin(position)
+        if op[0] == "a":
+            source = program.source_id(op[4], op[5])
+            row = op[6]
+            if row >= 0:  # stands for a recorded allocation: that is where it came from
+                event_index, recorded = int(self.event_index[row]), int(self.recorded[row])
+                program.alloc(op[1], op[2], op[3], source, event_index, recorded, origin)
+            else:
+                program.alloc(op[1], op[2], op[3], source, origin, 0)
+        elif op[0] == "f":
+            program.free(op[1], origin)
+        elif op[0] == "r":
+            program.free_requested(op[1], origin)
+        else:
+            program.empty_cache(origin)

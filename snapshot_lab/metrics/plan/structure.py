@@ -26,7 +26,7 @@ on an MLP stack (``tests/test_plan.py``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -49,7 +49,8 @@ class StackInfo:
     file of the innermost module's ``forward``."""
 
     call_path: dict[int, tuple[int, ...]]
-    callee: dict[int, tuple[str, ...]]  # per call site: the called module's forward ("file:function")
+    # per call site: the called module's forward ("file:function")
+    callee: dict[int, tuple[str, ...]]
     module_file: dict[int, str]
     frame_label: dict[int, str]  # frame_id -> "file:function:line"
 
@@ -67,7 +68,10 @@ def _stack_info(frames: SnapshotFrames) -> StackInfo:
     name = sf["name"].astype(str).to_numpy()
     line = sf["line"].to_numpy()
     fid_pos = {int(f): i for i, f in enumerate(sf["frame_id"].to_numpy())}
-    label = {int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}" for f, i in fid_pos.items()}
+    label = {
+        int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}"
+        for f, i in fid_pos.items()
+    }
     call_path: dict[int, tuple[int, ...]] = {}
     callee: dict[int, tuple[str, ...]] = {}
     module_file: dict[int, str] = {}
@@ -110,12 +114,16 @@ class Pass:
     forward_start: int
     backward_start: int
     backward_end: int  # exclusive: the optimizer step or the next pass begins here
-    block_forward: tuple[tuple[int, int], ...]  # per block: first and last position of its forward allocations
-    block_backward: tuple[tuple[int, int], ...]  # per block: first and last position of its backward span
+    # per block: first and last position of its forward allocations
+    block_forward: tuple[tuple[int, int], ...]
+    # per block: first and last position of its backward span
+    block_backward: tuple[tuple[int, int], ...]
     post_backward: tuple[int, int]  # the post part's backward (loss, head), first
-    loss_backward_end: int  # last position of the backward of what the program computed outside modules (the loss)
+    # last position of the backward of what the program computed outside modules (the loss)
+    loss_backward_end: int
     pre_backward: tuple[int, int]  # the pre part's backward (embeddings), last
-    output_row: int  # allocation row of the model's output (last allocation inside a module's forward)
+    # allocation row of the model's output (last allocation inside a module's forward)
+    output_row: int
     end: int  # exclusive: the next pass's data starts here
 
 
@@ -133,8 +141,10 @@ class TrainingStructure:
     wrap_pos: int  # the model is built: parameters allocated before this position
     steps: tuple[tuple[int, int], ...]  # optimizer steps: first and last position
     releases: tuple[int, ...]  # positions of the program's own empty_cache() calls
-    ooms: tuple[tuple[int, int, int], ...]  # (position, requested bytes, stream) of the recorded OOMs
-    untracked: tuple[tuple[int, str, int], ...]  # blocks alive before the trace: (bytes, category, stream)
+    # (position, requested bytes, stream) of the recorded OOMs
+    ooms: tuple[tuple[int, int, int], ...]
+    # blocks alive before the trace: (bytes, category, stream)
+    untracked: tuple[tuple[int, str, int], ...]
     notes: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
 
@@ -241,97 +251,60 @@ def training_structure(frames: SnapshotFrames, device: int) -> TrainingStructure
     return memo(frames, ("plan.structure", device), lambda: _structure(frames, device))
 
 
+MISSING_STACKS = (
+    "the trace has no stacks: the plan needs them to tell the forward, the backward and the "
+    "layers apart (record with torch.cuda.memory._record_memory_history(stacks='python') or "
+    "snaplab run)"
+)
+MISSING_ITERATION = (
+    "no whole training iteration in the trace (a forward pass followed by its backward): the "
+    "plan replays at least one; record longer (max_entries) or from before a step"
+)
+NOTE_UNTRACKED = (
+    "{count} blocks ({nbytes:,} bytes) were allocated before the trace began: they are kept, "
+    "rescaled by their category only"
+)
+NOTE_NO_BLOCKS = (
+    "no repeated layers found in the forward pass: the model is taken as one unit (FSDP wraps "
+    "the root only, tensor parallelism shards nothing, pipeline parallelism cannot split it)"
+)
+
+
 def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
-    ev = frames.events[frames.events["device"] == device]
-    n = len(ev)
-    base_index = ev["event_index"].to_numpy()
-    lt = device_lifetimes(frames, device).reset_index(drop=True)
+    events = frames.events[frames.events["device"] == device]
+    base_index = events["event_index"].to_numpy()
+    lifetimes = device_lifetimes(frames, device).reset_index(drop=True)
     codes = categorize(frames).alloc_codes.get(device, np.zeros(0, dtype=np.int64))
-    notes: list[str] = []
-    missing: list[str] = []
-    pos = np.searchsorted(base_index, lt["event_index"].to_numpy())
-    free_idx = lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)
-    free_pos = np.where(free_idx >= 0, np.searchsorted(base_index, np.maximum(free_idx, 0)), -1)
-    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     info = stack_info(frames)
-    thread = _threads(frames, sid)
-    module = np.array([info.in_module(int(s)) for s in sid], dtype=bool)
-    main = thread == THREAD_CODES["main"]
-    grad_thread = (thread == THREAD_CODES["autograd"]) | (thread == THREAD_CODES["none"])
-    optim = codes == CODES["optimizer_state"]
-    if frames.stacks.empty or not (sid >= 0).any():
-        missing.append(
-            "the trace has no stacks: the plan needs them to tell the forward, the backward and the layers apart "
-            "(record with torch.cuda.memory._record_memory_history(stacks='python') or snaplab run)"
-        )
-    scan = _Scan(pos, sid, main, grad_thread, module, optim)
+    scan = _scan(frames, lifetimes, base_index, codes, info)
+    missing: list[str] = []
+    if frames.stacks.empty or not (scan.sid >= 0).any():
+        missing.append(MISSING_STACKS)
     raw = _find_passes(scan) if not missing else []
     if not raw and not missing:
-        missing.append(
-            "no whole training iteration in the trace (a forward pass followed by its backward): the plan "
-            "replays at least one; record longer (max_entries) or from before a step"
-        )
-    # optimizer steps: runs of optimizer allocations
-    opos = pos[optim & main]
-    steps: list[tuple[int, int]] = []
-    if opos.size:
-        # a step is interrupted only by a forward: split where a pass starts in between
-        after = np.searchsorted(np.array([f for f, _, _ in raw], dtype=np.int64), opos, side="left")
-        cuts = np.flatnonzero(np.diff(after)) + 1
-        for chunk in np.split(opos, cuts):
-            steps.append((int(chunk[0]), int(chunk[-1])))
-    allocs = pd.DataFrame(
-        {
-            "row": np.arange(len(lt)),
-            "event_index": lt["event_index"].to_numpy(),
-            "pos": pos,
-            "free_pos": free_pos,
-            "size": lt["size_bytes"].to_numpy(dtype=np.int64),
-            "sid": sid,
-            "code": codes if codes.size == len(lt) else np.full(len(lt), CODES["other"]),
-            "main": main,
-            "grad_thread": scan.grad_thread,
-            "module": module,
-            "pass_id": -1,
-            "phase": "setup",
-            "part": "",
-            "block": -1,
-            "param": -1,
-            "dropped": False,  # the recorded run's own parallel machinery (DDP's buckets): left out of plans
-        }
-    )
-    allocs["code_recorded"] = allocs["code"]
-    allocs["free_pos_recorded"] = allocs["free_pos"]
-    stream_of = ev["stream"].to_numpy()
-    allocs["stream"] = stream_of[np.minimum(pos, max(n - 1, 0))] if n else np.zeros(0, dtype=np.int64)
+        missing.append(MISSING_ITERATION)
+    steps = _optimizer_steps(scan, raw)
+    allocs = _allocation_table(lifetimes, scan, codes, base_index, events["stream"].to_numpy())
+    notes: list[str] = []
     passes: list[Pass] = []
     n_blocks, period, site_label = 0, 0, ""
     if raw:
-        passes, n_blocks, period, site_label = _passes_and_blocks(allocs, raw, info, n, notes)
+        passes, n_blocks, period, site_label = _passes_and_blocks(
+            allocs, raw, info, len(events), notes
+        )
     params = _params(allocs, passes, n_blocks, notes)
     _from_ddp(allocs, params, passes, notes)
     wrap = _wrap_pos(allocs, passes)
     _map_mirrors(allocs, params)
-    from ..releases import find_releases
-
-    releases = tuple(r.start for r in find_releases(frames, device) if r.cause == "empty_cache")
-    action = ev["action"].astype(str).to_numpy()
-    oom_pos = np.flatnonzero(action == "oom")
-    ooms = tuple((int(p), int(ev["size_bytes"].iloc[p]), int(ev["stream"].iloc[p])) for p in oom_pos.tolist())
     untracked = _untracked(frames, device)
     if untracked:
-        notes.append(
-            f"{len(untracked)} blocks ({sum(u[0] for u in untracked):,} bytes) were allocated before the trace "
-            "began: they are kept, rescaled by their category only"
-        )
+        nbytes = sum(entry[0] for entry in untracked)
+        notes.append(NOTE_UNTRACKED.format(count=len(untracked), nbytes=nbytes))
     if n_blocks == 0 and raw:
-        notes.append(
-            "no repeated layers found in the forward pass: the model is taken as one unit (FSDP wraps the root "
-            "only, tensor parallelism shards nothing, pipeline parallelism cannot split it)"
-        )
+        notes.append(NOTE_NO_BLOCKS)
     return TrainingStructure(
         device=device,
-        n_events=n,
+        n_events=len(events),
         event_index=base_index,
         allocs=allocs,
         params=params,
@@ -341,11 +314,103 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
         block_call_site=site_label,
         wrap_pos=wrap,
         steps=tuple(steps),
-        releases=releases,
-        ooms=ooms,
+        releases=_program_releases(frames, device),
+        ooms=_recorded_ooms(events),
         untracked=untracked,
         notes=tuple(notes),
         missing=tuple(missing),
+    )
+
+
+def _scan(
+    frames: SnapshotFrames,
+    lifetimes: pd.DataFrame,
+    base_index: np.ndarray,
+    codes: np.ndarray,
+    info: StackInfo,
+) -> _Scan:
+    """Where each allocation happens in the device's trace, and who made it."""
+    positions = np.searchsorted(base_index, lifetimes["event_index"].to_numpy())
+    stack_ids = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    thread = _threads(frames, stack_ids)
+    module = np.array([info.in_module(int(stack_id)) for stack_id in stack_ids], dtype=bool)
+    main = thread == THREAD_CODES["main"]
+    grad_thread = (thread == THREAD_CODES["autograd"]) | (thread == THREAD_CODES["none"])
+    optim = codes == CODES["optimizer_state"]
+    return _Scan(positions, stack_ids, main, grad_thread, module, optim)
+
+
+def _optimizer_steps(scan: _Scan, raw: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Optimizer steps: runs of optimizer allocations, interrupted only by a forward (split
+    where a pass starts in between)."""
+    step_positions = scan.pos[scan.optim & scan.main]
+    if not step_positions.size:
+        return []
+    forward_starts = np.array([forward for forward, _, _ in raw], dtype=np.int64)
+    after = np.searchsorted(forward_starts, step_positions, side="left")
+    cuts = np.flatnonzero(np.diff(after)) + 1
+    return [(int(chunk[0]), int(chunk[-1])) for chunk in np.split(step_positions, cuts)]
+
+
+def _allocation_table(
+    lifetimes: pd.DataFrame,
+    scan: _Scan,
+    codes: np.ndarray,
+    base_index: np.ndarray,
+    stream_of: np.ndarray,
+) -> pd.DataFrame:
+    """One row per allocation of the trace, before the passes and blocks are marked."""
+    free_index = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
+    free_pos = np.where(free_index >= 0, np.searchsorted(base_index, np.maximum(free_index, 0)), -1)
+    count = len(lifetimes)
+    allocs = pd.DataFrame(
+        {
+            "row": np.arange(count),
+            "event_index": lifetimes["event_index"].to_numpy(),
+            "pos": scan.pos,
+            "free_pos": free_pos,
+            "size": lifetimes["size_bytes"].to_numpy(dtype=np.int64),
+            "sid": scan.sid,
+            "code": codes if codes.size == count else np.full(count, CODES["other"]),
+            "main": scan.main,
+            "grad_thread": scan.grad_thread,
+            "module": scan.module,
+            "pass_id": -1,
+            "phase": "setup",
+            "part": "",
+            "block": -1,
+            "param": -1,
+            # the recorded run's own parallel machinery (DDP's buckets): left out of plans
+            "dropped": False,
+        }
+    )
+    allocs["code_recorded"] = allocs["code"]
+    allocs["free_pos_recorded"] = allocs["free_pos"]
+    n_events = len(base_index)
+    last = max(n_events - 1, 0)
+    no_streams = np.zeros(0, dtype=np.int64)
+    allocs["stream"] = stream_of[np.minimum(scan.pos, last)] if n_events else no_streams
+    return allocs
+
+
+def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
+    """Positions of the program's own empty_cache() calls."""
+    from ..releases import find_releases
+
+    releases = find_releases(frames, device)
+    return tuple(release.start for release in releases if release.cause == "empty_cache")
+
+
+def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
+    """(position, requested bytes, stream) of the recorded OOMs."""
+    oom_positions = np.flatnonzero(events["action"].astype(str).to_numpy() == "oom")
+    return tuple(
+        (
+            int(position),
+            int(events["size_bytes"].iloc[position]),
+            int(events["stream"].iloc[position]),
+        )
+        for position in oom_positions.tolist()
     )
 
 
@@ -360,7 +425,10 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
         return ()
     b = frames.blocks[frames.blocks["device"] == device]
     cats = categorize(frames).block_category.reindex(b.index)
-    cat_at = {int(a): (c if isinstance(c, str) else "other") for a, c in zip(b["address"], cats, strict=True)}
+    cat_at = {
+        int(a): (c if isinstance(c, str) else "other")
+        for a, c in zip(b["address"], cats, strict=True)
+    }
     out = []
     for seg in state.segments:
         for addr, size in sorted(seg.live.items()):
@@ -371,87 +439,123 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
 MIN_BLOCK_SHARE = 0.2  # of a forward's allocations the repeated blocks must make
 
 
+@dataclass(frozen=True)
+class _BlockRepeat:
+    """The repeated block, as the canonical pass's forward shows it."""
+
+    count: int  # blocks (0: no model made of blocks)
+    period: int  # forward allocations per block
+    start: int  # index of the first block's first allocation in the canonical pass's forward
+    best_pass: int  # the canonical pass
+    site_depth: int  # depth of the blocks' call site on the call paths (-1: none found)
+    site_frame: int  # frame id of the blocks' call site (-1: none found)
+    signature: np.ndarray  # stack ids of one block's forward allocations
+
+
 def _passes_and_blocks(
     allocs: pd.DataFrame, raw: list[tuple[int, int, int]], info: StackInfo, n: int, notes: list[str]
 ) -> tuple[list[Pass], int, int, str]:
-    pos = allocs["pos"].to_numpy()
     sid = allocs["sid"].to_numpy()
-    main = allocs["main"].to_numpy()
-    module = allocs["module"].to_numpy()
-    # boundaries: a pass ends where the next one's data loading begins (after its step)
-    fwd_sets = []
-    for f, b, _ in raw:
-        sel = np.flatnonzero((pos >= f) & (pos < b) & main & module)
-        fwd_sets.append(sel)
-    # the canonical block: the pass whose forward repeats most (the latest of equals: the first
-    # pass makes one-off allocations, such as cuBLAS's workspace, inside its first block)
+    forward_sets = _forward_sets(allocs, raw)
+    repeat = _block_repeat(sid, forward_sets, info)
+    passes: list[Pass] = []
+    counts = []
+    for k, ((forward, backward, last_grad), forward_rows) in enumerate(
+        zip(raw, forward_sets, strict=True)
+    ):
+        next_start = raw[k + 1][0] if k + 1 < len(raw) else n
+        blocks = _pass_blocks(sid, forward_rows, k, repeat, info)
+        counts.append(len(blocks))
+        passes.append(_make_pass(k, allocs, forward, backward, last_grad, next_start, blocks))
+    n_blocks = max(set(counts), key=counts.count) if counts else 0
+    if len(set(counts)) > 1:
+        notes.append(
+            f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken"
+        )
+    site_frame = repeat.site_frame
+    label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
+    # data starts: after the previous pass's backward and step
+    fixed = [
+        replace(
+            training_pass,
+            data_start=passes[k - 1].backward_end if k else 0,
+            end=passes[k + 1].forward_start if k + 1 < len(passes) else n,
+        )
+        for k, training_pass in enumerate(passes)
+    ]
+    _annotate(allocs, fixed)
+    return fixed, n_blocks, int(repeat.period if n_blocks else 0), label
+
+
+def _forward_sets(allocs: pd.DataFrame, raw: list[tuple[int, int, int]]) -> list[np.ndarray]:
+    """Per pass, the rows of its forward allocations on the program's thread inside modules."""
+    pos = allocs["pos"].to_numpy()
+    in_module = allocs["main"].to_numpy() & allocs["module"].to_numpy()
+    return [
+        np.flatnonzero((pos >= forward) & (pos < backward) & in_module)
+        for forward, backward, _ in raw
+    ]
+
+
+def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackInfo) -> _BlockRepeat:
+    """The canonical block: the pass whose forward repeats most (the latest of equals: the first
+    pass makes one-off allocations, such as cuBLAS's workspace, inside its first block), and
+    where the blocks are called from."""
     best = (0, 0, 0, -1)
-    for k, sel in enumerate(fwd_sets):
-        p, s, c = tandem_repeat(sid[sel])
-        if c * p > best[0] * best[1] or (c * p == best[0] * best[1] and c >= best[0] and c >= 2):
-            best = (c, p, s, k)
-    count, period, start, kbest = best
-    if count * period < MIN_BLOCK_SHARE * len(fwd_sets[kbest]):
-        count = 0  # a few equal neighbours (a ResNet stage's first layers), not a model made of blocks
+    for k, forward_rows in enumerate(forward_sets):
+        period, start, count = tandem_repeat(sid[forward_rows])
+        covered, best_covered = count * period, best[0] * best[1]
+        if covered > best_covered or (covered == best_covered and count >= best[0] and count >= 2):
+            best = (count, period, start, k)
+    count, period, start, best_pass = best
+    if count * period < MIN_BLOCK_SHARE * len(forward_sets[best_pass]):
+        # a few equal neighbours (a ResNet stage's first layers), not a model made of blocks
+        count = 0
     site_depth, site_frame = -1, -1
     signature: np.ndarray = np.zeros(0, dtype=np.int64)
     if count >= 2:
-        sel = fwd_sets[kbest][start : start + count * period]
-        paths = [info.call_path.get(int(s), ()) for s in sid[sel]]
-        common = _common_prefix(paths)
-        # the blocks' call site: the deepest common one that calls one and the same module (the
-        # MLP's Linear and GELU share the block's call line, but not their module)
-        callees = [info.callee.get(int(s), ()) for s in sid[sel]]
-        while common and len({c[len(common) - 1] if len(c) >= len(common) else "" for c in callees}) > 1:
-            common = common[:-1]
+        canonical = sid[forward_sets[best_pass]]
+        blocks = canonical[start : start + count * period]
+        common = _block_call_site(blocks, info)
         if common:
             site_depth, site_frame = len(common) - 1, common[-1]
-            region = _region(sid[fwd_sets[kbest]], info, site_depth, site_frame)
+            region = _region(canonical, info, site_depth, site_frame)
             if region.size >= period:
-                signature = sid[fwd_sets[kbest]][region[0] : region[0] + period]
+                signature = canonical[region[0] : region[0] + period]
         if signature.size == 0:
-            signature = sid[sel][:period]
-    passes: list[Pass] = []
-    counts = []
-    for k, ((f, b, last_grad), sel) in enumerate(zip(raw, fwd_sets, strict=True)):
-        nxt = raw[k + 1][0] if k + 1 < len(raw) else n
-        blocks: list[np.ndarray] = []
-        if signature.size:
-            s_ids = sid[sel]
-            if site_depth >= 0:
-                region = _region(s_ids, info, site_depth, site_frame)
-            else:
-                region = np.arange(start, start + count * period) if k == kbest else np.zeros(0, dtype=np.int64)
-            blocks = _split_blocks(s_ids, region, signature)
-            blocks = [sel[b_] for b_ in blocks]
-        counts.append(len(blocks))
-        passes.append(_make_pass(k, allocs, f, b, last_grad, nxt, blocks))
-    n_blocks = max(set(counts), key=counts.count) if counts else 0
-    if len(set(counts)) > 1:
-        notes.append(f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken")
-    label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
-    # data starts: after the previous pass's backward and step
-    fixed: list[Pass] = []
-    for k, p_ in enumerate(passes):
-        data_start = passes[k - 1].backward_end if k else 0
-        fixed.append(
-            Pass(
-                p_.index,
-                data_start,
-                p_.forward_start,
-                p_.backward_start,
-                p_.backward_end,
-                p_.block_forward,
-                p_.block_backward,
-                p_.post_backward,
-                p_.loss_backward_end,
-                p_.pre_backward,
-                p_.output_row,
-                passes[k + 1].forward_start if k + 1 < len(passes) else n,
-            )
-        )
-    _annotate(allocs, fixed)
-    return fixed, n_blocks, int(period if n_blocks else 0), label
+            signature = blocks[:period]
+    return _BlockRepeat(count, period, start, best_pass, site_depth, site_frame, signature)
+
+
+def _block_call_site(block_stack_ids: np.ndarray, info: StackInfo) -> tuple[int, ...]:
+    """The call path down to the blocks' call site: the deepest common one that calls one and
+    the same module (the MLP's Linear and GELU share the block's call line, but not their
+    module)."""
+    common = _common_prefix([info.call_path.get(int(s), ()) for s in block_stack_ids])
+    callees = [info.callee.get(int(s), ()) for s in block_stack_ids]
+
+    def called_modules(depth: int) -> set[str]:
+        return {callee[depth - 1] if len(callee) >= depth else "" for callee in callees}
+
+    while common and len(called_modules(len(common))) > 1:
+        common = common[:-1]
+    return common
+
+
+def _pass_blocks(
+    sid: np.ndarray, forward_rows: np.ndarray, k: int, repeat: _BlockRepeat, info: StackInfo
+) -> list[np.ndarray]:
+    """The rows of each block's forward allocations in pass ``k``."""
+    if not repeat.signature.size:
+        return []
+    stack_ids = sid[forward_rows]
+    if repeat.site_depth >= 0:
+        region = _region(stack_ids, info, repeat.site_depth, repeat.site_frame)
+    elif k == repeat.best_pass:
+        region = np.arange(repeat.start, repeat.start + repeat.count * repeat.period)
+    else:
+        region = np.zeros(0, dtype=np.int64)
+    return [forward_rows[block] for block in _split_blocks(stack_ids, region, repeat.signature)]
 
 
 def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -470,7 +574,10 @@ def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 def _region(s_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
     """Indices of forward allocations made inside a module called from the blocks' call site."""
-    hit = [len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame for s in s_ids]
+    hit = [
+        len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame
+        for s in s_ids
+    ]
     return np.flatnonzero(np.array(hit, dtype=bool))
 
 
@@ -509,7 +616,9 @@ def _make_pass(
     module = allocs["module"].to_numpy()
     code = allocs["code"].to_numpy()
     # the backward ends where the optimizer step or the next pass begins
-    later = np.flatnonzero((pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module))
+    later = np.flatnonzero(
+        (pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module)
+    )
     bwd_end = int(pos[later[0]]) if later.size else nxt
     # the data of the next pass begins after the step: keep the backward span to the step
     block_fwd = tuple((int(pos[s[0]]), int(pos[s[-1]])) for s in blocks if s.size)
@@ -526,7 +635,9 @@ def _make_pass(
     for j, s in enumerate(blocks):
         mine = np.r_[s[:-1], inputs[j]].astype(np.int64)
         saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(np.int64)
+    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(
+        np.int64
+    )
     post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
     frees = saved
     # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
@@ -614,15 +725,21 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     allocs["pass_id"] = pass_id
 
 
-def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]) -> pd.DataFrame:
+def _params(
+    allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]
+) -> pd.DataFrame:
     """Parameter tensors built before the first pass, in allocation order, with their block."""
-    first_fwd = passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
+    first_fwd = (
+        passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
+    )
     first_bwd_end = passes[0].backward_end if passes else first_fwd
     code = allocs["code"].to_numpy()
     pos = allocs["pos"].to_numpy()
     free_pos = allocs["free_pos"].to_numpy()
     sel = np.flatnonzero(
-        (code == CODES["parameter"]) & (pos < first_fwd) & ((free_pos < 0) | (free_pos > first_bwd_end))
+        (code == CODES["parameter"])
+        & (pos < first_fwd)
+        & ((free_pos < 0) | (free_pos > first_bwd_end))
     )
     sizes = allocs["size"].to_numpy()[sel]
     sids = allocs["sid"].to_numpy()[sel]
@@ -638,8 +755,9 @@ def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list
                 break
         if found is None:
             notes.append(
-                f"the parameters do not repeat {n_blocks} times in allocation order: which parameters belong to "
-                "which block is unknown; every parameter is taken as the model's own (FSDP: the root unit)"
+                f"the parameters do not repeat {n_blocks} times in allocation order: which "
+                "parameters belong to which block is unknown; every parameter is taken as the "
+                "model's own (FSDP: the root unit)"
             )
         else:
             p, s = found
@@ -651,7 +769,9 @@ def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list
     largest = {}
     for b in np.unique(block):
         largest[int(b)] = int(sizes[block == b].max())
-    matrix = np.array([sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool)
+    matrix = np.array(
+        [sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool
+    )
     params = pd.DataFrame(
         {"row": sel, "size": sizes, "block": block, "part": part, "matrix": matrix},
     )
@@ -660,7 +780,9 @@ def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list
     return params
 
 
-def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]) -> None:
+def _from_ddp(
+    allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]
+) -> None:
     """A snapshot of one rank of a DDP run, made the single-GPU run it stands for: DDP's buckets
     are left out (a plan adds its own). With ``gradient_as_bucket_view`` the gradients were views
     into those buckets, and the tensors the backward made were freed once copied in: those
@@ -698,8 +820,8 @@ def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], no
     allocs["code"] = code
     allocs["free_pos"] = free_pos
     notes.append(
-        f"it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied into the buckets "
-        "are taken as its gradients, alive until the next forward"
+        f"it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied "
+        "into the buckets are taken as its gradients, alive until the next forward"
     )
 
 

@@ -3,8 +3,8 @@
 
 Which Linear layers: those whose forward allocates inside the repeated blocks (the stacks show
 a module from a ``linear.py``, as ``torch.nn.Linear`` and Transformer Engine's are, or
-Hugging Face's ``Conv1D``, GPT-2's Linear), by default; ``layers="all"`` also shards the model's other
-matrices (embeddings, head) and the activations after a Linear outside the blocks (a
+Hugging Face's ``Conv1D``, GPT-2's Linear), by default; ``layers="all"`` also shards the model's
+other matrices (embeddings, head) and the activations after a Linear outside the blocks (a
 vocabulary-parallel head and loss). Norms, biases and every other vector stay replicated.
 
 Pairs: the Linear layers one module calls (a block's attention calls q, k, v, o; its MLP fc1,
@@ -28,7 +28,7 @@ import numpy as np
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from .rewrite import Rewrite
-from .structure import TrainingStructure, stack_info
+from .structure import StackInfo, TrainingStructure, stack_info
 
 TP_LAYERS = ("blocks", "all")
 # where Linear-like modules are defined: torch.nn.Linear, Transformer Engine / apex (linear.py),
@@ -44,173 +44,274 @@ class TensorParallel:
     partials: tuple[int, ...]  # rows that are row-parallel outputs (all-reduced)
     column_layers: int  # Linear calls per pass taken as column-parallel
     row_layers: int
-    row_params: frozenset[int] = frozenset()  # parameters of row-parallel layers (sharded along columns)
+    # parameters of row-parallel layers (sharded along columns)
+    row_params: frozenset[int] = frozenset()
+
+
+COLUMN, ROW = "col", "row"  # a Linear layer's role in its column/row pair
+
+
+@dataclass(frozen=True)
+class _Allocations:
+    """The columns of the recorded allocations that the tensor-parallel rules read."""
+
+    code: np.ndarray
+    part: np.ndarray
+    block: np.ndarray
+    phase: np.ndarray
+    pass_id: np.ndarray
+    size: np.ndarray
+    stack_id: np.ndarray
+    param: np.ndarray
+    is_linear: np.ndarray  # made inside a Linear-like module's forward
+    linear_call: np.ndarray  # a Linear layer's output in a block's forward (one per call)
+    activation_like: np.ndarray
+    stacks: StackInfo
+
+    @classmethod
+    def of(cls, frames: SnapshotFrames, structure: TrainingStructure) -> _Allocations:
+        allocs = structure.allocs
+        stacks = stack_info(frames)
+        stack_id = allocs["sid"].to_numpy()
+        phase = allocs["phase"].to_numpy()
+        part = allocs["part"].to_numpy()
+        code = allocs["code"].to_numpy()
+        module_files = [stacks.module_file.get(int(sid), "").replace("\\", "/") for sid in stack_id]
+        is_linear = np.array([file.endswith(LINEAR_FILES) for file in module_files], dtype=bool)
+        # a tensor the Linear returns is freed some time; what its first call keeps for good is
+        # cuBLAS's workspace
+        in_block_forward = (phase == "forward") & (part == "block")
+        freed = allocs["free_pos"].to_numpy() >= 0
+        linear_call = is_linear & allocs["main"].to_numpy() & in_block_forward & freed
+        return cls(
+            code=code,
+            part=part,
+            block=allocs["block"].to_numpy(),
+            phase=phase,
+            pass_id=allocs["pass_id"].to_numpy(),
+            size=allocs["size"].to_numpy(),
+            stack_id=stack_id,
+            param=allocs["param"].to_numpy(),
+            is_linear=is_linear,
+            linear_call=linear_call,
+            activation_like=np.isin(code, [CODES["activation"], CODES["other"]]),
+            stacks=stacks,
+        )
 
 
 def plan_tensor_parallel(
-    frames: SnapshotFrames, s: TrainingStructure, degree: int, layers: str = "blocks"
+    frames: SnapshotFrames, structure: TrainingStructure, degree: int, layers: str = "blocks"
 ) -> TensorParallel:
-    a = s.allocs
-    n = len(a)
-    scale = np.ones(n)
+    """Which recorded allocations shrink to 1/``degree`` on each rank, per pass: the Linear
+    layers' roles, the activations between them, the backward's temporaries like them; the
+    parameters, gradients and optimizer state of the sharded matrices."""
+    allocs = _Allocations.of(frames, structure)
+    scale = np.ones(len(structure.allocs))
     partials: list[int] = []
-    inv = 1.0 / degree
-    code = a["code"].to_numpy()
-    part = a["part"].to_numpy()
-    block = a["block"].to_numpy()
-    phase = a["phase"].to_numpy()
-    pass_id = a["pass_id"].to_numpy()
-    size = a["size"].to_numpy()
-    info = stack_info(frames)
-    sid = a["sid"].to_numpy()
-    main = a["main"].to_numpy()
-    free_pos = a["free_pos"].to_numpy()
-    is_linear = np.array(
-        [info.module_file.get(int(x), "").replace("\\", "/").endswith(LINEAR_FILES) for x in sid], dtype=bool
-    )
-    # a tensor the Linear returns is freed some time; what its first call keeps for good is
-    # cuBLAS's workspace
-    call = is_linear & main & (phase == "forward") & (part == "block") & (free_pos >= 0)
-    activation_like = np.isin(code, [CODES["activation"], CODES["other"]])
-    order = np.argsort(pass_id, kind="stable")  # rows are in event order already
-    bounds = np.searchsorted(pass_id[order], [p.index for p in s.passes] + [len(s.passes)])
-    n_col = n_row = 0
+    column_layers = row_layers = 0
     last_roles: list[tuple[int, str]] = []
-    for k in range(len(s.passes)):
-        rows_p = np.sort(order[bounds[k] : bounds[k + 1]])
-        fwd = rows_p[phase[rows_p] == "forward"]
-        role: dict[int, str] = {}
-        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        calls = fwd[call[fwd]]
-        for r in calls.tolist():
-            parent = info.call_path.get(int(sid[r]), ())[:-1]
-            groups.setdefault((int(block[r]), parent), []).append(r)
-        alone = 0
-        for rows in groups.values():
-            if len(rows) >= 2:
-                for r in rows[:-1]:
-                    role[r] = "col"
-                role[rows[-1]] = "row"
-            else:
-                role[rows[0]] = "col" if alone % 2 == 0 else "row"
-                alone += 1
-        n_col = sum(1 for v in role.values() if v == "col")  # the last pass's: a steady iteration
-        n_row = len(role) - n_col
-        last_roles = [(int(block[r]), role[r]) for r in calls.tolist()]
-        sharded = False
-        for r in fwd.tolist():
-            if not activation_like[r]:
-                continue
-            if part[r] == "block":
-                kind = role.get(r)
-                if kind == "col":
-                    sharded = True
-                    scale[r] = inv
-                elif kind == "row":
-                    sharded = False
-                    partials.append(r)
-                elif sharded:
-                    scale[r] = inv
-            elif part[r] == "post" and layers == "all":
-                if is_linear[r]:
-                    sharded = True
-                    scale[r] = inv
-                elif sharded:
-                    scale[r] = inv
-            else:
-                sharded = False
-        # backward: like the forward tensors of the same size in the same block
-        f_blk = fwd[part[fwd] == "block"]
-        bwd = rows_p[(phase[rows_p] == "backward") & (part[rows_p] == "block") & (code[rows_p] == CODES["activation"])]
-        for j in np.unique(block[f_blk]).tolist():
-            f_rows = f_blk[block[f_blk] == j]
-            f_size, f_scale = size[f_rows], scale[f_rows]
-            if (f_scale == 1.0).all():
-                continue
-            mean = float((f_size * f_scale).sum() / max(int(f_size.sum()), 1))
-            by_size: dict[int, float] = {}
-            for sz in np.unique(f_size).tolist():
-                by_size[int(sz)] = float(f_scale[f_size == sz].mean())
-            for r in bwd[block[bwd] == j].tolist():
-                scale[r] = by_size.get(int(size[r]), mean)
-    p_scale = np.ones(len(s.params))
-    matrix = s.params["matrix"].to_numpy()
-    pb = s.params["block"].to_numpy()
-    # a block's matrices, in parameter order, are its Linear layers in forward order (when the
-    # counts agree): which weights are row-parallel
-    row_params: set[int] = set()
-    if s.passes:
-        for j in range(s.n_blocks):
-            mats = np.flatnonzero(matrix & (pb == j))
-            roles = [r for b, r in last_roles if b == j]
-            if len(roles) == mats.size:
-                row_params.update(int(i) for i, r in zip(mats.tolist(), roles, strict=True) if r == "row")
-    shard = matrix & ((pb >= 0) | (layers == "all"))
-    p_scale[shard] = inv
+    for pass_rows in _rows_per_pass(allocs.pass_id, structure):
+        forward = pass_rows[allocs.phase[pass_rows] == "forward"]
+        calls = forward[allocs.linear_call[forward]]
+        roles = _layer_roles(calls, allocs)
+        # the last pass's counts: a steady iteration
+        column_layers = sum(1 for role in roles.values() if role == COLUMN)
+        row_layers = len(roles) - column_layers
+        last_roles = [(int(allocs.block[row]), roles[row]) for row in calls.tolist()]
+        _scale_forward(forward, roles, allocs, layers == "all", 1.0 / degree, scale, partials)
+        _scale_backward(pass_rows, forward, allocs, scale)
+    param_scale = np.ones(len(structure.params))
+    matrix = structure.params["matrix"].to_numpy()
+    param_block = structure.params["block"].to_numpy()
+    row_params = _row_parallel_params(structure, last_roles)
+    param_scale[matrix & ((param_block >= 0) | (layers == "all"))] = 1.0 / degree
     # gradients and optimizer state: like the parameter they mirror
-    param = a["param"].to_numpy()
-    mirrors = np.flatnonzero(np.isin(code, [CODES["gradient"], CODES["optimizer_state"]]) & (param >= 0))
-    scale[mirrors] = p_scale[param[mirrors]]
-    return TensorParallel(degree, scale, p_scale, tuple(partials), n_col, n_row, frozenset(row_params))
+    state = np.isin(allocs.code, [CODES["gradient"], CODES["optimizer_state"]])
+    mirrors = np.flatnonzero(state & (allocs.param >= 0))
+    scale[mirrors] = param_scale[allocs.param[mirrors]]
+    return TensorParallel(
+        degree,
+        scale,
+        param_scale,
+        tuple(partials),
+        column_layers,
+        row_layers,
+        frozenset(row_params),
+    )
 
 
-def apply_tensor_parallel(rw: Rewrite, tp: TensorParallel, local: np.ndarray, wrap: bool = True) -> None:
+def _rows_per_pass(pass_id: np.ndarray, structure: TrainingStructure) -> list[np.ndarray]:
+    """The allocation rows of every pass, in event order."""
+    order = np.argsort(pass_id, kind="stable")  # rows are in event order already
+    passes = [training_pass.index for training_pass in structure.passes]
+    bounds = np.searchsorted(pass_id[order], [*passes, len(structure.passes)])
+    return [np.sort(order[bounds[i] : bounds[i + 1]]) for i in range(len(structure.passes))]
+
+
+def _layer_roles(calls: np.ndarray, allocs: _Allocations) -> dict[int, str]:
+    """Column or row, per Linear call: those one module calls are column-parallel but the last;
+    those alone in their module alternate column, row."""
+    roles: dict[int, str] = {}
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for row in calls.tolist():
+        parent = allocs.stacks.call_path.get(int(allocs.stack_id[row]), ())[:-1]
+        groups.setdefault((int(allocs.block[row]), parent), []).append(row)
+    alone = 0
+    for rows in groups.values():
+        if len(rows) >= 2:
+            for row in rows[:-1]:
+                roles[row] = COLUMN
+            roles[rows[-1]] = ROW
+        else:
+            roles[rows[0]] = COLUMN if alone % 2 == 0 else ROW
+            alone += 1
+    return roles
+
+
+def _scale_forward(
+    forward: np.ndarray,
+    roles: dict[int, str],
+    allocs: _Allocations,
+    shard_post: bool,
+    shard: float,
+    scale: np.ndarray,
+    partials: list[int],
+) -> None:
+    """The forward's activations from a column-parallel output up to the next row-parallel
+    output shrink to ``shard``; the row-parallel outputs are all-reduced (``partials``).
+    ``shard_post``: also after a Linear outside the blocks (a vocabulary-parallel head)."""
+    sharded = False
+    for row in forward.tolist():
+        if not allocs.activation_like[row]:
+            continue
+        if allocs.part[row] == "block":
+            role = roles.get(row)
+            if role == COLUMN:
+                sharded = True
+                scale[row] = shard
+            elif role == ROW:
+                sharded = False
+                partials.append(row)
+            elif sharded:
+                scale[row] = shard
+        elif allocs.part[row] == "post" and shard_post:
+            if allocs.is_linear[row]:
+                sharded = True
+                scale[row] = shard
+            elif sharded:
+                scale[row] = shard
+        else:
+            sharded = False
+
+
+def _scale_backward(
+    pass_rows: np.ndarray, forward: np.ndarray, allocs: _Allocations, scale: np.ndarray
+) -> None:
+    """The backward's temporaries in a block: like the block's forward tensors of the same size
+    (their mean scale), others like the block's forward tensors overall."""
+    block, size = allocs.block, allocs.size
+    forward_in_blocks = forward[allocs.part[forward] == "block"]
+    in_block = allocs.part[pass_rows] == "block"
+    is_activation = allocs.code[pass_rows] == CODES["activation"]
+    backward = pass_rows[(allocs.phase[pass_rows] == "backward") & in_block & is_activation]
+    for j in np.unique(block[forward_in_blocks]).tolist():
+        forward_rows = forward_in_blocks[block[forward_in_blocks] == j]
+        forward_size, forward_scale = size[forward_rows], scale[forward_rows]
+        if (forward_scale == 1.0).all():
+            continue
+        total = max(int(forward_size.sum()), 1)
+        mean = float((forward_size * forward_scale).sum() / total)
+        by_size: dict[int, float] = {}
+        for nbytes in np.unique(forward_size).tolist():
+            by_size[int(nbytes)] = float(forward_scale[forward_size == nbytes].mean())
+        for row in backward[block[backward] == j].tolist():
+            scale[row] = by_size.get(int(size[row]), mean)
+
+
+def _row_parallel_params(
+    structure: TrainingStructure, last_roles: list[tuple[int, str]]
+) -> set[int]:
+    """A block's matrices, in parameter order, are its Linear layers in forward order (when the
+    counts agree): which weights are row-parallel."""
+    row_params: set[int] = set()
+    if not structure.passes:
+        return row_params
+    matrix = structure.params["matrix"].to_numpy()
+    param_block = structure.params["block"].to_numpy()
+    for j in range(structure.n_blocks):
+        matrices = np.flatnonzero(matrix & (param_block == j))
+        roles = [role for block, role in last_roles if block == j]
+        if len(roles) == matrices.size:
+            pairs = zip(matrices.tolist(), roles, strict=True)
+            row_params.update(int(param) for param, role in pairs if role == ROW)
+    return row_params
+
+
+RULE_GRADIENTS = "gradients of sharded matrices, 1/{degree} (tensor parallel)"
+RULE_OPTIMIZER_STATE = "optimizer state of sharded matrices, 1/{degree} (tensor parallel)"
+RULE_SHARDED_ACTIVATIONS = (
+    "activations between column- and row-parallel layers, 1/{degree} (tensor parallel)"
+)
+RULE_BACKWARD_TEMPORARIES = (
+    "backward temporaries, scaled like the block's forward tensors of their size (tensor parallel)"
+)
+RULE_PARTIAL_SUMS = "tensor-parallel all-reduce input: a row-parallel layer's partial sums"
+RULE_ROW_OUTPUTS = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
+RULE_PARAMETERS = "parameters: sharded matrices 1/{degree}, the rest replicated (tensor parallel)"
+RULE_COLUMN_CHUNKS = "distribute_tensor: column chunks (temporary)"
+
+
+def apply_tensor_parallel(
+    rewrite: Rewrite, plan: TensorParallel, local: np.ndarray, wrap: bool = True
+) -> None:
     """Rescale the recorded allocations; the all-reduces of row-parallel outputs get their
     partial-sum buffers. ``local``: parameter bytes per rank after tensor parallelism."""
-    s = rw.structure
-    t = tp.degree
-    a = s.allocs
-    code = a["code"].to_numpy()
-    changed = np.flatnonzero((tp.row_scale != 1.0) & (code != CODES["parameter"]))
-    new = np.ceil(a["size"].to_numpy()[changed] * tp.row_scale[changed]).astype(np.int64)
-    rw.size[changed] = new
-    for r, c in zip(changed.tolist(), code[changed].tolist(), strict=True):
-        if c == CODES["gradient"]:
-            rw.rule[r] = f"gradients of sharded matrices, 1/{t} (tensor parallel)"
-        elif c == CODES["optimizer_state"]:
-            rw.rule[r] = f"optimizer state of sharded matrices, 1/{t} (tensor parallel)"
-        elif tp.row_scale[r] == 1.0 / t:
-            rw.rule[r] = f"activations between column- and row-parallel layers, 1/{t} (tensor parallel)"
+    allocs = rewrite.structure.allocs
+    degree = plan.degree
+    code = allocs["code"].to_numpy()
+    changed = np.flatnonzero((plan.row_scale != 1.0) & (code != CODES["parameter"]))
+    new_size = np.ceil(allocs["size"].to_numpy()[changed] * plan.row_scale[changed])
+    rewrite.size[changed] = new_size.astype(np.int64)
+    for row, row_code in zip(changed.tolist(), code[changed].tolist(), strict=True):
+        if row_code == CODES["gradient"]:
+            rewrite.rule[row] = RULE_GRADIENTS.format(degree=degree)
+        elif row_code == CODES["optimizer_state"]:
+            rewrite.rule[row] = RULE_OPTIMIZER_STATE.format(degree=degree)
+        elif plan.row_scale[row] == 1.0 / degree:
+            rewrite.rule[row] = RULE_SHARDED_ACTIVATIONS.format(degree=degree)
         else:
-            rw.rule[r] = "backward temporaries, scaled like the block's forward tensors of their size (tensor parallel)"
-    pos = a["pos"].to_numpy()
-    for r in tp.partials:
-        p = int(pos[r])
-        k = rw.alloc_at(
-            p,
-            int(rw.size[r]),
-            int(rw.stream[r]),
-            "comm_buffer",
-            "tensor-parallel all-reduce input: a row-parallel layer's partial sums",
-        )
-        rw.free_at(p, k, before=False)
-        rw.rule[r] = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
+            rewrite.rule[row] = RULE_BACKWARD_TEMPORARIES
+    positions = allocs["pos"].to_numpy()
+    for row in plan.partials:
+        position = int(positions[row])
+        size, stream = int(rewrite.size[row]), int(rewrite.stream[row])
+        key = rewrite.alloc_at(position, size, stream, "comm_buffer", RULE_PARTIAL_SUMS)
+        rewrite.free_at(position, key, before=False)
+        rewrite.rule[row] = RULE_ROW_OUTPUTS
     if wrap:
-        _shard_at_wrap(rw, tp, local)
+        _shard_at_wrap(rewrite, plan, local)
 
 
-def _shard_at_wrap(rw: Rewrite, tp: TensorParallel, local: np.ndarray) -> None:
+def _shard_at_wrap(rewrite: Rewrite, plan: TensorParallel, local: np.ndarray) -> None:
     """``distribute_tensor``: each sharded matrix's shard is copied out and the full one freed; a
     weight sharded along its columns (row-parallel) is first split into every rank's chunk, each
     copied out (a column slice is not contiguous), then the chunks are freed."""
-    s = rw.structure
-    rows = s.params["row"].to_numpy()
-    t = tp.degree
-    at = s.wrap_pos
-    rule = f"parameters: sharded matrices 1/{t}, the rest replicated (tensor parallel)"
-    for i, r in enumerate(rows.tolist()):
-        if local[i] == rw.size[r]:
+    structure = rewrite.structure
+    rows = structure.params["row"].to_numpy()
+    at = structure.wrap_pos
+    rule = RULE_PARAMETERS.format(degree=plan.degree)
+    for i, row in enumerate(rows.tolist()):
+        if local[i] == rewrite.size[row]:
             continue
+        stream = int(rewrite.stream[row])
         chunks = []
-        if i in tp.row_params:
+        if i in plan.row_params:
             chunks = [
-                rw.alloc_at(
-                    at, int(local[i]), int(rw.stream[r]), "parameter", "distribute_tensor: column chunks (temporary)"
-                )
-                for _ in range(t)
+                rewrite.alloc_at(at, int(local[i]), stream, "parameter", RULE_COLUMN_CHUNKS)
+                for _ in range(plan.degree)
             ]
-        rw.alloc_at(at, int(local[i]), int(rw.stream[r]), "parameter", rule, source_row=int(r))
-        for k in chunks:
-            rw.free_at(at, k)
-        rw.add(at, ("f", int(r)))
-        rw.free_after[r] = -1
+        rewrite.alloc_at(at, int(local[i]), stream, "parameter", rule, source_row=int(row))
+        for key in chunks:
+            rewrite.free_at(at, key)
+        rewrite.add(at, ("f", int(row)))
+        rewrite.free_after[row] = -1
