@@ -15,7 +15,7 @@ from ..timeline import Timeline
 from ..whatif import WhatIf
 
 if TYPE_CHECKING:  # compare imports diagnose, which imports the findings
-    from ..compare import SnapshotSummary
+    from ..snapshot_summary import SnapshotSummary
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 MiB = 1024 * 1024
