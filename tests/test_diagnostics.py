@@ -131,6 +131,12 @@ EXPECTED = {
     # started after the model was on the GPU
     "inf_flush_python": {"cache-flush", "history-incomplete"},
     "gcretry_default_cap990": {"cache-flush"},
+    # issue #20's fit recordings (workloads_fit.py): two whole steps, and a first forward that ran
+    # out of memory under a 6 GiB cap with far more than the cap to allocate
+    "fit_gpt2_b4_complete_python": set(),
+    "fit_resnet50_b16_complete_python": set(),
+    "fit_gpt2_b32_oom_python": {"oom-capacity"},
+    "fit_resnet50_b512_oom_python": {"oom-capacity"},
     # issue #19's frameworks, inference, mid-run and benchmark recordings (workloads_frameworks.py):
     # those whose recording started after the model (or wrapped) say so, and nothing else
     **{

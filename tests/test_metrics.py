@@ -132,3 +132,17 @@ def test_the_failing_device_comes_first(snap_file):
     # without an OOM, index order
     quiet = compute_stats(_frames(snap_file, make_snapshot(segs, [traces[0], traces[1][:2]])))
     assert list(quiet.devices) == [0, 1]
+    # findings of one severity follow the same order: the failing device's first
+    from snapshot_lab.metrics import findings as findings_module
+    from snapshot_lab.metrics.findings.base import Finding
+
+    def both_devices(ctx):
+        return [Finding(id=f"probe-{d}", severity="info", title="", advice="", device=d) for d in (0, 1)]
+
+    rules = findings_module.RULES
+    try:
+        findings_module.RULES = [both_devices]
+        assert [f.device for f in findings_module.compute_findings(stats, fr)] == [1, 0]
+        assert [f.device for f in findings_module.compute_findings(quiet, fr)] == [0, 1]
+    finally:
+        findings_module.RULES = rules

@@ -75,7 +75,9 @@ def compute_findings(
     """All findings, most severe first."""
     ctx = FindingContext(stats, frames, timelines or {}, categories or {}, leaks or {}, whatifs or {})
     out = [f for rule in RULES for f in rule(ctx)]
-    out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.device if f.device is not None else -1))
+    # most severe first; within a severity, the devices in the stats' order (the failing one first)
+    place = {device: i for i, device in enumerate(stats.devices)}
+    out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -1 if f.device is None else place.get(f.device, f.device)))
     return out
 
 
