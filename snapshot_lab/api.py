@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
+from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
@@ -417,15 +418,18 @@ def run(
     args: list[str] | None = None,
     *,
     module: bool = False,
-    out: str | Path = Path("snapshots"),
-    max_entries: int = 100_000,
-    stacks: str = "python",
-    on_oom: bool = True,
-    every_n_steps: int | None = None,
-    tag_modules: bool = True,
+    out: str | Path = Path(DEFAULT_OUT_DIR),
+    max_entries: int = CAPTURE_DEFAULTS.max_entries,
+    stacks: str = CAPTURE_DEFAULTS.stacks,
+    context: str = CAPTURE_DEFAULTS.context,
+    on_oom: bool = CAPTURE_DEFAULTS.on_oom,
+    every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
+    prefix: str = CAPTURE_DEFAULTS.prefix,
+    tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
 ) -> int:
     """Run a Python program (``python target args...``, or ``python -m target`` with ``module``)
-    with memory recording on; returns its exit code. Snapshots go to ``out``."""
+    with memory recording on; returns its exit code. Snapshots go to ``out``; the recording
+    options are :class:`~snapshot_lab.capture.CaptureOptions`'."""
     import runpy
 
     from .capture import recording
@@ -439,14 +443,8 @@ def run(
         sys.path.insert(0, str(Path(target).resolve().parent))
     code = 0
     try:
-        with recording(
-            out,
-            max_entries=max_entries,
-            stacks=stacks,
-            on_oom=on_oom,
-            every_n_steps=every_n_steps,
-            tag_modules=tag_modules,
-        ) as rec:
+        options = CaptureOptions(max_entries, stacks, context, on_oom, every_n_steps, prefix, tag_modules)
+        with recording.from_options(out, options) as rec:
             try:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)

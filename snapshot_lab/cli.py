@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from . import __version__, api
+from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR
 from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, SnaplabError
 from .progress import progress_bar
 
@@ -407,20 +408,32 @@ def run(
     ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="The script to run (or the module, with -m).", show_default=False)],
     module: Annotated[bool, typer.Option("-m", "--module", help="Run TARGET as a module, like python -m.")] = False,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the snapshots.")] = Path("snapshots"),
-    max_entries: Annotated[int, typer.Option(help="Trace ring-buffer size (allocator events kept).")] = 100_000,
-    stacks: Annotated[str, typer.Option(help="python (fast) or all (adds C++ frames; slow to dump).")] = "python",
-    on_oom: Annotated[bool, typer.Option("--on-oom/--no-on-oom", help="Dump when an OOM happens.")] = True,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the snapshots.")] = Path(DEFAULT_OUT_DIR),
+    max_entries: Annotated[
+        int, typer.Option(help="Trace ring-buffer size (allocator events kept).")
+    ] = CAPTURE_DEFAULTS.max_entries,
+    stacks: Annotated[
+        str, typer.Option(help="python (fast) or all (adds C++ frames; slow to dump).")
+    ] = CAPTURE_DEFAULTS.stacks,
+    context: Annotated[
+        str, typer.Option(help="What torch records: state, alloc or all (frees too).")
+    ] = CAPTURE_DEFAULTS.context,
+    on_oom: Annotated[
+        bool, typer.Option("--on-oom/--no-on-oom", help="Dump when an OOM happens.")
+    ] = CAPTURE_DEFAULTS.on_oom,
     every_n_steps: Annotated[
         int | None, typer.Option(help="Also dump every N calls of recording.step() (API use).")
-    ] = None,
+    ] = CAPTURE_DEFAULTS.every_n_steps,
+    prefix: Annotated[
+        str, typer.Option(help="File names start with it: <prefix>_rank<R>_<host>_<time>[_<why>].pickle.")
+    ] = CAPTURE_DEFAULTS.prefix,
     tag_modules: Annotated[
         bool,
         typer.Option(
             "--tag-modules/--no-tag-modules",
             help="Tag allocations with the module that made them, for memory by module (torch >= 2.10).",
         ),
-    ] = True,
+    ] = CAPTURE_DEFAULTS.tag_modules,
     debug: DebugOpt = False,
 ) -> None:
     """Run a training program with memory recording; dumps on exit and on OOM, one file per rank.
@@ -436,8 +449,10 @@ def run(
             out=out,
             max_entries=max_entries,
             stacks=stacks,
+            context=context,
             on_oom=on_oom,
             every_n_steps=every_n_steps,
+            prefix=prefix,
             tag_modules=tag_modules,
         ),
         debug,
