@@ -24,6 +24,7 @@ from .parallelism import (
     ParallelLayout,
     group_label,
     layout_from_name,
+    layout_from_pipeline_stacks,
     layout_from_sidecar,
     pipeline_stages,
 )
@@ -101,6 +102,7 @@ def summarize(
         leak_growth_bytes_per_iteration=sum(leak.growth_bytes_per_iteration for leak in leaks),
         sites=[{str(key): value for key, value in row.items()} for row in sites],
         layout=layout_from_sidecar(frames.info.capture),
+        stack_layout=layout_from_pipeline_stacks(frames),
         peak_categories=peak_categories,
         peak_sites=peak_sites,
         peak_modules=peak_modules,
@@ -470,10 +472,10 @@ def rank_labels(
 
 
 def rank_layouts(summaries: dict[str, SnapshotSummary]) -> dict[str, ParallelLayout | None]:
-    """Each file's place in the parallel layout: its capture sidecar's, else its file name's."""
+    """Each file's place in the parallel layout: its capture sidecar's, else its file name's,
+    else the pipeline stage its stacks show."""
     return {
-        path: summary.layout if summary.layout is not None else layout_from_name(path)
-        for path, summary in summaries.items()
+        path: summary.layout or layout_from_name(path) or summary.stack_layout for path, summary in summaries.items()
     }
 
 
@@ -484,7 +486,8 @@ def rank_groups(layouts: dict[str, ParallelLayout | None]) -> dict[str, str | No
     stage = pipeline_stages(layouts)
     if stage is None:
         return dict.fromkeys(layouts)
-    return {p: group_label(st) for p, st in stage.items()}
+    inferred = {p for p, lay in layouts.items() if lay is not None and lay.source == "stacks"}
+    return {p: group_label(st, p in inferred) for p, st in stage.items()}
 
 
 def rank_rows(

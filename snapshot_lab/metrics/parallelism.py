@@ -26,7 +26,7 @@ from ._memo import memo
 
 KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
 
-LayoutSource = Literal["sidecar", "file name", "none"]
+LayoutSource = Literal["sidecar", "file name", "stacks", "none"]
 
 # strategy -> path fragments of the library's Python files
 _STACK_MARKS: dict[str, tuple[str, ...]] = {
@@ -158,8 +158,39 @@ def pipeline_stages(layouts: Mapping[str, ParallelLayout | None]) -> dict[str, i
     return stage
 
 
-def group_label(stage: int | None) -> str:
-    return f"pp stage {stage}" if stage is not None else "pp stage unknown"
+def group_label(stage: int | None, inferred: bool = False) -> str:
+    if stage is None:
+        return "pp stage unknown"
+    if inferred:
+        return (
+            "pp last stage (inferred from the stacks)" if stage == 1 else "pp earlier stage (inferred from the stacks)"
+        )
+    return f"pp stage {stage}"
+
+
+# torch.distributed.pipelining's functions that only the last stage runs: it computes the loss
+LAST_STAGE_FUNCTIONS = frozenset({"_maybe_compute_loss", "_compute_loss"})
+PIPELINING_FILES = "distributed/pipelining/"
+
+
+def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None:
+    """A pipeline stage inferred from the stacks, for files without a sidecar or stage tokens in
+    their names: ``torch.distributed.pipelining`` frames say the file is a stage, and only the
+    last stage computes the loss. Coordinates ``{"pp": 1}`` for the last stage and ``{"pp": 0}``
+    for a stage before it (exact for two stages; with more, the stages before the last are one
+    group). None when no allocation has a pipelining frame."""
+    stack_frames = frames.stack_frames
+    in_pipelining = (
+        stack_frames["filename"]
+        .astype(str)
+        .str.replace("\\", "/", regex=False)
+        .str.contains(PIPELINING_FILES, regex=False)
+    )
+    used = stack_frames.loc[in_pipelining & stack_frames["frame_id"].isin(frames.stacks["frame_id"])]
+    if used.empty:
+        return None
+    last = bool(set(used["name"].astype(str)) & LAST_STAGE_FUNCTIONS)
+    return ParallelLayout(source="stacks", coordinates={"pp": 1 if last else 0}, strategies=["pp"])
 
 
 def _normalised(strategies: list[str]) -> list[str]:

@@ -231,9 +231,12 @@ def rank_notice(rows: list[RankRow]) -> str | None:
         how.append(f"host/rank (e.g. {example(by_host[0])})")
     if by_file:
         how.append(f"{'by ' if not by_host else ''}file name (e.g. {example(by_file[0])})")
-    return (
-        f"{' and '.join(what)}: those rows are labelled {' or '.join(how)}; all {len(rows)} files are compared together"
+    compared = (
+        "each compared within its pipeline stage"
+        if any(r.group for r in rows)
+        else f"all {len(rows)} files are compared together"
     )
+    return f"{' and '.join(what)}: those rows are labelled {' or '.join(how)}; {compared}"
 
 
 def _rank_headline(rows: list[RankRow]) -> str:
@@ -252,6 +255,8 @@ def layout_text(lay: ParallelLayout | None) -> str:
     degrees are unknown); '' without a layout."""
     if lay is None:
         return ""
+    if lay.source == "stacks":  # only the pipeline stage, inferred: the last computes the loss
+        return "pp last (inferred)" if lay.pp_stage == 1 else "pp earlier (inferred)"
     shown = [k for k in KINDS if k in lay.coordinates and lay.degrees.get(k, 2) > 1]
     return " · ".join(f"{k} {lay.coordinates[k]}" for k in shown)
 

@@ -87,7 +87,9 @@ def compute_fleet_findings(
     """Findings across several files (``summaries`` keyed by path), most severe first. Each
     file's place in the parallel layout is ``layouts``' or, by default, its summary's (from the
     capture sidecar), else its file name's."""
-    lays = {p: (layouts or {}).get(p) or s.layout or layout_from_name(p) for p, s in summaries.items()}
+    lays = {
+        p: (layouts or {}).get(p) or s.layout or layout_from_name(p) or s.stack_layout for p, s in summaries.items()
+    }
     ctx = FleetContext(dict(summaries), lays, pipeline_skew(summaries, lays))
     out = [f for rule in FLEET_RULES for f in rule(ctx)]
     out.sort(key=lambda f: SEVERITY_ORDER[f.severity])
