@@ -325,14 +325,15 @@ def check(
     max_allocated: str | None = None,
     max_peak: str | None = None,
     max_fragmentation: float | None = None,
-    no_oom: bool = False,
+    no_oom: bool = True,
     no_leaks: bool = False,
     baseline: str | Path | None = None,
     max_growth: str | None = None,
     progress: ProgressSink | None = None,
 ) -> list[Violation]:
     """Limits for CI gates; returns the violated ones (empty: all limits hold). Sizes are
-    strings like ``40GiB``; ``max_growth`` like ``5%`` or ``0.05``."""
+    strings like ``40GiB`` (a unit is required); ``max_growth`` like ``5%`` or ``0.05``. An
+    out-of-memory error in the trace fails the gate unless ``no_oom=False``."""
 
     def size(text: str | None, name: str) -> int | None:
         if text is None:

@@ -70,6 +70,12 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
+def _wrote(path: Path | str) -> None:
+    """Every command that writes a file confirms it the same way: one line on stderr (stdout
+    keeps the tables and the JSON)."""
+    typer.echo(f"wrote {path}", err=True)
+
+
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
@@ -196,7 +202,7 @@ def diff(
 
             sys.stdout.write(format_diff(result))
         if output is not None:
-            typer.echo(f"wrote {output}", err=True)
+            _wrote(output)
 
     _run(work, debug)
 
@@ -241,6 +247,8 @@ def ranks(
             sys.stdout.write(format_ranks(rows, skew, across))
         from .render.compare import rank_notice
 
+        if output is not None and not errors:
+            _wrote(output)
         notice = rank_notice(rows)
         if notice:
             typer.echo(f"snaplab: note: {notice}", err=True)
@@ -261,7 +269,12 @@ def check(
     max_fragmentation: Annotated[
         float | None, typer.Option(help="Largest allowed external fragmentation (0..1).")
     ] = None,
-    no_oom: Annotated[bool, typer.Option("--no-oom", help="Fail if the trace holds an OOM.")] = False,
+    no_oom: Annotated[
+        bool,
+        typer.Option(
+            "--no-oom/--allow-oom", help="Fail if the trace holds an OOM (the default; --allow-oom to pass one)."
+        ),
+    ] = True,
     no_leaks: Annotated[bool, typer.Option("--no-leaks", help="Fail if memory leaks across iterations.")] = False,
     baseline: Annotated[Path | None, typer.Option(help="Snapshot to compare against.")] = None,
     max_growth: Annotated[str | None, typer.Option(help="Largest allowed growth over --baseline, e.g. 5%.")] = None,
@@ -291,7 +304,7 @@ def check(
             for v in violations:
                 typer.echo(f"FAIL {v.limit}: {v.message}")
             if not violations:
-                typer.echo("ok: all limits hold")
+                typer.echo("ok: all limits hold" + ("" if no_oom else " (an OOM allowed: --allow-oom)"))
         if violations:
             raise typer.Exit(EXIT_GATE_FAILED)
 
@@ -396,7 +409,7 @@ def report(
     def work() -> None:
         with progress_bar(quiet) as progress:
             path = api.report(snapshot, output=output, progress=progress, format=format.value)
-        typer.echo(str(path))
+        _wrote(path)
 
     _run(work, debug)
 
@@ -530,7 +543,7 @@ def plan(
 
             sys.stdout.write(format_plan(result, snapshot.name))
         if output is not None:
-            typer.echo(f"wrote {output}", err=True)
+            _wrote(output)
 
     _run(work, debug)
 

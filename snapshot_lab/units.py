@@ -22,8 +22,11 @@ def format_bytes(n: int | float | None, precision: int = 2) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``'40GiB' -> 42949672960``; accepts B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary)."""
+    """``'40GiB' -> 42949672960``; accepts B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary).
+    A number without a unit is refused: ``40`` would mean 40 bytes where 40 GiB was meant."""
     s = text.strip().replace(" ", "")
+    if s[-1:].isdigit() or s.endswith("."):
+        raise ValueError(f"a size needs a unit: {text!r} (try 40GiB, 512MiB, or 40B for bytes)")
     num = s.rstrip("BbiKkMmGgTtPp")
     unit = s[len(num) :].lower().replace("ib", "").replace("b", "")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}

@@ -73,7 +73,7 @@ def test_cli_format_option_and_default_paths(tmp_path, monkeypatch):
     for fmt in ("md", "png"):
         r = runner.invoke(app, ["report", str(src), "--format", fmt, "-q"])
         assert r.exit_code == 0, r.output
-        assert r.stdout.strip() == str(Path("reports") / f"job.{fmt}")
+        assert r.stderr.strip() == f"wrote {Path('reports') / f'job.{fmt}'}"
     r = runner.invoke(app, ["report", str(src), "--format", "pdf", "-q"])
     assert r.exit_code == 2
     assert not (tmp_path / "reports" / "job.html").exists()  # html stays the default, made only when asked

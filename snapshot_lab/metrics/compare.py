@@ -552,7 +552,7 @@ class Limits:
     max_allocated_bytes: int | None = None
     max_peak_bytes: int | None = None
     max_fragmentation: float | None = None
-    no_oom: bool = False
+    no_oom: bool = True  # an OOM fails the gate unless allowed: a CI gate must not pass one by default
     no_leaks: bool = False
     max_growth: float | None = None  # against a baseline, e.g. 0.05
 

@@ -206,7 +206,8 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
         )
     c = w.replay_check
     limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
-    if w.memory_limit_bytes and w.memory_limit_inferred and not w.memory_limit_source.startswith("inferred from the"):
+    # the limit's own source says how it was inferred, where it says anything: never twice
+    if w.memory_limit_bytes and w.memory_limit_inferred and not w.memory_limit_source:
         limit += (
             " (inferred: the snapshot does not record the per-process cap the OOM happened under; the peak "
             "reserved before it stands in)"
