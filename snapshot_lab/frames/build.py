@@ -411,9 +411,10 @@ def _metadata_codes(chunk: list[Any], codes: dict[str, int]) -> np.ndarray:
 def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """``forward_stack_id`` of every entry (``_MISSING`` for none): most entries have no
     ``forward_frames``, so one C-level pass finds the few that do."""
+    forward = list(_values(chunk, "forward_frames", None))
     out = np.full(len(chunk), _MISSING, dtype=np.int64)
-    if operator.countOf(_values(chunk, "forward_frames", None), None) != len(chunk):
-        for i, texts in enumerate(_values(chunk, "forward_frames", None)):
+    if forward.count(None) != len(forward):
+        for i, texts in enumerate(forward):
             if texts is not None:
                 sid = interner.intern_forward(texts)
                 out[i] = _MISSING if sid is None else sid
@@ -438,13 +439,14 @@ class _TraceColumns:
 
     def __init__(self, n_entries: int) -> None:
         self.columns = {k: np.empty(n_entries, dtype=t) for k, t in _COLUMN_DTYPES.items()}
+        self.columns["free"].fill(_MISSING)  # only oom entries carry device_free
         self.extra_actions: dict[str, int] = {}
 
     def _action_codes(self, chunk: list[Any]) -> np.ndarray:
-        actions = map(itemgetter("action"), chunk)
+        actions = list(map(itemgetter("action"), chunk))
         codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=len(chunk))
         for i in np.flatnonzero(codes < 0):  # actions newer than this version of snaplab: keep them
-            name = chunk[i]["action"]
+            name = actions[i]
             if type(name) is not str:
                 raise TypeError("action")
             codes[i] = len(KNOWN_ACTIONS) + self.extra_actions.setdefault(name, len(self.extra_actions))
@@ -459,7 +461,6 @@ class _TraceColumns:
         for name, field_spec in zip(("size", "address", "stream", "time"), _INT_FIELDS, strict=True):
             col[name][rows] = _int_column(chunk, *field_spec)
         free = col["free"][rows]
-        free.fill(_MISSING)  # only oom entries carry device_free
         for i in np.flatnonzero(codes == _OOM):
             v = chunk[i].get("device_free")
             if v is not None:
