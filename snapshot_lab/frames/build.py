@@ -421,56 +421,43 @@ def _forward_stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray
     return out
 
 
-_COLUMN_DTYPES = {
-    "action": np.int16,
-    "address": np.int64,
-    "size": np.int64,
-    "stream": np.int64,
-    "time": np.int64,
-    "stack": np.int64,
-    "forward": np.int64,
-    "free": np.int64,
-    "metadata": np.int32,
-}
-
-
 class _TraceColumns:
-    """One device's columns, allocated whole and filled chunk by chunk (no concatenation)."""
+    """Accumulates one device's columns chunk by chunk."""
 
-    def __init__(self, n_entries: int) -> None:
-        self.columns = {k: np.empty(n_entries, dtype=t) for k, t in _COLUMN_DTYPES.items()}
-        self.columns["free"].fill(_MISSING)  # only oom entries carry device_free
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("action", "address", "size", "stream", "time", "stack", "forward", "free", "metadata")
+        }
         self.extra_actions: dict[str, int] = {}
 
-    def _action_codes(self, chunk: list[Any]) -> np.ndarray:
+    def add(self, chunk: list[Any], interner: _StackInterner) -> None:
+        n = len(chunk)
         actions = list(map(itemgetter("action"), chunk))
-        codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=len(chunk))
+        codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=n)
         for i in np.flatnonzero(codes < 0):  # actions newer than this version of snaplab: keep them
             name = actions[i]
             if type(name) is not str:
                 raise TypeError("action")
             codes[i] = len(KNOWN_ACTIONS) + self.extra_actions.setdefault(name, len(self.extra_actions))
-        return codes
-
-    def add(self, chunk: list[Any], start: int, interner: _StackInterner) -> None:
-        """Converts the entries ``chunk`` (those from ``start`` on) into the columns."""
-        rows = slice(start, start + len(chunk))
-        col = self.columns
-        codes = self._action_codes(chunk)
-        col["action"][rows] = codes
-        for name, field_spec in zip(("size", "address", "stream", "time"), _INT_FIELDS, strict=True):
-            col[name][rows] = _int_column(chunk, *field_spec)
-        free = col["free"][rows]
-        for i in np.flatnonzero(codes == _OOM):
+        size, address, stream, time = (_int_column(chunk, *f) for f in _INT_FIELDS)
+        free = np.full(n, _MISSING, dtype=np.int64)
+        for i in np.flatnonzero(codes == _OOM):  # only oom entries carry device_free
             v = chunk[i].get("device_free")
             if v is not None:
                 free[i] = check_int(v, 0, 2**63)
-        col["stack"][rows] = _stack_ids(chunk, interner)
-        col["forward"][rows] = _forward_stack_ids(chunk, interner)
-        col["metadata"][rows] = _metadata_codes(chunk, interner.metadata)
+        p = self.parts
+        p["action"].append(codes)
+        p["size"].append(size)
+        p["address"].append(address)
+        p["stream"].append(stream)
+        p["time"].append(time)
+        p["stack"].append(_stack_ids(chunk, interner))
+        p["forward"].append(_forward_stack_ids(chunk, interner))
+        p["free"].append(free)
+        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
 
     def frame(self, device: int, metadata: list[str]) -> pd.DataFrame:
-        col = self.columns
+        col = {k: np.concatenate(v) for k, v in self.parts.items()}
         n = col["size"].size
         categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
 
@@ -490,8 +477,7 @@ class _TraceColumns:
                 "forward_stack_id": nullable(col["forward"]),
                 "device_free_bytes": nullable(col["free"]),
                 "user_metadata": pd.Categorical.from_codes(col["metadata"], categories=metadata),  # type: ignore[call-overload]
-            },
-            copy=False,  # the arrays are this frame's alone: neither copied nor stacked into blocks
+            }
         )
 
 
@@ -529,13 +515,13 @@ def _explain(chunk: list[Any], offset: int, interner: _StackInterner, exc: BaseE
 
 def _add_checked(cols: _TraceColumns, chunk: list[Any], offset: int, interner: _StackInterner) -> None:
     try:
-        cols.add(chunk, offset, interner)
+        cols.add(chunk, interner)
     except (FieldError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
         raise _explain(chunk, offset, interner, exc) from None
 
 
 def _trace_columns(tr: list[Any], interner: _StackInterner, consume: bool) -> _TraceColumns:
-    cols = _TraceColumns(len(tr))
+    cols = _TraceColumns()
     if consume:  # free the entry dicts as we go: the peak stays near that of pickle.load
         offset = 0
         while tr:
