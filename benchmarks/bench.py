@@ -8,7 +8,8 @@ a fresh process (so peak RSS is that command's alone):
 - ``python -m torch.cuda._memory_viz stats`` and ``trace_plot`` when a Python with torch is
   given (``--torch-python``), the tools users compare snaplab with.
 
-and prints each as seconds, peak RSS and the ratio to ``pickle.load``.
+and prints each as wall seconds, peak RSS and CPU seconds (user + system), with their ratios to
+``pickle.load``.
 
     python benchmarks/bench.py --sizes 100000 1000000 --torch-python .bench/torchvenv/bin/python
 """
@@ -31,12 +32,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gen_snapshot  # noqa: E402
 
 
-def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MiB, exit code) of one command in a fresh process; the peak
-    comes from GNU time (/usr/bin/time), NaN without it."""
+def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float, int, float]:
+    """(wall seconds, peak RSS in MiB, exit code, CPU seconds) of one command in a fresh process;
+    the peak and the CPU time (user + system) come from GNU time (/usr/bin/time), NaN without
+    it. On a machine shared with other work the CPU time is the steadier of the two."""
     gnu_time = Path("/usr/bin/time")
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
-        prefix = [str(gnu_time), "-f", "%M", "-o", rss.name] if gnu_time.exists() else []
+        prefix = [str(gnu_time), "-f", "%M %U %S", "-o", rss.name] if gnu_time.exists() else []
         t0 = time.perf_counter()
         with open(stdout or os.devnull, "wb") as out:
             proc = subprocess.run([*prefix, *cmd], stdout=out, stderr=subprocess.PIPE, check=False)
@@ -44,8 +46,12 @@ def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float,
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr.decode(errors="replace")[-2000:])
         text = Path(rss.name).read_text().strip().splitlines()
-        peak = int(text[-1]) / 1024 if text and text[-1].isdigit() else float("nan")
-    return wall, peak, proc.returncode
+        fields = text[-1].split() if text else []
+        if len(fields) == 3:
+            peak, cpu = int(fields[0]) / 1024, float(fields[1]) + float(fields[2])
+        else:
+            peak = cpu = float("nan")
+    return wall, peak, proc.returncode, cpu
 
 
 def replay_rate(snap: Path) -> float:
@@ -62,63 +68,90 @@ def replay_rate(snap: Path) -> float:
     return float(out.stdout.strip())
 
 
+Timing = tuple[float, float, int, float]  # wall seconds, peak MiB, exit code, CPU seconds
+
+
+def faster_baseline(first: Timing, again: Timing) -> Timing:
+    """The baseline of two runs of ``pickle.load``: the shorter wall time and the shorter CPU time
+    (each can only make snaplab's ratios look worse, never better), the first run's peak."""
+    return (min(first[0], again[0]), first[1], first[2], min(first[3], again[3]))
+
+
+def print_table(n: int, size_mb: float, base: Timing, cases: dict[str, Timing]) -> None:
+    print(f"\nN = {n:,} trace entries, {size_mb:.1f} MiB pickle")
+    print(
+        f"  {'command':28s} {'seconds':>8s} {'peak MiB':>9s} {'time ×load':>11s} {'RSS ×load':>10s}"
+        f" {'CPU s':>7s} {'CPU ×load':>10s}"
+    )
+    print(f"  {'bare pickle.load':28s} {base[0]:8.2f} {base[1]:9.0f} {1:11.2f} {1:10.2f} {base[3]:7.2f} {1:10.2f}")
+    for name, (t, m, rc, cpu) in cases.items():
+        flag = "" if rc == 0 else f"  (exit {rc})"
+        print(
+            f"  {name:28s} {t:8.2f} {m:9.0f} {t / base[0]:11.2f} {m / base[1]:10.2f}"
+            f" {cpu:7.2f} {cpu / base[3]:10.2f}{flag}"
+        )
+
+
+def snapshot_file(workdir: Path, n: int) -> Path:
+    """The benchmark's snapshot of ``n`` entries, written unless it is there already."""
+    snap = workdir / f"bench_{n}.pickle"
+    if not snap.exists():
+        data = gen_snapshot.generate(n)
+        with snap.open("wb") as f:
+            pickle.dump(data, f, protocol=4)
+        del data
+    return snap
+
+
+def bench_size(a: argparse.Namespace, n: int) -> None:
+    """Every command on one snapshot of ``n`` entries, and the table of their ratios."""
+    py = sys.executable
+    snaplab = [py, "-m", "snapshot_lab"]
+    snap = snapshot_file(a.workdir, n)
+    size_mb = snap.stat().st_size / 2**20
+    load_cmd = [py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"]
+    base = run_timed(load_cmd)
+    cases = {"snaplab stats --json": run_timed([*snaplab, "stats", "--json", "-q", str(snap)])}
+    if not a.stats_only:
+        report = a.workdir / f"bench_{n}.html"
+        cases["snaplab report"] = run_timed([*snaplab, "report", "-q", str(snap), "-o", str(report)])
+        viz = a.workdir / f"bench_{n}_viz.html"
+        if a.torch_python:
+            viz_module = [a.torch_python, "-m", "torch.cuda._memory_viz"]
+            cases["_memory_viz stats"] = run_timed([*viz_module, "stats", str(snap)])
+            cases["_memory_viz trace_plot"] = run_timed([*viz_module, "trace_plot", str(snap), "-o", str(viz)])
+    # the baseline again, now that the file is surely in the page cache
+    base = faster_baseline(base, run_timed(load_cmd))
+    print_table(n, size_mb, base, cases)
+    if not a.stats_only:
+        rate = replay_rate(snap)
+        print(f"  allocator what-if replay (one scenario, one core): {rate / 1e3:,.0f}k events/s")
+        report_mb = report.stat().st_size / 2**20 if report.exists() else float("nan")
+        print(f"  snaplab report size: {report_mb:.2f} MiB", end="")
+        if a.torch_python:
+            viz_mb = viz.stat().st_size / 2**20 if viz.exists() else float("nan")
+            print(f"; trace_plot HTML size: {viz_mb:.1f} MiB (and it needs the network to show anything)")
+        else:
+            print()
+    if not a.keep:
+        snap.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--torch-python", help="a python that has torch, for torch.cuda._memory_viz")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     ap.add_argument("--keep", action="store_true", help="keep the generated snapshots")
+    ap.add_argument("--stats-only", action="store_true", help="time only pickle.load and snaplab stats")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    snaplab = [py, "-m", "snapshot_lab"]
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}"
     )
     for n in a.sizes:
-        snap = a.workdir / f"bench_{n}.pickle"
-        if not snap.exists():
-            data = gen_snapshot.generate(n)
-            with snap.open("wb") as f:
-                pickle.dump(data, f, protocol=4)
-            del data
-        size_mb = snap.stat().st_size / 2**20
-        load_cmd = [py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"]
-        base = run_timed(load_cmd)
-        cases = {
-            "snaplab stats --json": run_timed([*snaplab, "stats", "--json", "-q", str(snap)]),
-        }
-        report = a.workdir / f"bench_{n}.html"
-        cases["snaplab report"] = run_timed([*snaplab, "report", "-q", str(snap), "-o", str(report)])
-        report_mb = report.stat().st_size / 2**20 if report.exists() else float("nan")
-        if a.torch_python:
-            cases["_memory_viz stats"] = run_timed([a.torch_python, "-m", "torch.cuda._memory_viz", "stats", str(snap)])
-            viz = a.workdir / f"bench_{n}_viz.html"
-            cases["_memory_viz trace_plot"] = run_timed(
-                [a.torch_python, "-m", "torch.cuda._memory_viz", "trace_plot", str(snap), "-o", str(viz)]
-            )
-            viz_mb = viz.stat().st_size / 2**20 if viz.exists() else float("nan")
-        # the baseline again, now that the file is surely in the page cache: the faster of the two
-        # is used, which can only make snaplab's ratios look worse, never better
-        again = run_timed(load_cmd)
-        if again[0] < base[0]:
-            base = again
-        print(f"\nN = {n:,} trace entries, {size_mb:.1f} MiB pickle")
-        print(f"  {'command':28s} {'seconds':>8s} {'peak MiB':>9s} {'time ×load':>11s} {'RSS ×load':>10s}")
-        print(f"  {'bare pickle.load':28s} {base[0]:8.2f} {base[1]:9.0f} {1:11.2f} {1:10.2f}")
-        for name, (t, m, rc) in cases.items():
-            flag = "" if rc == 0 else f"  (exit {rc})"
-            print(f"  {name:28s} {t:8.2f} {m:9.0f} {t / base[0]:11.2f} {m / base[1]:10.2f}{flag}")
-        rate = replay_rate(snap)
-        print(f"  allocator what-if replay (one scenario, one core): {rate / 1e3:,.0f}k events/s")
-        print(f"  snaplab report size: {report_mb:.2f} MiB", end="")
-        if a.torch_python:
-            print(f"; trace_plot HTML size: {viz_mb:.1f} MiB (and it needs the network to show anything)")
-        else:
-            print()
-        if not a.keep:
-            snap.unlink()
+        bench_size(a, n)
 
 
 if __name__ == "__main__":

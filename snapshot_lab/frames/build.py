@@ -18,7 +18,7 @@ import operator
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 from operator import itemgetter
 from typing import Any
 
@@ -342,26 +342,44 @@ def _int_column(chunk: list[Any], key: str, lo: int, default: int | None) -> np.
     return col
 
 
+def _stack_groups(lists: list[Any]) -> tuple[np.ndarray, list[int]]:
+    """Groups of frames lists by (length, identity of the first item): each list's group code,
+    codes numbered in order of first appearance, and the position of each group's last member.
+    TypeError (or KeyError) for a value that is not a sequence."""
+    n = len(lists)
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+    nonempty = lengths > 0
+    firsts = np.zeros(n, dtype=np.uint64)  # every empty list falls in the group of length 0
+    firsts[nonempty] = np.fromiter(
+        map(id, map(itemgetter(0), compress(lists, nonempty.tolist()))), dtype=np.uint64, count=int(nonempty.sum())
+    )
+    first_codes, _ = pd.factorize(firsts)
+    length_codes, length_values = pd.factorize(lengths)
+    codes, _ = pd.factorize(first_codes.astype(np.int64) * len(length_values) + length_codes)
+    # np.unique of the reversed codes (0, 1, ... all present) finds each group's last member
+    last_reversed = np.unique(codes[::-1], return_index=True)[1]
+    return codes, (n - 1 - last_reversed).tolist()
+
+
 def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """Stack id of every entry (``_MISSING`` for none), exactly, in a few C-level passes.
 
     Real pickles give every entry its own ``frames`` list but share the frame dicts. Entries are
-    grouped by (stack depth, identity of the innermost frame); each group's representative is
-    interned once, and every entry is checked against it with list equality (identical frame
-    objects compare in C at pointer speed; the comparison goes through a 1-tuple's ``in`` so that
-    a list shared by many entries costs one pointer test each, not its length). Entries that
-    differ from their representative are keyed by the identities of all their frames.
+    grouped by (stack depth, identity of the innermost frame) with numpy; the last entry of each
+    group represents it and is interned once, and every entry is checked against it with list
+    equality (identical frame objects compare in C at pointer speed; the comparison goes through
+    a 1-tuple's ``in`` so that a list shared by many entries costs one pointer test each, not
+    its length). Entries that differ from their representative are keyed by the identities of
+    all their frames.
     """
     n = len(chunk)
     lists = list(_values(chunk, "frames", _NO_FRAMES))
-    key1 = list(zip(map(len, lists), map(id, map(next, map(iter, lists), repeat(None))), strict=True))
-    rep_of = dict(zip(key1, lists, strict=True))
-    sid_rep = {}
-    for k, rep in rep_of.items():
-        sid = interner.intern(rep)
-        sid_rep[k] = _MISSING if sid is None else sid
-    sids = np.fromiter(map(sid_rep.__getitem__, key1), dtype=np.int64, count=n)
-    same = np.fromiter(map(operator.contains, zip(map(rep_of.__getitem__, key1)), lists), dtype=bool, count=n)
+    codes, last = _stack_groups(lists)
+    representatives = [lists[i] for i in last]
+    rep_sids = [interner.intern(rep) for rep in representatives]
+    sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]
+    singles = [(rep,) for rep in representatives]
+    same = np.fromiter(map(operator.contains, map(singles.__getitem__, codes.tolist()), lists), dtype=bool, count=n)
     differ = np.flatnonzero(~same)
     if differ.size:
         rest = [lists[i] for i in differ]
