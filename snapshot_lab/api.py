@@ -335,14 +335,6 @@ def check(
     strings like ``40GiB`` (a unit is required); ``max_growth`` like ``5%`` or ``0.05``. An
     out-of-memory error in the trace fails the gate unless ``no_oom=False``."""
 
-    def size(text: str | None, name: str) -> int | None:
-        if text is None:
-            return None
-        try:
-            return parse_bytes(text)
-        except ValueError as exc:
-            raise UsageError(f"--{name}: {exc}") from None
-
     growth: float | None = None
     if max_growth is not None:
         try:
@@ -353,9 +345,9 @@ def check(
         if baseline is None:
             raise UsageError("--max-growth needs --baseline OLD_SNAPSHOT")
     limits = Limits(
-        max_reserved_bytes=size(max_reserved, "max-reserved"),
-        max_allocated_bytes=size(max_allocated, "max-allocated"),
-        max_peak_bytes=size(max_peak, "max-peak"),
+        max_reserved_bytes=_size_or_none(max_reserved, "--max-reserved"),
+        max_allocated_bytes=_size_or_none(max_allocated, "--max-allocated"),
+        max_peak_bytes=_size_or_none(max_peak, "--max-peak"),
         max_fragmentation=max_fragmentation,
         no_oom=no_oom,
         no_leaks=no_leaks,
@@ -472,14 +464,19 @@ def run(
 # --------------------------------------------------------------------------- allocator what-if
 
 
-def _memory_limit(memory_limit: str | None) -> int | None:
-    """``--memory-limit`` in bytes (None when not given); a bad size is a usage error."""
-    if memory_limit is None:
+def _size_or_none(text: str | None, name: str) -> int | None:
+    """A size option in bytes (None when not given); a bad size is a usage error naming ``name``."""
+    if text is None:
         return None
     try:
-        return parse_bytes(memory_limit)
+        return parse_bytes(text)
     except ValueError as exc:
-        raise UsageError(f"--memory-limit: {exc}") from None
+        raise UsageError(f"{name}: {exc}") from None
+
+
+def _memory_limit(memory_limit: str | None) -> int | None:
+    """``--memory-limit`` in bytes (None when not given)."""
+    return _size_or_none(memory_limit, "--memory-limit")
 
 
 def whatif(
@@ -628,7 +625,7 @@ def fit(
     from .metrics.fit import compute_fit
     from .metrics.fit.model import FitUnsupported
 
-    limit = _fit_memory_limit(memory_limit)
+    limit = _size_or_none(memory_limit, "memory_limit")
     if recorded_batch is not None and recorded_batch < 1:
         raise UsageError("recorded_batch must be at least 1")
     if not batch_scale > 0:
@@ -649,13 +646,3 @@ def fit(
         raise SnapshotFormatError(snapshot, f"cannot fit from this snapshot: {exc}") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _fit_memory_limit(memory_limit: str | None) -> int | None:
-    """``memory_limit`` in bytes; a bad size is a usage error naming the parameter."""
-    if memory_limit is None:
-        return None
-    try:
-        return parse_bytes(memory_limit)
-    except ValueError as exc:
-        raise UsageError(f"memory_limit: {exc}") from None
