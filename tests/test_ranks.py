@@ -201,7 +201,7 @@ def test_cli_ranks_json_and_html(colliding, tmp_path):
     out_html = tmp_path / "ranks.html"
     r = runner.invoke(app, ["ranks", *map(str, colliding), "--json", "-j", "2", "-o", str(out_html)])
     assert r.exit_code == 0, r.output
-    assert r.stderr == NOTICE
+    assert r.stderr == f"wrote {out_html}\n" + NOTICE  # the file confirmed, then the one note
     out = json.loads(r.stdout)
     assert out["errors"] == {}
     assert [(x["rank"], x["label"], x["host"]) for x in out["ranks"]] == [
@@ -241,7 +241,8 @@ def test_console_script_ranks_with_shared_numbers(colliding, tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert p.stderr == NOTICE  # one line, no progress bar, no error
+    # the written file confirmed, then one note: no progress bar, no error
+    assert p.stderr == f"wrote {tmp_path / 'ranks.html'}\n" + NOTICE
     assert [x["label"] for x in json.loads(p.stdout)["ranks"]] == [
         "a_rank0.pickle.xz",
         "b_rank0.pickle.xz",

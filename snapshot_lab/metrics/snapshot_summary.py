@@ -32,9 +32,6 @@ class SnapshotSummary:
     sites: list[dict[str, Any]] = field(default_factory=list)
     # where the rank sits in the parallel layout (from the capture sidecar), when it says
     layout: ParallelLayout | None = None
-    # the pipeline stage the stacks show (metrics.parallelism.layout_from_pipeline_stacks): used
-    # when neither the sidecar nor the file name places the file
-    stack_layout: ParallelLayout | None = None
     # at each device's peak of requested bytes (summed over devices): requested bytes per
     # category, and the largest sites alive then ({site, detail, category, bytes}, at most
     # PEAK_SITES_LIMIT); empty without a trace
@@ -45,6 +42,9 @@ class SnapshotSummary:
     # modules_source 'tags' (exact), 'stacks' (approximate) or 'none'
     peak_modules: dict[str, int] = field(default_factory=dict)
     modules_source: str = "none"
+    # the pipeline stage the stacks show (metrics.parallelism.layout_from_pipeline_stacks): used
+    # when neither the sidecar nor the file name places the file
+    stack_layout: ParallelLayout | None = None
 
     @property
     def reserved(self) -> int:
