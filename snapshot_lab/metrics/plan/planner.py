@@ -41,8 +41,7 @@ NOT_MODELLED = (
     "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded "
     "run), uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision "
     "policies and CPU offload",
-    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it "
-    "mirrors, by size)",
+    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it mirrors, by size)",
 )
 
 
@@ -78,14 +77,10 @@ class Strategy:
         s = self
         if name in ALIASES:
             base, reshard = ALIASES[name]
-            s = replace(
-                s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward
-            )
+            s = replace(s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward)
             name = base
         if name not in STRATEGIES:
-            raise ValueError(
-                f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)"
-            )
+            raise ValueError(f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)")
         n = s.world_size
         if n < 1:
             raise ValueError("the world size must be at least 1")
@@ -133,11 +128,7 @@ class Strategy:
         if self.name in ("fsdp", "fsdp1"):
             v = "FSDP2" if self.name == "fsdp" else "FSDP1"
             how = (
-                (
-                    "reshard after forward"
-                    if self.reshard_after_forward
-                    else "no reshard after forward"
-                )
+                ("reshard after forward" if self.reshard_after_forward else "no reshard after forward")
                 if self.name == "fsdp"
                 else ("FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
             )
@@ -266,11 +257,7 @@ def _moment(s: TrainingStructure, event: int) -> str:
                         return f"{it}, backward, block {j}"
                 return f"{it}, backward, end (embeddings)"
             return f"{it}, optimizer step"
-    return (
-        "before the first iteration (model set-up)"
-        if s.passes and p < s.passes[0].forward_start
-        else ""
-    )
+    return "before the first iteration (model set-up)" if s.passes and p < s.passes[0].forward_start else ""
 
 
 def _rank(
@@ -301,10 +288,7 @@ def _rank(
                     "retries"
                 )
             else:
-                note = (
-                    "under the limit the replay runs out of memory at recorded event "
-                    f"{capped.oom_at:,}"
-                )
+                note = f"under the limit the replay runs out of memory at recorded event {capped.oom_at:,}"
     return RankPlan(
         label=label,
         peak_allocated_bytes=r.peak_allocated_bytes,
@@ -337,9 +321,7 @@ def programs_for(
     rewrite = Rewrite.identity(structure)
     tensor_parallel = None
     if strategy.name in ("tp", "fsdp+tp") and (strategy.tp or 1) > 1:
-        tensor_parallel = tpm.plan_tensor_parallel(
-            frames, structure, strategy.tp or 1, strategy.tp_layers
-        )
+        tensor_parallel = tpm.plan_tensor_parallel(frames, structure, strategy.tp or 1, strategy.tp_layers)
         notes.append(_tensor_parallel_note(tensor_parallel, strategy.tp_layers))
     local = _local_after_tp(structure, tensor_parallel)
     older = np.array(
@@ -394,31 +376,21 @@ def _apply_data_parallel(
         label = "DDP (under ZeRO-1)"
         dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed, label=label)
         dp.apply_zero1(rewrite, strategy.world_size)
-        rewrite.untracked = dp.untracked_sharded(
-            ("optimizer_state",), strategy.world_size, "ZeRO-1"
-        )
+        rewrite.untracked = dp.untracked_sharded(("optimizer_state",), strategy.world_size, "ZeRO-1")
     elif name in ("fsdp", "fsdp1", "fsdp+tp"):
         world = strategy.dp if name == "fsdp+tp" else strategy.world_size
         if world <= 1:
             return
         version = 1 if name == "fsdp1" else 2
         units = dp.apply_fsdp(rewrite, world, strategy.reshard_after_forward, version, local)
-        rewrite.untracked = dp.untracked_sharded(
-            ("parameter", "gradient", "optimizer_state"), world, "FSDP"
-        )
-        if len(units) <= 4:
-            named = ", ".join(unit.name for unit in units)
-        else:
-            named = f"{units[0].name}, …, {units[-1].name}"
+        rewrite.untracked = dp.untracked_sharded(("parameter", "gradient", "optimizer_state"), world, "FSDP")
+        named = ", ".join(unit.name for unit in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}"
         notes.append(
-            f"FSDP units: {len(units)} ({named}): each repeated block one unit, the root "
-            "(everything else) one more"
+            f"FSDP units: {len(units)} ({named}): each repeated block one unit, the root (everything else) one more"
         )
 
 
-def _pipeline_programs(
-    structure: TrainingStructure, strategy: Strategy, notes: list[str]
-) -> list[tuple[str, Program]]:
+def _pipeline_programs(structure: TrainingStructure, strategy: Strategy, notes: list[str]) -> list[tuple[str, Program]]:
     """One program per pipeline stage."""
     stages = strategy.stages or 1
     if structure.n_blocks < stages:
@@ -430,10 +402,7 @@ def _pipeline_programs(
         )
     split = strategy.pp_split
     if split is not None and sum(split) != structure.n_blocks:
-        raise ValueError(
-            f"--pp-split {','.join(map(str, split))} does not add up to the "
-            f"{structure.n_blocks} blocks"
-        )
+        raise ValueError(f"--pp-split {','.join(map(str, split))} does not add up to the {structure.n_blocks} blocks")
     assignment = pp.assign_stages(structure, stages, split)
     parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
     out = []
@@ -442,12 +411,8 @@ def _pipeline_programs(
         where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
         extra = " + the layers before the blocks" if stage == 0 and "pre" in parts else ""
         if stage == stages - 1:
-            extra += (
-                " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
-            )
-        builder = pp.StageBuilder(
-            structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule
-        )
+            extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
+        builder = pp.StageBuilder(structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule)
         program = builder.build()
         out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
     counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
@@ -469,9 +434,7 @@ def structure_summary(s: TrainingStructure) -> dict[str, Any]:
         "parameters": len(p),
         "parameter_bytes": int(p["size"].sum()),
         "parameter_bytes_in_blocks": int(blocks["size"].sum()),
-        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max())
-        if len(blocks)
-        else 0,
+        "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max()) if len(blocks) else 0,
         "model_built_before_event": s.wrap_pos,
         "passes": [
             {
@@ -502,9 +465,7 @@ def plan_memory(
     settings = recorded_settings(frames.info.allocator_settings)
     notes: list[str] = list(s.notes)
     rec_prog, rec_replay = memo(frames, ("plan.recorded", dev), lambda: _recorded(s, settings))
-    limit, source, is_cap = _limit(
-        frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev)
-    )
+    limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
     recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
     ranks = []
     for label, prog in programs_for(frames, s, st, notes):
@@ -588,11 +549,7 @@ def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
     d = stats.get(str(dev))
     if not isinstance(d, dict):
         return {}
-    return {
-        k: int(d[k])
-        for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
-        if isinstance(d.get(k), int)
-    }
+    return {k: int(d[k]) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak") if isinstance(d.get(k), int)}
 
 
 # --------------------------------------------------------------------------- the usual choices
