@@ -55,16 +55,12 @@ def ceil_div(a: int, b: int) -> int:
 # --------------------------------------------------------------------------- parameters
 
 
-def untracked_sharded(
-    categories: tuple[str, ...], world: int, label: str
-) -> Callable[[int, str], tuple[int, str]]:
+def untracked_sharded(categories: tuple[str, ...], world: int, label: str) -> Callable[[int, str], tuple[int, str]]:
     """How memory older than the trace is planned when the strategy shards ``categories``."""
 
     def scale(size: int, category: str) -> tuple[int, str]:
         if category in categories:
-            return ceil_div(
-                size, world
-            ), f"{category.replace('_', ' ')}, 1/{world} per rank ({label})"
+            return ceil_div(size, world), f"{category.replace('_', ' ')}, 1/{world} per rank ({label})"
         return size, f"{category.replace('_', ' ')}, as recorded"
 
     return scale
@@ -94,9 +90,7 @@ def shard_at_wrap(rw: Rewrite, local: np.ndarray, rule: str) -> None:
             rw.free_after[r] = -1
 
 
-def scale_rows(
-    rw: Rewrite, rows: np.ndarray, factor: np.ndarray | float, category: str, rule: str
-) -> None:
+def scale_rows(rw: Rewrite, rows: np.ndarray, factor: np.ndarray | float, category: str, rule: str) -> None:
     if rows.size == 0:
         return
     new = np.ceil(rw.size[rows] * factor).astype(np.int64)
@@ -128,9 +122,7 @@ def ddp_buckets(sizes: list[int], cap: int) -> list[int]:
     return out
 
 
-def apply_ddp(
-    rw: Rewrite, bucket_view: bool, bucket_cap_mb: float, local: np.ndarray, label: str = "DDP"
-) -> None:
+def apply_ddp(rw: Rewrite, bucket_view: bool, bucket_cap_mb: float, local: np.ndarray, label: str = "DDP") -> None:
     s = rw.structure
     total = int(local.sum())
     if total == 0 or not s.passes:
@@ -152,9 +144,7 @@ def apply_ddp(
             rw.free_at(wrap, k)
             group = 0
     if group:
-        k = rw.alloc_at(
-            wrap, group, stream, "other", f"{label} wrapping: parameter broadcast (flat, temporary)"
-        )
+        k = rw.alloc_at(wrap, group, stream, "other", f"{label} wrapping: parameter broadcast (flat, temporary)")
         rw.free_at(wrap, k)
     first = rw.alloc_at(
         wrap,
@@ -168,23 +158,17 @@ def apply_ddp(
         at = s.passes[1].forward_start
         rw.free_at(at, first)
         for b in rebuilt:
-            rw.alloc_at(
-                at, b, stream, "ddp_bucket", f"{label} buckets, rebuilt at the second iteration"
-            )
+            rw.alloc_at(at, b, stream, "ddp_bucket", f"{label} buckets, rebuilt at the second iteration")
     if bucket_view:
         grads = gradient_rows(s)
         pos = s.allocs["pos"].to_numpy()
         rw.free_after[grads] = pos[grads]
-        rw.rule[grads] = (
-            "gradients: copied into the DDP buckets (gradient_as_bucket_view) and freed"
-        )
+        rw.rule[grads] = "gradients: copied into the DDP buckets (gradient_as_bucket_view) and freed"
 
 
 def apply_zero1(rw: Rewrite, world: int) -> None:
     rows = optimizer_rows(rw.structure)
-    scale_rows(
-        rw, rows, 1.0 / world, "optimizer_state", f"optimizer state, 1/{world} per rank (ZeRO-1)"
-    )
+    scale_rows(rw, rows, 1.0 / world, "optimizer_state", f"optimizer state, 1/{world} per rank (ZeRO-1)")
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -204,18 +188,12 @@ def fsdp_units(s: TrainingStructure, local: np.ndarray, world: int, flat: bool) 
     block = s.params["block"].to_numpy()
     units = []
     root = np.flatnonzero(block < 0)
-    ids = [("root", -1, root)] + [
-        (f"block {j}", j, np.flatnonzero(block == j)) for j in range(s.n_blocks)
-    ]
+    ids = [("root", -1, root)] + [(f"block {j}", j, np.flatnonzero(block == j)) for j in range(s.n_blocks)]
     for name, b, idx in ids:
         if idx.size == 0:
             continue
         total = int(local[idx].sum())
-        shard = (
-            ceil_div(total, world)
-            if flat
-            else sum(ceil_div(int(x), world) for x in local[idx].tolist())
-        )
+        shard = ceil_div(total, world) if flat else sum(ceil_div(int(x), world) for x in local[idx].tolist())
         units.append(Unit(name, b, idx, total, shard, shard * world))
     return units
 
@@ -251,9 +229,7 @@ def apply_fsdp(
     )
     sharded_grads: dict[int, int] = {}  # unit -> where its sharded gradient is freed (-1: never)
     for p in s.passes:
-        _FsdpPass(
-            rw, p, units, local, world, reshard_after_forward, version == 1, label, sharded_grads
-        ).run()
+        _FsdpPass(rw, p, units, local, world, reshard_after_forward, version == 1, label, sharded_grads).run()
     return units
 
 
@@ -440,9 +416,7 @@ class _FsdpPass:
         ends = rw.free_after[mine]
         rw.free_after[mine] = -1
         rw.rule[mine] = f"gradients, unsharded, until their unit's reduce-scatter ({label})"
-        if mine.size == 0 and (
-            self.sharded_grads.get(u.block, -2) < 0 or self.sharded_grads[u.block] > at
-        ):
+        if mine.size == 0 and (self.sharded_grads.get(u.block, -2) < 0 or self.sharded_grads[u.block] > at):
             # no new gradient this pass (accumulation): the reduce-scatter's output is added to the
             # sharded gradient that is already there
             what = f"reduce-scatter output, accumulated into the sharded gradient ({label})"
@@ -465,11 +439,7 @@ class _FsdpPass:
         root = by_block.get(-1)
         if root is not None:
             self.gather_forward(root, p.forward_start)
-            out = (
-                int(self.rw.structure.allocs["pos"].to_numpy()[p.output_row])
-                if p.output_row >= 0
-                else -1
-            )
+            out = int(self.rw.structure.allocs["pos"].to_numpy()[p.output_row]) if p.output_row >= 0 else -1
             if self.reshard and not self.flat and out >= 0:
                 # FSDP2 reshards the root after its forward too (the model's output is made), and
                 # gathers it again once the loss's backward is done (FSDP1 keeps the root)

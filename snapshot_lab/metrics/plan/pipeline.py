@@ -47,20 +47,14 @@ RULE_FIRST_GRADIENTS = "gradients of the stage's parameters (first microbatch)"
 RULE_LATER_GRADIENTS = "weight gradients of later microbatches (accumulated)"
 RULE_MODEL_OUTPUT = "the model's output, kept per microbatch until the step ends"
 RULE_STAGE_OUTPUT = "the stage's output, sent to the next stage (held until the step ends)"
-RULE_SAVED_ACTIVATIONS = (
-    "activations saved for a microbatch's backward, 1/{microbatches} of the batch"
-)
+RULE_SAVED_ACTIVATIONS = "activations saved for a microbatch's backward, 1/{microbatches} of the batch"
 RULE_ONE_MICROBATCH = "{what}, one microbatch (1/{microbatches} of the batch)"
 RULE_MERGED_OUTPUTS = "the microbatches' outputs, merged into one at the step's end"
-RULE_RECV_ACTIVATIONS = (
-    "pipeline receive buffers: activations from stage {stage}, one per microbatch"
-)
+RULE_RECV_ACTIVATIONS = "pipeline receive buffers: activations from stage {stage}, one per microbatch"
 RULE_RECV_GRADIENTS = "pipeline receive buffers: gradients from stage {stage}, one per microbatch"
 
 
-def schedule_ops(
-    schedule: str, stage: int, stages: int, microbatches: int
-) -> list[tuple[str, int]]:
+def schedule_ops(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
     """The order of forwards and backwards one stage runs (torch's ScheduleGPipe and
     Schedule1F1B)."""
     if schedule == "gpipe":
@@ -100,9 +94,7 @@ class StageAssignment:
     boundary_bytes: tuple[int, ...]
 
 
-def assign_stages(
-    structure: TrainingStructure, stages: int, split: tuple[int, ...] | None
-) -> StageAssignment:
+def assign_stages(structure: TrainingStructure, stages: int, split: tuple[int, ...] | None) -> StageAssignment:
     """Which stage holds each block and each recorded allocation, and what crosses the stage
     boundaries."""
     allocs = structure.allocs
@@ -134,9 +126,7 @@ def assign_stages(
     return StageAssignment(tuple(block_stage), row_stage, boundaries)
 
 
-def _boundary_bytes(
-    structure: TrainingStructure, block_stage: list[int], stages: int
-) -> tuple[int, ...]:
+def _boundary_bytes(structure: TrainingStructure, block_stage: list[int], stages: int) -> tuple[int, ...]:
     """Per boundary s|s+1, the recorded bytes of the tensor crossing it: the output of stage s's
     last block (first pass)."""
     allocs = structure.allocs
@@ -209,9 +199,7 @@ class StageBuilder:
         in_pass = np.isin(allocs["phase"].to_numpy(), PASS_PHASES)
         pass_id = allocs["pass_id"].to_numpy()
         self.pass_rows = {
-            training_pass.index: set(
-                np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist()
-            )
+            training_pass.index: set(np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist())
             for training_pass in structure.passes
         }
         self.live: dict[int, list[int]] = {}  # recorded row -> live keys (its copies)
@@ -281,9 +269,7 @@ class StageBuilder:
                 self.live[row].remove(key)
                 self.program.free(key, self.origin(training_pass.forward_start))
         start = self.origin(training_pass.forward_start)
-        _recv_buffers(
-            self.program, self.assignment, self.stage, self.stages, self.microbatches, start
-        )
+        _recv_buffers(self.program, self.assignment, self.stage, self.stages, self.microbatches, start)
 
     def _run_schedule(self, training_pass: Pass) -> None:
         """The schedule's forwards and backwards, each over the pass's recorded span."""
@@ -296,13 +282,9 @@ class StageBuilder:
         backward = (training_pass.backward_start, training_pass.backward_end)
         for index, (op, microbatch) in enumerate(ops):
             if op == "F":
-                self._replay_microbatch(
-                    training_pass, *forward, microbatch, False, index == last_forward
-                )
+                self._replay_microbatch(training_pass, *forward, microbatch, False, index == last_forward)
                 continue
-            self._replay_microbatch(
-                training_pass, *backward, microbatch, first_backward, index == last_backward
-            )
+            self._replay_microbatch(training_pass, *backward, microbatch, first_backward, index == last_backward)
             first_backward = False
             if self.stage < self.stages - 1:
                 self._release_sent_outputs(microbatch, training_pass.backward_end - 1)
@@ -377,27 +359,17 @@ class StageBuilder:
     def _microbatch_source(self, row: int, training_pass: Pass) -> tuple[str, str]:
         """Category and rule of one microbatch's copy of recorded allocation ``row``."""
         free_position = self.free_pos[row]
-        saved = (
-            self.phase[row] == "forward"
-            and free_position >= 0
-            and free_position < training_pass.backward_end
-        )
+        saved = self.phase[row] == "forward" and free_position >= 0 and free_position < training_pass.backward_end
         if row in self.outputs:
             last = self.stage == self.stages - 1
             return "activation", RULE_MODEL_OUTPUT if last else RULE_STAGE_OUTPUT
         if saved and int(free_position) >= self.saved_until:
-            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(
-                microbatches=self.microbatches
-            )
+            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(microbatches=self.microbatches)
         category = self._category(row)
-        rule = RULE_ONE_MICROBATCH.format(
-            what=category.replace("_", " "), microbatches=self.microbatches
-        )
+        rule = RULE_ONE_MICROBATCH.format(what=category.replace("_", " "), microbatches=self.microbatches)
         return (category if category != "inflight_activation" else "activation"), rule
 
-    def _free_for_microbatch(
-        self, position: int, microbatch: int, pass_rows: set[int], final: bool
-    ) -> None:
+    def _free_for_microbatch(self, position: int, microbatch: int, pass_rows: set[int], final: bool) -> None:
         for row in self.free_rows.get(position, ()):
             if row in self.outputs:
                 continue
@@ -443,9 +415,7 @@ def _ceil_div(nbytes: int, parts: int) -> int:
     return -(-nbytes // parts)
 
 
-def _stage_outputs(
-    structure: TrainingStructure, assignment: StageAssignment, stage: int, stages: int
-) -> set[int]:
+def _stage_outputs(structure: TrainingStructure, assignment: StageAssignment, stage: int, stages: int) -> set[int]:
     """Rows of the outputs the stage keeps per microbatch: the model's on the last stage, its
     last block's on the others."""
     if stage == stages - 1:
@@ -476,9 +446,7 @@ def _recv_buffers(
         nbytes = assignment.boundary_bytes[stage - 1]
         source = program.source_id("comm_buffer", RULE_RECV_ACTIVATIONS.format(stage=stage - 1))
         for i in range(microbatches):
-            program.alloc(
-                -(RECV_BUFFER_KEYS + i), _ceil_div(nbytes, microbatches), 0, source, origin, 0
-            )
+            program.alloc(-(RECV_BUFFER_KEYS + i), _ceil_div(nbytes, microbatches), 0, source, origin, 0)
     if stage < stages - 1:
         nbytes = assignment.boundary_bytes[stage]
         source = program.source_id("comm_buffer", RULE_RECV_GRADIENTS.format(stage=stage + 1))

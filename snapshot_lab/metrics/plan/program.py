@@ -213,9 +213,7 @@ def replay(
     )
 
 
-def _at_peak(
-    program: Program, block_size: np.ndarray, peak_op: int
-) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
+def _at_peak(program: Program, block_size: np.ndarray, peak_op: int) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
     alive: dict[int, int] = {}
     kind, key = program.kind, program.key
     for i in range(peak_op + 1):

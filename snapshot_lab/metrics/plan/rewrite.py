@@ -68,9 +68,7 @@ class Rewrite:
             stream=a["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
             rule=rule,
-            free_after=a["free_pos_recorded" if as_recorded else "free_pos"]
-            .to_numpy(dtype=np.int64)
-            .copy(),
+            free_after=a["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
         )
 
     def new_key(self) -> int:
@@ -100,9 +98,7 @@ class Rewrite:
     def free_at(self, pos: int, key: int, before: bool = True) -> None:
         self.add(pos, ("f", key), before)
 
-    def set(
-        self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str
-    ) -> None:
+    def set(self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str) -> None:
         """Planned size, category (None: unchanged) and rule of the recorded allocations
         ``rows``."""
         self.size[rows] = size

@@ -68,10 +68,7 @@ def _stack_info(frames: SnapshotFrames) -> StackInfo:
     name = sf["name"].astype(str).to_numpy()
     line = sf["line"].to_numpy()
     fid_pos = {int(f): i for i, f in enumerate(sf["frame_id"].to_numpy())}
-    label = {
-        int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}"
-        for f, i in fid_pos.items()
-    }
+    label = {int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}" for f, i in fid_pos.items()}
     call_path: dict[int, tuple[int, ...]] = {}
     callee: dict[int, tuple[str, ...]] = {}
     module_file: dict[int, str] = {}
@@ -289,9 +286,7 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     passes: list[Pass] = []
     n_blocks, period, site_label = 0, 0, ""
     if raw:
-        passes, n_blocks, period, site_label = _passes_and_blocks(
-            allocs, raw, info, len(events), notes
-        )
+        passes, n_blocks, period, site_label = _passes_and_blocks(allocs, raw, info, len(events), notes)
     params = _params(allocs, passes, n_blocks, notes)
     _from_ddp(allocs, params, passes, notes)
     wrap = _wrap_pos(allocs, passes)
@@ -425,10 +420,7 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
         return ()
     b = frames.blocks[frames.blocks["device"] == device]
     cats = categorize(frames).block_category.reindex(b.index)
-    cat_at = {
-        int(a): (c if isinstance(c, str) else "other")
-        for a, c in zip(b["address"], cats, strict=True)
-    }
+    cat_at = {int(a): (c if isinstance(c, str) else "other") for a, c in zip(b["address"], cats, strict=True)}
     out = []
     for seg in state.segments:
         for addr, size in sorted(seg.live.items()):
@@ -460,18 +452,14 @@ def _passes_and_blocks(
     repeat = _block_repeat(sid, forward_sets, info)
     passes: list[Pass] = []
     counts = []
-    for k, ((forward, backward, last_grad), forward_rows) in enumerate(
-        zip(raw, forward_sets, strict=True)
-    ):
+    for k, ((forward, backward, last_grad), forward_rows) in enumerate(zip(raw, forward_sets, strict=True)):
         next_start = raw[k + 1][0] if k + 1 < len(raw) else n
         blocks = _pass_blocks(sid, forward_rows, k, repeat, info)
         counts.append(len(blocks))
         passes.append(_make_pass(k, allocs, forward, backward, last_grad, next_start, blocks))
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
-        notes.append(
-            f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken"
-        )
+        notes.append(f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken")
     site_frame = repeat.site_frame
     label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
     # data starts: after the previous pass's backward and step
@@ -491,10 +479,7 @@ def _forward_sets(allocs: pd.DataFrame, raw: list[tuple[int, int, int]]) -> list
     """Per pass, the rows of its forward allocations on the program's thread inside modules."""
     pos = allocs["pos"].to_numpy()
     in_module = allocs["main"].to_numpy() & allocs["module"].to_numpy()
-    return [
-        np.flatnonzero((pos >= forward) & (pos < backward) & in_module)
-        for forward, backward, _ in raw
-    ]
+    return [np.flatnonzero((pos >= forward) & (pos < backward) & in_module) for forward, backward, _ in raw]
 
 
 def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackInfo) -> _BlockRepeat:
@@ -574,10 +559,7 @@ def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 def _region(s_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
     """Indices of forward allocations made inside a module called from the blocks' call site."""
-    hit = [
-        len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame
-        for s in s_ids
-    ]
+    hit = [len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame for s in s_ids]
     return np.flatnonzero(np.array(hit, dtype=bool))
 
 
@@ -616,9 +598,7 @@ def _make_pass(
     module = allocs["module"].to_numpy()
     code = allocs["code"].to_numpy()
     # the backward ends where the optimizer step or the next pass begins
-    later = np.flatnonzero(
-        (pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module)
-    )
+    later = np.flatnonzero((pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module))
     bwd_end = int(pos[later[0]]) if later.size else nxt
     # the data of the next pass begins after the step: keep the backward span to the step
     block_fwd = tuple((int(pos[s[0]]), int(pos[s[-1]])) for s in blocks if s.size)
@@ -635,9 +615,7 @@ def _make_pass(
     for j, s in enumerate(blocks):
         mine = np.r_[s[:-1], inputs[j]].astype(np.int64)
         saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(
-        np.int64
-    )
+    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(np.int64)
     post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
     frees = saved
     # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
@@ -725,21 +703,15 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     allocs["pass_id"] = pass_id
 
 
-def _params(
-    allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]
-) -> pd.DataFrame:
+def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]) -> pd.DataFrame:
     """Parameter tensors built before the first pass, in allocation order, with their block."""
-    first_fwd = (
-        passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
-    )
+    first_fwd = passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
     first_bwd_end = passes[0].backward_end if passes else first_fwd
     code = allocs["code"].to_numpy()
     pos = allocs["pos"].to_numpy()
     free_pos = allocs["free_pos"].to_numpy()
     sel = np.flatnonzero(
-        (code == CODES["parameter"])
-        & (pos < first_fwd)
-        & ((free_pos < 0) | (free_pos > first_bwd_end))
+        (code == CODES["parameter"]) & (pos < first_fwd) & ((free_pos < 0) | (free_pos > first_bwd_end))
     )
     sizes = allocs["size"].to_numpy()[sel]
     sids = allocs["sid"].to_numpy()[sel]
@@ -769,9 +741,7 @@ def _params(
     largest = {}
     for b in np.unique(block):
         largest[int(b)] = int(sizes[block == b].max())
-    matrix = np.array(
-        [sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool
-    )
+    matrix = np.array([sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool)
     params = pd.DataFrame(
         {"row": sel, "size": sizes, "block": block, "part": part, "matrix": matrix},
     )
@@ -780,9 +750,7 @@ def _params(
     return params
 
 
-def _from_ddp(
-    allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]
-) -> None:
+def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]) -> None:
     """A snapshot of one rank of a DDP run, made the single-GPU run it stands for: DDP's buckets
     are left out (a plan adds its own). With ``gradient_as_bucket_view`` the gradients were views
     into those buckets, and the tensors the backward made were freed once copied in: those

@@ -204,9 +204,7 @@ def _scale_forward(
             sharded = False
 
 
-def _scale_backward(
-    pass_rows: np.ndarray, forward: np.ndarray, allocs: _Allocations, scale: np.ndarray
-) -> None:
+def _scale_backward(pass_rows: np.ndarray, forward: np.ndarray, allocs: _Allocations, scale: np.ndarray) -> None:
     """The backward's temporaries in a block: like the block's forward tensors of the same size
     (their mean scale), others like the block's forward tensors overall."""
     block, size = allocs.block, allocs.size
@@ -228,9 +226,7 @@ def _scale_backward(
             scale[row] = by_size.get(int(size[row]), mean)
 
 
-def _row_parallel_params(
-    structure: TrainingStructure, last_roles: list[tuple[int, str]]
-) -> set[int]:
+def _row_parallel_params(structure: TrainingStructure, last_roles: list[tuple[int, str]]) -> set[int]:
     """A block's matrices, in parameter order, are its Linear layers in forward order (when the
     counts agree): which weights are row-parallel."""
     row_params: set[int] = set()
@@ -249,9 +245,7 @@ def _row_parallel_params(
 
 RULE_GRADIENTS = "gradients of sharded matrices, 1/{degree} (tensor parallel)"
 RULE_OPTIMIZER_STATE = "optimizer state of sharded matrices, 1/{degree} (tensor parallel)"
-RULE_SHARDED_ACTIVATIONS = (
-    "activations between column- and row-parallel layers, 1/{degree} (tensor parallel)"
-)
+RULE_SHARDED_ACTIVATIONS = "activations between column- and row-parallel layers, 1/{degree} (tensor parallel)"
 RULE_BACKWARD_TEMPORARIES = (
     "backward temporaries, scaled like the block's forward tensors of their size (tensor parallel)"
 )
@@ -261,9 +255,7 @@ RULE_PARAMETERS = "parameters: sharded matrices 1/{degree}, the rest replicated 
 RULE_COLUMN_CHUNKS = "distribute_tensor: column chunks (temporary)"
 
 
-def apply_tensor_parallel(
-    rewrite: Rewrite, plan: TensorParallel, local: np.ndarray, wrap: bool = True
-) -> None:
+def apply_tensor_parallel(rewrite: Rewrite, plan: TensorParallel, local: np.ndarray, wrap: bool = True) -> None:
     """Rescale the recorded allocations; the all-reduces of row-parallel outputs get their
     partial-sum buffers. ``local``: parameter bytes per rank after tensor parallelism."""
     allocs = rewrite.structure.allocs
@@ -307,8 +299,7 @@ def _shard_at_wrap(rewrite: Rewrite, plan: TensorParallel, local: np.ndarray) ->
         chunks = []
         if i in plan.row_params:
             chunks = [
-                rewrite.alloc_at(at, int(local[i]), stream, "parameter", RULE_COLUMN_CHUNKS)
-                for _ in range(plan.degree)
+                rewrite.alloc_at(at, int(local[i]), stream, "parameter", RULE_COLUMN_CHUNKS) for _ in range(plan.degree)
             ]
         rewrite.alloc_at(at, int(local[i]), stream, "parameter", rule, source_row=int(row))
         for key in chunks:
