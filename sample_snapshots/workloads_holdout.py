@@ -366,31 +366,45 @@ def gc_job(name: str, cap_bytes: int | None) -> None:
 # --------------------------------------------------------------------------- complete vs wrapped ring buffer
 
 
-def ring_job(name: str, max_entries: int) -> None:
+RING_LENS = [256, 640, 128, 896, 384, 512, 192, 768]
+# a longer schedule whose lengths climb and fall: the cache fills with segments of many sizes, so the peak reserved
+# ends far above the peak in use under the defaults (the case a what-if from a wrapped trace got wrong)
+GAP_LENS = [128, 1024, 192, 896, 256, 768, 320, 640, 384, 512, 448, 960, 64, 1024, 160, 832]
+
+
+def ring_job(name: str, max_entries: int, lens: list[int] = RING_LENS, batch: int = 6) -> None:
     import torch
 
     record(max_entries=max_entries)
     model = gpt2(n_layer=3, n_embd=384, n_head=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(4)
-    lens = [256, 640, 128, 896, 384, 512, 192, 768]
     for step, seq in enumerate(lens, 1):
         with torch.profiler.record_function(f"train_step#{step}"):
-            ids = torch.randint(0, 8192, (6, seq), generator=g).to(DEV)
+            ids = torch.randint(0, 8192, (batch, seq), generator=g).to(DEV)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             del ids
-    dump(name, {"kind": "ring", "max_entries": max_entries, "seq_lens": lens, **model_facts(model, opt),
+    dump(name, {"kind": "ring", "max_entries": max_entries, "seq_lens": lens, "batch": batch,
+                **model_facts(model, opt),
                 "twin": name.replace("_wrapped", "_complete") if "wrapped" in name else name.replace(
                     "_complete", "_wrapped"),
                 "expect": {"leak": False, "oom": None}})
 
 
-for _exp in ("", "_expandable"):
-    _env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if _exp else {}
+# twins: one job recorded whole and with a ring buffer that wrapped, under each allocator setting, so a what-if
+# from the wrapped recording can be checked against what the setting really did from the job's start
+TWIN_SETTINGS = {"": "", "_expandable": "expandable_segments:True", "_split64": "max_split_size_mb:64",
+                 "_split128": "max_split_size_mb:128", "_roundup4": "roundup_power2_divisions:4"}
+for _exp, _conf in TWIN_SETTINGS.items():
+    _env = {"PYTORCH_CUDA_ALLOC_CONF": _conf} if _conf else {}
     workload(f"twin{_exp}_complete", "ring", _env)(lambda e=_exp: ring_job(f"twin{e}_complete", 1_000_000))
     workload(f"twin{_exp}_wrapped", "ring", _env)(lambda e=_exp: ring_job(f"twin{e}_wrapped", 2500))
+    workload(f"gaptwin{_exp}_complete", "ring", _env)(
+        lambda e=_exp: ring_job(f"gaptwin{e}_complete", 1_000_000, GAP_LENS, batch=8))
+    workload(f"gaptwin{_exp}_wrapped", "ring", _env)(
+        lambda e=_exp: ring_job(f"gaptwin{e}_wrapped", 4000, GAP_LENS, batch=8))
 
 
 # --------------------------------------------------------------------------- deep models: a climb, not iterations
