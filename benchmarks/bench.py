@@ -59,7 +59,7 @@ def replay_rate(snap: Path) -> float:
     code = (
         "import sys, time\n"
         "from snapshot_lab import load_frames\n"
-        "from snapshot_lab.metrics.whatif import _program, _replay, recorded_settings\n"
+        "from snapshot_lab.metrics.allocator.whatif import _program, _replay, recorded_settings\n"
         "fr = load_frames(sys.argv[1]); s = recorded_settings(fr.info.allocator_settings)\n"
         "t = time.perf_counter(); p = _program(fr, 0); _replay(p, s, None)\n"
         "print(len(p.kind) / (time.perf_counter() - t))\n"

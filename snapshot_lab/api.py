@@ -27,7 +27,8 @@ from .errors import OutputError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
 from .metrics import SnapshotStats, compute_stats
-from .metrics.compare import (
+from .metrics.allocator.whatif import MemoryLimit, WhatIf
+from .metrics.comparison.compare import (
     Limits,
     RankRow,
     SnapshotDiff,
@@ -43,8 +44,7 @@ from .metrics.compare import (
 from .metrics.diagnose import Diagnosis, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
 from .metrics.leaks import LeakAnalysis
-from .metrics.pipeline import PipelineSkew
-from .metrics.whatif import MemoryLimit, WhatIf
+from .metrics.parallel.pipeline import PipelineSkew
 from .progress import NullProgress, ProgressSink
 from .units import parse_bytes
 
@@ -491,8 +491,8 @@ def whatif(
     settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
     on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
     grid of sensible alternatives. ``memory_limit`` like ``40GiB``."""
-    from .metrics.timeline import device_timeline
-    from .metrics.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
+    from .metrics.allocator.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
+    from .metrics.history.timeline import device_timeline
 
     limit = _memory_limit(memory_limit)
     frames = load_frames(snapshot, progress=progress)

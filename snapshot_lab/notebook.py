@@ -12,9 +12,9 @@ import sys
 from dataclasses import fields
 from pathlib import PosixPath, WindowsPath
 
-from .metrics.compare import SnapshotDiff
+from .metrics.comparison.compare import SnapshotDiff
 from .metrics.findings import Finding
-from .metrics.summary import SnapshotStats
+from .metrics.stats.summary import SnapshotStats
 
 if sys.platform == "win32":
     _ConcretePath = WindowsPath

@@ -306,10 +306,10 @@ def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tup
 
     from .api import load_frames
     from .metrics import compute_stats
+    from .metrics.attribution.sites import alive_at, live_sites, snapshot_sites, top_sites
     from .metrics.categories import CATEGORIES, categorize
-    from .metrics.lifetimes import device_lifetimes
-    from .metrics.sites import alive_at, live_sites, snapshot_sites, top_sites
-    from .metrics.timeline import device_timeline
+    from .metrics.history.lifetimes import device_lifetimes
+    from .metrics.history.timeline import device_timeline
 
     frames = load_frames(snapshot)
     stats = compute_stats(frames)

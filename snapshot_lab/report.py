@@ -12,22 +12,29 @@ import pandas as pd
 from . import __version__
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
+from .metrics.allocator.whatif import WhatIf
+from .metrics.attribution.composition import compose
+from .metrics.attribution.modules import ModuleBreakdown, ModuleRow
+from .metrics.attribution.sites import (
+    alive_at,
+    allocation_forward_ids,
+    display_stack,
+    live_sites,
+    snapshot_sites,
+    top_sites,
+)
 from .metrics.categories import CATEGORIES, INFERRED_RULES, RULE_HELP, CategoryBreakdown, categorize
 from .metrics.categories.kv_cache import KvCacheGrowth
-from .metrics.composition import compose
 from .metrics.diagnose import diagnose
 from .metrics.explore import explore
 from .metrics.fit import compute_fit
 from .metrics.fit.model import FitUnsupported
-from .metrics.fragmentation import compute_fragmentation
-from .metrics.layout import select_layout
+from .metrics.history.moments import Moment, oom_moment
+from .metrics.history.timeline import Timeline
 from .metrics.leaks import LeakAnalysis
-from .metrics.modules import ModuleBreakdown, ModuleRow
-from .metrics.moments import Moment, oom_moment
-from .metrics.sites import alive_at, allocation_forward_ids, display_stack, live_sites, snapshot_sites, top_sites
-from .metrics.summary import DeviceStats
-from .metrics.timeline import Timeline
-from .metrics.whatif import WhatIf
+from .metrics.stats.fragmentation import compute_fragmentation
+from .metrics.stats.layout import select_layout
+from .metrics.stats.summary import DeviceStats
 from .module_tags import parent_fqn
 from .plots.categories import plot_category_timeline
 from .plots.common import figure_png_bytes, figure_png_data_uri, figure_svg

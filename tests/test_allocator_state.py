@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from snapshot_lab import api, stats
-from snapshot_lab.metrics.allocator_model import recorded_settings
-from snapshot_lab.metrics.allocator_state import follow, layout_of, same_layout, start_state
-from snapshot_lab.metrics.moments import last_oom_index, moment_at
-from snapshot_lab.metrics.oom import analyse_oom
+from snapshot_lab.metrics.allocator.model import recorded_settings
+from snapshot_lab.metrics.allocator.state import follow, layout_of, same_layout, start_state
+from snapshot_lab.metrics.history.moments import last_oom_index, moment_at
+from snapshot_lab.metrics.stats.oom import analyse_oom
 
 from .conftest import block, event, make_snapshot, sample_names, sample_path, sample_truth, segment
 

@@ -241,7 +241,7 @@ def test_the_allowed_type_only_imports_are_type_only():
 
 def test_the_import_graph_sees_every_kind_of_import():
     edges = import_graph()
-    assert edges[("snapshot_lab.metrics.compare", "snapshot_lab.metrics.findings")] == "module"
+    assert edges[("snapshot_lab.metrics.comparison.compare", "snapshot_lab.metrics.findings")] == "module"
     findings = "snapshot_lab.metrics.findings"
     assert edges[(findings, f"{findings}.pipeline")] == "module"
     assert edges[("snapshot_lab.api", "snapshot_lab.report")] == "function"  # matplotlib loads on demand

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from snapshot_lab.metrics import compute_stats
+from snapshot_lab.metrics.allocator.releases import find_releases
+from snapshot_lab.metrics.allocator.whatif import analyse_whatif, infer_memory_limit, recorded_settings
 from snapshot_lab.metrics.diagnose import diagnose
-from snapshot_lab.metrics.releases import find_releases
-from snapshot_lab.metrics.whatif import analyse_whatif, infer_memory_limit, recorded_settings
 
 from .conftest import block, event, make_snapshot, sample_names, sample_truth, segment
 

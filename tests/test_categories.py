@@ -138,7 +138,7 @@ def test_lightning_closure_is_not_optimizer_state(real_frames, name):
     assert pytest.approx(14.28 * 2**20, rel=0.01) == P
     assert cats["optimizer_state"] == pytest.approx(2 * P, rel=0.01)
     assert cats["gradient"] == pytest.approx(P, rel=0.01)
-    from snapshot_lab.metrics.modules import module_breakdown
+    from snapshot_lab.metrics.attribution.modules import module_breakdown
 
     rows = module_breakdown(real_frames(name), 0).rows
     assert sum(r.by_category.get("optimizer_state", 0) for r in rows) == 0

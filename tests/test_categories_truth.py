@@ -124,7 +124,7 @@ def test_lightning_closure_forward_is_activation_not_optimizer_state(real_frames
     """Part 1: with "any torch.optim frame wins", every allocation of training_step (run inside
     optimizer.step(closure)) was optimizer state; the innermost decisive frame is the module's
     forward. The module view agrees: no optimizer state allocated in a forward."""
-    from snapshot_lab.metrics.modules import module_breakdown
+    from snapshot_lab.metrics.attribution.modules import module_breakdown
 
     for name in ("fw_lightning_auto_python", "fw_lightning_auto_all"):
         rows = module_breakdown(real_frames(name), 0).rows

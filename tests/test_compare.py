@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from snapshot_lab import api, load_frames
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_USAGE
-from snapshot_lab.metrics.compare import SnapshotSummary, rank_of, rank_outliers
+from snapshot_lab.metrics.comparison.compare import SnapshotSummary, rank_of, rank_outliers
 
 from .conftest import sample_path, sample_truth
 

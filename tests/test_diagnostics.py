@@ -331,7 +331,7 @@ def test_cuda_graph_category(real_frames):
 def test_category_timeline_sums_to_requested(real_frames):
     fr = real_frames("transformer_varlen")
     cats = compute_categories(fr, 0)
-    from snapshot_lab.metrics.timeline import compute_timeline
+    from snapshot_lab.metrics.history.timeline import compute_timeline
 
     st = compute_stats(fr).devices[0].torch_stats
     tl = compute_timeline(fr.events, 0, st["requested_bytes.all.current"], st["reserved_bytes.all.current"])

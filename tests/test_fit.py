@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from snapshot_lab import api, cli
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_USAGE
-from snapshot_lab.metrics.allocator_model import AllocatorSettings
+from snapshot_lab.metrics.allocator.model import AllocatorSettings
 from snapshot_lab.metrics.fit import compute_fit, predict_step
 from snapshot_lab.metrics.fit.evidence import BlockSpan
 from snapshot_lab.metrics.fit.levers import checkpoint

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from snapshot_lab.cli import app
 from snapshot_lab.frames import build_frames
 from snapshot_lab.load import load_snapshot
-from snapshot_lab.metrics.fragmentation import compute_fragmentation
+from snapshot_lab.metrics.stats.fragmentation import compute_fragmentation
 
 from .conftest import block, make_snapshot, sample_path, segment
 

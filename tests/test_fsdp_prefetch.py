@@ -18,7 +18,7 @@ import pytest
 from snapshot_lab.metrics.diagnose import diagnose
 from snapshot_lab.metrics.findings.base import FindingContext
 from snapshot_lab.metrics.findings.fsdp_prefetch import gathered_at_peak
-from snapshot_lab.metrics.summary import compute_stats
+from snapshot_lab.metrics.stats.summary import compute_stats
 
 POSITIVE = [f"fsdp2_prefetch3_small_ws4gloo_mlp_rank{rank}" for rank in range(4)]
 NEGATIVE = [

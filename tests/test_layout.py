@@ -19,9 +19,14 @@ from snapshot_lab import api, load_frames
 from snapshot_lab.cli import app
 from snapshot_lab.metrics import compute_stats
 from snapshot_lab.metrics.categories import category_levels_at, compute_categories
-from snapshot_lab.metrics.compare import SnapshotSummary, rank_groups, rank_rows
-from snapshot_lab.metrics.parallelism import ParallelLayout, layout_from_name, layout_from_sidecar, pipeline_stages
-from snapshot_lab.metrics.timeline import compute_timeline
+from snapshot_lab.metrics.comparison.compare import SnapshotSummary, rank_groups, rank_rows
+from snapshot_lab.metrics.history.timeline import compute_timeline
+from snapshot_lab.metrics.parallel.parallelism import (
+    ParallelLayout,
+    layout_from_name,
+    layout_from_sidecar,
+    pipeline_stages,
+)
 from snapshot_lab.render.compare import format_ranks, layout_text
 
 from .conftest import SAMPLES, sample_names, sample_path, sample_truth

@@ -8,7 +8,7 @@ import pytest
 from snapshot_lab.frames import build_frames
 from snapshot_lab.load import load_snapshot
 from snapshot_lab.metrics import compute_fragmentation, compute_stats, compute_torch_stats
-from snapshot_lab.metrics.fragmentation import free_block_histogram
+from snapshot_lab.metrics.stats.fragmentation import free_block_histogram
 
 from .conftest import block, event, make_snapshot, segment
 

@@ -18,8 +18,8 @@ import json
 import pytest
 
 from snapshot_lab import SnapshotFormatError, api, load_frames
-from snapshot_lab.metrics.compare import diff_summaries
-from snapshot_lab.metrics.modules import BEFORE_ROW, OUTSIDE_ROW, UNKNOWN_BACKWARD, module_breakdown
+from snapshot_lab.metrics.attribution.modules import BEFORE_ROW, OUTSIDE_ROW, UNKNOWN_BACKWARD, module_breakdown
+from snapshot_lab.metrics.comparison.compare import diff_summaries
 from snapshot_lab.module_tags import NEEDS, parse_tag
 
 from .conftest import block, event, make_snapshot, sample_path, sample_truth, segment
@@ -158,7 +158,7 @@ def test_stats_json_report_and_diff_carry_the_module_view(tmp_path):
 
 def test_module_diff_adds_up_to_the_change_of_the_peak(real_frames):
     from snapshot_lab.metrics import compute_stats
-    from snapshot_lab.metrics.compare import summarize
+    from snapshot_lab.metrics.comparison.compare import summarize
     from snapshot_lab.metrics.diagnose import diagnose
 
     sums = []
@@ -177,7 +177,7 @@ def test_anomaly_mode_forward_stacks_name_backward_sites_and_modules(real_frames
     gradient>' and its bytes 'backward, module unknown'. The forward stack torch >= 2.11 keeps
     for each node names the user's line that ran the forward, and the Linear's forward."""
     from snapshot_lab.metrics.categories import categorize
-    from snapshot_lab.metrics.compare import site_table
+    from snapshot_lab.metrics.comparison.compare import site_table
 
     fr = real_frames("grad_anomaly_python")
     truth = sample_truth("grad_anomaly_python")["workload"]
@@ -186,7 +186,7 @@ def test_anomaly_mode_forward_stacks_name_backward_sites_and_modules(real_frames
     assert grads in sites.index and not any(s.startswith("<no stack recorded") for s in sites.index)
     b = fr.blocks[fr.blocks["state"] == "active_allocated"]
     cats = categorize(fr).block_category[b.index]
-    from snapshot_lab.metrics.sites import block_forward_ids, site_labels, snapshot_sites
+    from snapshot_lab.metrics.attribution.sites import block_forward_ids, site_labels, snapshot_sites
 
     labels, _ = site_labels(
         b["stack_id"].to_numpy(dtype="int64", na_value=-1),
@@ -208,7 +208,7 @@ def test_site_labels_name_a_backward_allocation_after_its_forward_site():
     import numpy as np
     import pandas as pd
 
-    from snapshot_lab.metrics.sites import StackSites, site_labels
+    from snapshot_lab.metrics.attribution.sites import StackSites, site_labels
 
     table = pd.DataFrame(
         {

@@ -13,7 +13,7 @@ import pytest
 import snapshot_lab
 from snapshot_lab import api
 from snapshot_lab.metrics import SnapshotStats, compute_stats
-from snapshot_lab.metrics.compare import SnapshotDiff
+from snapshot_lab.metrics.comparison.compare import SnapshotDiff
 from snapshot_lab.metrics.findings import Finding
 from snapshot_lab.notebook import Diff, Findings, ReportFile, Stats
 from snapshot_lab.render.notebook import SCOPE, page_fragment, render_findings_fragment

@@ -19,7 +19,7 @@ import pytest
 
 from snapshot_lab.metrics import compute_stats
 from snapshot_lab.metrics.categories import compute_categories
-from snapshot_lab.metrics.timeline import compute_timeline
+from snapshot_lab.metrics.history.timeline import compute_timeline
 
 from .conftest import sample_truth
 

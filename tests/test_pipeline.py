@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 from snapshot_lab import api
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_BAD_INPUT
-from snapshot_lab.metrics.compare import SnapshotSummary
+from snapshot_lab.metrics.comparison.compare import SnapshotSummary
 from snapshot_lab.metrics.findings import FleetFindings, compute_fleet_findings
 from snapshot_lab.metrics.findings.pipeline import PP_MIN_GAIN_BYTES, PP_MIN_GAIN_RATIO
-from snapshot_lab.metrics.parallelism import layout_from_name
-from snapshot_lab.metrics.pipeline import PipelineSkew, pipeline_skew
+from snapshot_lab.metrics.parallel.parallelism import layout_from_name
+from snapshot_lab.metrics.parallel.pipeline import PipelineSkew, pipeline_skew
 
 from .conftest import sample_path
 

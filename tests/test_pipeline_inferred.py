@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from snapshot_lab import api, load_frames
-from snapshot_lab.metrics.compare import rank_pipeline
-from snapshot_lab.metrics.parallelism import layout_from_pipeline_stacks
+from snapshot_lab.metrics.comparison.compare import rank_pipeline
+from snapshot_lab.metrics.parallel.parallelism import layout_from_pipeline_stacks
 
 from .conftest import sample_path, sample_truth
 

@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from snapshot_lab import api, cli
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_BAD_INPUT, EXIT_USAGE
-from snapshot_lab.metrics.allocator_model import recorded_settings
+from snapshot_lab.metrics.allocator.model import recorded_settings
 from snapshot_lab.metrics.categories import CODES
 from snapshot_lab.metrics.plan import (
     PlanUnsupported,

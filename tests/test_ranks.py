@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from snapshot_lab import api
 from snapshot_lab.cli import app
-from snapshot_lab.metrics.compare import SnapshotSummary, host_of, rank_labels, rank_of, rank_rows
+from snapshot_lab.metrics.comparison.compare import SnapshotSummary, host_of, rank_labels, rank_of, rank_rows
 from snapshot_lab.render.compare import format_ranks, rank_notice
 
 from .conftest import SAMPLES, sample_path, sample_truth

@@ -178,7 +178,7 @@ def test_stacks_are_interned(real_frames):
 def test_cpp_stacks_name_what_allocated(real_frames):
     """With C++ stacks, allocator and dispatcher frames are internals: the cuBLAS workspaces
     (one for the main thread, one for autograd's) are named as such, with what first used them."""
-    from snapshot_lab.metrics.sites import display_stack, live_sites, snapshot_sites
+    from snapshot_lab.metrics.attribution.sites import display_stack, live_sites, snapshot_sites
 
     fr = real_frames("cpp_stacks")
     sites = live_sites(fr.blocks, snapshot_sites(fr), 10)

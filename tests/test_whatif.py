@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from snapshot_lab import api
 from snapshot_lab.cli import app
 from snapshot_lab.errors import EXIT_USAGE
-from snapshot_lab.metrics.allocator_model import AllocatorSettings, allocation_size, round_size
-from snapshot_lab.metrics.whatif import analyse_whatif, apply_conf, recorded_settings, settings_label
+from snapshot_lab.metrics.allocator.model import AllocatorSettings, allocation_size, round_size
+from snapshot_lab.metrics.allocator.whatif import analyse_whatif, apply_conf, recorded_settings, settings_label
 
 from .conftest import SAMPLES, sample_names, sample_path, sample_truth
 
@@ -190,13 +190,13 @@ def test_garbage_collection_runs_only_under_a_cap(real_frames):
 def test_a_retry_that_succeeded_is_not_an_empty_cache_call(real_frames):
     """whatif_default_capB's trace holds an out-of-memory retry that freed the cache and then got
     its segment: the allocator's doing, which a setting that avoids the retry does not repeat."""
-    from snapshot_lab.metrics.releases import find_releases
+    from snapshot_lab.metrics.allocator.releases import find_releases
 
     fr = real_frames("whatif_default_capB")
     causes = [r.cause for r in find_releases(fr, 0)]
     assert "empty_cache" not in causes and causes
     limit = sample_truth("whatif_default_capB")["workload"]["memory_cap_bytes"]
-    from snapshot_lab.metrics.whatif import _program, _replay
+    from snapshot_lab.metrics.allocator.whatif import _program, _replay
 
     base = recorded_settings(fr.info.allocator_settings)
     *_, explicit = _replay(_program(fr, 0), base, limit)

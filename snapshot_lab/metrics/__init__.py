@@ -1,10 +1,10 @@
 """Metrics: pure functions of frames, one module per question."""
 
-from .fragmentation import PoolFragmentation, compute_fragmentation
-from .oom import OomAnalysis, analyse_oom
 from .recording import Recording, describe_recording
-from .summary import DeviceStats, SnapshotStats, compute_stats
-from .torch_stats import STAT_NAMES, compute_torch_stats
+from .stats.fragmentation import PoolFragmentation, compute_fragmentation
+from .stats.oom import OomAnalysis, analyse_oom
+from .stats.summary import DeviceStats, SnapshotStats, compute_stats
+from .stats.torch_stats import STAT_NAMES, compute_torch_stats
 
 __all__ = [
     "STAT_NAMES",

@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from ..frames import SnapshotFrames
+from .allocator.whatif import WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
 from .categories import CategoryBreakdown, compute_categories
 from .findings import Finding, compute_findings
+from .history.lifetimes import device_lifetimes
+from .history.timeline import Timeline, device_timeline
 from .leaks import LeakAnalysis, find_leaks
-from .lifetimes import device_lifetimes
-from .summary import SnapshotStats
-from .timeline import Timeline, device_timeline
-from .whatif import WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
+from .stats.summary import SnapshotStats
 
 
 @dataclass(frozen=True)

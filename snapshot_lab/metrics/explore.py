@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
+from .attribution.sites import site_labels, snapshot_sites
 from .categories import CATEGORIES, categorize
-from .lifetimes import device_lifetimes
-from .sites import site_labels, snapshot_sites
-from .timeline import Timeline
+from .history.lifetimes import device_lifetimes
+from .history.timeline import Timeline
 
 BUCKETS = 1000  # about one per pixel of the report's timeline
 TOP_SITES = 16  # sites with levels of their own; the others are summed in one row
@@ -122,7 +122,7 @@ def _levels(codes: np.ndarray, n_codes: int, start: np.ndarray, end: np.ndarray,
 
 def _modules(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -> tuple[np.ndarray, tuple[str, ...]]:
     """Each allocation's module code (-1: none) and the module names, as the module view sees them."""
-    from . import modules  # the attribution the module table uses, so the two always agree
+    from .attribution import modules  # the attribution the module table uses, so the two always agree
 
     ev = frames.events[frames.events["device"] == device]
     att = modules._from_tags(ev, lifetimes) or modules._from_stacks(frames, device, lifetimes)

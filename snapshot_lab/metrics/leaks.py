@@ -18,10 +18,10 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
+from .attribution.sites import allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
 from .categories.stacks import stack_categories
-from .iterations import Iterations, find_iterations
-from .lifetimes import device_lifetimes
-from .sites import allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
+from .history.iterations import Iterations, find_iterations
+from .history.lifetimes import device_lifetimes
 
 MIN_STEADY_ITERATIONS = 2
 MIN_GROWING_SHARE = 0.6

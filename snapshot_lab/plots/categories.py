@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..metrics.timeline import envelope
+from ..metrics.history.timeline import envelope
 from .common import bytes_axis, new_figure, styled
 from .palette import CATEGORY_COLORS
 

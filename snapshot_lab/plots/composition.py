@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from ..metrics.composition import Composition
+from ..metrics.attribution.composition import Composition
 from ..units import format_bytes
 from .common import new_figure, styled
 from .palette import CATEGORY_COLORS

@@ -8,7 +8,7 @@ import textwrap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..metrics.composition import Composition
+from ..metrics.attribution.composition import Composition
 from ..units import format_bytes
 from .common import literal, new_figure, styled
 from .palette import CATEGORY_COLORS

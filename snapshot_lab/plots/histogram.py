@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..metrics.fragmentation import PoolFragmentation
+from ..metrics.stats.fragmentation import PoolFragmentation
 from ..units import format_bytes
 from .common import COLORS, bytes_axis, new_figure, styled
 

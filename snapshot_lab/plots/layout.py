@@ -7,7 +7,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..metrics.layout import PoolLayout
+from ..metrics.stats.layout import PoolLayout
 from ..units import format_bytes
 from .common import COLORS, new_figure, styled
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..metrics.timeline import Timeline, envelope
+from ..metrics.history.timeline import Timeline, envelope
 from ..units import format_bytes
 from .common import COLORS, bytes_axis, literal, new_figure, styled
 

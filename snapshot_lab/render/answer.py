@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics.composition import Composition, Part
+from ..metrics.attribution.composition import Composition, Part
 from ..metrics.findings import Finding
 from ..metrics.findings.base import SEVERITY_ORDER
-from ..metrics.oom import OomAnalysis
+from ..metrics.stats.oom import OomAnalysis
 from ..units import format_bytes, format_percent
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..metrics.compare import Change, RankRow, SnapshotDiff
+from ..metrics.comparison.compare import Change, RankRow, SnapshotDiff
 from ..metrics.findings import Finding
-from ..metrics.parallelism import KINDS, ParallelLayout
-from ..metrics.pipeline import PipelineSkew
+from ..metrics.parallel.parallelism import KINDS, ParallelLayout
+from ..metrics.parallel.pipeline import PipelineSkew
 from ..units import format_bytes, format_percent
 from .html import _css, _environment
 from .text import format_findings, table

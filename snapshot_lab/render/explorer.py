@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..metrics.explore import Exploration
-from ..metrics.layout import PoolLayout
+from ..metrics.stats.layout import PoolLayout
 from ..plots.palette import CATEGORY_COLORS
 
 STATES = ("active_allocated", "active_pending_free", "inactive")

@@ -12,11 +12,11 @@ from typing import Any
 
 import jinja2
 
-from ..metrics.composition import Composition
+from ..metrics.attribution.composition import Composition
+from ..metrics.attribution.sites import Site
 from ..metrics.explore import Exploration
 from ..metrics.findings import Finding
-from ..metrics.oom import OomAnalysis
-from ..metrics.sites import Site
+from ..metrics.stats.oom import OomAnalysis
 from ..units import format_bytes, format_percent
 from .answer import FirstScreen, FitSummary, SourceFile
 from .evidence import evidence_rows

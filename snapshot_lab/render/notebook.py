@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from ..metrics.findings import Finding
-from ..metrics.summary import SnapshotStats
+from ..metrics.stats.summary import SnapshotStats
 from ..units import format_bytes, format_percent
 from .explorer import explorer_script
 from .html import _css, _environment

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..metrics import SnapshotStats
+from ..metrics.allocator.whatif import WhatIf, settings_label
+from ..metrics.attribution.modules import ModuleBreakdown
 from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import STATE_SOURCE, LeakAnalysis
-from ..metrics.modules import ModuleBreakdown
-from ..metrics.summary import DeviceStats
-from ..metrics.whatif import WhatIf, settings_label
+from ..metrics.stats.summary import DeviceStats
 from ..units import format_bytes, format_percent
 
 _POOLS = (("all", "all"), ("large_pool", "large"), ("small_pool", "small"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 class Pending:
     name: str  # the input's file name in tests/fuzz/pending/, without suffix
     exception: str  # type name
-    where: str  # innermost snaplab frame: 'metrics/whatif.py:recorded_settings'
+    where: str  # innermost snaplab frame: 'metrics/allocator/whatif.py:recorded_settings'
     why: str
 
 

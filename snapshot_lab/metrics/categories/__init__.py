@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
-from ..lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes
 from .assign import Categorization, categorize
 from .rules import CATEGORIES, CODES, INFERRED_RULES, RULE_HELP, RULES
 from .stacks import stack_categories, stack_threads
@@ -85,8 +85,8 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
 
 def _peak_index(frames: SnapshotFrames, device: int) -> int | None:
     """Event index of the device's requested peak (None without a trace)."""
-    from ..timeline import device_timeline
-    from ..torch_stats import compute_torch_stats
+    from ..history.timeline import device_timeline
+    from ..stats.torch_stats import compute_torch_stats
 
     ts = compute_torch_stats(
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]

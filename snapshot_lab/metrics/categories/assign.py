@@ -22,7 +22,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from ..lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
 from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
 from .pretrace import MIRROR_COVERAGE, WORKSPACE_SIZES, PreTraceBlocks, TraceFacts, judge_pre_trace, mirrored_sizes
@@ -36,7 +36,7 @@ __all__ = ["CATEGORIES", "CODES", "RULES", "Categorization", "categorize", "in_p
 class Categorization:
     """``block_category``: aligned with ``frames.blocks`` (None for free blocks without a
     stack); ``alloc_codes``: per device, the code (index into CATEGORIES) of every row of
-    :func:`~snapshot_lab.metrics.lifetimes.device_lifetimes`; ``block_rule``/``alloc_rules``: the
+    :func:`~snapshot_lab.metrics.history.lifetimes.device_lifetimes`; ``block_rule``/``alloc_rules``: the
     rule that labelled each (names / codes into :data:`RULES`); ``pre_trace_frees``: per device,
     the allocations older than the trace that the trace frees (event_index, address, size_bytes,
     code, rule)."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...frames import SnapshotFrames
-from ..lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes
 from .assign import categorize
 from .rules import CODES
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...frames import SnapshotFrames
+from ..allocator.whatif import WhatIf
 from ..categories import CategoryBreakdown
+from ..comparison.snapshot_summary import SnapshotSummary
+from ..history.timeline import Timeline
 from ..leaks import LeakAnalysis
-from ..parallelism import ParallelLayout, layout_from_name
-from ..pipeline import pipeline_skew
-from ..snapshot_summary import SnapshotSummary
-from ..summary import SnapshotStats
-from ..timeline import Timeline
-from ..whatif import WhatIf
+from ..parallel.parallelism import ParallelLayout, layout_from_name
+from ..parallel.pipeline import pipeline_skew
+from ..stats.summary import SnapshotStats
 from . import (
     allocator,
     cache_flush,

@@ -1,5 +1,5 @@
 """Allocator settings that would have avoided the OOM or lowered the peak (from the what-if
-replay; see :mod:`snapshot_lab.metrics.whatif`).
+replay; see :mod:`snapshot_lab.metrics.allocator.whatif`).
 
 Every number the replay gives is a replayed one: the peak of the recorded settings as the model
 replays them is ``replayed_peak_reserved_bytes``, never "recorded". The claim compares the
@@ -12,7 +12,14 @@ not record) reaches a peak the recording never had, and a saving measured agains
 from __future__ import annotations
 
 from ...units import format_bytes
-from ..whatif import MIN_SAVING_BYTES, MIN_SAVING_SHARE, ScenarioResult, WhatIf, best_alternative, settings_label
+from ..allocator.whatif import (
+    MIN_SAVING_BYTES,
+    MIN_SAVING_SHARE,
+    ScenarioResult,
+    WhatIf,
+    best_alternative,
+    settings_label,
+)
 from .base import Finding, FindingContext
 
 ADVICE = (

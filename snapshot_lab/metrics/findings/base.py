@@ -6,16 +6,16 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...frames import SnapshotFrames
+from ..allocator.whatif import WhatIf
 from ..categories import CategoryBreakdown
+from ..history.timeline import Timeline
 from ..leaks import LeakAnalysis
-from ..parallelism import ParallelLayout
-from ..pipeline import PipelineSkew
-from ..summary import SnapshotStats
-from ..timeline import Timeline
-from ..whatif import WhatIf
+from ..parallel.parallelism import ParallelLayout
+from ..parallel.pipeline import PipelineSkew
+from ..stats.summary import SnapshotStats
 
 if TYPE_CHECKING:  # compare imports diagnose, which imports the findings
-    from ..snapshot_summary import SnapshotSummary
+    from ..comparison.snapshot_summary import SnapshotSummary
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 MiB = 1024 * 1024

@@ -18,8 +18,8 @@ failure they explain.
 from __future__ import annotations
 
 from ...units import format_bytes
+from ..allocator.releases import Release, find_releases
 from ..recording import DeviceRecording
-from ..releases import Release, find_releases
 from .base import Finding, FindingContext
 
 TITLE = (

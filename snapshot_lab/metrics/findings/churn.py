@@ -14,7 +14,7 @@ and are left to the allocator-settings advice; its cache flushes before a retrie
 
 from __future__ import annotations
 
-from ..releases import find_releases
+from ..allocator.releases import find_releases
 from .base import Finding, FindingContext
 
 CHURN_MIN_SEGMENT_FREES = 8

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ...units import format_bytes
-from ..summary import DeviceStats
-from ..timeline import Timeline
+from ..history.timeline import Timeline
+from ..stats.summary import DeviceStats
 from .base import Finding, FindingContext, MiB
 
 # thresholds, chosen so that clean runs stay quiet (see tests/test_diagnostics.py)

@@ -20,9 +20,9 @@ import numpy as np
 from ...units import format_bytes
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, free_stack_ids, thread_codes
-from ..lifetimes import device_lifetimes
-from ..parallelism import detect_parallel
-from ..timeline import Timeline
+from ..history.lifetimes import device_lifetimes
+from ..history.timeline import Timeline
+from ..parallel.parallelism import detect_parallel
 from .base import Finding, FindingContext
 
 MIN_KEPT_SHARE = 0.5  # of the unsharded bytes the forwards gathered

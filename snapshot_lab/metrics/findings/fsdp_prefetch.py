@@ -23,7 +23,7 @@ import numpy as np
 
 from ...units import format_bytes
 from ..categories.stacks import stacks_with_frame
-from ..lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes
 from .base import Finding, FindingContext
 
 DEFAULT_UNITS_IN_FLIGHT = 2  # the unit in use and FSDP2's one implicit prefetch

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ...units import format_bytes
-from ..oom import OomAnalysis
-from ..summary import DeviceStats
-from ..whatif import WhatIf, settings_label
+from ..allocator.whatif import WhatIf, settings_label
+from ..stats.oom import OomAnalysis
+from ..stats.summary import DeviceStats
 from .base import Finding, FindingContext, MiB
 
 

@@ -13,7 +13,7 @@ recordings in ``sample_snapshots/`` (2 stages, 8 microbatches) the transformer u
 from __future__ import annotations
 
 from ...units import format_bytes, format_percent
-from ..pipeline import PipelineSkew, microbatches_in_flight
+from ..parallel.pipeline import PipelineSkew, microbatches_in_flight
 from .base import Finding, FleetContext, MiB
 
 PP_MIN_GAIN_RATIO = 0.05

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...units import format_bytes
+from ..attribution.sites import snapshot_sites
 from ..categories import categorize
 from ..categories.parallel import sharded_parameter_stacks
-from ..parallelism import detect_parallel
-from ..sites import snapshot_sites
+from ..parallel.parallelism import detect_parallel
 from .base import Finding, FindingContext, MiB
 
 MIN_SHARE = 0.10  # of the rank's parameter bytes

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...frames import SnapshotFrames
-from ..allocator_model import AllocatorSettings, recorded_settings
+from ..allocator.model import AllocatorSettings, recorded_settings
+from ..allocator.whatif import quick_grid, settings_label
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
-from ..whatif import quick_grid, settings_label
 from . import levers as lv
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence

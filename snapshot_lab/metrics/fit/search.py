@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..allocator_model import MIN_BLOCK, AllocatorSettings
+from ..allocator.model import MIN_BLOCK, AllocatorSettings
 from .tape import Tape, ordered_ops, simulate
 
 FRACTION_STEPS = 100  # without the recorded batch in samples: the largest batch to 1% of the recorded one

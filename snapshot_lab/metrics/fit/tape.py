@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..allocator_model import MIN_BLOCK, AllocatorSettings
+from ..allocator.model import MIN_BLOCK, AllocatorSettings
 from ..plan.program import Program, replay
 
 NEVER = np.inf

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from ..allocator_model import AllocatorSettings, recorded_settings
+from ..allocator.model import AllocatorSettings, recorded_settings
 from ..categories import CATEGORIES
 from . import data_parallel as dp
 from . import pipeline as pp
@@ -517,7 +517,7 @@ def _limit(
     device's capacity from the capture sidecar."""
     if given is not None:
         return given, given_source or "--memory-limit", False
-    from ..whatif import infer_memory_limit
+    from ..allocator.whatif import infer_memory_limit
 
     ml = infer_memory_limit(frames, dev, reserved_peak)
     if ml.bytes is not None:
@@ -532,7 +532,7 @@ def _limit(
 def _recorded_reserved_peak(frames: SnapshotFrames, dev: int) -> int:
     """The most the recorded run reserved (from its trace, anchored at the dump): before an OOM,
     the smallest per-process cap consistent with it."""
-    from ..timeline import compute_timeline
+    from ..history.timeline import compute_timeline
 
     seg = frames.segments[frames.segments["device"] == dev]
     blk = frames.blocks[(frames.blocks["device"] == dev) & (frames.blocks["state"] != "inactive")]

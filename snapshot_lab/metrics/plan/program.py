@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from ..allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
 from ..categories import CATEGORIES
 
 ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3

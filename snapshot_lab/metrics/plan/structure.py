@@ -35,7 +35,7 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
-from ..lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes
 
 _MODULE_PY = "torch/nn/modules/module.py"
 _CALL_IMPL = frozenset({"_call_impl", "_wrapped_call_impl"})
@@ -390,7 +390,7 @@ def _allocation_table(
 
 def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
     """Positions of the program's own empty_cache() calls."""
-    from ..releases import find_releases
+    from ..allocator.releases import find_releases
 
     releases = find_releases(frames, device)
     return tuple(release.start for release in releases if release.cause == "empty_cache")
@@ -412,8 +412,8 @@ def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
 def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int], ...]:
     """Blocks alive just before the trace's first event (memory older than the trace), with the
     category of the block at the dump when it survives there."""
-    from ..allocator_model import recorded_settings
-    from ..allocator_state import start_state
+    from ..allocator.model import recorded_settings
+    from ..allocator.state import start_state
 
     state = start_state(frames, device, recorded_settings(frames.info.allocator_settings))
     if not any(s.live for s in state.segments):

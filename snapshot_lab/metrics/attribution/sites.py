@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ._memo import memo
+from ...frames import SnapshotFrames
+from .._memo import memo
 
 # frames that only say "the interpreter / the recorder was running" (as the stock viewers filter)
 INTERNAL_NAMES = (
@@ -342,7 +342,7 @@ def live_sites(
 
 def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:
     """Allocations of the trace alive just after event ``index`` (from
-    :func:`~snapshot_lab.metrics.lifetimes.allocation_lifetimes`). Allocations made before the
+    :func:`~snapshot_lab.metrics.history.lifetimes.allocation_lifetimes`). Allocations made before the
     trace began are not in it."""
     alive = (lifetimes["event_index"] <= index) & (lifetimes["free_index"].isna() | (lifetimes["free_index"] > index))
     return lifetimes.loc[alive.to_numpy(dtype=bool), ["event_index", "address", "size_bytes", "stack_id"]]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .parallelism import ParallelLayout, pipeline_stages
 
 if TYPE_CHECKING:
-    from .snapshot_summary import SnapshotSummary
+    from ..comparison.snapshot_summary import SnapshotSummary
 
 PEAK_SITES_LIMIT = 50  # sites alive at the peak kept in a summary, largest first
 MAX_SITE_DELTAS = 5

@@ -13,14 +13,16 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ..units import format_bytes, format_percent
-from .categories import CATEGORIES, categorize, category_levels_at
-from .diagnose import Diagnosis
-from .findings import Finding, compute_fleet_findings
-from .lifetimes import device_lifetimes
-from .modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
-from .parallelism import (
+from ...frames import SnapshotFrames
+from ...units import format_bytes, format_percent
+from ..attribution.modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
+from ..attribution.sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
+from ..categories import CATEGORIES, categorize, category_levels_at
+from ..diagnose import Diagnosis
+from ..findings import Finding, compute_fleet_findings
+from ..history.lifetimes import device_lifetimes
+from ..history.timeline import Timeline
+from ..parallel.parallelism import (
     ParallelLayout,
     group_label,
     layout_from_name,
@@ -28,11 +30,9 @@ from .parallelism import (
     layout_from_sidecar,
     pipeline_stages,
 )
-from .pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
-from .sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
+from ..parallel.pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
+from ..stats.summary import SnapshotStats
 from .snapshot_summary import SnapshotSummary
-from .summary import SnapshotStats
-from .timeline import Timeline
 
 MiB = 1024 * 1024
 

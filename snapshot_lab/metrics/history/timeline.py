@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ._memo import memo
+from ...frames import SnapshotFrames
+from .._memo import memo
 
 _ADD_RESERVED = ("segment_alloc", "segment_map")
 _SUB_RESERVED = ("segment_free", "segment_unmap")

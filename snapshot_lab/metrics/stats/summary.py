@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..frames import SnapshotFrames
-from .categories import CATEGORIES, categories_at_peak, compute_categories
-from .categories.kv_cache import KvCacheGrowth, kv_cache_growth
+from ...frames import SnapshotFrames
+from ..attribution.modules import ModuleBreakdown, module_breakdown
+from ..categories import CATEGORIES, categories_at_peak, compute_categories
+from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
+from ..parallel.parallelism import detect_parallel
+from ..recording import Recording, describe_recording
 from .fragmentation import PoolFragmentation, compute_fragmentation
-from .modules import ModuleBreakdown, module_breakdown
 from .oom import OomAnalysis, analyse_device_oom
-from .parallelism import detect_parallel
-from .recording import Recording, describe_recording
 from .torch_stats import compute_torch_stats
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..frames import SnapshotFrames
-from ._memo import memo
-from .allocator_model import SMALL_BUFFER, UNLIMITED, recorded_settings
-from .categories.stacks import stacks_with_frame
+from ...frames import SnapshotFrames
+from .._memo import memo
+from ..categories.stacks import stacks_with_frame
+from .model import SMALL_BUFFER, UNLIMITED, recorded_settings
 
 # 'flush': the allocator freed its cache to retry a cudaMalloc that then succeeded
 # 'oom': the same, but the retry failed (an OOM follows)

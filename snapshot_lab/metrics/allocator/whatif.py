@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from .allocator_model import (
+from ...frames import SnapshotFrames
+from ..history.moments import oom_moment
+from .model import (
     AllocatorSettings,
     Block,
     CachingAllocatorModel,
@@ -25,9 +26,8 @@ from .allocator_model import (
     apply_conf,
     recorded_settings,
 )
-from .allocator_state import StartState, seed, start_state
-from .moments import oom_moment
 from .releases import find_releases
+from .state import StartState, seed, start_state
 
 __all__ = ["apply_conf", "recorded_settings"]  # settings parsing lives in the model, re-exported
 

@@ -4,7 +4,7 @@ An OOM is explained from the moment it happened. A snapshot dumped from the OOM 
 that moment; one dumped after the stack unwound (``except torch.OutOfMemoryError:
 _dump_snapshot(...)``, or ``snaplab run``'s ``_exception`` file) shows the memory the unwinding
 gave back, so the layout at the OOM event is rebuilt from the trace
-(:mod:`~snapshot_lab.metrics.allocator_state`).
+(:mod:`~snapshot_lab.metrics.allocator.state`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ._memo import memo
-from .allocator_model import recorded_settings
-from .allocator_state import follow, followed_tables
+from ...frames import SnapshotFrames
+from .._memo import memo
+from ..allocator.model import recorded_settings
+from ..allocator.state import follow, followed_tables
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .parallelism import ParallelLayout
+from ..parallel.parallelism import ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ..module_tags import NEEDS, PHASES, parent_fqn, parse_tag
-from ._memo import memo
-from .categories import CATEGORIES, categorize
-from .categories.gradients import THREAD_CODES, thread_codes
-from .categories.stacks import stack_threads
-from .lifetimes import device_lifetimes
+from ...frames import SnapshotFrames
+from ...module_tags import NEEDS, PHASES, parent_fqn, parse_tag
+from .._memo import memo
+from ..categories import CATEGORIES, categorize
+from ..categories.gradients import THREAD_CODES, thread_codes
+from ..categories.stacks import stack_threads
+from ..history.lifetimes import device_lifetimes
+from ..history.timeline import device_timeline
+from ..stats.torch_stats import compute_torch_stats
 from .sites import allocation_forward_ids, frame_label
-from .timeline import device_timeline
-from .torch_stats import compute_torch_stats
 
 ROOT_LABEL = "<model>"  # the tagged model's own forward code (fqn '')
 UNKNOWN_BACKWARD = "<backward, module unknown>"

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from .moments import dumped_at, last_oom_index, oom_moment
+from ...frames import SnapshotFrames
+from ..history.moments import dumped_at, last_oom_index, oom_moment
 
 SMALL_REQUEST_MAX_BYTES = 1024 * 1024  # kSmallSize: requests up to this go to the small pool
 

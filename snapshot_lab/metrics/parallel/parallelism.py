@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from ..frames import SnapshotFrames
-from ._memo import memo
+from ...frames import SnapshotFrames
+from .._memo import memo
 
 KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
 
@@ -59,7 +59,7 @@ _NAME_KIND = {"pp": "pp", "stage": "pp", "pipe": "pp", "tp": "tp", "dp": "dp", "
 class ParallelLayout:
     """One rank's place in the layout: its coordinates (``{"pp": 1, "tp": 0, ...}``, only those
     known), the degrees when known, and the pipeline's schedule and microbatches. Small and
-    picklable: it travels inside :class:`~snapshot_lab.metrics.compare.SnapshotSummary`."""
+    picklable: it travels inside :class:`~snapshot_lab.metrics.comparison.compare.SnapshotSummary`."""
 
     source: LayoutSource
     coordinates: dict[str, int] = field(default_factory=dict)

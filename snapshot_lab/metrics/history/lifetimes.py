@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ._memo import memo
+from ...frames import SnapshotFrames
+from .._memo import memo
 
 
 def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:

@@ -18,7 +18,7 @@ steps rebuild any earlier moment:
    one). Without that, the allocator could only have used the sliver for a request it would
    not fit in reality if that request lands in that exact gap.
 2. :func:`follow`: the trace replayed from that state through
-   :class:`~snapshot_lab.metrics.allocator_model.CachingAllocatorModel` *as recorded*: every
+   :class:`~snapshot_lab.metrics.allocator.model.CachingAllocatorModel` *as recorded*: every
    allocation placed at its recorded address and split by the allocator's rules, every segment
    cudaMalloc'd, mapped, unmapped and freed where the trace says. Nothing is decided, so no
    setting and no memory limit is needed. At the end the state must equal the dump's; the
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from ..frames.schema import BLOCKS_SCHEMA, SEGMENTS_SCHEMA, conform, empty_frame
-from .allocator_model import SMALL_BUFFER, SMALL_SIZE, AllocatorSettings, Block, CachingAllocatorModel, round_size
-from .lifetimes import device_lifetimes
+from ...frames import SnapshotFrames
+from ...frames.schema import BLOCKS_SCHEMA, SEGMENTS_SCHEMA, conform, empty_frame
+from ..history.lifetimes import device_lifetimes
+from .model import SMALL_BUFFER, SMALL_SIZE, AllocatorSettings, Block, CachingAllocatorModel, round_size
 
 MiB = 1 << 20
 

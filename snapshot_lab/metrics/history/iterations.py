@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
-from .categories import stack_categories, stack_threads
-from .categories.gradients import THREAD_CODES, thread_codes
+from ...frames import SnapshotFrames
+from ..categories import stack_categories, stack_threads
+from ..categories.gradients import THREAD_CODES, thread_codes
 
 # annotation name patterns, most specific first
 _ANNOTATION_PATTERNS = (

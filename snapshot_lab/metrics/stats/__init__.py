@@ -1,0 +1,1 @@
+"""The allocator's state at the dump: torch's counters, fragmentation, the OOM and the block layout."""
