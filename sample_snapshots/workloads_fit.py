@@ -4,7 +4,9 @@ Two families, each trained from a fresh model for every measurement:
 
 - ``gpt2``: GPT-2 from a config (12 layers, d=768, 12 heads, vocab 8192, 1024 tokens, dropout 0),
   fp32 weights, AdamW;
-- ``resnet50``: torchvision's ResNet-50 at 224x224, 1000 classes, SGD with momentum.
+- ``resnet50``: torchvision's ResNet-50 at 224x224, 1000 classes, SGD with momentum;
+- ``vit``: torchvision's ViT-B/16 at 224x224 (an encoder; dropout 0), AdamW: recorded after the
+  fit model was written, as a family it was never tuned on (hold-out).
 
 Levers: ``plain``, ``ckpt`` (activation checkpointing of every repeated block), ``bf16`` (autocast),
 ``ckpt+bf16``. For every lever and batch size (a list spanning 16x) the peak allocated and reserved
@@ -16,6 +18,7 @@ Snapshots (with truth): a complete recording of two steps at one batch size, and
 that runs out of memory in its first forward under the cap (dumped by the OOM observer).
 
     python3 sample_snapshots/workloads_fit.py all --out /tmp/fit --jobs 8
+    python3 sample_snapshots/workloads_fit.py all --groups fit_vit --out /tmp/fit --jobs 6   # one family
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ LEVERS = ("plain", "ckpt", "bf16", "ckpt+bf16")
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "resnet50": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    "vit": {"batches": [4, 8, 16, 32, 64], "complete": 8, "oom": 128, "search_max": 256},
 }
 
 
@@ -51,11 +55,16 @@ def build(family: str, lever: str):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    else:
+    elif family == "resnet50":
         import torchvision
 
         model = torchvision.models.resnet50().to("cuda").train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        import torchvision
+
+        model = torchvision.models.vit_b_16().to("cuda").train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
 
@@ -69,6 +78,20 @@ def resnet_forward(model, x, ckpt: bool):
     return model.fc(model.avgpool(x).flatten(1))
 
 
+def vit_forward(model, x, ckpt: bool):
+    """torchvision's VisionTransformer.forward, with each encoder block checkpointed when asked."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    x = model._process_input(x)
+    x = torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+    enc = model.encoder
+    x = enc.dropout(x + enc.pos_embedding)
+    for block in enc.layers:
+        x = checkpoint(block, x, use_reentrant=False) if ckpt else block(x)
+    return model.heads(enc.ln(x)[:, 0])
+
+
 def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     import torch
 
@@ -79,8 +102,9 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     else:
         x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
         y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
+        forward = resnet_forward if family == "resnet50" else vit_forward
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
-            loss = torch.nn.functional.cross_entropy(resnet_forward(model, x, "ckpt" in lever), y)
+            loss = torch.nn.functional.cross_entropy(forward(model, x, "ckpt" in lever), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -148,7 +172,7 @@ def table_job(family: str, lever: str) -> None:
 
 for _family in FAMILIES:
     for _lever in LEVERS:
-        H.workload(f"fittable_{_family}_{_lever}", "fit")(lambda f=_family, v=_lever: table_job(f, v))
+        H.workload(f"fittable_{_family}_{_lever}", f"fit_{_family}")(lambda f=_family, v=_lever: table_job(f, v))
 
 
 def _snapshot_run(family: str, batch: int, capped: bool) -> None:
@@ -189,9 +213,9 @@ def _snapshot_run(family: str, batch: int, capped: bool) -> None:
 
 
 for _family, _cfg in FAMILIES.items():
-    H.workload(f"fit_{_family}_b{_cfg['complete']}_complete_python", "fitsnap")(
+    H.workload(f"fit_{_family}_b{_cfg['complete']}_complete_python", f"fit_{_family}")(
         lambda f=_family, b=_cfg["complete"]: _snapshot_run(f, b, False))
-    H.workload(f"fit_{_family}_b{_cfg['oom']}_oom_python", "fitsnap")(
+    H.workload(f"fit_{_family}_b{_cfg['oom']}_oom_python", f"fit_{_family}")(
         lambda f=_family, b=_cfg["oom"]: _snapshot_run(f, b, True))
 
 

@@ -140,6 +140,8 @@ EXPECTED = {
     "fit_resnet50_b16_complete_python": set(),
     "fit_gpt2_b32_oom_python": {"oom-capacity"},
     "fit_resnet50_b512_oom_python": {"oom-capacity"},
+    "fit_vit_b8_complete_python": set(),
+    "fit_vit_b128_oom_python": {"oom-capacity"},
     # issue #19's frameworks, inference, mid-run and benchmark recordings (workloads_frameworks.py):
     # those whose recording started after the model (or wrapped) say so, and nothing else
     **{
