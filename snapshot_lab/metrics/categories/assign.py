@@ -23,6 +23,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..history.lifetimes import device_lifetimes
+from .grad_forward import grad_forward_mask
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
 from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
 from .pretrace import MIRROR_COVERAGE, WORKSPACE_SIZES, PreTraceBlocks, TraceFacts, judge_pre_trace, mirrored_sizes
@@ -178,9 +179,15 @@ class _DeviceCategories:
         """A KV cache filled by a training forward (transformers builds a ``DynamicCache`` when
         ``use_cache`` is on, and its ``torch.cat`` copies every layer's keys and values) holds
         activations, not a generation's cache: truth of ``fw_lightning_auto_python`` (32 MiB at
-        the peak). Kept apart by its rule, so the waste can still be named."""
+        the peak). Kept apart by its rule, so the waste can still be named. A trace with no backward
+        and no optimizer yet (out of memory in the first forward: ``fit_gpt2_b32_oom_python``) is
+        judged by how its forwards keep memory (:mod:`.grad_forward`, rule
+        ``kv_cache_in_grad_forward``)."""
         if training:
             self._set(self.code == CODES["kv_cache"], "activation", "kv_cache_in_training")
+        else:
+            saved = grad_forward_mask(self.lt, self.code == CODES["kv_cache"])
+            self._set(saved, "activation", "kv_cache_in_grad_forward")
 
     def _parameter_mirrors(self) -> None:
         """An optimizer written by hand in the program's own code (no decisive frame) shows up as

@@ -33,6 +33,7 @@ RULE_HELP = {
     "pipeline_inflight": "saved by a pipeline stage's forward, freed by its backward",
     "kv_cache_replaced": "freed by a KV cache that replaced it with a larger tensor",
     "kv_cache_in_training": "filled by a KV cache during a training forward (use_cache on): activations",
+    "kv_cache_in_grad_forward": "filled by a KV cache in a forward that kept every layer's activations (grad on)",
     "parameter_mirror": "one stack of the program's own code whose allocations mirror the parameters",
     "backward_temporary": "no stack (autograd's thread), made and freed in the trace",
     "stackless_survivor": "no stack, made in the trace and alive at the end",
