@@ -23,17 +23,16 @@ from typing import Any, overload
 
 from . import notebook
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
-from .errors import OutputError, SnaplabError, UsageError
+from .errors import OutputError, ParameterError, SnaplabError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
 from .metrics import SnapshotStats, compute_stats
-from .metrics.allocator.whatif import MemoryLimit, WhatIf
+from .metrics.allocator.whatif import MemoryLimit
 from .metrics.comparison.compare import (
     Limits,
     RankRow,
     SnapshotDiff,
     SnapshotSummary,
-    Violation,
     check_limits,
     diff_summaries,
     host_of,
@@ -43,9 +42,9 @@ from .metrics.comparison.compare import (
 )
 from .metrics.diagnose import Diagnosis, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
-from .metrics.leaks import LeakAnalysis
 from .metrics.parallel.pipeline import PipelineSkew
 from .progress import NullProgress, ProgressSink
+from .results import FileFindings, Leaks, Ranks, Violations, WhatIfs
 from .units import parse_bytes
 
 
@@ -71,19 +70,20 @@ def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[Sna
     return stats_, diagnose(frames, stats_, with_category_timelines=False)
 
 
-def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> dict[int, LeakAnalysis]:
-    """Leak suspects per device: sites whose surviving memory grows every iteration."""
-    return _diagnosis(snapshot, progress)[1].leaks
+def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> Leaks:
+    """Leak suspects per device (``{device: LeakAnalysis}``): sites whose surviving memory grows
+    every iteration."""
+    return Leaks(_diagnosis(snapshot, progress)[1].leaks)
 
 
 Files = list[str] | list[Path] | list[str | Path] | tuple[str | Path, ...]  # several snapshot files
 
 
 @overload
-def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> list[Finding]: ...
+def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> FileFindings: ...
 @overload
 def findings(snapshot: Files, *, progress: ProgressSink | None = None) -> FleetFindings: ...
-def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = None) -> list[Finding] | FleetFindings:
+def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = None) -> FileFindings | FleetFindings:
     """Findings with evidence and advice, most severe first.
 
     Given several files (a list; the ranks of one job), each file's own findings and the
@@ -91,7 +91,7 @@ def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = No
     sidecars or the file names tell): a :class:`FleetFindings`, whose ``errors`` name the files
     that could not be read (the others are still analysed). A file given twice is read once."""
     if isinstance(snapshot, (str, os.PathLike)):
-        return notebook.Findings(_diagnosis(snapshot, progress)[1].findings)
+        return FileFindings(_diagnosis(snapshot, progress)[1].findings)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshot))
     own: dict[str, list[Finding]] = {}
@@ -142,7 +142,9 @@ def report(
     from .report import REPORT_FORMATS, build_report  # matplotlib and jinja2 load only when a report is made
 
     if format not in REPORT_FORMATS:
-        raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
+        raise ParameterError(
+            "format", "{format} must be one of {choices}, not {got!r}", choices=", ".join(REPORT_FORMATS), got=format
+        )
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
@@ -220,7 +222,9 @@ def _ranks_on_dask(
     try:
         from distributed import Client, LocalCluster, as_completed
     except ImportError:
-        raise UsageError("--scheduler needs dask.distributed: pip install 'snapshot-lab[dask]'") from None
+        raise ParameterError(
+            "scheduler", "{scheduler} needs dask.distributed: pip install 'snapshot-lab[dask]'"
+        ) from None
     cluster = None
     try:
         if scheduler == "local":
@@ -229,7 +233,9 @@ def _ranks_on_dask(
         else:
             client = Client(scheduler, timeout="30s")
     except (OSError, TimeoutError) as exc:
-        raise UsageError(f"cannot reach the Dask scheduler {scheduler}: {exc}") from None
+        raise ParameterError(
+            "scheduler", "cannot reach the Dask scheduler {address}: {problem}", address=scheduler, problem=exc
+        ) from None
     try:
         futures = client.map(summarize_file, paths, with_sites=False, pure=False)
         owner = {f.key: p for f, p in zip(futures, paths, strict=True)}
@@ -249,7 +255,7 @@ def ranks(
     scheduler: str | None = None,
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
-) -> tuple[list[RankRow], dict[str, str]]:
+) -> Ranks:
     """One row per rank file, outliers flagged; files are parsed in parallel by ``jobs``
     processes, each holding one snapshot at a time (or on a Dask cluster with ``scheduler``:
     an address, or 'local'). The rank comes from ``rank<N>`` in the file name; files that share a
@@ -258,7 +264,8 @@ def ranks(
     When the files span several pipeline stages (from the capture sidecars' parallel layout, or
     ``pp1``/``stage1`` in the names), each rank is compared only with the ranks of its own stage
     (``RankRow.group``) and the stages with each other: :func:`pipeline`.
-    Returns the rows and, per file that could not be read, its error."""
+    Returns the rows and, per file that could not be read, its error (a :class:`Ranks`, which
+    unpacks as ``rows, errors``)."""
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshots))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
@@ -308,7 +315,7 @@ def ranks(
         )
         png = figure_png_data_uri(plot_ranks(chart))
         write_atomic(Path(output), render_ranks_html(rows, errors, png, __version__, skew, across))
-    return rows, errors
+    return Ranks(rows, errors)
 
 
 def pipeline(rows: list[RankRow]) -> tuple[PipelineSkew | None, list[Finding]]:
@@ -330,7 +337,7 @@ def check(
     baseline: str | Path | None = None,
     max_growth: str | None = None,
     progress: ProgressSink | None = None,
-) -> list[Violation]:
+) -> Violations:
     """Limits for CI gates; returns the violated ones (empty: all limits hold). Sizes are
     strings like ``40GiB`` (a unit is required); ``max_growth`` like ``5%`` or ``0.05``. An
     out-of-memory error in the trace fails the gate unless ``no_oom=False``."""
@@ -341,13 +348,15 @@ def check(
             g = max_growth.strip()
             growth = float(g[:-1]) / 100 if g.endswith("%") else float(g)
         except ValueError:
-            raise UsageError(f"--max-growth: not a percentage: {max_growth!r} (try 5%)") from None
+            raise ParameterError(
+                "max_growth", "{max_growth}: not a percentage: {got!r} (try 5%)", got=max_growth
+            ) from None
         if baseline is None:
-            raise UsageError("--max-growth needs --baseline OLD_SNAPSHOT")
+            raise ParameterError("max_growth", "{max_growth} needs {baseline} (the snapshot to compare against)")
     limits = Limits(
-        max_reserved_bytes=_size_or_none(max_reserved, "--max-reserved"),
-        max_allocated_bytes=_size_or_none(max_allocated, "--max-allocated"),
-        max_peak_bytes=_size_or_none(max_peak, "--max-peak"),
+        max_reserved_bytes=_size_or_none(max_reserved, "max_reserved"),
+        max_allocated_bytes=_size_or_none(max_allocated, "max_allocated"),
+        max_peak_bytes=_size_or_none(max_peak, "max_peak"),
         max_fragmentation=max_fragmentation,
         no_oom=no_oom,
         no_leaks=no_leaks,
@@ -356,7 +365,7 @@ def check(
     (progress or NullProgress()).stage("Reading")
     summary = summarize_file(snapshot, with_sites=False)
     base = summarize_file(baseline, with_sites=False) if baseline is not None else None
-    return check_limits(summary, limits, base)
+    return Violations(check_limits(summary, limits, base))
 
 
 EXPORT_FORMATS = ("parquet", "csv", "json")
@@ -372,12 +381,14 @@ def export(
     """Write the frames (segments, blocks, events, stack_frames, stacks, annotations) to
     ``output/<table>.<format>``; returns the files written."""
     if format not in EXPORT_FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+        raise ParameterError("format", "{format} must be one of {choices}", choices=", ".join(EXPORT_FORMATS))
     if format == "parquet":
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise UsageError("parquet needs pyarrow: pip install 'snapshot-lab[parquet]' (or --format csv)") from None
+            raise ParameterError(
+                "format", "parquet needs pyarrow: pip install 'snapshot-lab[parquet]' (or {format:csv})"
+            ) from None
     frames = load_frames(snapshot, progress=progress)
     out = Path(output)
     try:
@@ -429,7 +440,7 @@ def run(
 
     argv = [target, *(args or [])]
     if not module and not Path(target).is_file():
-        raise UsageError(f"no such script: {target}")
+        raise ParameterError("target", "no such script: {script}", script=target)
     old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = argv
     if not module:
@@ -464,19 +475,14 @@ def run(
 # --------------------------------------------------------------------------- allocator what-if
 
 
-def _size_or_none(text: str | None, name: str) -> int | None:
-    """A size option in bytes (None when not given); a bad size is a usage error naming ``name``."""
+def _size_or_none(text: str | None, parameter: str) -> int | None:
+    """A size parameter in bytes (None when not given); a bad size is an error naming ``parameter``."""
     if text is None:
         return None
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise UsageError(f"{name}: {exc}") from None
-
-
-def _memory_limit(memory_limit: str | None) -> int | None:
-    """``--memory-limit`` in bytes (None when not given)."""
-    return _size_or_none(memory_limit, "--memory-limit")
+        raise ParameterError(parameter, "{" + parameter + "}: {problem}", problem=exc) from None
 
 
 def whatif(
@@ -486,7 +492,7 @@ def whatif(
     defaults: bool = False,
     memory_limit: str | None = None,
     progress: ProgressSink | None = None,
-) -> list[WhatIf]:
+) -> WhatIfs:
     """Replay each device's trace through the allocator model: a check under the recorded
     settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
     on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
@@ -494,7 +500,7 @@ def whatif(
     from .metrics.allocator.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
     from .metrics.history.timeline import device_timeline
 
-    limit = _memory_limit(memory_limit)
+    limit = _size_or_none(memory_limit, "memory_limit")
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Replaying")
     stats_ = compute_stats(frames)
@@ -510,10 +516,10 @@ def whatif(
         try:
             scenarios = scenarios_for(recorded, settings or [], defaults, dev_limit.bytes)
         except ValueError as exc:
-            raise UsageError(f"--set: {exc}") from None
+            raise ParameterError("settings", "{settings}: {problem}", problem=exc) from None
         w = analyse_whatif(frames, dev, scenarios, dev_limit.bytes, dev_limit.is_cap)
         out.append(replace(w, memory_limit_source=dev_limit.source, memory_limit_inferred=dev_limit.inferred))
-    return out
+    return WhatIfs(out)
 
 
 # --------------------------------------------------------------------------- parallel plan
@@ -550,15 +556,17 @@ def plan(
     from .errors import SnapshotFormatError
     from .metrics.plan import PlanUnsupported, Strategy, plan_memory, plan_table
 
-    limit = _memory_limit(memory_limit)
+    limit = _size_or_none(memory_limit, "memory_limit")
     split: tuple[int, ...] | None = None
     if pp_split is not None:
         try:
             split = tuple(int(x) for x in pp_split.split(",") if x.strip())
         except ValueError:
-            raise UsageError(f"--pp-split: blocks per stage, like 4,4 (got {pp_split!r})") from None
+            raise ParameterError(
+                "pp_split", "{pp_split}: blocks per stage, like 4,4 (got {got!r})", got=pp_split
+            ) from None
     if world_size < 1:
-        raise UsageError("--world-size must be at least 1")
+        raise ParameterError("world_size", "{world_size} must be at least 1")
     chosen = None
     if strategy is not None:
         chosen = Strategy(
@@ -576,7 +584,7 @@ def plan(
         try:
             chosen = chosen.resolved()
         except ValueError as exc:
-            raise UsageError(f"--strategy: {exc}") from None
+            raise ParameterError("strategy", "{strategy}: {problem}", problem=exc) from None
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Planning")
     source = "--memory-limit" if limit is not None else ""
@@ -627,9 +635,9 @@ def fit(
 
     limit = _size_or_none(memory_limit, "memory_limit")
     if recorded_batch is not None and recorded_batch < 1:
-        raise UsageError("recorded_batch must be at least 1")
+        raise ParameterError("recorded_batch", "{recorded_batch} must be at least 1")
     if not batch_scale > 0:
-        raise UsageError("batch_scale must be positive")
+        raise ParameterError("batch_scale", "{batch_scale} must be positive")
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Fitting")
     try:

@@ -1,12 +1,14 @@
 """The ``snaplab`` command: a thin typer shell over :mod:`snapshot_lab.api`.
 
 Every command funnels errors through :func:`_run`: a :class:`SnaplabError` becomes one line on
-stderr and its exit code; anything else is a bug, reported as one line (exit 70) unless
-``--debug`` asks for the traceback.
+stderr and its exit code (a :class:`ParameterError`, said in the API's words, names the
+command's own flag instead: ``pp_split`` becomes ``--pp-split``); anything else is a bug,
+reported as one line (exit 70) unless ``--debug`` asks for the traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,10 +18,11 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+import typer.main
 
 from . import __version__, api
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR
-from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, SnaplabError
+from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, ParameterError, SnaplabError
 from .progress import progress_bar
 
 app = typer.Typer(
@@ -45,6 +48,33 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar o
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the Python traceback of an error.")]
 
 
+@functools.cache
+def _flags() -> dict[str, str]:
+    """Each command parameter as its user types it, from the typer options themselves: the
+    option's long flag (``pp_split``: ``--pp-split``, ``settings``: ``--set``) or the argument's
+    name (``TARGET``). A name means one flag in every command (tests/test_cli_errors.py)."""
+    group = typer.main.get_command(app)
+    flags = {}
+    for command in group.commands.values():  # type: ignore[attr-defined]
+        for param in command.params:
+            if param.param_type_name == "option":
+                flags[param.name] = next((opt for opt in param.opts if opt.startswith("--")), param.opts[0])
+            else:
+                flags[param.name] = param.metavar or param.name.upper()
+    return flags
+
+
+def _spell_as_flag(parameter: str, value: str | None) -> str:
+    """A parameter as the command line writes it, followed by ``value`` when given."""
+    name = _flags().get(parameter, parameter)
+    return name if value is None else f"{name} {value}"
+
+
+def _error_line(exc: SnaplabError) -> str:
+    """The one line an error prints: in the command line's words."""
+    return exc.spelled(_spell_as_flag) if isinstance(exc, ParameterError) else exc.message()
+
+
 def _run(fn: Callable[[], T], debug: bool) -> T:
     debug = debug or bool(os.environ.get("SNAPLAB_DEBUG"))
     try:
@@ -54,7 +84,7 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
     except SnaplabError as exc:
         if debug:
             raise
-        typer.echo(f"snaplab: error: {exc.message()}", err=True)
+        typer.echo(f"snaplab: error: {_error_line(exc)}", err=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         typer.echo("snaplab: interrupted", err=True)
@@ -119,15 +149,8 @@ def leaks(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = Fa
     def work() -> None:
         with progress_bar(quiet) as progress:
             result = api.leaks(snapshot, progress=progress)
-        suspects = [s.to_dict() for la in result.values() for s in la.suspects]
         if json_out:
-            _print_json(
-                {
-                    "suspects": suspects,
-                    "growth_bytes_per_iteration": sum(la.growth_bytes_per_iteration for la in result.values()),
-                    "devices": {str(d): la.to_dict() for d, la in result.items()},
-                }
-            )
+            _print_json(result.to_dict())
         else:
             from .render.text import format_leaks
 
@@ -161,7 +184,7 @@ def findings(
                 several = api.findings(paths, progress=progress)
         if len(paths) == 1:
             if json_out:
-                _print_json({"findings": [f.to_dict() for f in one]})
+                _print_json(one.to_dict())
             else:
                 from .render.text import format_findings
 
@@ -230,21 +253,14 @@ def ranks(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            rows, errors = api.ranks(list(snapshots), jobs=jobs, scheduler=scheduler, output=output, progress=progress)
-        skew, across = api.pipeline(rows)
+            result = api.ranks(list(snapshots), jobs=jobs, scheduler=scheduler, output=output, progress=progress)
+        rows, errors = result
         if json_out and rows:
-            _print_json(
-                {
-                    "ranks": [r.to_dict() for r in rows],
-                    "errors": errors,
-                    "pipeline": skew.to_dict() if skew is not None else None,
-                    "findings": [f.to_dict() for f in across],
-                }
-            )
+            _print_json(result.to_dict())
         elif rows:
             from .render.compare import format_ranks
 
-            sys.stdout.write(format_ranks(rows, skew, across))
+            sys.stdout.write(format_ranks(rows, *result.pipeline()))
         from .render.compare import rank_notice
 
         if output is not None and not errors:
@@ -299,7 +315,7 @@ def check(
                 progress=progress,
             )
         if json_out:
-            _print_json({"ok": not violations, "violations": [v.__dict__ for v in violations]})
+            _print_json(violations.to_dict())
         else:
             for v in violations:
                 typer.echo(f"FAIL {v.limit}: {v.message}")
@@ -362,17 +378,7 @@ def whatif(
                 snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit, progress=progress
             )
         if json_out:
-            first = result[0].to_dict() if result else {"replay_check": None, "scenarios": []}
-            # the (first) device's replay at the top level, every device under "devices"
-            _print_json(
-                {
-                    "device": first.get("device"),
-                    "replay_check": first["replay_check"],
-                    "scenarios": first["scenarios"],
-                    "memory_limit_bytes": first.get("memory_limit_bytes"),
-                    "devices": [w.to_dict() for w in result],
-                }
-            )
+            _print_json(result.to_dict())
         else:
             from .render.text import format_whatif
 

@@ -14,7 +14,10 @@ Exit codes (documented in the README):
 
 from __future__ import annotations
 
+import string
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -59,3 +62,50 @@ class UsageError(SnaplabError):
     """Options that make no sense together (found after parsing)."""
 
     exit_code = EXIT_USAGE
+
+
+# How a parameter is written in a message: its name, and with a value (``{format:csv}`` in a
+# template) the name given that value.
+Spelling = Callable[[str, str | None], str]
+
+
+def python_spelling(parameter: str, value: str | None) -> str:
+    """A parameter as a Python caller writes it: ``pp_split``, or ``format="csv"``."""
+    return parameter if value is None else f"{parameter}={value!r}"
+
+
+class _Spelled:
+    """One parameter's place in a template; its format spec is the value it is shown with."""
+
+    def __init__(self, parameter: str, spelling: Spelling) -> None:
+        self.parameter = parameter
+        self.spelling = spelling
+
+    def __format__(self, value: str) -> str:
+        return self.spelling(self.parameter, value or None)
+
+
+class ParameterError(UsageError, ValueError):
+    """A bad value for one parameter of an :mod:`snapshot_lab.api` function, said in the API's
+    words (``pp_split: blocks per stage...``); the command line says it in its own
+    (``--pp-split: ...``) through :meth:`spelled`.
+
+    ``template`` names parameters in braces (``"{max_growth} needs {baseline}"``; ``{format:csv}``
+    for a parameter with a value); ``values`` fill the other fields (``{got!r}``), and are never
+    read as a template themselves. It is a ``ValueError`` too, as a bad argument is in Python.
+    """
+
+    def __init__(self, parameter: str, template: str, **values: Any) -> None:
+        self.parameter = parameter
+        self.template = template
+        self.values = values
+        super().__init__(self.spelled(python_spelling))
+
+    def spelled(self, spelling: Spelling) -> str:
+        """The message with every parameter written by ``spelling`` (name, value or None)."""
+        fields = {
+            name: _Spelled(name, spelling)
+            for _, name, _, _ in string.Formatter().parse(self.template)
+            if name and name not in self.values
+        }
+        return self.template.format(**fields, **self.values)
