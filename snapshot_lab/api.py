@@ -596,6 +596,8 @@ def plan(
             result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source)
     except PlanUnsupported as exc:
         raise SnapshotFormatError(snapshot, f"cannot plan from this snapshot: {exc}") from None
+    except ParameterError:
+        raise  # already names its parameter
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if output is not None:
@@ -652,5 +654,7 @@ def fit(
         )
     except FitUnsupported as exc:
         raise SnapshotFormatError(snapshot, f"cannot fit from this snapshot: {exc}") from None
+    except ParameterError:
+        raise  # already names its parameter
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -70,8 +70,14 @@ Spelling = Callable[[str, str | None], str]
 
 
 def python_spelling(parameter: str, value: str | None) -> str:
-    """A parameter as a Python caller writes it: ``pp_split``, or ``format="csv"``."""
-    return parameter if value is None else f"{parameter}={value!r}"
+    """A parameter as a Python caller writes it: ``pp_split``, ``format='csv'``, ``tp=4``."""
+    if value is None:
+        return parameter
+    try:
+        float(value)
+    except ValueError:
+        return f"{parameter}={value!r}"
+    return f"{parameter}={value}"
 
 
 class _Spelled:
@@ -91,8 +97,10 @@ class ParameterError(UsageError, ValueError):
     (``--pp-split: ...``) through :meth:`spelled`.
 
     ``template`` names parameters in braces (``"{max_growth} needs {baseline}"``; ``{format:csv}``
-    for a parameter with a value); ``values`` fill the other fields (``{got!r}``), and are never
-    read as a template themselves. It is a ``ValueError`` too, as a bad argument is in Python.
+    or ``{tp:{n}}`` for a parameter with a value); ``values`` fill the other fields (``{got!r}``),
+    and are never read as a template themselves, except another ``ParameterError``, which is
+    spelled the same way (``"{strategy}: {problem}"`` around the strategy's own error). It is a
+    ``ValueError`` too, as a bad argument is in Python.
     """
 
     def __init__(self, parameter: str, template: str, **values: Any) -> None:
@@ -103,9 +111,13 @@ class ParameterError(UsageError, ValueError):
 
     def spelled(self, spelling: Spelling) -> str:
         """The message with every parameter written by ``spelling`` (name, value or None)."""
+        values = {
+            name: value.spelled(spelling) if isinstance(value, ParameterError) else value
+            for name, value in self.values.items()
+        }
         fields = {
             name: _Spelled(name, spelling)
             for _, name, _, _ in string.Formatter().parse(self.template)
-            if name and name not in self.values
+            if name and name not in values
         }
-        return self.template.format(**fields, **self.values)
+        return self.template.format(**fields, **values)

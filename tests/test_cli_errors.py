@@ -159,3 +159,14 @@ def test_each_parameter_name_means_one_flag_in_every_command():
                 seen.setdefault(param.name, set()).add(next(o for o in param.opts if o.startswith("--")))
     assert {name: flags for name, flags in seen.items() if len(flags) > 1} == {}
     assert _flags()["settings"] == "--set" and _flags()["pp_split"] == "--pp-split"
+
+
+def test_an_error_inside_another_is_spelled_the_same_way():
+    """How a metric can name a parameter itself (the planner's ``tp``) and api add its own
+    (``strategy``): both in the caller's words."""
+    inner = ParameterError("tp", "tp over {n} GPUs needs {tp:{n}}", n=4)
+    outer = ParameterError("strategy", "{strategy}: {problem}", problem=inner)
+    assert outer.message() == "strategy: tp over 4 GPUs needs tp=4"
+    assert outer.spelled(lambda name, value: f"--{name}" + (f" {value}" if value else "")) == (
+        "--strategy: tp over 4 GPUs needs --tp 4"
+    )
