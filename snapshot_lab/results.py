@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .metrics.allocator.whatif import WhatIf
 from .metrics.comparison.compare import RankRow, Violation, rank_pipeline
 from .metrics.findings import Finding
 from .metrics.leaks import LeakAnalysis
 from .metrics.parallel.pipeline import PipelineSkew
-from .metrics.allocator.whatif import WhatIf
 from .notebook import Findings
 
 
