@@ -30,9 +30,13 @@ def parse_bytes(text: str) -> int:
     num = s.rstrip("BbiKkMmGgTtPp")
     unit = s[len(num) :].lower().replace("ib", "").replace("b", "")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-    if unit not in scale or not num:
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in scale or not num or not value >= 0 or value == float("inf"):
         raise ValueError(f"not a byte size: {text!r} (try 512MiB, 40GiB)")
-    return int(float(num) * scale[unit])
+    return int(value * scale[unit])
 
 
 def format_percent(x: float | None, precision: int = 1) -> str:

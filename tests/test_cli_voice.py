@@ -73,3 +73,11 @@ def test_the_whatif_header_says_how_the_limit_was_inferred_once():
     assert r.exit_code == 0, r.output
     header = r.stdout.splitlines()[0]
     assert header.count("(inferred") == 1
+
+
+@pytest.mark.parametrize("size", ["lots", "-3GiB", "nanGiB", "infGiB", "GiB"])
+def test_a_size_that_is_no_size_gets_one_clear_line(size):
+    """Before, ``lots`` reached ``float()`` and the user read "could not convert string to float"."""
+    r = runner.invoke(app, ["check", str(sample_path("transformer_varlen")), "--max-reserved", size])
+    assert r.exit_code == EXIT_USAGE
+    assert f"not a byte size: {size!r}" in r.output and "float" not in r.output
