@@ -10,7 +10,7 @@ from .conftest import sample_path
 
 def test_verdict_of_two_steps_of_one_job(tmp_path):
     d = api.diff(sample_path("capture_single_step2"), sample_path("capture_single_step6"), output=tmp_path / "d.html")
-    assert diff_verdict(d) == "The second run needs more memory: peak in use 430.57 MiB → 541.90 MiB (+25.9%)."
+    assert diff_verdict(d) == "The second run needs more memory: peak requested 430.57 MiB → 541.90 MiB (+25.9%)."
     assert diff_warnings(d) == []
     html = (tmp_path / "d.html").read_text()
     assert '<p class="verdict">The second run needs more memory' in html and 'class="diff-warning"' not in html
