@@ -18,7 +18,7 @@ from .text import format_findings, table
 
 def _fmt(name: str, v: float | None) -> str:
     if v is None:
-        return "—"
+        return "no trace" if name.startswith("peak_") else "unknown"
     if name == "external_fragmentation":
         return f"{v:.3f}"
     if name == "segments":
@@ -29,7 +29,7 @@ def _fmt(name: str, v: float | None) -> str:
 def _delta(name: str, c: Change) -> str:
     d = c.delta
     if d is None:
-        return "—"
+        return "not comparable"
     if name == "external_fragmentation":
         return f"{d:+.3f}"
     if name == "segments":
@@ -230,6 +230,11 @@ def format_diff(d: SnapshotDiff) -> str:
     return f"{head}\n{totals}\n\n{cats}\n\n{sites}\n{extra}"
 
 
+def _peak_text(nbytes: int | None) -> str:
+    """A peak from the trace, or why there is none."""
+    return "no trace" if nbytes is None else format_bytes(nbytes)
+
+
 def _who(r: RankRow) -> str:
     return f"rank {r.label}" if r.labelled_by == "rank" else r.label
 
@@ -415,7 +420,7 @@ def format_ranks(
             [
                 r.label,
                 *([layout_text(r.layout)] if with_layout else []),
-                format_bytes(r.summary.peak_requested_bytes),
+                _peak_text(r.summary.peak_requested_bytes),
                 format_bytes(r.summary.reserved),
                 format_bytes(r.summary.allocated),
                 format_percent(r.summary.external_fragmentation),

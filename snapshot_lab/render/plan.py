@@ -14,14 +14,19 @@ from .text import table
 MiB = 1 << 20
 
 
+NO_LIMIT = "no limit known"  # fits and headroom without a memory limit (--memory-limit gives one)
+
+
 def _fits(r: RankPlan) -> str:
     if r.fits is None:
-        return "—"
+        return NO_LIMIT
     return "yes" if r.fits else "NO"
 
 
 def _headroom(r: RankPlan) -> str:
-    return "—" if r.headroom_bytes is None else format_bytes(r.headroom_bytes)
+    if r.headroom_bytes is not None:
+        return format_bytes(r.headroom_bytes)
+    return NO_LIMIT if r.fits is None else "none"
 
 
 def _events(first: int, last: int) -> str:
