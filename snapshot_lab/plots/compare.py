@@ -44,7 +44,8 @@ def plot_ranks(rows: pd.DataFrame) -> Figure:
     ax.bar(x, rows["reserved"], 0.8, color=COLORS["reserved"], label="reserved at the dump")
     peak = rows["peak"].astype(float).fillna(0).to_numpy()
     ax.bar(x, peak, 0.45, color=color, label="peak requested (trace); red: flagged rank")
-    ax.axhline(float(np.median(peak)) if peak.any() else 0, color="#555555", lw=0.8, ls="--", label="median peak")
+    if n > 2:  # the median of two is their mean: the flags compare a pair with each other
+        ax.axhline(float(np.median(peak)) if peak.any() else 0, color="#555555", lw=0.8, ls="--", label="median peak")
     step = max(1, n // 32)
     ticks = [str(r) for r in rows["rank"].to_numpy()[::step]]
     long = any(len(t) > 4 for t in ticks)  # host/rank or file names: slanted so they do not overlap

@@ -399,6 +399,7 @@ def render_ranks_html(
                 "reserved": r.summary.reserved,
                 "allocated": r.summary.allocated,
                 "frag": r.summary.external_fragmentation,
+                "stranded": r.summary.stranded_bytes,
                 "oom": r.summary.oom_cause,
                 "flags": r.flags,
             }
@@ -415,7 +416,7 @@ def format_ranks(
     """The table of ``ranks``; with a pipeline, its stages and the findings across the files below."""
     with_layout = any(r.layout is not None for r in rows)
     body = table(
-        ["rank", *(["layout"] if with_layout else []), "peak requested", "reserved", "allocated", "ext. frag", "flags"],
+        ["rank", *(["layout"] if with_layout else []), "peak requested", "reserved", "allocated", "stranded", "flags"],
         [
             [
                 r.label,
@@ -423,7 +424,7 @@ def format_ranks(
                 _peak_text(r.summary.peak_requested_bytes),
                 format_bytes(r.summary.reserved),
                 format_bytes(r.summary.allocated),
-                format_percent(r.summary.external_fragmentation),
+                format_bytes(r.summary.stranded_bytes),
                 "; ".join(r.flags),
             ]
             for r in rows
