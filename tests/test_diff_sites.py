@@ -54,3 +54,17 @@ def test_a_label_on_several_rows_is_one_row_with_the_sums(hf_pair):
         r["bytes"] for r in before.sites
     )  # nothing lost in the grouping
     assert f"{HF_LINE} (8 call paths)  shrunk" in format_diff(d)
+
+
+def test_the_headline_names_the_grown_line_with_all_its_paths():
+    """single_mlp -> single_transformer (one script, a larger model): the script's main line is
+    reached by 2 call paths; the headline gives their sum."""
+    before = api.summarize_file(sample_path("single_mlp"))
+    after = api.summarize_file(sample_path("single_transformer"))
+    line = "sample_snapshots/jobs/train_parallel.py:581 in main"
+    grown = _sum(after.sites, line, "bytes") - _sum(before.sites, line, "bytes")
+    assert grown == 315_617_280  # 301.00 MiB
+    d = diff_summaries(before, after)
+    assert d.sites[0].site == line and d.sites[0].delta_bytes == grown and d.sites[0].paths == 2
+    head = format_diff(d).splitlines()[3]
+    assert head.endswith(f"largest growth at {line} (+301.00 MiB over 2 call paths).")

@@ -67,6 +67,12 @@ def _name(path: str) -> str:
     return path.replace("\\", "/").split("/")[-1]
 
 
+def site_change_text(s: SiteChange) -> str:
+    """'model.py:12 in forward (+6.80 GiB over 15 call paths)': a site and its change, all paths summed."""
+    over = f" over {s.paths} call paths" if s.paths > 1 else ""
+    return f"{s.site} ({_signed(s.delta_bytes)}{over})"
+
+
 def site_text(s: SiteChange) -> str:
     """A site's label, with how many call paths reach it when several do (their bytes summed)."""
     return f"{s.site} ({s.paths} call paths)" if s.paths > 1 else s.site
@@ -81,7 +87,7 @@ def _diff_headline(d: SnapshotDiff) -> str:
     text = f"Reserved {_fmt(r.name, r.before)} → {_fmt(r.name, r.after)} ({_delta(r.name, r)})"
     grown = [s for s in d.sites if s.delta_bytes > 0]
     if grown:
-        text += f"; largest growth at {site_text(grown[0])} ({_signed(grown[0].delta_bytes)})"
+        text += f"; largest growth at {site_change_text(grown[0])}"
     return text + "."
 
 
@@ -109,8 +115,7 @@ def diff_verdict(d: SnapshotDiff) -> str:
     )
     moved = [c for c in d.sites if (c.delta_bytes > 0) == more and c.delta_bytes]
     if moved:
-        sign = "+" if more else ""
-        text += f", most at {site_text(moved[0])} ({sign}{format_bytes(moved[0].delta_bytes)})"
+        text += f", most at {site_change_text(moved[0])}"
     return text + "."
 
 
