@@ -66,5 +66,5 @@ def test_the_headline_names_the_grown_line_with_all_its_paths():
     assert grown == 315_617_280  # 301.00 MiB
     d = diff_summaries(before, after)
     assert d.sites[0].site == line and d.sites[0].delta_bytes == grown and d.sites[0].paths == 2
-    head = format_diff(d).splitlines()[3]
+    (head,) = [line for line in format_diff(d).splitlines() if line.startswith("Reserved ")]
     assert head.endswith(f"largest growth at {line} (+301.00 MiB over 2 call paths).")
