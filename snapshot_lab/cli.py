@@ -281,7 +281,7 @@ def check(
     snapshot: SnapshotArg,
     max_reserved: Annotated[str | None, typer.Option(help="Largest allowed reserved memory, e.g. 40GiB.")] = None,
     max_allocated: Annotated[str | None, typer.Option(help="Largest allowed allocated memory.")] = None,
-    max_peak: Annotated[str | None, typer.Option(help="Largest allowed peak in use (from the trace).")] = None,
+    max_peak: Annotated[str | None, typer.Option(help="Largest allowed peak requested (from the trace).")] = None,
     max_fragmentation: Annotated[
         float | None, typer.Option(help="Largest allowed external fragmentation (0..1).")
     ] = None,

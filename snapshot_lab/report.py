@@ -133,7 +133,7 @@ def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
     ]
     if tl is not None:
         cards.append(
-            Card("peak in use", format_bytes(tl.peak_requested_bytes), "largest requested total during the trace")
+            Card("peak requested", format_bytes(tl.peak_requested_bytes), "largest requested total during the trace")
         )
         cards.append(
             Card("peak reserved", format_bytes(tl.peak_reserved_bytes), "largest reserved total during the trace")
@@ -728,7 +728,7 @@ def _first_screen(
     where = "at the peak" if comp.moment == "peak" else "at the dump"
     frag = stats.devices[main.device].fragmentation["all"]
     peak = (
-        f"{format_bytes(comp.total_bytes)} in use {where}; {format_bytes(frag.reserved_bytes)} reserved at the "
+        f"{format_bytes(comp.total_bytes)} requested {where}; {format_bytes(frag.reserved_bytes)} reserved at the "
         f"dump, {format_percent(frag.stranded_share)} of it stranded in holes beside live tensors "
         f"({format_bytes(frag.stranded_bytes)})."
     )
@@ -740,7 +740,7 @@ def _first_screen(
         verdict=said,
         cause=cause,
         made_of=made_of(comp),
-        made_of_title=f"{format_bytes(comp.total_bytes)} in use {where}{dev}",
+        made_of_title=f"{format_bytes(comp.total_bytes)} requested {where}{dev}",
         levers=levers(findings, plans, fit),
         chart_svg=figure_svg(plot_composition(comp)),
         others=[

@@ -54,7 +54,7 @@ class Violations(list[Violation]):
     """The limits a ``check`` found violated; empty when every limit holds."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": not self, "violations": [dict(vars(violation)) for violation in self]}
+        return {"ok": not self, "violations": [violation.to_dict() for violation in self]}
 
 
 class Ranks(NamedTuple):

@@ -236,7 +236,7 @@ def test_an_old_capture_is_compared_as_before():
     rows = _rows([sample_path(f"capture_ddp_rank{r}") for r in (0, 1)])
     assert [r.layout for r in rows] == [None, None]
     assert [bool(r.flags) for r in rows] == [False, True]
-    assert rows[1].flags[0].startswith("peak in use 4.36 GiB is 43% above the median 3.05 GiB")
+    assert rows[1].flags[0] == "peak requested 4.36 GiB is 2.5× its peer's 1.73 GiB"
     assert api.pipeline(rows) == (None, [])
     assert rows[1].to_dict()["coordinates"] == {} and rows[1].to_dict()["group"] is None
 
@@ -279,7 +279,7 @@ def test_a_real_outlier_still_stands_out_within_its_stage(tmp_path):
     rows = _rows(_fleet(tmp_path, odd="pp_gpipe_transformer_rank0"))
     flagged = [r for r in rows if r.flags]
     assert [r.rank for r in flagged] == [2]
-    assert flagged[0].flags[0].endswith("of pp stage 0") and "above the median" in flagged[0].flags[0]
+    assert flagged[0].flags[0].endswith("of pp stage 0") and "its peer's" in flagged[0].flags[0]
     skew, _ = api.pipeline(rows)
     assert skew is not None and skew.stages[0].path == str(tmp_path / "job_rank0.pickle.xz")
 
@@ -370,8 +370,8 @@ def test_cli_ranks_json_text_and_html_of_a_pipeline(tmp_path):
     assert [s["stage"] for s in pipe["stages"]] == [0, 1] and pipe["heaviest_stage"] == 1
     assert out["findings"] == []
     text = runner.invoke(app, ["ranks", *map(str, files), "-j", "1"]).stdout
-    assert text.splitlines()[2].split() == ["rank", "layout", "peak", "in", "use", "reserved", "allocated", "ext.",
-                                            "frag", "flags"]  # fmt: skip
+    assert text.splitlines()[2].split() == ["rank", "layout", "peak", "requested", "reserved", "allocated",
+                                            "stranded", "flags"]  # fmt: skip
     assert "of pp stage 0" in text and "Pipeline skew across 2 stages" in text
     html = out_html.read_text()
     assert 'id="pipeline"' in html and "pp 0 · dp 1" in html and "pp stage 0" in html

@@ -14,7 +14,14 @@ from typer.testing import CliRunner
 
 from snapshot_lab import api
 from snapshot_lab.cli import app
-from snapshot_lab.metrics.comparison.compare import SnapshotSummary, host_of, rank_labels, rank_of, rank_rows
+from snapshot_lab.metrics.comparison.compare import (
+    SnapshotSummary,
+    host_of,
+    rank_labels,
+    rank_of,
+    rank_outliers,
+    rank_rows,
+)
 from snapshot_lab.render.compare import format_ranks, rank_notice
 
 from .conftest import SAMPLES, sample_path, sample_truth
@@ -116,7 +123,7 @@ def test_rows_of_a_fleet_with_local_ranks_are_ordered_and_compared_together():
     assert notice is not None and "\n" not in notice
     assert notice.startswith("ranks 0–7 are each in several files (512 files)")
     assert "labelled host/rank (e.g. node0/rank0)" in notice
-    assert format_ranks(rows).startswith("512 files; 1 stands out: node17/rank3: peak in use")
+    assert format_ranks(rows).startswith("512 files; 1 stands out: node17/rank3: peak requested 13.67 GiB is 40% above")
     odd_names = rank_rows({"a\nb_rank0.pickle": _summary(MiB), "c_rank0.pickle": _summary(MiB)})
     assert "\n" not in (rank_notice(odd_names) or "\n")
     # a fleet without collisions keeps the plain rank numbers and says nothing
@@ -250,3 +257,23 @@ def test_console_script_ranks_with_shared_numbers(colliding, tmp_path):
         "plain.pickle.xz",
     ]
     assert (tmp_path / "ranks.html").stat().st_size > 0
+
+
+def test_two_ranks_are_compared_with_each_other_not_with_their_median():
+    """capture_ddp: rank 1 ran a 3x batch. With two files the median is their mean, half way to
+    the odd one ('43% above the median 3.05 GiB' undersold a rank holding 2.5x its peer's memory):
+    the flag says it against the peer."""
+    rows, errors = api.ranks([sample_path("capture_ddp_rank0"), sample_path("capture_ddp_rank1")], jobs=1)
+    assert errors == {} and rows[0].flags == []
+    peaks = [r.summary.peak_requested_bytes for r in rows]
+    assert peaks == [1_860_534_280, 4_682_797_064]  # requested_bytes.all.peak of each rank
+    assert rows[1].flags[0] == "peak requested 4.36 GiB is 2.5× its peer's 1.73 GiB"
+    assert rows[1].flags[1].startswith("reserved 4.65 GiB is 2.5× its peer's")
+
+
+def test_a_rank_far_below_its_peer_says_its_share_and_many_ranks_a_multiple_of_the_median():
+    low = rank_outliers({0: _summary(10_000 * MiB), 1: _summary(2_000 * MiB)})
+    assert low[0][0] == "peak requested 9.77 GiB is 5.0× its peer's 1.95 GiB"  # a pair: each flag says the other
+    assert low[1][0] == "peak requested 1.95 GiB is 20% of its peer's 9.77 GiB"
+    many = rank_outliers({i: _summary(10_000 * MiB) for i in range(4)} | {4: _summary(25_000 * MiB)})
+    assert many[4][0] == "peak requested 24.41 GiB is 2.5× the median 9.77 GiB"

@@ -95,7 +95,7 @@ def oom_cause(o: OomAnalysis) -> str:
             f"largest free hole was {format_bytes(o.largest_free_block_bytes)}, smaller than the request."
         )
     return (
-        f"Capacity: {format_bytes(o.reserved_bytes)} was reserved ({format_bytes(o.allocated_bytes)} in use) and "
+        f"Capacity: {format_bytes(o.reserved_bytes)} was reserved ({format_bytes(o.allocated_bytes)} allocated) and "
         f"all cached free memory together ({format_bytes(o.free_in_reserved_bytes)}) was less than the request."
     )
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..metrics.comparison.compare import Change, RankRow, SnapshotDiff
+from ..metrics.comparison.compare import Change, RankRow, SiteChange, SnapshotDiff
 from ..metrics.findings import Finding
 from ..metrics.parallel.parallelism import KINDS, ParallelLayout
 from ..metrics.parallel.pipeline import PipelineSkew
+from ..plots.common import figure_png_data_uri
+from ..plots.compare import plot_diff_timelines
 from ..units import format_bytes, format_percent
 from .html import _css, _environment
 from .text import format_findings, table
@@ -16,7 +18,7 @@ from .text import format_findings, table
 
 def _fmt(name: str, v: float | None) -> str:
     if v is None:
-        return "—"
+        return "no trace" if name.startswith("peak_") else "unknown"
     if name == "external_fragmentation":
         return f"{v:.3f}"
     if name == "segments":
@@ -27,7 +29,7 @@ def _fmt(name: str, v: float | None) -> str:
 def _delta(name: str, c: Change) -> str:
     d = c.delta
     if d is None:
-        return "—"
+        return "not comparable"
     if name == "external_fragmentation":
         return f"{d:+.3f}"
     if name == "segments":
@@ -35,9 +37,28 @@ def _delta(name: str, c: Change) -> str:
     return ("+" if d > 0 else "") + format_bytes(d)
 
 
+# the totals' names as the other pages say them (docs/glossary.md); --json keeps the keys
+MEASURE_NAMES = {
+    "reserved_bytes": "reserved",
+    "allocated_bytes": "allocated",
+    "requested_bytes": "requested",
+    "free_in_reserved_bytes": "free in reserved",
+    "stranded_bytes": "stranded (holes in live segments)",
+    "external_fragmentation": "external fragmentation",
+    "peak_requested_bytes": "peak requested (trace)",
+    "peak_reserved_bytes": "peak reserved (trace)",
+    "segments": "segments",
+}
+
+
 def _rows(changes: list[Change]) -> list[dict[str, str]]:
     return [
-        {"name": c.name, "before": _fmt(c.name, c.before), "after": _fmt(c.name, c.after), "delta": _delta(c.name, c)}
+        {
+            "name": MEASURE_NAMES.get(c.name, c.name),
+            "before": _fmt(c.name, c.before),
+            "after": _fmt(c.name, c.after),
+            "delta": _delta(c.name, c),
+        }
         for c in changes
     ]
 
@@ -46,12 +67,27 @@ def _name(path: str) -> str:
     return path.replace("\\", "/").split("/")[-1]
 
 
+def site_change_text(s: SiteChange) -> str:
+    """'model.py:12 in forward (+6.80 GiB over 15 call paths)': a site and its change, all paths summed."""
+    over = f" over {s.paths} call paths" if s.paths > 1 else ""
+    return f"{s.site} ({_signed(s.delta_bytes)}{over})"
+
+
+def site_text(s: SiteChange) -> str:
+    """A site's label, with how many call paths reach it when several do (their bytes summed)."""
+    return f"{s.site} ({s.paths} call paths)" if s.paths > 1 else s.site
+
+
+def _signed(nbytes: int) -> str:
+    return ("+" if nbytes > 0 else "") + format_bytes(nbytes)
+
+
 def _diff_headline(d: SnapshotDiff) -> str:
     r = d.totals[0]
     text = f"Reserved {_fmt(r.name, r.before)} → {_fmt(r.name, r.after)} ({_delta(r.name, r)})"
     grown = [s for s in d.sites if s.delta_bytes > 0]
     if grown:
-        text += f"; largest growth at {grown[0].site} ({'+' + format_bytes(grown[0].delta_bytes)})"
+        text += f"; largest growth at {site_change_text(grown[0])}"
     return text + "."
 
 
@@ -67,7 +103,9 @@ def diff_verdict(d: SnapshotDiff) -> str:
         return f"The second run no longer runs out of memory (the first did: {a.oom_cause})."
     before = a.peak_requested_bytes if a.peak_requested_bytes is not None else a.allocated
     after = b.peak_requested_bytes if b.peak_requested_bytes is not None else b.allocated
-    what = "peak in use" if a.peak_requested_bytes is not None and b.peak_requested_bytes is not None else "allocated"
+    what = (
+        "peak requested" if a.peak_requested_bytes is not None and b.peak_requested_bytes is not None else "allocated"
+    )
     if not before or abs(after - before) < SAME_WITHIN * before:
         return f"About the same: {what} {format_bytes(before)} → {format_bytes(after)}."
     more = after > before
@@ -77,9 +115,11 @@ def diff_verdict(d: SnapshotDiff) -> str:
     )
     moved = [c for c in d.sites if (c.delta_bytes > 0) == more and c.delta_bytes]
     if moved:
-        sign = "+" if more else ""
-        text += f", most at {moved[0].site} ({sign}{format_bytes(moved[0].delta_bytes)})"
+        text += f", most at {site_change_text(moved[0])}"
     return text + "."
+
+
+UNLIKE_PARAMETERS = 1.5  # parameters this many times larger in one file: another model
 
 
 def diff_warnings(d: SnapshotDiff) -> list[str]:
@@ -94,6 +134,12 @@ def diff_warnings(d: SnapshotDiff) -> list[str]:
     sites_a, sites_b = {s["site"] for s in a.sites}, {s["site"] for s in b.sites}
     if sites_a and sites_b and not sites_a & sites_b:
         out.append("No allocation site is common to both files: they look like different programs.")
+    params_a, params_b = a.categories.get("parameter", 0), b.categories.get("parameter", 0)
+    if params_a and params_b and max(params_a, params_b) > UNLIKE_PARAMETERS * min(params_a, params_b):
+        out.append(
+            f"The parameters differ ({format_bytes(params_a)} and {format_bytes(params_b)}): "
+            "two different models, or one model of two sizes."
+        )
     if out:
         out.append("Compare two snapshots of the same job (before and after a change) for a meaningful diff.")
     return out
@@ -110,9 +156,8 @@ def render_diff_html(d: SnapshotDiff, version: str) -> str:
         "headline": _diff_headline(d),
         "totals": _rows(d.totals),
         "categories": _rows([c for c in d.categories if c.before or c.after]),
-        "sites": [
-            {**s.__dict__, "delta": ("+" if s.delta_bytes > 0 else "") + format_bytes(s.delta_bytes)} for s in d.sites
-        ],
+        "sites": [{**s.__dict__, "delta": _signed(s.delta_bytes)} for s in d.sites],
+        "timeline_png": _timeline_png(d),
         "findings_new": d.findings_new,
         "findings_gone": d.findings_gone,
         "modules": [
@@ -123,6 +168,14 @@ def render_diff_html(d: SnapshotDiff, version: str) -> str:
         "modules_note": _modules_note(d),
     }
     return _environment().get_template("diff.html.j2").render(ctx=ctx)
+
+
+def _timeline_png(d: SnapshotDiff) -> str | None:
+    """Both files' memory over their traces in one chart (None when either has no trace)."""
+    if not d.before.timelines or not d.after.timelines:
+        return None
+    names = (f"before: {_name(d.before.path)}", f"after: {_name(d.after.path)}")
+    return figure_png_data_uri(plot_diff_timelines(d.before.timelines, d.after.timelines, names))
 
 
 def _modules_note(d: SnapshotDiff) -> str:
@@ -148,11 +201,11 @@ def format_diff(d: SnapshotDiff) -> str:
         ["site", "status", "before", "after", "change"],
         [
             [
-                s.site,
+                site_text(s),
                 s.status,
                 format_bytes(s.before_bytes),
                 format_bytes(s.after_bytes),
-                ("+" if s.delta_bytes > 0 else "") + format_bytes(s.delta_bytes),
+                _signed(s.delta_bytes),
             ]
             for s in d.sites[:20]
         ],
@@ -180,6 +233,11 @@ def format_diff(d: SnapshotDiff) -> str:
     if d.findings_new or d.findings_gone:
         extra = f"\nfindings new: {', '.join(d.findings_new) or 'none'}; gone: {', '.join(d.findings_gone) or 'none'}\n"
     return f"{head}\n{totals}\n\n{cats}\n\n{sites}\n{extra}"
+
+
+def _peak_text(nbytes: int | None) -> str:
+    """A peak from the trace, or why there is none."""
+    return "no trace" if nbytes is None else format_bytes(nbytes)
 
 
 def _who(r: RankRow) -> str:
@@ -346,6 +404,7 @@ def render_ranks_html(
                 "reserved": r.summary.reserved,
                 "allocated": r.summary.allocated,
                 "frag": r.summary.external_fragmentation,
+                "stranded": r.summary.stranded_bytes,
                 "oom": r.summary.oom_cause,
                 "flags": r.flags,
             }
@@ -362,15 +421,15 @@ def format_ranks(
     """The table of ``ranks``; with a pipeline, its stages and the findings across the files below."""
     with_layout = any(r.layout is not None for r in rows)
     body = table(
-        ["rank", *(["layout"] if with_layout else []), "peak in use", "reserved", "allocated", "ext. frag", "flags"],
+        ["rank", *(["layout"] if with_layout else []), "peak requested", "reserved", "allocated", "stranded", "flags"],
         [
             [
                 r.label,
                 *([layout_text(r.layout)] if with_layout else []),
-                format_bytes(r.summary.peak_requested_bytes),
+                _peak_text(r.summary.peak_requested_bytes),
                 format_bytes(r.summary.reserved),
                 format_bytes(r.summary.allocated),
-                format_percent(r.summary.external_fragmentation),
+                format_bytes(r.summary.stranded_bytes),
                 "; ".join(r.flags),
             ]
             for r in rows
@@ -380,7 +439,7 @@ def format_ranks(
     if pipeline is not None:
         view = pipeline_view(pipeline, rows)
         stages = table(
-            ["stage", "ranks", "peak in use", "in flight at peak", "schedule keeps in flight"],
+            ["stage", "ranks", "peak requested", "in flight at peak", "schedule keeps in flight"],
             [[s["stage"], s["ranks"], s["peak"], s["inflight"], s["in_flight_mb"]] for s in view["stages"]],
         )
         out += f"\n{view['text']}\n\n{stages}\n"

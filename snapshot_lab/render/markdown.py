@@ -81,7 +81,7 @@ def _numbers(ctx: ReportContext) -> list[str]:
     out = [
         "### Key numbers",
         "",
-        "| device | reserved | allocated | peak in use | fragmentation (stranded) | cached, releasable | OOM |",
+        "| device | reserved | allocated | peak requested | fragmentation (stranded) | cached, releasable | OOM |",
         "|---|--:|--:|--:|--:|--:|---|",
     ]
     for d in ctx.devices:
@@ -89,7 +89,7 @@ def _numbers(ctx: ReportContext) -> list[str]:
         oom = f"{d.oom.cause}, request of {format_bytes(d.oom.requested_bytes)}" if d.oom else "no"
         out.append(
             f"| {d.device} | {cards.get('reserved', '')} | {cards.get('allocated', '')} | "
-            f"{cards.get('peak in use', 'no trace')} | {cards.get('fragmentation', '')} | "
+            f"{cards.get('peak requested', 'no trace')} | {cards.get('fragmentation', '')} | "
             f"{_releasable(d)} | {oom} |"
         )
     return [*out, ""]

@@ -14,14 +14,19 @@ from .text import table
 MiB = 1 << 20
 
 
+NO_LIMIT = "no limit known"  # headroom without a memory limit (--memory-limit gives one)
+
+
 def _fits(r: RankPlan) -> str:
     if r.fits is None:
-        return "—"
+        return "unknown"
     return "yes" if r.fits else "NO"
 
 
 def _headroom(r: RankPlan) -> str:
-    return "—" if r.headroom_bytes is None else format_bytes(r.headroom_bytes)
+    if r.headroom_bytes is not None:
+        return format_bytes(r.headroom_bytes)
+    return NO_LIMIT if r.fits is None else "none"
 
 
 def _events(first: int, last: int) -> str:
@@ -164,7 +169,8 @@ def plan_view(result: MemoryPlan | PlanTable) -> dict[str, Any]:
     ranks = []
     for r in [p.recorded, *p.ranks]:
         bars = [
-            {"category": c, "bytes": b, "width": round(360 * b / biggest, 1), "color": COLORS.get(c, "#999")}
+            # width: percent of the bar cell, the largest peak filling it (one line at any width)
+            {"category": c, "bytes": b, "width": round(100 * b / biggest, 2), "color": COLORS.get(c, "#999")}
             for c, b in r.by_category.items()
             if b > 0
         ]

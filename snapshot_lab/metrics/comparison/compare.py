@@ -21,7 +21,7 @@ from ..categories import CATEGORIES, categorize, category_levels_at
 from ..diagnose import Diagnosis
 from ..findings import Finding, compute_fleet_findings
 from ..history.lifetimes import device_lifetimes
-from ..history.timeline import Timeline
+from ..history.timeline import Timeline, envelope
 from ..parallel.parallelism import (
     ParallelLayout,
     group_label,
@@ -35,6 +35,7 @@ from ..stats.summary import SnapshotStats
 from .snapshot_summary import SnapshotSummary
 
 MiB = 1024 * 1024
+TIMELINE_POINTS = 400  # buckets of the timelines a summary keeps for diff's overlaid chart
 
 
 # --------------------------------------------------------------------------- summaries
@@ -107,7 +108,33 @@ def summarize(
         peak_sites=peak_sites,
         peak_modules=peak_modules,
         modules_source=modules_source,
+        timelines=[timeline_series(frames, t) for t in peaks] if with_sites else [],
     )
+
+
+def timeline_series(frames: SnapshotFrames, timeline: Timeline, points: int = TIMELINE_POINTS) -> dict[str, Any]:
+    """A device's requested and reserved bytes over the trace in at most ``points`` buckets (each
+    bucket's largest value, so the peaks survive), for the chart of two files overlaid: x in
+    seconds since the device's first event when every event has a time, else the event index."""
+    index = np.arange(timeline.n_events)
+    requested = envelope(index, timeline.requested_bytes, points)
+    reserved = envelope(index, timeline.reserved_bytes, points)
+    starts = requested.x.astype(np.int64)
+    times = frames.events.loc[frames.events["device"] == timeline.device, "time_us"]
+    timed = len(times) == timeline.n_events and bool(times.notna().all())
+    if timed:
+        micros = times.to_numpy(dtype=np.int64)
+        x = [float(t) for t in (micros[starts] - micros[0]) / 1e6]
+    else:
+        x = [float(i) for i in starts]
+    return {
+        "device": timeline.device,
+        "x_label": "seconds" if timed else "event index",
+        "x": x,
+        "index": [int(i) for i in starts],
+        "requested": [int(v) for v in requested.high],
+        "reserved": [int(v) for v in reserved.high],
+    }
 
 
 def _at_peaks(
@@ -183,11 +210,18 @@ class Change:
 
 @dataclass(frozen=True)
 class SiteChange:
+    """One allocation site (its label, ``file:line in function``) before and after: the bytes and
+    blocks of every call path that reaches it summed (``paths``: how many there are, in either
+    file; ``detail``: the call path that holds the most bytes)."""
+
     site: str
     detail: str
     before_bytes: int
     after_bytes: int
     status: str  # 'grown', 'shrunk', 'new', 'gone', 'same'
+    before_blocks: int = 0
+    after_blocks: int = 0
+    paths: int = 1
 
     @property
     def delta_bytes(self) -> int:
@@ -277,27 +311,66 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
         ),
     ]
     cats = [Change(c, a.categories.get(c, 0), b.categories.get(c, 0)) for c in a.categories]
-    sa = pd.DataFrame(a.sites, columns=["site", "detail", "bytes", "blocks"])
-    sb = pd.DataFrame(b.sites, columns=["site", "detail", "bytes", "blocks"])
-    m = sa.merge(sb, on=["site", "detail"], how="outer", suffixes=("_a", "_b"))
-    m = m.fillna({"bytes_a": 0, "bytes_b": 0})
-    m["delta"] = m["bytes_b"] - m["bytes_a"]
-    m = m.reindex(m["delta"].abs().sort_values(ascending=False).index).head(limit)
-    sites = []
-    for r in m.itertuples(index=False):
-        before, after = int(r.bytes_a), int(r.bytes_b)
-        sites.append(SiteChange(str(r.site), str(r.detail), before, after, _status(before, after)))
     return SnapshotDiff(
         before=a,
         after=b,
         totals=totals,
         categories=cats,
-        sites=sites,
+        sites=site_changes(a.sites, b.sites, limit),
         findings_new=sorted(set(b.findings) - set(a.findings)),
         findings_gone=sorted(set(a.findings) - set(b.findings)),
         modules=_module_changes(a, b, limit),
         modules_source=a.modules_source if a.modules_source == b.modules_source else "none",
     )
+
+
+SITE_COLUMNS = ["site", "detail", "bytes", "blocks"]
+
+
+def _by_label(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per site label: bytes and blocks summed over its call paths (``detail``), the
+    paths themselves listed largest first."""
+    table = pd.DataFrame(rows, columns=SITE_COLUMNS).astype({"detail": str})
+    table = table.sort_values(["bytes", "detail"], ascending=[False, True], kind="stable")
+    return table.groupby("site", as_index=False, sort=False).agg(
+        bytes=("bytes", "sum"), blocks=("blocks", "sum"), details=("detail", list)
+    )
+
+
+def site_changes(before: list[dict[str, Any]], after: list[dict[str, Any]], limit: int = 50) -> list[SiteChange]:
+    """The sites (rows of :func:`site_table`) that changed most between two files, largest change
+    first: the rows that share a site label are one (a line reached by many call paths, such as a
+    forward hook of every layer, is one line that grew by the sum)."""
+    merged = _by_label(before).merge(_by_label(after), on="site", how="outer", suffixes=("_a", "_b"))
+    merged = merged.fillna({"bytes_a": 0, "bytes_b": 0, "blocks_a": 0, "blocks_b": 0})
+    merged["delta"] = merged["bytes_b"] - merged["bytes_a"]
+    merged["size"] = merged[["bytes_a", "bytes_b"]].max(axis=1)
+    merged = merged.sort_values(["delta", "size", "site"], key=_magnitude, ascending=[False, False, True])
+    out = []
+    for r in merged.head(limit).itertuples(index=False):
+        paths_a = r.details_a if isinstance(r.details_a, list) else []
+        paths_b = r.details_b if isinstance(r.details_b, list) else []
+        largest = (paths_b if r.bytes_b >= r.bytes_a else paths_a) or paths_a or paths_b
+        paths = len(set(paths_a) | set(paths_b))
+        before_bytes, after_bytes = int(r.bytes_a), int(r.bytes_b)
+        out.append(
+            SiteChange(
+                str(r.site),
+                str(largest[0]) if largest else "",
+                before_bytes,
+                after_bytes,
+                _status(before_bytes, after_bytes),
+                int(r.blocks_a),
+                int(r.blocks_b),
+                max(paths, 1),
+            )
+        )
+    return out
+
+
+def _magnitude(column: pd.Series) -> pd.Series:
+    """Sort key: numbers by their size (a shrink as large as a growth ranks beside it)."""
+    return column.abs() if pd.api.types.is_numeric_dtype(column) else column
 
 
 # --------------------------------------------------------------------------- ranks
@@ -388,17 +461,38 @@ class RankRow:
         }
 
 
+def _how_far(label: str, value: int, others: list[int], median: float, of_group: str) -> str:
+    """Why a value stands out, said against what it is compared with: its peer when there is one
+    other file ('2.5× its peer's 1.74 GiB': a median of two is their mean, half way to the odd
+    one), else the median ('43% above the median', '2.1× the median' once that reads better)."""
+    if len(others) == 1:
+        peer = others[0]
+        if value > peer:
+            return f"{label} {format_bytes(value)} is {value / peer:.1f}× its peer's {format_bytes(peer)}{of_group}"
+        share = format_percent(value / peer, 0)
+        return f"{label} {format_bytes(value)} is {share} of its peer's {format_bytes(peer)}{of_group}"
+    if value >= 2 * median:
+        return f"{label} {format_bytes(value)} is {value / median:.1f}× the median {format_bytes(median)}{of_group}"
+    word = "above" if value > median else "below"
+    return (
+        f"{label} {format_bytes(value)} is {format_percent(abs(value - median) / median, 0)} {word} "
+        f"the median {format_bytes(median)}{of_group}"
+    )
+
+
 def rank_outliers(
     summaries: dict[K, SnapshotSummary],
     within: str | None = None,
 ) -> dict[K, list[str]]:
     """Why each file stands out from the others (empty list: it does not); keys are anything
-    that names a file (its rank, its path). ``within`` names the group they form in the
-    messages ('pp stage 1': '... above the median ... of pp stage 1')."""
+    that names a file (its rank, its path). A file stands out when it is far from the median of
+    the files (``OUTLIER_RATIO`` above, ``OUTLIER_LOW_RATIO`` below, and ``OUTLIER_MIN_BYTES``);
+    the message says it against its peer when there are two files. ``within`` names the group
+    they form in the messages ('pp stage 1': '... the median ... of pp stage 1')."""
     of_group = f" of {within}" if within else ""
     flags: dict[K, list[str]] = {r: [] for r in summaries}
     metrics: dict[str, dict[K, int | None]] = {
-        "peak in use": {r: s.peak_requested_bytes for r, s in summaries.items()},
+        "peak requested": {r: s.peak_requested_bytes for r, s in summaries.items()},
         "reserved": {r: s.reserved for r, s in summaries.items()},
         "allocated": {r: s.allocated for r, s in summaries.items()},
     }
@@ -412,11 +506,8 @@ def rank_outliers(
                 diff = v - med
                 ratio = OUTLIER_RATIO if diff > 0 else OUTLIER_LOW_RATIO
                 if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= ratio:
-                    word = "above" if diff > 0 else "below"
-                    flags[r].append(
-                        f"{label} {format_bytes(v)} is {format_percent(abs(diff) / med, 0)} {word} "
-                        f"the median {format_bytes(med)}{of_group}"
-                    )
+                    others = [other for key, other in known.items() if key != r]
+                    flags[r].append(_how_far(label, v, others, med, of_group))
     for r, s in summaries.items():
         if s.oom_cause:
             requested = format_bytes(s.oom_requested_bytes)
@@ -564,6 +655,9 @@ class Violation:
     threshold: float | str
     message: str
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"limit": self.limit, "value": self.value, "threshold": self.threshold, "message": self.message}
+
 
 def check_limits(
     s: SnapshotSummary,
@@ -579,7 +673,7 @@ def check_limits(
 
     over("max_reserved", s.reserved, limits.max_reserved_bytes, "reserved")
     over("max_allocated", s.allocated, limits.max_allocated_bytes, "allocated")
-    over("max_peak", s.peak_requested_bytes, limits.max_peak_bytes, "peak in use")
+    over("max_peak", s.peak_requested_bytes, limits.max_peak_bytes, "peak requested")
     if limits.max_fragmentation is not None and s.external_fragmentation > limits.max_fragmentation:
         fragmentation, limit = s.external_fragmentation, limits.max_fragmentation
         message = f"external fragmentation {fragmentation:.3f} exceeds {limit:.3f}"
@@ -600,7 +694,7 @@ def check_limits(
         for name, now, then in (
             ("reserved", s.reserved, baseline.reserved),
             ("allocated", s.allocated, baseline.allocated),
-            ("peak in use", s.peak_requested_bytes, baseline.peak_requested_bytes),
+            ("peak requested", s.peak_requested_bytes, baseline.peak_requested_bytes),
         ):
             if now is None or then is None or then == 0:
                 continue

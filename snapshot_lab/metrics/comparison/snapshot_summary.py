@@ -45,6 +45,11 @@ class SnapshotSummary:
     # the pipeline stage the stacks show (metrics.parallelism.layout_from_pipeline_stacks): used
     # when neither the sidecar nor the file name places the file
     stack_layout: ParallelLayout | None = None
+    # memory over the trace, per device, reduced to at most TIMELINE_POINTS buckets (each bucket's
+    # largest value): {device, x_label ('seconds' or 'event index'), x (bucket starts: seconds
+    # since the first event, or event index), index (the bucket starts' event index), requested,
+    # reserved}; only for ``diff`` (empty for ranks and check, and without a trace)
+    timelines: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def reserved(self) -> int:
