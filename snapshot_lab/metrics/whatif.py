@@ -18,6 +18,7 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from .allocator_model import (
+    UNLIMITED,
     AllocatorSettings,
     Block,
     CachingAllocatorModel,
@@ -415,7 +416,8 @@ def scenarios_for(
 
 
 def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 0) -> list[AllocatorSettings]:
-    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more); one
+    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more), with
+    expandable segments and no split limit too when the recording had one; one
     for traces of more than ``WHATIF_FULL_GRID_EVENTS`` events, so a huge trace stays within the
     report's time budget (the replay runs at about 600k events per second)."""
     if events > WHATIF_FULL_GRID_EVENTS:
@@ -424,6 +426,9 @@ def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 
         replace(base, expandable_segments=True),
         replace(base, expandable_segments=True, roundup_power2_divisions=(4,) * 16),
     ]
+    if base.max_split_size != UNLIMITED:
+        # what the cache would be without the split limit (the reserved-gap finding names it)
+        out.append(replace(base, max_split_size=UNLIMITED, expandable_segments=True))
     if memory_limit is not None:
         out.append(replace(base, max_split_size=256 * MiB, expandable_segments=False))
     return [s for s in dict.fromkeys(out) if s != base]
