@@ -48,12 +48,25 @@ EXPECTED = {
     **{f"late_{a}_{m}": {"history-incomplete"} for a in ("gpt2", "llama") for m in ("python", "all")},
     **{f"gloo_nobucketview_{m}_rank{r}": {"ddp-bucket-duplicate-grads"} for m in ("python", "all") for r in (0, 1)},
     **{f"gloo_bucketview_{m}_rank{r}": set() for m in ("python", "all") for r in (0, 1)},
-    # one job recorded whole and wrapped under each allocator setting (workloads_holdout.py's twins)
+    # one job recorded whole and wrapped under each allocator setting (workloads_holdout.py's twins);
+    # a split limit leaves reserved memory far above the peak in use (reserved-gap), except
+    # twin_split128, whose 1.65x stays under the 2x the finding asks for
     **{
         f"{job}{setting}_{kind}": ({"history-incomplete"} if kind == "wrapped" else set())
+        | ({"reserved-gap"} if f"{job}{setting}" in ("twin_split64", "gaptwin_split64", "gaptwin_split128") else set())
         for job in ("twin", "gaptwin")
         for setting in ("", "_expandable", "_split64", "_split128", "_roundup4")
         for kind in ("complete", "wrapped")
+    },
+    # uncapped runs under a split limit (workloads.py / workloads_holdout.py what-if families)
+    **{
+        name: {"reserved-gap"}
+        for name in (
+            "whatif_maxsplit_uncapped",
+            "gcwhatif_split64gc06_uncapped",
+            "gcwhatif_split128gc08_uncapped",
+            "gcretry_split64gc06_uncapped",
+        )
     },
     # one forward pass (or one step) through 24-32 identical layers: a climb, not a leak
     "deep_forward_python": set(),
@@ -185,6 +198,7 @@ SITUATIONS = {
     "fsdp-unsharded-kept",
     "tp-replicated-params",
     "fsdp-prefetch-peak",
+    "reserved-gap",
 }
 
 

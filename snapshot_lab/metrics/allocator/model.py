@@ -700,16 +700,17 @@ class CachingAllocatorModel:
         return block
 
     def _unmapped_containing(self, addr: int, stream: int) -> tuple[_Pool, Block] | None:
-        """The unmapped range that holds ``addr``. Each expandable segment reserves 2**47 bytes of
-        address space, so a large segment's range also spans a small segment placed above it: the
-        range that starts nearest below ``addr`` is the one it belongs to."""
+        """The unmapped block holding ``addr``: of the two pools', the one that starts last. The
+        address space after a range's last mapped page is modelled as one block running far past
+        it, so the large pool's may span a small-pool range above it (``gaptwin_expandable_wrapped``
+        maps the small pool's next page at an address inside the large range's tail)."""
         found: tuple[_Pool, Block] | None = None
         for pool in (self.large, self.small):
             i = bisect.bisect_right(pool.unmapped, (stream, addr)) - 1
             if i >= 0 and pool.unmapped[i][0] == stream:
                 b = pool.unmapped_blocks[pool.unmapped[i]]
                 if b.addr <= addr < b.addr + b.size and (found is None or b.addr > found[1].addr):
-                    found = (pool, b)
+                    found = pool, b
         return found
 
     def follow_map(self, addr: int, size: int, stream: int, small: bool) -> bool:

@@ -228,6 +228,21 @@ def seed(model: CachingAllocatorModel, state: StartState) -> dict[int, Block]:
     return live
 
 
+def live_at_start(state: StartState) -> list[tuple[int, int, int]]:
+    """The blocks alive at the trace's start as (recorded address, size, stream), in address
+    order (the closest the snapshot comes to the order they were allocated in: a cache grows
+    upwards from empty, and the model's parameters, allocated first, sit lowest)."""
+    return sorted((a, n, s.stream) for s in state.segments for a, n in s.live.items())
+
+
+def place_from_empty(model: CachingAllocatorModel, blocks: list[tuple[int, int, int]]) -> dict[int, Block]:
+    """Allocate ``blocks`` (:func:`live_at_start`) in a fresh model, each where the model's
+    settings put it: the cache those blocks alone would have built under those settings.
+    Returns the model's blocks by recorded address; raises OutOfMemory when they do not fit
+    under the model's limit."""
+    return {address: model.malloc(size, stream) for address, size, stream in blocks}
+
+
 def _next_alloc_small(actions: np.ndarray, sizes: np.ndarray, i: int) -> bool:
     """The pool of the allocation a mapping was made for: the next ``alloc`` after it."""
     for j in range(i + 1, min(i + 64, actions.size)):

@@ -19,6 +19,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ..history.moments import oom_moment
 from .model import (
+    UNLIMITED,
     AllocatorSettings,
     Block,
     CachingAllocatorModel,
@@ -27,13 +28,19 @@ from .model import (
     recorded_settings,
 )
 from .releases import find_releases
-from .state import StartState, seed, start_state
+from .state import StartState, live_at_start, place_from_empty, seed, start_state
 
 __all__ = ["apply_conf", "recorded_settings"]  # settings parsing lives in the model, re-exported
 
 MiB = 1 << 20
 
 _ALLOC, _FREE, _SEG_NEW, _SEG_GONE, _OOM, _OTHER = range(6)
+
+# where a scenario's replay started, for a trace that starts mid-run (a ring buffer that wrapped,
+# recording started after the model was built): the recorded settings replay from the cache as
+# recorded (rebuilt from the snapshot backwards: exact), every other setting from a steady state
+START_REBUILT = "rebuilt"
+START_STEADY = "steady"
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,15 @@ class ScenarioResult:
     alloc_retries: int
     ooms: list[dict[str, int]]
     recorded_oom_avoided: bool | None  # None when the recording had no OOM
+    # where the replay started, for a trace that starts mid-run (None: from empty, like the
+    # replay check): START_REBUILT or START_STEADY
+    start: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.start is None:
+            del out["start"]  # a trace that starts with the job: every replay starts empty
+        return out
 
 
 @dataclass(frozen=True)
@@ -75,9 +88,14 @@ class WhatIf:
     scenarios: list[ScenarioResult] = field(default_factory=list)  # the first: the recorded settings
     memory_limit_source: str = ""
     memory_limit_inferred: bool = False  # the limit is a stand-in (see MemoryLimit)
+    # how the other settings were replayed, when the trace starts mid-run ("": from empty)
+    scenario_start: str = ""
+    # the recorded settings replayed from the same steady state as the other settings (a trace
+    # that starts mid-run): what their rows compare with, like for like
+    steady_baseline: ScenarioResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "device": self.device,
             "events": self.events,
             "memory_limit_bytes": self.memory_limit_bytes,
@@ -86,6 +104,11 @@ class WhatIf:
             "replay_check": self.replay_check.to_dict(),
             "scenarios": [s.to_dict() for s in self.scenarios],
         }
+        if self.scenario_start:
+            out["scenario_start"] = self.scenario_start
+        if self.steady_baseline is not None:
+            out["steady_baseline"] = self.steady_baseline.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -152,20 +175,14 @@ def _explicit_release(model: CachingAllocatorModel, prog: _Program, i: int) -> b
     return not model.needs_release(int(prog.size[target]), int(prog.stream[target]))
 
 
-def _replay(
-    prog: _Program,
-    settings: AllocatorSettings,
-    limit: int | None,
-    start: StartState | None = None,
-    explicit: set[int] | None = None,
-    limit_is_cap: bool = True,
-) -> tuple[CachingAllocatorModel, dict[int, Block], bool | None, set[int]]:
-    """Replay the program; returns the model, its live blocks by recorded address, whether the
-    recorded OOM (if any) was avoided, and the release runs taken as explicit empty_cache()
-    calls (decided on the way when ``explicit`` is None: only under the recorded settings)."""
-    model = CachingAllocatorModel(settings, limit, limit_is_cap)
-    live: dict[int, Block] = seed(model, start) if start is not None else {}
-    decided: set[int] = set()
+def _run_events(
+    prog: _Program, model: CachingAllocatorModel, live: dict[int, Block], explicit: set[int] | None, decided: set[int]
+) -> tuple[bool | None, bool]:
+    """Apply the program's events to ``model``; ``live`` (recorded address -> block) is updated
+    in place, and the release runs taken as explicit empty_cache() calls are added to
+    ``decided`` (decided on the way when ``explicit`` is None: only under the recorded settings).
+    Returns whether the recorded OOM (if any) was avoided, and whether the replay ran out of
+    memory (the program raises OutOfMemoryError there: the rest of the trace never happens)."""
     recorded_oom_avoided: bool | None = None
     kind, address, size, stream, index = prog.kind, prog.address, prog.size, prog.stream, prog.index
     for i in range(len(kind)):
@@ -174,7 +191,7 @@ def _replay(
             try:
                 live[int(address[i])] = model.malloc(int(size[i]), int(stream[i]), int(index[i]))
             except OutOfMemory:
-                break  # the program raises OutOfMemoryError here: the rest of the trace never happens
+                return recorded_oom_avoided, True
         elif k == _FREE:
             b = live.pop(int(address[i]), None)
             if b is not None:
@@ -193,7 +210,70 @@ def _replay(
                 recorded_oom_avoided = True if recorded_oom_avoided is None else recorded_oom_avoided
             except OutOfMemory:
                 recorded_oom_avoided = False
+    return recorded_oom_avoided, False
+
+
+def _replay(
+    prog: _Program,
+    settings: AllocatorSettings,
+    limit: int | None,
+    start: StartState | None = None,
+    explicit: set[int] | None = None,
+    limit_is_cap: bool = True,
+) -> tuple[CachingAllocatorModel, dict[int, Block], bool | None, set[int]]:
+    """Replay the program; returns the model, its live blocks by recorded address, whether the
+    recorded OOM (if any) was avoided, and the release runs taken as explicit empty_cache()
+    calls (decided on the way when ``explicit`` is None: only under the recorded settings)."""
+    model = CachingAllocatorModel(settings, limit, limit_is_cap)
+    live: dict[int, Block] = seed(model, start) if start is not None else {}
+    decided: set[int] = set()
+    recorded_oom_avoided, _ran_out = _run_events(prog, model, live, explicit, decided)
     return model, live, recorded_oom_avoided, decided
+
+
+def _steady_replay(
+    prog: _Program,
+    settings: AllocatorSettings,
+    limit: int | None,
+    start: StartState,
+    explicit: set[int],
+    limit_is_cap: bool = True,
+) -> tuple[CachingAllocatorModel, bool | None]:
+    """A trace that starts mid-run, replayed under other settings from a steady state: the
+    blocks alive at its start placed as ``settings`` lay them out from empty, the trace replayed
+    once to fill the cache the way these settings fill it, the live blocks brought back to the
+    trace's start (what the first pass allocated and still holds freed, the start's blocks it
+    freed allocated again), and the trace replayed a second time; the model's counters (peak
+    reserved, cudaMalloc calls, retries, OOMs) are the second pass's. The recorded cache at the
+    trace's start was built under the recorded settings, and replaying from it shows another
+    setting's effect on the segments made before the trace not at all (``twin_wrapped``:
+    expandable segments 1.74 GiB from the recorded cache, 1.40 GiB really, 1.24 GiB from the
+    steady state)."""
+    model = CachingAllocatorModel(settings, limit, limit_is_cap)
+    blocks = live_at_start(start)
+    try:
+        placed = place_from_empty(model, blocks)
+    except OutOfMemory:
+        return model, None  # the blocks alive at the trace's start do not fit under the limit
+    live = dict(placed)
+    avoided, ran_out = _run_events(prog, model, live, explicit, set())
+    if ran_out:
+        return model, avoided
+    stats = model.stats
+    stats.peak_reserved_bytes, stats.peak_allocated_bytes = stats.reserved_bytes, stats.allocated_bytes
+    stats.cuda_malloc_calls = stats.cuda_free_calls = stats.alloc_retries = 0
+    stats.ooms.clear()
+    for address, block in list(live.items()):
+        if placed.get(address) is not block:
+            model.free(live.pop(address))
+    try:
+        for address, size, stream in blocks:
+            if address not in live:
+                live[address] = model.malloc(size, stream)
+    except OutOfMemory:
+        return model, None
+    avoided, _ran_out = _run_events(prog, model, live, explicit, set())
+    return model, avoided
 
 
 def _recorded_layout(frames: SnapshotFrames, device: int) -> list[list[tuple[int, bool]]]:
@@ -220,7 +300,18 @@ def _describe_start(start: StartState) -> str:
     )
 
 
-def _scenario_result(settings: AllocatorSettings, m: CachingAllocatorModel, avoided: bool | None) -> ScenarioResult:
+def _describe_steady(start: StartState) -> str:
+    live = sum(len(s.live) for s in start.segments)
+    return (
+        f"other settings from a steady state: the {live} blocks live at the trace's start placed as each setting "
+        "lays them out from empty, the trace replayed twice, the second pass measured (segments made before the "
+        "trace for requests it does not repeat are not seen: a max_split_size_mb row is then a lower bound)"
+    )
+
+
+def _scenario_result(
+    settings: AllocatorSettings, m: CachingAllocatorModel, avoided: bool | None, start: str | None = None
+) -> ScenarioResult:
     return ScenarioResult(
         settings=settings.describe(),
         peak_reserved_bytes=m.stats.peak_reserved_bytes,
@@ -231,6 +322,7 @@ def _scenario_result(settings: AllocatorSettings, m: CachingAllocatorModel, avoi
         alloc_retries=m.stats.alloc_retries,
         ooms=[{"event_index": i, "requested_bytes": r} for i, r in m.stats.ooms],
         recorded_oom_avoided=avoided,
+        start=start,
     )
 
 
@@ -241,9 +333,11 @@ def analyse_whatif(
     memory_limit: int | None = None,
     limit_is_cap: bool = True,
 ) -> WhatIf:
-    """Replay check under the recorded settings, then each scenario. Every replay starts from
-    the state just before the trace's first event, rebuilt from the dump (empty when the trace
-    starts with the job). ``limit_is_cap``: the limit is a per-process cap
+    """Replay check under the recorded settings, then each scenario. A trace that starts with
+    the job replays every scenario from empty. One that starts mid-run (a ring buffer that
+    wrapped, recording started late) replays the recorded settings from the state just before
+    its first event, rebuilt from the dump (exact), and every other setting from a steady state
+    (:func:`_steady_replay`), labelled in each scenario's ``start``. ``limit_is_cap``: the limit is a per-process cap
     (``set_per_process_memory_fraction``), under which garbage collection runs; the device's
     own capacity is not."""
     base = recorded_settings(frames.info.allocator_settings)
@@ -276,14 +370,24 @@ def analyse_whatif(
         recorded_segments=len(recorded),
         replayed_segments=len(replayed),
     )
+    mid_run = bool(start.segments)
     results = []
     for s in scenarios:
         if s == base:  # the check replayed exactly this already
             m, avoided = model, base_avoided
+        elif mid_run:
+            m, avoided = _steady_replay(prog, s, memory_limit, start, explicit, limit_is_cap)
         else:
             m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
-        results.append(_scenario_result(s, m, avoided))
-    return WhatIf(device, len(ev), memory_limit, check, results)
+        label = None if not mid_run else START_REBUILT if s == base else START_STEADY
+        results.append(_scenario_result(s, m, avoided, label))
+    if not (mid_run and any(r.start == START_STEADY for r in results)):
+        return WhatIf(device, len(ev), memory_limit, check, results)
+    m, avoided = _steady_replay(prog, base, memory_limit, start, explicit, limit_is_cap)
+    baseline = _scenario_result(base, m, avoided, START_STEADY)
+    return WhatIf(
+        device, len(ev), memory_limit, check, results, scenario_start=_describe_steady(start), steady_baseline=baseline
+    )
 
 
 def grid(base: AllocatorSettings, memory_limit: int | None) -> list[AllocatorSettings]:
@@ -312,7 +416,8 @@ def scenarios_for(
 
 
 def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 0) -> list[AllocatorSettings]:
-    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more); one
+    """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more), with
+    expandable segments and no split limit too when the recording had one; one
     for traces of more than ``WHATIF_FULL_GRID_EVENTS`` events, so a huge trace stays within the
     report's time budget (the replay runs at about 600k events per second)."""
     if events > WHATIF_FULL_GRID_EVENTS:
@@ -321,6 +426,9 @@ def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 
         replace(base, expandable_segments=True),
         replace(base, expandable_segments=True, roundup_power2_divisions=(4,) * 16),
     ]
+    if base.max_split_size != UNLIMITED:
+        # what the cache would be without the split limit (the reserved-gap finding names it)
+        out.append(replace(base, max_split_size=UNLIMITED, expandable_segments=True))
     if memory_limit is not None:
         out.append(replace(base, max_split_size=256 * MiB, expandable_segments=False))
     return [s for s in dict.fromkeys(out) if s != base]
@@ -420,10 +528,18 @@ def settings_label(settings: dict[str, Any]) -> str:
 
 def best_alternative(w: WhatIf) -> tuple[ScenarioResult, str] | None:
     """The alternative worth suggesting: one that avoids the recorded OOM (lowest peak first),
-    else one that cuts the peak reserved by a meaningful amount; with why."""
+    else one that cuts the peak reserved by a meaningful amount; with why. The cut is measured
+    against the recorded settings and, for a trace that starts mid-run, against the recorded
+    settings replayed from the same steady state as the alternatives too (the recorded cache
+    holds segments from before the trace that no steady state sees: ``twin_wrapped`` holds
+    1.74 GiB, its steady state 1.65 GiB, and expandable segments really save 0.34 GiB, not
+    1.74 - 1.24 = 0.50)."""
     if not w.scenarios:
         return None
     recorded, alternatives = w.scenarios[0], w.scenarios[1:]
+    baseline = recorded.peak_reserved_bytes
+    if w.steady_baseline is not None:
+        baseline = min(baseline, w.steady_baseline.peak_reserved_bytes)
     if recorded.recorded_oom_avoided is False or recorded.ooms:
         fixes = [s for s in alternatives if not s.ooms]
         if fixes:
@@ -434,8 +550,8 @@ def best_alternative(w: WhatIf) -> tuple[ScenarioResult, str] | None:
         s
         for s in alternatives
         if not s.ooms
-        and recorded.peak_reserved_bytes - s.peak_reserved_bytes >= MIN_SAVING_BYTES
-        and recorded.peak_reserved_bytes - s.peak_reserved_bytes >= MIN_SAVING_SHARE * recorded.peak_reserved_bytes
+        and baseline - s.peak_reserved_bytes >= MIN_SAVING_BYTES
+        and baseline - s.peak_reserved_bytes >= MIN_SAVING_SHARE * baseline
     ]
     if not better:
         return None

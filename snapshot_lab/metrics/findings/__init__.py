@@ -36,6 +36,7 @@ from . import (
     oom,
     pipeline,
     recording,
+    reserved_gap,
     streams,
     tensor_parallel,
 )
@@ -51,6 +52,7 @@ RULES: list[Callable[[FindingContext], list[Finding]]] = [
     dataparallel.find,
     leaks.find,
     fragmentation.find,
+    reserved_gap.find,
     churn.find,
     cache_flush.find,
     streams.find,

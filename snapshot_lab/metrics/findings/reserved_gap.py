@@ -1,0 +1,119 @@
+"""Peak reserved far above peak in use: the allocator's cache grew far beyond what the tensors
+ever needed at once, and what other settings would have reserved (from the what-if replay; see
+:mod:`snapshot_lab.metrics.allocator.whatif`).
+
+The thresholds are set on the real recordings: every run recorded under ``max_split_size_mb``
+(64 or 128) on a job whose sizes change from step to step reserves at least 2x its peak in use,
+and more than 1 GiB beyond it (``gaptwin_split64``/``split128``: 5.09 / 5.17 GiB for 2.01 GiB,
+``twin_split64``: 3.37 for 1.39); the clean runs stay under either bound (``cnn_clean`` 1.7x and
+0.6 GiB, ``whatif_default_*`` 1.5x, ``twin_complete`` 1.25x, ``gaptwin_complete`` 1.05x). A
+ratio alone would flag tiny runs (``pending_free``: 1.9x of 60 MiB); bytes alone, large jobs'
+ordinary cache.
+
+A trace that starts mid-run may begin with a cache that an earlier workload of the process left
+(``lightning_fit_*``: the fit finds 1.25 GiB reserved and never uses more than 0.26 GiB). Its gap
+is the allocator's own only if the trace's work shows it too: the recorded settings replayed from
+a steady state (the what-if's ``steady_baseline``) must reserve at least 1.25x the peak in use
+(``gaptwin_split64_wrapped``: 3.26 GiB for 2.01, 1.6x; ``twin_split64_wrapped``: 1.97 for 1.20,
+1.6x; ``lightning_fit_end``: 0.29 for 0.26, 1.1x).
+"""
+
+from __future__ import annotations
+
+from ...units import format_bytes
+from ..allocator.whatif import START_STEADY, WhatIf, settings_label
+from ..history.timeline import Timeline
+from .base import Finding, FindingContext, MiB
+
+GAP_MIN_BYTES = 1024 * MiB
+GAP_MIN_RATIO = 2.0
+STEADY_MIN_RATIO = 1.25  # a mid-run trace: what its own work reserves under the recorded settings
+
+TITLE = (
+    "Reserved memory peaked at {reserved} for {in_use} of tensors at their peak ({ratio:.1f}x): {gap} of "
+    "cache the program never needed at once"
+)
+ADVICE_SPLIT = (
+    "The job ran with max_split_size_mb:{mb}: the allocator never splits a cached block larger than that, and a "
+    "request above it takes a cached block only if it is at most max_non_split_rounding_mb (20 MiB by default) "
+    "larger, else cudaMallocs a new one of its own size. When tensor sizes change from step to step (variable "
+    "sequence lengths, batch shapes), every size ever asked for keeps its own segments. "
+)
+ADVICE_PLAIN = (
+    "The cache grows when freed blocks do not fit the next requests (sizes that change from step to step) and "
+    "keeps what it reserved until empty_cache(). "
+)
+ADVICE_ROWS = "Replayed through snaplab's model of the caching allocator{how}: {rows}. "
+ADVICE_NONE = "`snaplab whatif` replays the trace under other settings. "
+ADVICE_TAIL = "`snaplab whatif` compares more settings."
+DROPS_SPLIT = " without max_split_size_mb"
+STEADY_NOTE = (
+    " (the trace starts mid-run: other settings replayed from a steady state, and a max_split_size_mb row is a "
+    "lower bound)"
+)
+
+
+def _rows(w: WhatIf | None) -> list[tuple[str, int]]:
+    """Each alternative the what-if replayed without running out: (settings, predicted peak)."""
+    if w is None or not w.scenarios:
+        return []
+    split = w.scenarios[0].settings.get("max_split_size_mb")
+    rows = []
+    for s in w.scenarios[1:]:
+        if not s.ooms:
+            drops_split = bool(split) and not s.settings.get("max_split_size_mb")
+            rows.append((settings_label(s.settings) + (DROPS_SPLIT if drops_split else ""), s.peak_reserved_bytes))
+    return rows
+
+
+def _advice(w: WhatIf | None, rows: list[tuple[str, int]]) -> str:
+    recorded = w.scenarios[0].settings if w is not None and w.scenarios else {}
+    mb = recorded.get("max_split_size_mb")
+    text = ADVICE_SPLIT.format(mb=mb) if mb else ADVICE_PLAIN
+    if not rows or w is None:
+        return text + ADVICE_NONE
+    steady = any(s.start == START_STEADY for s in w.scenarios)
+    listed = "; ".join(f"{label} {format_bytes(peak)}" for label, peak in sorted(rows, key=lambda r: r[1]))
+    return text + ADVICE_ROWS.format(how=STEADY_NOTE if steady else "", rows=listed) + ADVICE_TAIL
+
+
+def _finding(device: int, tl: Timeline, w: WhatIf | None) -> Finding | None:
+    reserved, in_use = tl.peak_reserved_bytes, tl.peak_requested_bytes
+    gap = reserved - in_use
+    if in_use <= 0 or gap < GAP_MIN_BYTES or reserved < GAP_MIN_RATIO * in_use:
+        return None
+    steady = w.steady_baseline if w is not None else None
+    if steady is not None and steady.peak_reserved_bytes < STEADY_MIN_RATIO * in_use:
+        return None  # the cache came before the trace, not from the allocator's handling of its work
+    rows = _rows(w)
+    best = min((peak for _, peak in rows), default=None)
+    return Finding(
+        id="reserved-gap",
+        severity="warning",
+        title=TITLE.format(
+            reserved=format_bytes(reserved), in_use=format_bytes(in_use), ratio=reserved / in_use, gap=format_bytes(gap)
+        ),
+        advice=_advice(w, rows),
+        evidence={
+            "peak_reserved_bytes": reserved,
+            "peak_in_use_bytes": in_use,
+            "gap_bytes": gap,
+            "ratio": round(reserved / in_use, 3),
+            "whatif_peak_reserved_bytes": dict(rows),
+            "steady_baseline_peak_reserved_bytes": steady.peak_reserved_bytes if steady is not None else None,
+        },
+        savings_bytes=reserved - best if best is not None and best < reserved else None,
+        device=device,
+    )
+
+
+def find(ctx: FindingContext) -> list[Finding]:
+    out = []
+    for dev in ctx.stats.devices:
+        tl = ctx.timelines.get(dev)
+        if tl is None:
+            continue
+        f = _finding(dev, tl, ctx.whatifs.get(dev))
+        if f is not None:
+            out.append(f)
+    return out
