@@ -152,7 +152,9 @@ def under_the_cap(real_frames):
     """The largest batch per lever under the 6 GiB cap, from every snapshot that supports it."""
     out = {}
     for family, (name, recorded, optimizer) in [*COMPLETE.items(), *OOM.items()]:
-        r = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer)
+        r = compute_fit(
+            real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer, parallel=False
+        )
         out[name] = (family, r)
     return out
 
