@@ -21,13 +21,14 @@ failure. The rest is extrapolated from it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from ..plan.structure import TrainingStructure, tandem_repeat
+from . import convnet
 from .blocks import block_instances
 from .evidence import (
     AUTOCAST_FOLLOWS,
@@ -404,6 +405,74 @@ class _Step:
         self.pass_index += 1
 
 
+class _ConvStep(_Step):
+    """A convolutional network that ran out of memory inside its first block: its blocks are
+    synthesized from the parameters (:mod:`.convnet`)."""
+
+    def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
+        super().__init__(frames, s, pf)
+        self.layers: list[convnet.ConvLayer] = []
+
+    def forward(self) -> None:
+        self.saved, self.spans = [], []
+        self.saved.append(("pre", -1, self.copy_rows(self.pf.pre, "pre", -1)))
+        for j in range(self.pf.layers):
+            start = self.b.now + 1
+            uid = convnet.block_uid(self.pass_index, j)
+            self.saved.append(("block", j, self.block_rows(j, uid)))
+            self.spans.append([start, self.b.now, 0.0, 0.0])
+        self.saved.append(("post", -1, []))  # the head's parameter gradients
+
+    def block_rows(self, block: int, uid: int) -> list[int]:
+        """The block's forward from now on: the rows kept for the backward (its projection's
+        batch-norm output is added to the block's output and freed with the block)."""
+        b = self.b
+        kept: list[int] = []
+        transient: list[int] = []
+        for layer in (x for x in self.layers if x.block == block):
+            out = layer.width * layer.bytes_per_channel
+            kept.append(b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_MATMUL))
+            normed = b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_FOLLOWS)
+            (transient if layer.projection else kept).append(normed)
+            for _ in range(2):  # the batch norm's saved mean and inverse deviation
+                kept.append(b.add(b.tick(), NEVER, 4.0 * layer.width, 0.0, "activation", "forward", uid))
+        end = b.tick()
+        for r in transient:
+            b.set_end(r, end)
+        self.transients.setdefault(("block", uid), []).extend(transient)
+        return kept
+
+
+def _conv_step(frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> _ConvStep | None:
+    """The step of a convolutional network whose forward ran out inside its first block (None:
+    the parameters are not such a network, or the trace does not show its first convolution)."""
+    p_size = s.allocs["size"].to_numpy()[pf.params]
+    read = convnet.conv_blocks(p_size)
+    fwd = pf.pre[s.allocs["free_pos"].to_numpy()[pf.pre] < 0]
+    size = s.allocs["size"].to_numpy()
+    at = convnet.first_block_start(frames, fwd, s.allocs["sid"].to_numpy(), size)
+    if read is None or at < 0:
+        return None
+    stem_width, convs = read
+    first = fwd[at]
+    layers = convnet.feature_maps(stem_width, convs, p_size, size[first] / convs[0][1])
+    param_block = np.full(p_size.size, -1, dtype=np.int64)
+    for layer in layers:
+        param_block[layer.weight : layer.weight + convnet.NORM_PARAMS + 1] = layer.block
+    pos = s.allocs["pos"].to_numpy()
+    pre = pf.pre[pos[pf.pre] < pos[first]]
+    n_blocks = layers[-1].block + 1
+    step = _ConvStep(frames, s, replace(pf, pre=pre, layers=n_blocks, param_block=param_block))
+    step.layers = layers
+    castable = np.zeros(p_size.size, dtype=bool)
+    castable[[0, *(layer.weight for layer in layers)]] = True
+    head = np.arange(p_size.size) > max(layer.weight for layer in layers) + convnet.NORM_PARAMS
+    castable |= head & (p_size * 64 >= p_size.max(initial=0))
+    step.castable = castable
+    step.notes.append(convnet.ASSUMED.format(blocks=n_blocks))
+    return step
+
+
 def extrapolate_step(
     frames: SnapshotFrames, s: TrainingStructure, state_ratio: float, temporary_ratio: float
 ) -> Extrapolated | None:
@@ -411,9 +480,9 @@ def extrapolate_step(
     pf = partial_forward(frames, s)
     if pf is None:
         return None
-    if not pf.blocks:
+    step: _Step | None = _Step(frames, s, pf) if pf.blocks else _conv_step(frames, s, pf)
+    if step is None:
         raise FitUnsupportedStep(NO_WHOLE_BLOCK)
-    step = _Step(frames, s, pf)
     step.model_state()
     for _ in range(PASSES):
         step.run_pass(state_ratio, temporary_ratio)
