@@ -424,18 +424,22 @@ class _ConvStep(_Step):
         self.saved.append(("post", -1, []))  # the head's parameter gradients
 
     def block_rows(self, block: int, uid: int) -> list[int]:
-        """The block's forward from now on: the rows kept for the backward (its projection's
-        batch-norm output is added to the block's output and freed with the block)."""
+        """The block's forward from now on: the rows kept for the backward. Its projection's
+        batch-norm output is added to the block's output and freed with the block; the block's
+        output (its last batch norm's, which the add and ReLU overwrite) is made last, so that the
+        backward frees it first, as torch does (checkpointing keeps it)."""
         b = self.b
         kept: list[int] = []
         transient: list[int] = []
-        for layer in (x for x in self.layers if x.block == block):
+        layers = [x for x in self.layers if x.block == block]
+        main = [x for x in layers if not x.projection]
+        for layer in [*main[:-1], *(x for x in layers if x.projection), *main[-1:]]:
             out = layer.width * layer.bytes_per_channel
             kept.append(b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_MATMUL))
-            normed = b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_FOLLOWS)
-            (transient if layer.projection else kept).append(normed)
             for _ in range(2):  # the batch norm's saved mean and inverse deviation
                 kept.append(b.add(b.tick(), NEVER, 4.0 * layer.width, 0.0, "activation", "forward", uid))
+            normed = b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_FOLLOWS)
+            (transient if layer.projection else kept).append(normed)
         end = b.tick()
         for r in transient:
             b.set_end(r, end)
