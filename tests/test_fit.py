@@ -154,7 +154,8 @@ def test_whole_step_from_an_oom_in_the_first_forward_within_15_percent(real_fram
     if (family, lever, batch) in WORKSPACES_UNSEEN:
         without = TRUTH["families"][family]["levers"][lever]["cap_tries"][str(batch)]["peak_allocated_bytes"]
         assert abs(allocated / without - 1) <= 0.15
-        pytest.xfail(f"{allocated / measured - 1:+.1%} against the first run of the process (its workspaces)")
+        if abs(allocated / measured - 1) > 0.15:  # ckpt+bf16: -15.1%
+            pytest.xfail(f"{allocated / measured - 1:+.1%} against the first run of the process (its workspaces)")
     assert abs(allocated / measured - 1) <= 0.15
 
 

@@ -52,12 +52,15 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
             continue
         # the block's output (the next block's input, which the checkpoint keeps) is the first
         # of its saved tensors the backward frees: in the next block's backward, or by its own
-        # first operation (an in-place ReLU saves its result)
+        # first operation (an in-place ReLU saves its result); in that case the re-run forward
+        # makes it again (the backward unpacks the re-run's tensors: ResNet's bottlenecks), else
+        # the re-run stops before it (GPT-2's residual add saves nothing)
         kept = tape.end[rows] > b.forward_end
-        if kept.any():
-            rows = rows[rows != rows[kept][np.argmin(tape.end[rows][kept])]]
-        saved = rows[tape.end[rows] > b.forward_end]
+        output = rows[kept][np.argmin(tape.end[rows][kept])] if kept.any() else -1
+        saved = rows[(tape.end[rows] > b.forward_end) & (rows != output)]
         end[saved] = b.forward_end + 0.5
+        if output >= 0 and tape.end[output] < b.backward_start:
+            rows = rows[rows != output]
         span = max(b.forward_end - b.forward_start, 1.0)
         offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
         start = b.backward_start - 0.5 + offset
