@@ -487,6 +487,7 @@ def extrapolate_step(
     step: _Step | None = _Step(frames, s, pf) if pf.blocks else _conv_step(frames, s, pf)
     if step is None:
         raise FitUnsupportedStep(NO_WHOLE_BLOCK)
+    pf = step.pf  # a convnet's: its blocks read from the parameters
     step.model_state()
     for _ in range(PASSES):
         step.run_pass(state_ratio, temporary_ratio)

@@ -2,7 +2,8 @@
 
 - checkpointing: every repeated block keeps only its input; what its forward saved for the
   backward is freed when the block's forward ends and made again (the forward re-run) just
-  before the block's backward, with the temporaries of that re-run;
+  before the block's backward, with the temporaries of that re-run (and the block's output
+  again when the block itself saved it: the backward unpacks the re-run's tensors);
 - bf16 autocast: what a matrix multiply (Linear, convolution, attention) makes is half as
   large, and so is what torch's other modules make from it (norms of a convolution's output,
   ReLU, pooling); float32 stays what autocast's float32 operations make (softmax, layer norm,
