@@ -154,7 +154,7 @@ def test_whole_step_from_an_oom_in_the_first_forward_within_15_percent(real_fram
     if (family, lever, batch) in WORKSPACES_UNSEEN:
         without = TRUTH["families"][family]["levers"][lever]["cap_tries"][str(batch)]["peak_allocated_bytes"]
         assert abs(allocated / without - 1) <= 0.15
-        if abs(allocated / measured - 1) > 0.15:  # ckpt+bf16: -15.1%
+        if abs(allocated / measured - 1) > 0.15:  # today -11.3% and -13.7%
             pytest.xfail(f"{allocated / measured - 1:+.1%} against the first run of the process (its workspaces)")
     assert abs(allocated / measured - 1) <= 0.15
 
@@ -210,7 +210,8 @@ def test_the_answer_leads_the_text(under_the_cap):
     text = format_fit(r, "fit_gpt2_b32_oom_python.pickle.xz")
     first = text.splitlines()[0]
     assert first.startswith("A whole step at batch 32 needs about ")
-    assert "parameters 0.34, gradients 0.34, AdamW 0.69, activations ≈ 1.11 GiB per sample" in first
+    # measured: 1.16 GiB per sample between batches 8 and 16 (fit_truth.json)
+    assert "parameters 0.34, gradients 0.34, AdamW 0.69, activations ≈ 1.13 GiB per sample" in first
     assert "Under 6.0 GiB, batch 4 as is, 5 with bf16 autocast" in first
     assert "extrapolated" in text and "lever" in text
 
@@ -328,3 +329,37 @@ def test_new_segments_go_top_down_as_the_driver_places_them(real_frames):
         sim = simulate(ev.tape, 1.0, recorded_settings(frames.info.allocator_settings))
         truth = json.loads((SAMPLES / f"{name}.truth.json").read_text())["memory_stats"]["0"]
         assert sim.peak_reserved_bytes == truth["reserved_bytes.all.peak"], name
+
+
+def _most_alive_at_once(tape, rows) -> int:
+    events = sorted([(tape.start[r], 1) for r in rows] + [(tape.end[r], -1) for r in rows], key=lambda e: (e[0], e[1]))
+    alive = best = 0
+    for _, step in events:
+        alive += step
+        best = max(best, alive)
+    return best
+
+
+def test_the_extrapolated_head_backward_holds_three_logits_as_the_recorded_one(real_frames):
+    """The recorded GPT-2 step holds the log-softmax, its gradient and the logits' gradient at
+    once (3 x 128 MiB at batch 4); the step extrapolated from the OOM does the same."""
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    for name, optimizer in (("fit_gpt2_b4_complete_python", None), ("fit_gpt2_b32_oom_python", "adamw")):
+        tape = step_evidence(real_frames(name), 0, optimizer).tape
+        size = tape.fixed + tape.per_batch
+        logits = np.flatnonzero(size == size[tape.phase == "forward"].max())
+        assert _most_alive_at_once(tape, logits) == 3, name
+
+
+def test_checkpointing_makes_no_kv_cache_copies(real_frames):
+    """transformers turns use_cache off under gradient checkpointing: GPT-2's 12 layers x 2 steps
+    x (keys, values) cache copies are not made (the allocated peak from +5% to +2% at batch 16)."""
+    from snapshot_lab.metrics.fit.evidence import KV_CACHE
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    ev = step_evidence(real_frames("fit_gpt2_b4_complete_python"), 0)
+    cache = ev.tape.category == KV_CACHE
+    assert int(cache.sum()) == 48 and (ev.tape.sizes(1.0)[cache] == 12 << 20).all()
+    ck = checkpoint(ev.tape, ev.blocks)
+    assert (ck.sizes(1.0)[: len(ev.tape)][cache] == 0).all()

@@ -35,10 +35,12 @@ from .evidence import (
     AUTOCAST_FP32,
     AUTOCAST_MATMUL,
     BLOCK_UID_STRIDE,
+    KV_CACHE,
     BlockSpan,
     PassSpan,
     autocast_codes,
     cast_param_stacks,
+    kv_cache_stacks,
 )
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -184,6 +186,7 @@ class _Step:
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
         self.autocast = autocast_codes(frames)
+        self.kv_cache = kv_cache_stacks(frames)
         castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
         self.p_size = self.size[pf.params]
         largest = self.p_size.max(initial=0)
@@ -215,14 +218,14 @@ class _Step:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
             if self.free_pos[r] >= 0:
-                k = b.add(
-                    start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32
-                )
+                cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
+                k = b.add(start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], cat, "forward", block, fp32)
                 self.transients.setdefault((part, block), []).append(k)
             elif workspace is None and part == "block" and self.one_off[r]:
                 continue  # a one-off cache of the first pass: made once
             else:
-                kept.append(b.add(start, NEVER, 0.0, self.size[r], "activation", "forward", block, fp32))
+                cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
+                kept.append(b.add(start, NEVER, 0.0, self.size[r], cat, "forward", block, fp32))
         b.now = t0 + float(self.pos[rows].max() - base) + 1
         return kept
 
@@ -263,6 +266,7 @@ class _Step:
     def forward(self) -> None:
         pf = self.pf
         self.saved, self.spans = [], []
+        self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
         template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
@@ -321,6 +325,7 @@ class _Step:
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
+        self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
         kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
         b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
@@ -338,6 +343,7 @@ class _Step:
         b, pf = self.b, self.pf
         start = b.now + 1
         alive: list[int] = []  # gradients of activations, oldest first
+        pending = -1  # the saved tensor whose gradient was made last
         spans = {j: sp for j, sp in enumerate(self.spans)}
         for part, j, rows in reversed(self.saved):
             if part == "block" and j in spans:
@@ -352,10 +358,13 @@ class _Step:
                 alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
                 while len(alive) > GRADIENTS_ALIVE:
                     b.set_end(alive.pop(0), b.tick())
-                if r in saved:
-                    b.set_end(r, b.tick())
+                if pending >= 0:  # a saved tensor goes once the gradient after its own is made
+                    b.set_end(pending, b.tick())
+                pending = r if r in saved else -1
             if part == "block" and j in spans:
                 spans[j][3] = b.now
+        if pending >= 0:
+            b.set_end(pending, b.tick())
         for g in alive:
             b.set_end(g, b.tick())
         for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
@@ -415,6 +424,7 @@ class _ConvStep(_Step):
 
     def forward(self) -> None:
         self.saved, self.spans = [], []
+        self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
         self.saved.append(("pre", -1, self.copy_rows(self.pf.pre, "pre", -1)))
         for j in range(self.pf.layers):
             start = self.b.now + 1

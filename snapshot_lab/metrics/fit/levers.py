@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
+from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, KV_CACHE, BlockSpan, StepEvidence
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -44,7 +44,9 @@ def _block_rows(tape: Tape, b: BlockSpan) -> np.ndarray:
 
 
 def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
-    """Activation checkpointing of every repeated block."""
+    """Activation checkpointing of every repeated block. transformers turns its KV cache off
+    under gradient checkpointing: the cache's copies of keys and values are not made."""
+    tape = tape.scaled(tape.category == KV_CACHE, 0.0)
     end = tape.end.copy()
     added: list[Tape] = []
     for b in blocks:
