@@ -96,6 +96,35 @@ def _row(r: FitResult, o: LeverOutcome) -> list[str]:
     ]
 
 
+PARALLEL_HEAD = "Parallel strategies (snaplab plan, the recorded batch on every GPU), least change first:"
+PARALLEL_REFUSED = "Parallel strategies: not planned: {why}."
+WAYS_KINDS = (
+    ("allocator settings", "PYTORCH_CUDA_ALLOC_CONF"),
+    ("lever", "levers"),
+    ("parallel strategy", "more GPUs (the fewest that fit)"),
+)
+
+
+def _parallel(r: FitResult) -> list[str]:
+    """The strategies plan found, fitting or not, and those it refused."""
+    if "all" in r.parallel_refused:
+        return ["", PARALLEL_REFUSED.format(why=r.parallel_refused["all"])]
+    if not r.parallel_strategies:
+        return []
+    rows = [
+        [
+            p.label,
+            format_bytes(p.peak_allocated_bytes),
+            format_bytes(p.peak_reserved_bytes),
+            "—" if p.fits is None else ("yes" if p.fits else "NO"),
+        ]
+        for p in r.parallel_strategies
+    ]
+    out = ["", PARALLEL_HEAD, table(["strategy", "peak allocated", "peak reserved", "fits"], rows)]
+    out += [f"  not planned: {label}: {why}" for label, why in r.parallel_refused.items()]
+    return out
+
+
 def format_fit(r: FitResult, name: str = "") -> str:
     """The whole answer as text."""
     out = [headline(r), ""]
@@ -107,6 +136,13 @@ def format_fit(r: FitResult, name: str = "") -> str:
     out.append(table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, o) for o in r.levers]))
     if r.memory_limit_bytes is not None:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
+    out += _parallel(r)
+    if r.memory_limit_bytes is not None and r.ways_to_fit:
+        out += ["", "What makes it fit, least change to the job first:"]
+        for kind, words in WAYS_KINDS:
+            labels = [w["label"] for w in r.ways_to_fit if w["kind"] == kind]
+            if labels:
+                out.append(f"  {words}: {'; '.join(labels)}")
     acc = r.accumulation
     if acc["accumulation_steps"] and int(acc["accumulation_steps"]) > 1:
         out.append(

@@ -126,6 +126,17 @@ def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
     return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
 
+KV_CACHE_FILE = "transformers/cache_utils.py"
+KV_CACHE = "kv_cache"  # the tape category of a KV cache's copies of keys and values
+
+
+def kv_cache_stacks(frames: SnapshotFrames) -> set[int]:
+    """Stacks whose innermost frame is a transformers KV cache (its update copies the layer's
+    keys and values): under gradient checkpointing transformers turns the cache off."""
+    inner = stack_innermost(frames)
+    return set(inner.index[inner["filename"].str.endswith(KV_CACHE_FILE)].astype(int).tolist())
+
+
 def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
     """Stacks that made a Linear's or convolution's parameter."""
     if frames.stacks.empty:
@@ -163,6 +174,7 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     param_sized = (phase == "backward") & np.isin(size, s.params["size"].to_numpy())
     scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized
     out = np.where(model_state, cat, np.where(scales, np.where(phase == "data", "input", "activation"), "workspace"))
+    out = np.where(scales & np.isin(sid, list(kv_cache_stacks(frames))), KV_CACHE, out)
     return out.astype(object), scales
 
 

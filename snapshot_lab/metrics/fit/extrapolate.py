@@ -21,23 +21,26 @@ failure. The rest is extrapolated from it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ...frames import SnapshotFrames
 from ..categories import CODES
 from ..plan.structure import TrainingStructure, tandem_repeat
+from . import convnet
 from .blocks import block_instances
 from .evidence import (
     AUTOCAST_FOLLOWS,
     AUTOCAST_FP32,
     AUTOCAST_MATMUL,
     BLOCK_UID_STRIDE,
+    KV_CACHE,
     BlockSpan,
     PassSpan,
     autocast_codes,
     cast_param_stacks,
+    kv_cache_stacks,
 )
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -183,6 +186,7 @@ class _Step:
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
         self.autocast = autocast_codes(frames)
+        self.kv_cache = kv_cache_stacks(frames)
         castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
         self.p_size = self.size[pf.params]
         largest = self.p_size.max(initial=0)
@@ -214,14 +218,14 @@ class _Step:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
             if self.free_pos[r] >= 0:
-                k = b.add(
-                    start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], "activation", "forward", block, fp32
-                )
+                cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
+                k = b.add(start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], cat, "forward", block, fp32)
                 self.transients.setdefault((part, block), []).append(k)
             elif workspace is None and part == "block" and self.one_off[r]:
                 continue  # a one-off cache of the first pass: made once
             else:
-                kept.append(b.add(start, NEVER, 0.0, self.size[r], "activation", "forward", block, fp32))
+                cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
+                kept.append(b.add(start, NEVER, 0.0, self.size[r], cat, "forward", block, fp32))
         b.now = t0 + float(self.pos[rows].max() - base) + 1
         return kept
 
@@ -262,6 +266,7 @@ class _Step:
     def forward(self) -> None:
         pf = self.pf
         self.saved, self.spans = [], []
+        self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
         template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
@@ -320,6 +325,7 @@ class _Step:
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
+        self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
         kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
         b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
@@ -337,6 +343,7 @@ class _Step:
         b, pf = self.b, self.pf
         start = b.now + 1
         alive: list[int] = []  # gradients of activations, oldest first
+        pending = -1  # the saved tensor whose gradient was made last
         spans = {j: sp for j, sp in enumerate(self.spans)}
         for part, j, rows in reversed(self.saved):
             if part == "block" and j in spans:
@@ -351,10 +358,13 @@ class _Step:
                 alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
                 while len(alive) > GRADIENTS_ALIVE:
                     b.set_end(alive.pop(0), b.tick())
-                if r in saved:
-                    b.set_end(r, b.tick())
+                if pending >= 0:  # a saved tensor goes once the gradient after its own is made
+                    b.set_end(pending, b.tick())
+                pending = r if r in saved else -1
             if part == "block" and j in spans:
                 spans[j][3] = b.now
+        if pending >= 0:
+            b.set_end(pending, b.tick())
         for g in alive:
             b.set_end(g, b.tick())
         for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
@@ -404,6 +414,79 @@ class _Step:
         self.pass_index += 1
 
 
+class _ConvStep(_Step):
+    """A convolutional network that ran out of memory inside its first block: its blocks are
+    synthesized from the parameters (:mod:`.convnet`)."""
+
+    def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
+        super().__init__(frames, s, pf)
+        self.layers: list[convnet.ConvLayer] = []
+
+    def forward(self) -> None:
+        self.saved, self.spans = [], []
+        self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
+        self.saved.append(("pre", -1, self.copy_rows(self.pf.pre, "pre", -1)))
+        for j in range(self.pf.layers):
+            start = self.b.now + 1
+            uid = convnet.block_uid(self.pass_index, j)
+            self.saved.append(("block", j, self.block_rows(j, uid)))
+            self.spans.append([start, self.b.now, 0.0, 0.0])
+        self.saved.append(("post", -1, []))  # the head's parameter gradients
+
+    def block_rows(self, block: int, uid: int) -> list[int]:
+        """The block's forward from now on: the rows kept for the backward. Its projection's
+        batch-norm output is added to the block's output and freed with the block; the block's
+        output (its last batch norm's, which the add and ReLU overwrite) is made last, so that the
+        backward frees it first, as torch does (checkpointing keeps it)."""
+        b = self.b
+        kept: list[int] = []
+        transient: list[int] = []
+        layers = [x for x in self.layers if x.block == block]
+        main = [x for x in layers if not x.projection]
+        for layer in [*main[:-1], *(x for x in layers if x.projection), *main[-1:]]:
+            out = layer.width * layer.bytes_per_channel
+            kept.append(b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_MATMUL))
+            for _ in range(2):  # the batch norm's saved mean and inverse deviation
+                kept.append(b.add(b.tick(), NEVER, 4.0 * layer.width, 0.0, "activation", "forward", uid))
+            normed = b.add(b.tick(), NEVER, 0.0, out, "activation", "forward", uid, AUTOCAST_FOLLOWS)
+            (transient if layer.projection else kept).append(normed)
+        end = b.tick()
+        for r in transient:
+            b.set_end(r, end)
+        self.transients.setdefault(("block", uid), []).extend(transient)
+        return kept
+
+
+def _conv_step(frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> _ConvStep | None:
+    """The step of a convolutional network whose forward ran out inside its first block (None:
+    the parameters are not such a network, or the trace does not show its first convolution)."""
+    p_size = s.allocs["size"].to_numpy()[pf.params]
+    read = convnet.conv_blocks(p_size)
+    fwd = pf.pre[s.allocs["free_pos"].to_numpy()[pf.pre] < 0]
+    size = s.allocs["size"].to_numpy()
+    at = convnet.first_block_start(frames, fwd, s.allocs["sid"].to_numpy(), size)
+    if read is None or at < 0:
+        return None
+    stem_width, convs = read
+    first = fwd[at]
+    layers = convnet.feature_maps(stem_width, convs, p_size, size[first] / convs[0][1])
+    param_block = np.full(p_size.size, -1, dtype=np.int64)
+    for layer in layers:
+        param_block[layer.weight : layer.weight + convnet.NORM_PARAMS + 1] = layer.block
+    pos = s.allocs["pos"].to_numpy()
+    pre = pf.pre[pos[pf.pre] < pos[first]]
+    n_blocks = layers[-1].block + 1
+    step = _ConvStep(frames, s, replace(pf, pre=pre, layers=n_blocks, param_block=param_block))
+    step.layers = layers
+    castable = np.zeros(p_size.size, dtype=bool)
+    castable[[0, *(layer.weight for layer in layers)]] = True
+    head = np.arange(p_size.size) > max(layer.weight for layer in layers) + convnet.NORM_PARAMS
+    castable |= head & (p_size * 64 >= p_size.max(initial=0))
+    step.castable = castable
+    step.notes.append(convnet.ASSUMED.format(blocks=n_blocks))
+    return step
+
+
 def extrapolate_step(
     frames: SnapshotFrames, s: TrainingStructure, state_ratio: float, temporary_ratio: float
 ) -> Extrapolated | None:
@@ -411,9 +494,10 @@ def extrapolate_step(
     pf = partial_forward(frames, s)
     if pf is None:
         return None
-    if not pf.blocks:
+    step: _Step | None = _Step(frames, s, pf) if pf.blocks else _conv_step(frames, s, pf)
+    if step is None:
         raise FitUnsupportedStep(NO_WHOLE_BLOCK)
-    step = _Step(frames, s, pf)
+    pf = step.pf  # a convnet's: its blocks read from the parameters
     step.model_state()
     for _ in range(PASSES):
         step.run_pass(state_ratio, temporary_ratio)

@@ -2,7 +2,8 @@
 
 - checkpointing: every repeated block keeps only its input; what its forward saved for the
   backward is freed when the block's forward ends and made again (the forward re-run) just
-  before the block's backward, with the temporaries of that re-run;
+  before the block's backward, with the temporaries of that re-run (and the block's output
+  again when the block itself saved it: the backward unpacks the re-run's tensors);
 - bf16 autocast: what a matrix multiply (Linear, convolution, attention) makes is half as
   large, and so is what torch's other modules make from it (norms of a convolution's output,
   ReLU, pooling); float32 stays what autocast's float32 operations make (softmax, layer norm,
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, BlockSpan, StepEvidence
+from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, KV_CACHE, BlockSpan, StepEvidence
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -43,7 +44,9 @@ def _block_rows(tape: Tape, b: BlockSpan) -> np.ndarray:
 
 
 def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
-    """Activation checkpointing of every repeated block."""
+    """Activation checkpointing of every repeated block. transformers turns its KV cache off
+    under gradient checkpointing: the cache's copies of keys and values are not made."""
+    tape = tape.scaled(tape.category == KV_CACHE, 0.0)
     end = tape.end.copy()
     added: list[Tape] = []
     for b in blocks:
@@ -52,12 +55,15 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
             continue
         # the block's output (the next block's input, which the checkpoint keeps) is the first
         # of its saved tensors the backward frees: in the next block's backward, or by its own
-        # first operation (an in-place ReLU saves its result)
+        # first operation (an in-place ReLU saves its result); in that case the re-run forward
+        # makes it again (the backward unpacks the re-run's tensors: ResNet's bottlenecks), else
+        # the re-run stops before it (GPT-2's residual add saves nothing)
         kept = tape.end[rows] > b.forward_end
-        if kept.any():
-            rows = rows[rows != rows[kept][np.argmin(tape.end[rows][kept])]]
-        saved = rows[tape.end[rows] > b.forward_end]
+        output = rows[kept][np.argmin(tape.end[rows][kept])] if kept.any() else -1
+        saved = rows[(tape.end[rows] > b.forward_end) & (rows != output)]
         end[saved] = b.forward_end + 0.5
+        if output >= 0 and tape.end[output] < b.backward_start:
+            rows = rows[rows != output]
         span = max(b.forward_end - b.forward_start, 1.0)
         offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
         start = b.backward_start - 0.5 + offset

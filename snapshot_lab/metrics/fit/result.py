@@ -14,6 +14,7 @@ from . import levers as lv
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
+from .strategies import StrategyOutcome, parallel_strategies
 from .tape import Tape, simulate
 
 AS_RECORDED = "as recorded"
@@ -35,8 +36,9 @@ ASSUMPTIONS = {
     "gradient accumulation": "the batch split into micro-batches whose gradients are summed before one step: the step "
     "needs what one micro-batch needs, so any batch runs as enough micro-batches of the largest that fits as recorded",
 }
+ALLOCATOR_PREFIX = "PYTORCH_CUDA_ALLOC_CONF="
 ALLOCATOR_ASSUMPTION = (
-    "PYTORCH_CUDA_ALLOC_CONF={conf} (an alternative snaplab whatif tries): the step as recorded, laid out by the "
+    ALLOCATOR_PREFIX + "{conf} (an alternative snaplab whatif tries): the step as recorded, laid out by the "
     "allocator under these settings"
 )
 LONG_TAPE_NOTE = (
@@ -85,6 +87,9 @@ class FitResult:
     breakdown: dict[str, int]
     levers: tuple[LeverOutcome, ...]
     notes: tuple[str, ...] = field(default=())
+    # planned at the recorded batch by snaplab plan under the memory limit, least change first
+    parallel_strategies: tuple[StrategyOutcome, ...] = field(default=())
+    parallel_refused: dict[str, str] = field(default_factory=dict)  # label ("all": every one) -> why
 
     @property
     def batch(self) -> float | None:
@@ -93,6 +98,22 @@ class FitResult:
     @property
     def largest_batch(self) -> dict[str, float | None]:
         return {o.lever: o.largest_batch for o in self.levers}
+
+    @property
+    def ways_to_fit(self) -> list[dict[str, str]]:
+        """What makes the step fit, least change to the job first: the allocator's settings (no
+        code changed), then the levers (at the batch asked for), then more GPUs (at the recorded
+        batch: per strategy, the fewest GPUs that fit)."""
+        confs = [o for o in self.levers if o.assumption.startswith(ALLOCATOR_PREFIX)]
+        levers = [o for o in self.levers if o not in confs and o.lever != AS_RECORDED]
+        out = [{"kind": "allocator settings", "label": o.lever} for o in confs if o.fits]
+        out += [{"kind": "lever", "label": o.lever} for o in levers if o.fits]
+        seen: set[str] = set()
+        for p in self.parallel_strategies:
+            if p.fits and p.strategy not in seen:
+                seen.add(p.strategy)
+                out.append({"kind": "parallel strategy", "label": p.label})
+        return out
 
     @property
     def accumulation(self) -> dict[str, float | int | None]:
@@ -122,6 +143,9 @@ class FitResult:
             "largest_batch": self.largest_batch,
             "gradient_accumulation": {**self.accumulation, "assumption": ASSUMPTIONS[ACCUMULATION]},
             "levers": [o.to_dict() for o in self.levers],
+            "parallel_strategies": [p.to_dict() for p in self.parallel_strategies],
+            "parallel_strategies_refused": self.parallel_refused,
+            "ways_to_fit": self.ways_to_fit,
             "notes": list(self.notes),
         }
 
@@ -217,10 +241,12 @@ def compute_fit(
     bf16: bool = False,
     optimizer: str | None = None,
     device: int | None = None,
+    parallel: bool | None = None,
 ) -> FitResult:
     """The whole step under the levers asked for and, under the memory limit (given, or the one
-    the recorded run ran out of, or the device's capacity), the largest batch per lever.
-    Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
+    the recorded run ran out of, or the device's capacity), the largest batch per lever and
+    (``parallel``; by default when a memory limit is given) the parallel strategies planned at
+    the recorded batch. Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
     if optimizer is not None and optimizer not in lv.OPTIMIZER_STATE_RATIO:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(lv.OPTIMIZER_STATE_RATIO)}")
     dev = _device(frames) if device is None else device
@@ -240,6 +266,10 @@ def compute_fit(
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
         notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
+    planned: tuple[StrategyOutcome, ...] = ()
+    refused: dict[str, str] = {}
+    if limit is not None and (parallel if parallel is not None else memory_limit is not None):
+        planned, refused = parallel_strategies(frames, dev, limit, ev.complete)
     return FitResult(
         device=dev,
         recorded_batch=recorded_batch,
@@ -256,4 +286,6 @@ def compute_fit(
         breakdown=_breakdown(ev, recorded_batch),
         levers=tuple(outcomes),
         notes=tuple(notes),
+        parallel_strategies=planned,
+        parallel_refused=refused,
     )

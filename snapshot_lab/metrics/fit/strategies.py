@@ -1,0 +1,83 @@
+"""The parallel strategies that would make the recorded batch fit, from ``snaplab plan``.
+
+Each is planned by :mod:`..plan` from the recorded trace (the recorded batch on every GPU, the
+model state sharded or split), under the memory limit, and ranked by how much it changes the job:
+the optimizer state sharded (ZeRO-1) before the gradients too (ZeRO-2) before the parameters too
+(ZeRO-3), before the model's layers split (tensor parallel, then a pipeline); fewer GPUs first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...frames import SnapshotFrames
+from ..plan import PlanUnsupported, Strategy, plan_memory, training_structure
+from ..plan.planner import WOULD_IT_FIT_FULL_EVENTS
+
+WORLD_SIZES = (2, 4, 8)
+NO_WHOLE_STEP = (
+    "plan replays a recorded whole iteration and this trace ends in the first forward: record a whole step "
+    "(at a smaller batch, or without the cap) to plan the parallel strategies"
+)
+
+
+@dataclass(frozen=True)
+class StrategyOutcome:
+    label: str
+    strategy: str  # zero1, zero2, zero3, tp, pp
+    world_size: int
+    peak_allocated_bytes: int  # per GPU, at the recorded batch
+    peak_reserved_bytes: int
+    fits: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "fits": self.fits,
+        }
+
+
+def _choices(world_size: int) -> list[tuple[str, Strategy]]:
+    """The strategies tried, least change first."""
+    n = world_size
+    return [
+        ("zero1", Strategy("zero1", n)),
+        ("zero2", Strategy("fsdp", n, reshard_after_forward=False)),
+        ("zero3", Strategy("fsdp", n)),
+        ("tp", Strategy("tp", n)),
+        ("pp", Strategy("pp", n)),
+    ]
+
+
+CHANGE_ORDER = ("zero1", "zero2", "zero3", "tp", "pp")
+
+
+def parallel_strategies(
+    frames: SnapshotFrames, device: int, memory_limit: int, complete: bool
+) -> tuple[tuple[StrategyOutcome, ...], dict[str, str]]:
+    """Every strategy planned at the recorded batch under ``memory_limit`` (ranked by how little
+    it changes the job), and those plan refused, with why (``"all"``: none could be planned)."""
+    if not complete:
+        return (), {"all": NO_WHOLE_STEP}
+    structure = training_structure(frames, device)
+    if structure.missing:
+        return (), {"all": "; ".join(structure.missing)}
+    long = structure.n_events > WOULD_IT_FIT_FULL_EVENTS  # as the report does: 2 GPUs, no pipeline
+    out: list[StrategyOutcome] = []
+    refused: dict[str, str] = {}
+    for n in WORLD_SIZES[:1] if long else WORLD_SIZES:
+        for key, strategy in _choices(n)[: 4 if long else 5]:
+            try:
+                p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
+            except (PlanUnsupported, ValueError) as exc:
+                refused[strategy.resolved().label()] = str(exc)
+                continue
+            fits = p.fits if p.fits is not None else p.peak_reserved_bytes <= memory_limit
+            out.append(StrategyOutcome(p.strategy.label(), key, n, p.peak_allocated_bytes, p.peak_reserved_bytes, fits))
+    out.sort(key=lambda o: (CHANGE_ORDER.index(o.strategy), o.world_size))
+    return tuple(out), refused

@@ -1,0 +1,86 @@
+"""snaplab fit's answer under --memory-limit also lists the allocator settings and the parallel
+strategies (planned by snaplab plan at the recorded batch) that would make the job fit, least
+change to the job first (issue #20)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snapshot_lab import api
+from snapshot_lab.metrics.fit import compute_fit
+from snapshot_lab.metrics.fit.strategies import CHANGE_ORDER
+from snapshot_lab.render.fit import format_fit
+
+from .conftest import SAMPLES, sample_path
+
+CAP = json.loads((SAMPLES / "fit_truth.json").read_text())["cap_bytes"]
+
+
+@pytest.fixture(scope="module")
+def gpt2(real_frames):
+    return compute_fit(real_frames("fit_gpt2_b4_complete_python"), memory_limit=CAP, recorded_batch=4)
+
+
+def test_the_strategies_are_planned_and_ranked_by_how_little_they_change_the_job(gpt2):
+    planned = gpt2.parallel_strategies
+    assert {p.strategy for p in planned} == set(CHANGE_ORDER)
+    assert {p.world_size for p in planned} == {2, 4, 8}
+    ranks = [(CHANGE_ORDER.index(p.strategy), p.world_size) for p in planned]
+    assert ranks == sorted(ranks)
+    by = {(p.strategy, p.world_size): p for p in planned}
+    # the recorded step reserves 6.08 GiB: sharding the optimizer state over 2 GPUs is not enough
+    # (plan: 6.04 GiB), over 4 it is; sharding the gradients too (ZeRO-2) fits on 2
+    assert by[("zero1", 2)].fits is False and by[("zero1", 2)].peak_reserved_bytes > CAP
+    assert by[("zero1", 4)].fits is True
+    assert by[("zero2", 2)].fits is True
+    # more sharding, less memory per GPU
+    assert by[("zero3", 2)].peak_allocated_bytes < by[("zero2", 2)].peak_allocated_bytes
+    assert by[("zero2", 2)].peak_allocated_bytes < by[("zero1", 2)].peak_allocated_bytes
+
+
+def test_ways_to_fit_list_the_fewest_gpus_per_strategy_after_the_levers(gpt2):
+    ways = gpt2.ways_to_fit
+    kinds = [w["kind"] for w in ways]
+    order = ["allocator settings", "lever", "parallel strategy"]
+    assert kinds == sorted(kinds, key=order.index)
+    parallel = [w["label"] for w in ways if w["kind"] == "parallel strategy"]
+    assert parallel[0] == "ZeRO-1 (optimizer state sharded) over 4 GPUs"
+    assert "FSDP2, no reshard after forward (ZeRO-2), over 2 GPUs" in parallel
+    # none of the allocator settings makes the recorded batch fit (all at 6.08 GiB or more)
+    assert "allocator settings" not in kinds
+    assert {"checkpointing", "bf16"} <= {w["label"] for w in ways if w["kind"] == "lever"}
+
+
+def test_the_text_shows_the_strategies_and_what_makes_it_fit(gpt2):
+    text = format_fit(gpt2, "fit_gpt2_b4_complete_python.pickle.xz")
+    assert "Parallel strategies (snaplab plan" in text
+    assert "ZeRO-1 (optimizer state sharded) over 2 GPUs" in text
+    assert "more GPUs (the fewest that fit): ZeRO-1 (optimizer state sharded) over 4 GPUs" in text
+
+
+def test_an_oom_in_the_first_forward_says_why_plan_cannot_help(real_frames):
+    r = compute_fit(real_frames("fit_gpt2_b32_oom_python"), memory_limit=CAP, recorded_batch=32)
+    assert r.parallel_strategies == ()
+    assert "ends in the first forward" in r.parallel_refused["all"]
+    assert "Parallel strategies: not planned: plan replays a recorded whole iteration" in format_fit(r)
+
+
+def test_strategies_only_when_a_memory_limit_is_given(real_frames):
+    """The report's fit summary (no limit given) does not pay for the plans."""
+    r = compute_fit(real_frames("fit_resnet50_b16_complete_python"), recorded_batch=16)
+    assert r.parallel_strategies == () and r.parallel_refused == {}
+
+
+def test_the_json_keeps_its_top_level_answer():
+    out = json.loads(
+        json.dumps(
+            api.fit(str(sample_path("fit_gpt2_b4_complete_python")), memory_limit="6GiB", recorded_batch=4).to_dict()
+        )
+    )
+    assert out["largest_batch"]["as recorded"] == 3
+    assert out["peak_allocated_bytes"] > 0 and out["peak_reserved_bytes"] >= out["peak_allocated_bytes"]
+    assert out["parallel_strategies"][0]["label"] == "ZeRO-1 (optimizer state sharded) over 2 GPUs"
+    assert out["parallel_strategies_refused"] == {}
+    assert out["ways_to_fit"][-1]["kind"] == "parallel strategy"
