@@ -149,11 +149,7 @@ def apply_ddp(
         return
     wrap = structure.wrap_pos
     stream = (
-        int(
-            np.bincount(rewrite.stream[param_rows(structure)].clip(min=0)).argmax(),
-        )
-        if len(structure.params)
-        else 0
+        int(np.bincount(rewrite.stream[param_rows(structure)].clip(min=0)).argmax()) if len(structure.params) else 0
     )
     # _sync_module_states: rank 0's parameters broadcast through flat temporaries
     group = 0
@@ -245,9 +241,7 @@ def fsdp_units(
         (
             f"block {j}",
             j,
-            np.flatnonzero(
-                block == j,
-            ),
+            np.flatnonzero(block == j),
         )
         for j in range(structure.n_blocks)
     ]
@@ -574,14 +568,7 @@ class _FsdpPass:
                 again = min(training_pass.loss_backward_end + 1, training_pass.backward_end - 1)
                 self.release(root, out, False)
                 self.gather_backward(root, again)
-                if (
-                    self.training_pass.block_backward
-                    and len(
-                        self.training_pass.block_backward,
-                    )
-                    - 1
-                    in by_block
-                ):
+                if self.training_pass.block_backward and len(self.training_pass.block_backward) - 1 in by_block:
                     self.prefetch(by_block[len(self.training_pass.block_backward) - 1], again)
         n_blocks = len(training_pass.block_forward)
         for j, (first, last) in enumerate(training_pass.block_forward):
