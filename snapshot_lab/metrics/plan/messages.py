@@ -39,6 +39,7 @@ NOTE_PARAMETERS_NOT_REPEATED = (
     "parameters belong to which block is unknown; every parameter is taken as the "
     "model's own (FSDP: the root unit)"
 )
+NOTE_RECORDED_DDP = "the recorded run used DDP: its buckets are left out, the plan adds its own"
 NOTE_BUCKET_VIEW = (
     "it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied "
     "into the buckets are taken as its gradients, alive until the next forward"
