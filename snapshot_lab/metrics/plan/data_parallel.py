@@ -38,6 +38,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..categories import CODES
+from .messages import (
+    RULE_DDP_BROADCAST,
+    RULE_DDP_BUCKET_VIEW_GRADIENTS,
+    RULE_DDP_FIRST_BUCKET,
+    RULE_DDP_REBUILT_BUCKETS,
+    RULE_FSDP1_FLAT_SHARD,
+    RULE_FSDP1_FLATTEN,
+    RULE_FSDP1_REDUCE_SCATTER_INPUT,
+    RULE_FSDP1_UNSHARDED,
+    RULE_FSDP_ACCUMULATED,
+    RULE_FSDP_ALL_GATHER,
+    RULE_FSDP_REDUCE_SCATTER_INPUT,
+    RULE_FSDP_SHARDED_GRADIENTS,
+    RULE_FSDP_UNSHARDED,
+    RULE_FSDP_UNSHARDED_GRADIENTS,
+    RULE_PARAMETER_SHARDS,
+    RULE_SHARDED_OPTIMIZER_STATE,
+    RULE_UNTRACKED_KEPT,
+    RULE_UNTRACKED_SHARDED,
+)
 from .rewrite import Rewrite
 from .structure import Pass, TrainingStructure
 
@@ -68,8 +88,8 @@ def untracked_sharded(
             return ceil_div(
                 size,
                 world,
-            ), f"{category.replace('_', ' ')}, 1/{world} per rank ({label})"
-        return size, f"{category.replace('_', ' ')}, as recorded"
+            ), RULE_UNTRACKED_SHARDED.format(category=category.replace("_", " "), world=world, label=label)
+        return size, RULE_UNTRACKED_KEPT.format(category=category.replace("_", " "))
 
     return scale
 
@@ -161,7 +181,7 @@ def apply_ddp(
                 group,
                 stream,
                 "other",
-                f"{label} wrapping: parameter broadcast (flat, temporary)",
+                RULE_DDP_BROADCAST.format(label=label),
             )
             rewrite.free_at(wrap, key)
             group = 0
@@ -171,7 +191,7 @@ def apply_ddp(
             group,
             stream,
             "other",
-            f"{label} wrapping: parameter broadcast (flat, temporary)",
+            RULE_DDP_BROADCAST.format(label=label),
         )
         rewrite.free_at(wrap, key)
     first = rewrite.alloc_at(
@@ -179,7 +199,7 @@ def apply_ddp(
         total,
         stream,
         "ddp_bucket",
-        f"{label} bucket of the first iteration (every parameter's gradient)",
+        RULE_DDP_FIRST_BUCKET.format(label=label),
     )
     rebuilt = ddp_buckets(
         [int(n_bytes) for n_bytes in local[::-1].tolist()],
@@ -194,13 +214,13 @@ def apply_ddp(
                 bucket,
                 stream,
                 "ddp_bucket",
-                f"{label} buckets, rebuilt at the second iteration",
+                RULE_DDP_REBUILT_BUCKETS.format(label=label),
             )
     if bucket_view:
         grads = gradient_rows(structure)
         pos = structure.allocs["pos"].to_numpy()
         rewrite.free_after[grads] = pos[grads]
-        rewrite.rule[grads] = "gradients: copied into the DDP buckets (gradient_as_bucket_view) and freed"
+        rewrite.rule[grads] = RULE_DDP_BUCKET_VIEW_GRADIENTS
 
 
 def apply_zero1(rewrite: Rewrite, world: int) -> None:
@@ -210,7 +230,7 @@ def apply_zero1(rewrite: Rewrite, world: int) -> None:
         rows,
         1.0 / world,
         "optimizer_state",
-        f"optimizer state, 1/{world} per rank (ZeRO-1)",
+        RULE_SHARDED_OPTIMIZER_STATE.format(world=world, label="ZeRO-1"),
     )
 
 
@@ -281,14 +301,14 @@ def apply_fsdp(
         _flatten_at_wrap(rewrite, units, world, label)
     else:
         shards = np.array([ceil_div(int(size), world) for size in local.tolist()], dtype=np.int64)
-        shard_at_wrap(rewrite, shards, f"parameters, 1/{world} shard per rank ({label})")
+        shard_at_wrap(rewrite, shards, RULE_PARAMETER_SHARDS.format(world=world, label=label))
     rows = optimizer_rows(structure)
     ratio = param_ratio(structure, local, structure.allocs["param"].to_numpy()[rows]) / world
     rewrite.set(
         rows,
         np.ceil(structure.allocs["size"].to_numpy()[rows] * ratio).astype(np.int64),
         "optimizer_state",
-        f"optimizer state, 1/{world} per rank ({label})",
+        RULE_SHARDED_OPTIMIZER_STATE.format(world=world, label=label),
     )
     # unit -> where its sharded gradient is freed (-1: never)
     sharded_grads: dict[int, int] = {}
@@ -320,7 +340,7 @@ def _flatten_at_wrap(rewrite: Rewrite, units: list[Unit], world: int, label: str
             unit.local,
             stream,
             "parameter",
-            f"{label} wrapping: a unit's parameters flattened (temporary)",
+            RULE_FSDP1_FLATTEN.format(label=label),
         )
         first = int(rows[unit.params[0]])
         rewrite.alloc_at(
@@ -328,7 +348,7 @@ def _flatten_at_wrap(rewrite: Rewrite, units: list[Unit], world: int, label: str
             unit.shard,
             stream,
             "parameter",
-            f"parameters, one flat 1/{world} shard per unit ({label})",
+            RULE_FSDP1_FLAT_SHARD.format(world=world, label=label),
             source_row=first,
         )
         rewrite.free_at(at, flat)
@@ -398,7 +418,7 @@ class _FsdpPass:
 
     def _ag(self, unit: Unit, at: int, before: bool, why: str = "") -> int:
         if self.flat:
-            what = f"{self.label} unsharded flat parameter of a unit (all-gathered, padded)"
+            what = RULE_FSDP1_UNSHARDED.format(label=self.label)
             key = self.rewrite.alloc_at(
                 at,
                 unit.gathered,
@@ -412,11 +432,11 @@ class _FsdpPass:
                 self.rewrite.free_at(at, old, before)
             self.flat_pending = []
             return key
-        what = f"{self.label} all-gather output (flat, one unit{why})"
+        what = RULE_FSDP_ALL_GATHER.format(label=self.label, why=why)
         return self.rewrite.alloc_at(at, unit.gathered, AG_STREAM, "comm_buffer", what, before)
 
     def _copy_out(self, unit: Unit, at: int, before: bool) -> list[int]:
-        what = f"{self.label} unsharded parameters of a unit (copied out of the all-gather)"
+        what = RULE_FSDP_UNSHARDED.format(label=self.label)
         rows = self.rewrite.structure.params["row"].to_numpy()
         return [
             self.rewrite.alloc_at(
@@ -491,14 +511,14 @@ class _FsdpPass:
         mine = self.grads[self.grad_unit == unit.block]
         if self.flat:
             # FSDP1 flattens the gradients into the padded buffer before it frees the parameter
-            what = f"{label} reduce-scatter input (a unit's gradients, flat, padded)"
+            what = RULE_FSDP1_REDUCE_SCATTER_INPUT.format(label=label)
             rs_in = rewrite.alloc_at(at, unit.gathered, AG_STREAM, "comm_buffer", what, False)
             self.release(unit, at, False)
         else:
             self.release(unit, at, False)
             if self.rs_input is not None:
                 rewrite.free_at(at, self.rs_input, False)
-            what = f"{label} reduce-scatter input (a unit's gradients, flat)"
+            what = RULE_FSDP_REDUCE_SCATTER_INPUT.format(label=label)
             rs_in = self.rs_input = rewrite.alloc_at(
                 at,
                 unit.gathered,
@@ -524,7 +544,7 @@ class _FsdpPass:
                 rewrite.add(at, ("f", int(row)), False)
         ends = rewrite.free_after[mine]
         rewrite.free_after[mine] = -1
-        rewrite.rule[mine] = f"gradients, unsharded, until their unit's reduce-scatter ({label})"
+        rewrite.rule[mine] = RULE_FSDP_UNSHARDED_GRADIENTS.format(label=label)
         if mine.size == 0 and (
             self.sharded_grads.get(
                 unit.block,
@@ -535,14 +555,14 @@ class _FsdpPass:
         ):
             # no new gradient this pass (accumulation): the reduce-scatter's output is added to the
             # sharded gradient that is already there
-            what = f"reduce-scatter output, accumulated into the sharded gradient ({label})"
+            what = RULE_FSDP_ACCUMULATED.format(label=label)
             out = rewrite.alloc_at(at, unit.shard, RS_STREAM, "comm_buffer", what, False)
             rewrite.free_at(at, out, False)
         else:
             lives = -1 if mine.size == 0 or (ends < 0).any() else int(ends.max())
             # the recorded gradients were gone already
             lives = at if 0 <= lives < at else lives
-            what = f"gradients, 1/{self.world} shard per rank ({label})"
+            what = RULE_FSDP_SHARDED_GRADIENTS.format(world=self.world, label=label)
             out = rewrite.alloc_at(at, unit.shard, RS_STREAM, "gradient", what, False)
             if lives >= 0:
                 rewrite.free_at(lives, out, False)

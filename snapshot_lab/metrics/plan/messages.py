@@ -114,6 +114,44 @@ TP_LAYERS_CHOICES = "--tp-layers: one of {choices}"
 
 # --------------------------------------------------------------------------- rules: why one allocation is planned so
 
+# kept as recorded
+AS_RECORDED = "as recorded"
+RECORDED_RULES = {
+    "parameter": "parameters, as recorded",
+    "gradient": "gradients, as recorded",
+    "optimizer_state": "optimizer state, as recorded",
+    "activation": "activations and temporaries, as recorded",
+    "inflight_activation": "pipeline in-flight activations, as recorded",
+    "fsdp_unsharded_params": "FSDP unsharded parameters, as recorded",
+    "comm_buffer": "communication buffers, as recorded",
+    "ddp_bucket": "DDP buckets, as recorded",
+    "cuda_graph_pool": "CUDA-graph pool, as recorded",
+    "other": "other allocations (inputs, caches, workspaces), as recorded",
+}
+OOM_REQUEST = "the request that ran out of memory, as recorded"
+RULE_RECORDED_DDP_DROPPED = "the recorded run's DDP buckets: left out"
+
+# data parallelism (DDP, ZeRO-1, FSDP2, FSDP1); {label} names the strategy
+RULE_UNTRACKED_SHARDED = "{category}, 1/{world} per rank ({label})"
+RULE_UNTRACKED_KEPT = "{category}, as recorded"
+RULE_DDP_BROADCAST = "{label} wrapping: parameter broadcast (flat, temporary)"
+RULE_DDP_FIRST_BUCKET = "{label} bucket of the first iteration (every parameter's gradient)"
+RULE_DDP_REBUILT_BUCKETS = "{label} buckets, rebuilt at the second iteration"
+RULE_DDP_BUCKET_VIEW_GRADIENTS = "gradients: copied into the DDP buckets (gradient_as_bucket_view) and freed"
+RULE_PARAMETER_SHARDS = "parameters, 1/{world} shard per rank ({label})"
+RULE_SHARDED_OPTIMIZER_STATE = "optimizer state, 1/{world} per rank ({label})"
+RULE_FSDP1_FLATTEN = "{label} wrapping: a unit's parameters flattened (temporary)"
+RULE_FSDP1_FLAT_SHARD = "parameters, one flat 1/{world} shard per unit ({label})"
+RULE_FSDP1_UNSHARDED = "{label} unsharded flat parameter of a unit (all-gathered, padded)"
+RULE_FSDP_ALL_GATHER = "{label} all-gather output (flat, one unit{why})"
+RULE_FSDP_UNSHARDED = "{label} unsharded parameters of a unit (copied out of the all-gather)"
+RULE_FSDP1_REDUCE_SCATTER_INPUT = "{label} reduce-scatter input (a unit's gradients, flat, padded)"
+RULE_FSDP_REDUCE_SCATTER_INPUT = "{label} reduce-scatter input (a unit's gradients, flat)"
+RULE_FSDP_UNSHARDED_GRADIENTS = "gradients, unsharded, until their unit's reduce-scatter ({label})"
+RULE_FSDP_ACCUMULATED = "reduce-scatter output, accumulated into the sharded gradient ({label})"
+RULE_FSDP_SHARDED_GRADIENTS = "gradients, 1/{world} shard per rank ({label})"
+
+# tensor parallelism
 RULE_GRADIENTS = "gradients of sharded matrices, 1/{degree} (tensor parallel)"
 RULE_OPTIMIZER_STATE = "optimizer state of sharded matrices, 1/{degree} (tensor parallel)"
 RULE_SHARDED_ACTIVATIONS = "activations between column- and row-parallel layers, 1/{degree} (tensor parallel)"
@@ -124,3 +162,14 @@ RULE_PARTIAL_SUMS = "tensor-parallel all-reduce input: a row-parallel layer's pa
 RULE_ROW_OUTPUTS = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
 RULE_PARAMETERS = "parameters: sharded matrices 1/{degree}, the rest replicated (tensor parallel)"
 RULE_COLUMN_CHUNKS = "distribute_tensor: column chunks (temporary)"
+
+# pipeline parallelism
+RULE_FIRST_GRADIENTS = "gradients of the stage's parameters (first microbatch)"
+RULE_LATER_GRADIENTS = "weight gradients of later microbatches (accumulated)"
+RULE_MODEL_OUTPUT = "the model's output, kept per microbatch until the step ends"
+RULE_STAGE_OUTPUT = "the stage's output, sent to the next stage (held until the step ends)"
+RULE_SAVED_ACTIVATIONS = "activations saved for a microbatch's backward, 1/{microbatches} of the batch"
+RULE_ONE_MICROBATCH = "{what}, one microbatch (1/{microbatches} of the batch)"
+RULE_MERGED_OUTPUTS = "the microbatches' outputs, merged into one at the step's end"
+RULE_RECV_ACTIVATIONS = "pipeline receive buffers: activations from stage {stage}, one per microbatch"
+RULE_RECV_GRADIENTS = "pipeline receive buffers: gradients from stage {stage}, one per microbatch"

@@ -470,9 +470,7 @@ def _passes_and_blocks(
         next_start = raw[pass_index + 1][0] if pass_index + 1 < len(raw) else n_positions
         blocks = _pass_blocks(sid, forward_rows, pass_index, repeat, info)
         counts.append(len(blocks))
-        passes.append(
-            _make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks),
-        )
+        passes.append(_make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks))
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
         notes.append(NOTE_UNEVEN_BLOCKS.format(counts=sorted(set(counts)), n_blocks=n_blocks))
@@ -495,12 +493,7 @@ def _forward_sets(allocs: pd.DataFrame, raw: list[tuple[int, int, int]]) -> list
     """Per pass, the rows of its forward allocations on the program's thread inside modules."""
     pos = allocs["pos"].to_numpy()
     in_module = allocs["main"].to_numpy() & allocs["module"].to_numpy()
-    return [
-        np.flatnonzero(
-            (pos >= forward) & (pos < backward) & in_module,
-        )
-        for forward, backward, _ in raw
-    ]
+    return [np.flatnonzero((pos >= forward) & (pos < backward) & in_module) for forward, backward, _ in raw]
 
 
 def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackInfo) -> _BlockRepeat:
@@ -627,7 +620,7 @@ def _make_pass(
     code = allocs["code"].to_numpy()
     # the backward ends where the optimizer step or the next pass begins
     later = np.flatnonzero(
-        (pos > last_grad) & (pos < next_start) & main & ((code == CODES["optimizer_state"]) | module),
+        (pos > last_grad) & (pos < next_start) & main & ((code == CODES["optimizer_state"]) | module)
     )
     bwd_end = int(pos[later[0]]) if later.size else next_start
     # the data of the next pass begins after the step: keep the backward span to the step
@@ -646,9 +639,7 @@ def _make_pass(
     for j, rows in enumerate(blocks):
         mine = np.r_[rows[:-1], inputs[j]].astype(np.int64)
         saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd), inputs[-1]].astype(
-        np.int64,
-    )
+    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd), inputs[-1]].astype(np.int64)
     post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
     frees = saved
     # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
