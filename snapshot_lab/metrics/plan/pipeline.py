@@ -217,9 +217,7 @@ class StageBuilder:
         in_pass = np.isin(allocs["phase"].to_numpy(), PASS_PHASES)
         pass_id = allocs["pass_id"].to_numpy()
         self.pass_rows = {
-            training_pass.index: set(
-                np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist(),
-            )
+            training_pass.index: set(np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist())
             for training_pass in structure.passes
         }
         # recorded row -> live keys (its copies)
@@ -393,9 +391,7 @@ class StageBuilder:
             last = self.stage == self.stages - 1
             return "activation", RULE_MODEL_OUTPUT if last else RULE_STAGE_OUTPUT
         if saved and int(free_position) >= self.saved_until:
-            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(
-                microbatches=self.microbatches,
-            )
+            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(microbatches=self.microbatches)
         category = self._category(row)
         rule = RULE_ONE_MICROBATCH.format(
             what=category.replace("_", " "),

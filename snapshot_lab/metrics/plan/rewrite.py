@@ -59,11 +59,7 @@ class Rewrite:
             stream=allocs["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
             rule=rule,
-            free_after=allocs["free_pos_recorded" if as_recorded else "free_pos"]
-            .to_numpy(
-                dtype=np.int64,
-            )
-            .copy(),
+            free_after=allocs["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
         )
 
     def new_key(self) -> int:
