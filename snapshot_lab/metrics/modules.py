@@ -302,26 +302,28 @@ def module_breakdown(
     return memo(frames, ("modules", device, limit), lambda: _breakdown(frames, device, limit))
 
 
+# the note that says where the module view's numbers come from
+NOTE_FROM_TAGS = "From the module tags (user_metadata), exact"
+NOTE_FROM_STACKS = (
+    "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
+    "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
+    "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
+    "no module; "
+)
+ADVICE_TAG = "record with snaplab run / recording() to tag allocations by module"
+ADVICE_NEEDS_TAGS = ", and snaplab run / recording() to tag them"
+
+
 def _attribution(
     frames: SnapshotFrames, device: int, events: pd.DataFrame, lifetimes: pd.DataFrame
 ) -> tuple[_Attribution, str]:
     """The tags where the recording has them, else the stacks; and the note that says which."""
     attribution = _from_tags(events, lifetimes)
     if attribution is not None:
-        return attribution, "From the module tags (user_metadata), exact"
+        return attribution, NOTE_FROM_TAGS
     has_key = "user_metadata (torch>=2.10)" in frames.info.format_hints
-    note = (
-        "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
-        "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
-        "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
-        "no module; "
-        + (
-            "record with snaplab run / recording() to tag allocations by module"
-            if has_key
-            else NEEDS + ", and snaplab run / recording() to tag them"
-        )
-    )
-    return _from_stacks(frames, device, lifetimes), note
+    advice = ADVICE_TAG if has_key else NEEDS + ADVICE_NEEDS_TAGS
+    return _from_stacks(frames, device, lifetimes), NOTE_FROM_STACKS + advice
 
 
 def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> ModuleBreakdown:
