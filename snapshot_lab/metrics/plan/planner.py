@@ -61,13 +61,12 @@ class Strategy:
         strategy = self
         if name in ALIASES:
             base, reshard = ALIASES[name]
-            strategy = replace(
-                strategy,
-                reshard_after_forward=reshard if reshard is not None else strategy.reshard_after_forward,
-            )
+            if reshard is not None:
+                strategy = replace(strategy, reshard_after_forward=reshard)
             name = base
         if name not in STRATEGIES:
-            raise ValueError(messages.UNKNOWN_STRATEGY.format(name=self.name, strategies=", ".join(STRATEGIES)))
+            known = ", ".join(STRATEGIES)
+            raise ValueError(messages.UNKNOWN_STRATEGY.format(name=self.name, strategies=known))
         world = strategy.world_size
         if world < 1:
             raise ValueError("the world size must be at least 1")
@@ -201,7 +200,9 @@ class MemoryPlan:
     @property
     def fits(self) -> bool | None:
         verdicts = [rank_plan.fits for rank_plan in self.ranks]
-        return None if any(verdict is None for verdict in verdicts) else all(bool(verdict) for verdict in verdicts)
+        if any(verdict is None for verdict in verdicts):
+            return None
+        return all(bool(verdict) for verdict in verdicts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -236,9 +237,10 @@ def _moment(structure: TrainingStructure, event: int) -> str:
             if position < one_pass.forward_start:
                 return f"{iteration}, before the forward (data, optimizer step)"
             if position < one_pass.backward_start:
-                for j, (first, last) in enumerate(one_pass.block_forward):
-                    nxt = one_pass.block_forward[j + 1][0] if j + 1 < len(one_pass.block_forward) else last + 1
-                    if first <= position < nxt:
+                blocks = one_pass.block_forward
+                for j, (first, last) in enumerate(blocks):
+                    next_first = blocks[j + 1][0] if j + 1 < len(blocks) else last + 1
+                    if first <= position < next_first:
                         return f"{iteration}, forward, block {j}"
                 if one_pass.block_forward and position < one_pass.block_forward[0][0]:
                     return f"{iteration}, forward, before the blocks (embeddings)"
@@ -394,7 +396,9 @@ def _apply_data_parallel(
             world,
             "FSDP",
         )
-        named = ", ".join(unit.name for unit in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}"
+        named = ", ".join(unit.name for unit in units)
+        if len(units) > 4:
+            named = f"{units[0].name}, …, {units[-1].name}"
         notes.append(messages.NOTE_FSDP_UNITS.format(count=len(units), named=named))
 
 
@@ -669,7 +673,9 @@ def plan_table(
     skipped = {}
     for strategy in strategies or usual_strategies(world_size, structure.n_blocks):
         try:
-            plans.append(plan_memory(frames, strategy, device_index, memory_limit, memory_limit_source))
+            plan = plan_memory(frames, strategy, device_index, memory_limit, memory_limit_source)
+            plans.append(plan)
         except (PlanUnsupported, ValueError) as exc:
-            skipped[strategy.resolved().label() if strategy.name in STRATEGIES else strategy.name] = str(exc)
+            label = strategy.resolved().label() if strategy.name in STRATEGIES else strategy.name
+            skipped[label] = str(exc)
     return PlanTable(world_size, tuple(plans), skipped)
