@@ -198,9 +198,9 @@ class CudaMemoryLimits:
             recorded = False
         devices = range(int(torch.cuda.device_count()))
         # the allocator counts on the host, at each request: no synchronisation needed
-        start = {device_index: int(torch.cuda.memory_allocated(device_index)) for device_index in devices}
-        for device_index in devices:
-            torch.cuda.reset_peak_memory_stats(device_index)
+        start = {device: int(torch.cuda.memory_allocated(device)) for device in devices}
+        for device in devices:
+            torch.cuda.reset_peak_memory_stats(device)
         error: BaseException | None = None
         result: object = None
         snapshot: Path | None = None
@@ -213,8 +213,8 @@ class CudaMemoryLimits:
             except BaseException as exc:
                 # the test's own failure: reported as it is, evidence added
                 error = exc
-            peaks = {device_index: int(torch.cuda.max_memory_allocated(device_index)) for device_index in devices}
-            over = {device_index: peak for device_index, peak in peaks.items() if peak > limit}
+            peaks = {device: int(torch.cuda.max_memory_allocated(device)) for device in devices}
+            over = {device: peak for device, peak in peaks.items() if peak > limit}
             failed = bool(over) or error is not None
             if recorded and (over or self.keep == "all" or (failed and self.keep == "failed")):
                 oom = [peak for peak in rec.written if peak.name.endswith("_oom.pickle")]

@@ -84,8 +84,9 @@ class ParallelLayout:
         if not known:
             return "single process, no parallel training library seen"
         names = " + ".join(STRATEGY_NAMES[strategy] for strategy in known)
-        where = f", rank {self.rank} of {self.world_size}" if self.world_size and self.rank is not None else ""
-        return names + where
+        if self.world_size and self.rank is not None:
+            return f"{names}, rank {self.rank} of {self.world_size}"
+        return names
 
     def to_dict(self) -> dict[str, Any]:
         fields = asdict(self)
@@ -95,7 +96,8 @@ class ParallelLayout:
 
 def _int(value: Any) -> int | None:
     # JSON from a file: bool is an int to Python, and neither it nor a float is a coordinate
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31 else None
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    return value if is_int and 0 <= value < 1 << 31 else None
 
 
 def _text(value: Any, limit: int = 40) -> str | None:
@@ -103,7 +105,8 @@ def _text(value: Any, limit: int = 40) -> str | None:
     messages and HTML)."""
     if not isinstance(value, str) or not value.strip():
         return None
-    return "".join(char if char.isprintable() and not char.isspace() else "-" for char in value.strip())[:limit]
+    shown = (char if char.isprintable() and not char.isspace() else "-" for char in value.strip())
+    return "".join(shown)[:limit]
 
 
 def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | None:
@@ -118,8 +121,10 @@ def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | N
         return value if isinstance(value, Mapping) else {}
 
     degrees_in, coords_in, pp_in = mapping("degrees"), mapping("coordinates"), mapping("pp")
-    degrees = {kind: degree for kind in KINDS if (degree := _int(degrees_in.get(kind))) is not None and degree >= 1}
-    coords = {kind: coordinate for kind in KINDS if (coordinate := _int(coords_in.get(kind))) is not None}
+    given_degrees = {kind: _int(degrees_in.get(kind)) for kind in KINDS}
+    degrees = {kind: degree for kind, degree in given_degrees.items() if degree is not None and degree >= 1}
+    given_coords = {kind: _int(coords_in.get(kind)) for kind in KINDS}
+    coords = {kind: coordinate for kind, coordinate in given_coords.items() if coordinate is not None}
     stage = _int(pp_in.get("stage"))
     if stage is not None:
         coords.setdefault("pp", stage)
@@ -230,9 +235,8 @@ def detect_parallel(frames: SnapshotFrames) -> ParallelLayout:
             # a degree the sidecar saw counts as the strategy even if no stack shows it
             if degrees.get(kind, 1) > 1:
                 stacks = stacks if kind in stacks else [*stacks, kind]
-        strategies = [
-            strategy for strategy in _STACK_MARKS if strategy in set(_normalised(layout.strategies)) | set(stacks)
-        ]
+        seen = set(_normalised(layout.strategies)) | set(stacks)
+        strategies = [strategy for strategy in _STACK_MARKS if strategy in seen]
         rank = _int(par.get("rank")) if par else None
         world = layout.world_size or (_int(par.get("world_size")) if par else None) or _int(cap.get("world_size"))
         return replace(
