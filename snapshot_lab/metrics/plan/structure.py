@@ -459,18 +459,24 @@ class _BlockRepeat:
 
 
 def _passes_and_blocks(
-    allocs: pd.DataFrame, raw: list[tuple[int, int, int]], info: StackInfo, n_positions: int, notes: list[str]
+    allocs: pd.DataFrame,
+    raw: list[tuple[int, int, int]],
+    info: StackInfo,
+    n_positions: int,
+    notes: list[str],
 ) -> tuple[list[Pass], int, int, str]:
     sid = allocs["sid"].to_numpy()
     forward_sets = _forward_sets(allocs, raw)
     repeat = _block_repeat(sid, forward_sets, info)
     passes: list[Pass] = []
     counts = []
-    for pass_index, ((forward, backward, last_grad), forward_rows) in enumerate(zip(raw, forward_sets, strict=True)):
+    pass_spans = zip(raw, forward_sets, strict=True)
+    for pass_index, ((forward, backward, last_grad), forward_rows) in enumerate(pass_spans):
         next_start = raw[pass_index + 1][0] if pass_index + 1 < len(raw) else n_positions
         blocks = _pass_blocks(sid, forward_rows, pass_index, repeat, info)
         counts.append(len(blocks))
-        passes.append(_make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks))
+        one_pass = _make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks)
+        passes.append(one_pass)
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
         notes.append(NOTE_UNEVEN_BLOCKS.format(counts=sorted(set(counts)), n_blocks=n_blocks))
@@ -542,7 +548,11 @@ def _block_call_site(block_stack_ids: np.ndarray, info: StackInfo) -> tuple[int,
 
 
 def _pass_blocks(
-    sid: np.ndarray, forward_rows: np.ndarray, pass_index: int, repeat: _BlockRepeat, info: StackInfo
+    sid: np.ndarray,
+    forward_rows: np.ndarray,
+    pass_index: int,
+    repeat: _BlockRepeat,
+    info: StackInfo,
 ) -> list[np.ndarray]:
     """The rows of each block's forward allocations in pass ``k``."""
     if not repeat.signature.size:
@@ -639,7 +649,8 @@ def _make_pass(
     for j, rows in enumerate(blocks):
         mine = np.r_[rows[:-1], inputs[j]].astype(np.int64)
         saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd), inputs[-1]].astype(np.int64)
+    after_blocks = np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd)
+    post_rows = np.r_[after_blocks, inputs[-1]].astype(np.int64)
     post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
     frees = saved
     # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
@@ -770,7 +781,15 @@ def _params(
         [sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)],
         dtype=bool,
     )
-    params = pd.DataFrame({"row": sel, "size": sizes, "block": block, "part": part, "matrix": matrix})
+    params = pd.DataFrame(
+        {
+            "row": sel,
+            "size": sizes,
+            "block": block,
+            "part": part,
+            "matrix": matrix,
+        }
+    )
     allocs.loc[sel, "param"] = np.arange(sel.size)
     allocs.loc[sel, "phase"] = "setup"
     return params
@@ -857,10 +876,8 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
         if cands is None:
             continue
         used = taken.setdefault(int(pass_id[row]), set())
-        same = [
-            int(candidate) for candidate in cands if p_block[candidate] == block[row] and int(candidate) not in used
-        ]
         rest = [int(candidate) for candidate in cands if int(candidate) not in used]
+        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
         pick = same[-1] if same else (rest[-1] if rest else int(cands[-1]))
         used.add(pick)
         out[row] = pick
