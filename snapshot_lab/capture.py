@@ -98,8 +98,8 @@ def _torch() -> Any:
 
 
 def _torch_version(torch: Any) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", str(getattr(torch, "__version__", "0.0")))
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(torch, "__version__", "0.0")))
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def _rank_info() -> tuple[int, int]:
@@ -195,7 +195,8 @@ def _on_oom(device: int, alloc: int, device_allocated: int, device_free: int) ->
         rec._handle_oom(device, alloc, device_allocated, device_free)
 
 
-class recording(ContextDecorator):  # lower case: used like a function, with recording(...)
+class recording(ContextDecorator):
+    # lower case: used like a function, with recording(...)
     """Record the CUDA allocator's history; dump snapshots on exit, on OOM and every N steps."""
 
     def __init__(
@@ -230,11 +231,14 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
         self._tags: Any = None
         self.steps = 0
         self.written: list[Path] = []
-        self.exit_reason: str | None = None  # set by a runner that caught the program's exception
-        self.exception_type: str | None = None  # the class name of that exception
+        # set by a runner that caught the program's exception
+        self.exit_reason: str | None = None
+        # the class name of that exception
+        self.exception_type: str | None = None
         self._torch: Any = None
         self._oom_dumped = False
-        self._oom_path: Path | None = None  # the snapshot the OOM observer wrote
+        # the snapshot the OOM observer wrote
+        self._oom_path: Path | None = None
         self._oom_record: dict[str, int] = {}
 
     @classmethod
@@ -290,11 +294,12 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             try:
                 torch._C._cuda_attach_out_of_memory_observer(_on_oom)
                 _OBSERVER_ATTACHED = True
-            except Exception as exc:  # an old torch without the observer API: record anyway
+            except Exception as exc:
+                # an old torch without the observer API: record anyway
                 log.warning("snaplab: cannot watch for out-of-memory errors: %s", exc)
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, exc_tb: object) -> None:
         try:
             if self.dump_on_exit:
                 failed = exc_type is not None and exc_type is not SystemExit
@@ -309,7 +314,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
             with contextlib.suppress(Exception):
-                if _ACTIVE:  # an enclosing recording goes on with its own settings
+                if _ACTIVE:
+                    # an enclosing recording goes on with its own settings
                     _ACTIVE[-1]._enable()
                 else:
                     self._disable()
@@ -326,7 +332,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
     def _handle_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         if not self.options.on_oom or self._oom_dumped:
             return
-        self._oom_dumped = True  # one dump per recording: later OOMs while unwinding add nothing
+        # one dump per recording: later OOMs while unwinding add nothing
+        self._oom_dumped = True
         self._oom_record = {
             "device": device,
             "alloc_bytes": alloc,
@@ -347,7 +354,8 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
                 "same_as": self._oom_path.name,
                 "moment": "after the out-of-memory error unwound",
             },
-            "oom": self._oom_record,  # the observer's record: the limit the OOM happened under
+            # the observer's record: the limit the OOM happened under
+            "oom": self._oom_record,
         }
 
     def dump(self, why: str | None = None, extra: dict[str, Any] | None = None) -> Path | None:
@@ -372,19 +380,19 @@ class recording(ContextDecorator):  # lower case: used like a function, with rec
             devices = list(range(torch.cuda.device_count()))
         stats = {}
         with contextlib.suppress(Exception):
-            stats = {str(d): dict(torch.cuda.memory_stats(d)) for d in devices}
+            stats = {str(device_index): dict(torch.cuda.memory_stats(device_index)) for device_index in devices}
         totals = {}
-        with contextlib.suppress(Exception):  # tells a per-process cap from the device's capacity
+        with contextlib.suppress(Exception):
+            # tells a per-process cap from the device's capacity
             totals = {
-                str(d): int(
-                    torch.cuda.get_device_properties(d).total_memory,
-                )
-                for d in devices
+                str(device_index): int(torch.cuda.get_device_properties(device_index).total_memory)
+                for device_index in devices
             }
         snap = torch.cuda.memory._snapshot()
         tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as f:
-            pickle.dump(snap, f, protocol=4)  # 4, not 3.14's default 5: memory_viz reads only <= 4
+        with tmp.open("wb") as file:
+            # 4, not 3.14's default 5: memory_viz reads only <= 4
+            pickle.dump(snap, file, protocol=4)
         os.replace(tmp, path)
         meta = {
             "snaplab_capture": 1,
@@ -446,8 +454,10 @@ _WATCHED: dict[str, tuple[tuple[str, str], ...]] = {
     "torch.distributed.device_mesh": (("DeviceMesh", "mesh"),),
     "torch.nn.parallel.distributed": (("DistributedDataParallel", "ddp"),),
     "torch.distributed.fsdp.fully_sharded_data_parallel": (("FullyShardedDataParallel", "fsdp1"),),
-    "torch.distributed.fsdp._fully_shard._fully_shard": (("FSDPModule", "fsdp2"),),  # 2.6+
-    "torch.distributed._composable.fsdp.fully_shard": (("FSDPModule", "fsdp2"),),  # 2.4-2.5
+    # 2.6+
+    "torch.distributed.fsdp._fully_shard._fully_shard": (("FSDPModule", "fsdp2"),),
+    # 2.4-2.5
+    "torch.distributed._composable.fsdp.fully_shard": (("FSDPModule", "fsdp2"),),
     "torch.distributed.pipelining.stage": (("_PipelineStageBase", "stage"),),
     "torch.distributed.pipelining.schedules": (("_PipelineSchedule", "schedule"),),
 }
@@ -497,18 +507,18 @@ def describe_parallel(
 
 def _dim_kind(name: str) -> str | None:
     """The degree a mesh dimension stands for, from its name (torchtitan, tutorials, Megatron)."""
-    n = name.lower().replace("-", "_")
-    if n in ("tp", "tensor", "tensor_parallel", "model", "mp"):
+    lowered = name.lower().replace("-", "_")
+    if lowered in ("tp", "tensor", "tensor_parallel", "model", "mp"):
         return "tp"
-    if n in ("pp", "pipe", "pipeline", "pipeline_parallel"):
+    if lowered in ("pp", "pipe", "pipeline", "pipeline_parallel"):
         return "pp"
-    if n in ("cp", "context", "context_parallel"):
+    if lowered in ("cp", "context", "context_parallel"):
         return "cp"
-    if n in ("ep", "expert", "expert_parallel"):
+    if lowered in ("ep", "expert", "expert_parallel"):
         return "ep"
-    if n in ("fsdp", "shard", "dp_shard", "sharded", "zero"):
+    if lowered in ("fsdp", "shard", "dp_shard", "sharded", "zero"):
         return "fsdp"
-    if n in ("dp", "ddp", "data", "data_parallel", "replicate", "dp_replicate", "hsdp"):
+    if lowered in ("dp", "ddp", "data", "data_parallel", "replicate", "dp_replicate", "hsdp"):
         return "dp"
     return None
 
@@ -534,13 +544,14 @@ def _parallel_objects() -> dict[str, list[Any]]:
         for cls, kind in classes:
             if issubclass(cls_of, cls):
                 bucket = found.setdefault(kind, [])
-                if all(o is not obj for o in bucket):
+                if all(other is not obj for other in bucket):
                     bucket.append(obj)
     return found
 
 
 def _root_mesh(mesh: Any) -> Any:
-    root = getattr(mesh, "_root_mesh", None)  # 2.9+: slices and flattened meshes know their root
+    # 2.9+: slices and flattened meshes know their root
+    root = getattr(mesh, "_root_mesh", None)
     if root is None:  # 2.4-2.8: a registry of the process
         resources = getattr(
             sys.modules.get("torch.distributed.device_mesh"),
@@ -558,17 +569,17 @@ def _mesh_shape(mesh: Any) -> list[int]:
     shape = getattr(mesh, "shape", None)
     if shape is None or callable(shape):
         shape = tuple(mesh.mesh.shape)
-    return [int(x) for x in shape]
+    return [int(size) for size in shape]
 
 
 def _describe_mesh(mesh: Any) -> dict[str, Any]:
     names = getattr(mesh, "mesh_dim_names", None)
-    desc: dict[str, Any] = {"dim_names": [str(n) for n in names] if names else None}
+    desc: dict[str, Any] = {"dim_names": [str(name) for name in names] if names else None}
     desc["shape"] = _mesh_shape(mesh)
     coord = None
     with contextlib.suppress(Exception):
-        c = mesh.get_coordinate()
-        coord = None if c is None else [int(x) for x in c]
+        coordinate = mesh.get_coordinate()
+        coord = None if coordinate is None else [int(value) for value in coordinate]
     desc["coordinate"] = coord
     with contextlib.suppress(Exception):
         desc["device_type"] = str(mesh.device_type)
@@ -645,7 +656,8 @@ def _fsdp2_info(units: list[Any], lay: _Layout, kind_of_name: dict[str, str]) ->
                     continue
                 name, size, coord = dim
                 if name is not None:
-                    kind_of_name[name] = kind  # FSDP shards over it, whatever the name says
+                    # FSDP shards over it, whatever the name says
+                    kind_of_name[name] = kind
                 lay.set(kind, size, coord, "fsdp2", override=True)
             mesh_done = True
     if reshard:
@@ -654,7 +666,7 @@ def _fsdp2_info(units: list[Any], lay: _Layout, kind_of_name: dict[str, str]) ->
 
 
 def _fsdp1_info(units: list[Any], lay: _Layout) -> dict[str, Any]:
-    root = next((u for u in units if getattr(u, "_is_root", None) is True), units[0])
+    root = next((unit for unit in units if getattr(unit, "_is_root", None) is True), units[0])
     info: dict[str, Any] = {"version": 1, "units": len(units)}
     strategy = getattr(root, "sharding_strategy", None)
     name = getattr(strategy, "name", None if strategy is None else str(strategy))
@@ -675,11 +687,12 @@ def _fsdp1_info(units: list[Any], lay: _Layout) -> dict[str, Any]:
 def _pipeline_info(stages: list[Any], schedules: list[Any], lay: _Layout) -> dict[str, Any]:
     info: dict[str, Any] = {}
     if stages:
-        indices = sorted({int(s.stage_index) for s in stages if hasattr(s, "stage_index")})
+        indices = sorted({int(stage.stage_index) for stage in stages if hasattr(stage, "stage_index")})
         if len(indices) == 1:
             info["stage"] = indices[0]
         elif indices:
-            info["stages"] = indices  # interleaved / looped schedules: several stages per rank
+            # interleaved / looped schedules: several stages per rank
+            info["stages"] = indices
         num = getattr(stages[0], "num_stages", None)
         if num is not None:
             info["num_stages"] = int(num)
@@ -695,9 +708,9 @@ def _pipeline_info(stages: list[Any], schedules: list[Any], lay: _Layout) -> dic
         name = type(sched).__name__
         prefixed = name.startswith("Schedule") and len(name) > len("Schedule")
         info["schedule"] = name[len("Schedule") :] if prefixed else name
-        n = getattr(sched, "_n_microbatches", None)
-        if n is not None:
-            info["microbatches"] = int(n)
+        microbatches = getattr(sched, "_n_microbatches", None)
+        if microbatches is not None:
+            info["microbatches"] = int(microbatches)
     return info
 
 
@@ -708,7 +721,8 @@ def parallel_layout() -> dict[str, Any]:
     out: dict[str, Any] = {"world_size": world, "rank": rank}
     found = _parallel_objects()
     layout = _Layout()
-    kind_of_name: dict[str, str] = {}  # mesh dimension name -> the degree FSDP shards over
+    # mesh dimension name -> the degree FSDP shards over
+    kind_of_name: dict[str, str] = {}
     descriptions = _mesh_descriptions(found.get("mesh", []))
     if descriptions:
         out["mesh"] = descriptions[0]
@@ -821,15 +835,16 @@ def _set_degrees(out: dict[str, Any], layout: _Layout, world: int) -> None:
     out["sources"] = {kind: layout.sources[kind] for kind in degrees}
 
 
-def _prod(xs: list[int]) -> int:
-    p = 1
-    for x in xs:
-        p *= int(x)
-    return p
+def _prod(sizes: list[int]) -> int:
+    product = 1
+    for size in sizes:
+        product *= int(size)
+    return product
 
 
 def _parallel_layout_or_error(rank: int, world: int) -> dict[str, Any]:
     try:
         return parallel_layout()
-    except Exception as exc:  # detection is a nicety: the dump goes on without it
+    except Exception as exc:
+        # detection is a nicety: the dump goes on without it
         return {"world_size": world, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}

@@ -118,11 +118,13 @@ class _ThreadState(threading.local):
     """The allocator's metadata is per thread, so is what the hooks know about it."""
 
     def __init__(self) -> None:
-        self.mod: _Mod | None = None  # the module whose tag is set on this thread
+        # the module whose tag is set on this thread
+        self.mod: _Mod | None = None
         self.tag = OUTSIDE
         # forward nesting: (module, previous mod, previous tag, the hooked output before it entered)
         self.stack: list[tuple[_Mod, _Mod | None, str, _Hooked | None]] = []
-        self.hooked: _Hooked | None = None  # the output whose node got the last begin-backward hook
+        # the output whose node got the last begin-backward hook
+        self.hooked: _Hooked | None = None
 
 
 class _Hooked:
@@ -135,7 +137,8 @@ class _Hooked:
 
     def __init__(self, ref: Any, version: int, mod: _Mod) -> None:
         self.ref = ref
-        self.version = version  # an in-place op after the hook moves the tensor to another node
+        # an in-place op after the hook moves the tensor to another node
+        self.version = version
         self.mod = mod
 
 
@@ -143,7 +146,8 @@ _STATE = _ThreadState()
 # modules tagged by an explicit tag_modules(model), and by which handle: a module is tagged once
 # (a second tagger would unbalance the first one's stack), and the process-wide tagger leaves them
 _EXPLICIT: weakref.WeakKeyDictionary[Any, ModuleTags] = weakref.WeakKeyDictionary()
-_PROCESS: list[ModuleTags] = []  # the active process-wide tagger (one at a time)
+# the active process-wide tagger (one at a time)
+_PROCESS: list[ModuleTags] = []
 _WARNED: set[str] = set()
 
 
@@ -167,9 +171,11 @@ class ModuleTags:
         self.active = enabled
         self._handles: list[Any] = []
         self._mods: dict[str, _Mod] = {}
-        self._explicit: list[Any] = []  # weak references to the modules counted in _EXPLICIT
+        # weak references to the modules counted in _EXPLICIT
+        self._explicit: list[Any] = []
         self._set: Callable[[str], Any] = _noop
-        self._queued_for = -2  # the graph task whose end already has a reset queued
+        # the graph task whose end already has a reset queued
+        self._queued_for = -2
 
     # -- public ---------------------------------------------------------------------------
 
@@ -177,7 +183,7 @@ class ModuleTags:
     def modules(self) -> dict[str, str]:
         """Tagged modules so far: path -> class name (a process-wide tagger finds them as they
         run)."""
-        return {fqn: m.cls for fqn, m in self._mods.items()}
+        return {fqn: module.cls for fqn, module in self._mods.items()}
 
     def describe(self) -> dict[str, Any]:
         """What a snapshot's sidecar should say about the tags (format version, mode, modules)."""
@@ -195,8 +201,8 @@ class ModuleTags:
         if not self.active and not self._handles:
             return
         self.active = False
-        for h in self._handles:
-            h.remove()
+        for handle in self._handles:
+            handle.remove()
         self._handles.clear()
         for ref in self._explicit:
             mod = ref()
@@ -205,9 +211,9 @@ class ModuleTags:
         self._explicit.clear()
         if self in _PROCESS:
             _PROCESS.remove(self)
-        st = _STATE
-        if not st.stack and st.tag:
-            st.mod, st.tag = None, OUTSIDE
+        state = _STATE
+        if not state.stack and state.tag:
+            state.mod, state.tag = None, OUTSIDE
             self._set(OUTSIDE)
 
     def __enter__(self) -> ModuleTags:
@@ -246,7 +252,8 @@ def _metadata_setter(torch: Any) -> tuple[Callable[[str], Any] | None, str | Non
     try:
         if not torch.cuda.is_available():
             return None, "CUDA is not available: there is no GPU allocator to tag"
-        torch.cuda.init()  # the setter indexes the device's allocator: it must exist first
+        # the setter indexes the device's allocator: it must exist first
+        torch.cuda.init()
     except Exception as exc:  # a broken driver must not stop training
         return None, f"CUDA could not be initialised: {exc}"
     setter = getattr(torch._C, "_cuda_setMemoryMetadata", None) or mem._set_memory_metadata
@@ -303,7 +310,8 @@ def tag_modules(
                 reason=reason,
                 mode="process" if model is None else "model",
             )
-    if model is None and _PROCESS:  # nested recordings: the outer one already tags everything
+    if model is None and _PROCESS:
+        # nested recordings: the outer one already tags everything
         inner = ModuleTags(
             enabled=True,
             reason="already tagged by an enclosing tag_modules(None)",
@@ -344,9 +352,7 @@ class _Installer:
 
     # -- the hooks ------------------------------------------------------------------------
 
-    def make_hooks(
-        self,
-    ) -> tuple[Callable[..., None], Callable[..., None], Callable[[_Mod], None]]:
+    def make_hooks(self) -> tuple[Callable[..., None], Callable[..., None], Callable[[_Mod], None]]:
         """(enter(m), leave(m, args, kwargs, output), attach(m)): what every pre/post hook does."""
         return self._make_enter(), self._make_leave(), self._make_attach(self._make_queue_reset())
 
@@ -375,15 +381,18 @@ class _Installer:
 
         def leave(tagged: _Mod, args: Any, kwargs: Any, output: Any) -> None:
             stack = state.stack
-            before: _Hooked | None = None  # the hooked output when the module entered
+            # the hooked output when the module entered
+            before: _Hooked | None = None
             if stack and stack[-1][0] is tagged:
                 _, state.mod, state.tag, before = stack.pop()
-            else:  # a pre-hook that did not run (hooks added mid-forward): start clean
+            else:
+                # a pre-hook that did not run (hooks added mid-forward): start clean
                 stack.clear()
                 state.mod, state.tag = None, OUTSIDE
             set_tag(state.tag)
             if not stack:
-                state.hooked = None  # the outermost forward is over: nothing to chain to
+                # the outermost forward is over: nothing to chain to
+                state.hooked = None
             if backward and output is not None and grad_enabled():
                 hook_backward(tagged, before, args, kwargs, output)
 
@@ -409,7 +418,8 @@ class _Installer:
             first_input = first_grad_tensor(args)
             if first_input is None and kwargs:
                 first_input = first_grad_tensor(kwargs)
-            if first_input is first_output:  # identity modules: their backward is nothing
+            if first_input is first_output:
+                # identity modules: their backward is nothing
                 return
             hooked = state.hooked
             try:
@@ -424,7 +434,8 @@ class _Installer:
                     or tagged not in hooked.mod.ancestors
                 ):
                     _hook_gradient(first_output, tagged.out_hook)
-                    if state.stack:  # else the outermost forward is over: nothing chains to it
+                    if state.stack:
+                        # else the outermost forward is over: nothing chains to it
                         version = first_output._version
                         state.hooked = _Hooked(weakref_ref(first_output), version, tagged)
                 # "the backward has ended" is said by the hook of the module that made this one's
@@ -437,7 +448,8 @@ class _Installer:
                     or before.mod in tagged.ancestors
                 ):
                     _hook_gradient(first_input, tagged.in_hook)
-            except RuntimeError:  # tensors that refuse hooks (inference mode...): no backward tag
+            except RuntimeError:
+                # tensors that refuse hooks (inference mode...): no backward tag
                 pass
 
         return hook_backward
@@ -481,7 +493,8 @@ class _Installer:
             task_id = graph_task_id()
             if task_id != handle._queued_for and engine is not None:
                 handle._queued_for = task_id
-                with contextlib.suppress(Exception):  # not inside a backward after all
+                with contextlib.suppress(Exception):
+                    # not inside a backward after all
                     engine.queue_callback(reset_at_backward_end)
 
         return queue_reset
@@ -555,7 +568,8 @@ class _Installer:
         handle = self.handle
         is_compiling = self.is_compiling
         for module, tagged in self._walk(model, prefix, None, attach):
-            if module in _EXPLICIT:  # already tagged by another live handle: it keeps its names
+            if module in _EXPLICIT:
+                # already tagged by another live handle: it keeps its names
                 continue
             handle._mods.setdefault(tagged.fqn, tagged)
 
@@ -570,9 +584,7 @@ class _Installer:
                 return None
 
             handle._handles.append(module.register_forward_pre_hook(pre))
-            handle._handles.append(
-                module.register_forward_hook(post, with_kwargs=True, always_call=True),
-            )
+            handle._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
             _EXPLICIT[module] = handle
             handle._explicit.append(weakref.ref(module))
 

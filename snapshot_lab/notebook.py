@@ -28,7 +28,8 @@ class ReportFile(_ConcretePath):
     def _repr_html_(self) -> str | None:
         from .render.notebook import missing_fragment, page_fragment
 
-        if self.suffix != ".html":  # a path derived from this one (with_suffix...): a plain path
+        if self.suffix != ".html":
+            # a path derived from this one (with_suffix...): a plain path
             return None
         try:
             return page_fragment(self.read_text(encoding="utf-8"))
@@ -41,12 +42,12 @@ class Stats(SnapshotStats):
 
     @classmethod
     def of(cls, stats: SnapshotStats) -> Stats:
-        return cls(**{f.name: getattr(stats, f.name) for f in fields(SnapshotStats)})
+        return cls(**{field.name: getattr(stats, field.name) for field in fields(SnapshotStats)})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SnapshotStats):
             return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(SnapshotStats))
+        return all(getattr(self, field.name) == getattr(other, field.name) for field in fields(SnapshotStats))
 
     __hash__ = SnapshotStats.__hash__
 
@@ -70,12 +71,12 @@ class Diff(SnapshotDiff):
 
     @classmethod
     def of(cls, diff: SnapshotDiff) -> Diff:
-        return cls(**{f.name: getattr(diff, f.name) for f in fields(SnapshotDiff)})
+        return cls(**{field.name: getattr(diff, field.name) for field in fields(SnapshotDiff)})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SnapshotDiff):
             return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(SnapshotDiff))
+        return all(getattr(self, field.name) == getattr(other, field.name) for field in fields(SnapshotDiff))
 
     __hash__ = SnapshotDiff.__hash__
 

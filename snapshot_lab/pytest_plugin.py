@@ -97,6 +97,13 @@ class Measured:
     sites: list[str] = field(default_factory=list)
 
 
+# the failure message's first line, per device over the limit
+OVER_LIMIT = (
+    "CUDA memory peak {peak} on device {device} exceeds the limit of {limit} ({source}); {start} were already "
+    "allocated when the test started"
+)
+
+
 class CudaMemoryLimits:
     """The plugin's state: options, whether CUDA is there, what was measured."""
 
@@ -119,11 +126,12 @@ class CudaMemoryLimits:
                 self._cuda = (None, "torch is not installed")
             else:
                 try:
-                    ok = bool(torch.cuda.is_available())
-                except Exception as exc:  # a broken driver: say so, do not crash the session
+                    available = bool(torch.cuda.is_available())
+                except Exception as exc:
+                    # a broken driver: say so, do not crash the session
                     self._cuda = (None, f"CUDA is not usable: {exc}")
                 else:
-                    self._cuda = (torch, None) if ok else (None, "CUDA is not available")
+                    self._cuda = (torch, None) if available else (None, "CUDA is not available")
         return self._cuda
 
     def limit_of(self, item: pytest.Item) -> tuple[int, str] | None:
@@ -132,7 +140,10 @@ class CudaMemoryLimits:
             size = marker.args[0] if marker.args else marker.kwargs.get("size")
             if size is None:
                 raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} needs a size, e.g. '2 GiB'")
-            return _size(size, f"{item.nodeid}: @pytest.mark.{MARKER}"), f"@pytest.mark.{MARKER}({size!r})"
+            return _size(
+                size,
+                f"{item.nodeid}: @pytest.mark.{MARKER}",
+            ), f"@pytest.mark.{MARKER}({size!r})"
         if self.max_peak is not None:
             return self.max_peak, f"--snaplab-max-peak {format_bytes(self.max_peak)}"
         return None
@@ -163,7 +174,13 @@ class CudaMemoryLimits:
             return (yield)
         return (yield from self._measure(item, torch, *limit))
 
-    def _measure(self, item: pytest.Item, torch: Any, limit: int, source: str) -> Generator[None, object, object]:
+    def _measure(
+        self,
+        item: pytest.Item,
+        torch: Any,
+        limit: int,
+        source: str,
+    ) -> Generator[None, object, object]:
         from .capture import CaptureError, recording
 
         out = Path(tempfile.mkdtemp(prefix="snaplab-")) if self.keep == "none" else self.dir
@@ -173,13 +190,17 @@ class CudaMemoryLimits:
         try:
             rec.__enter__()
         except CaptureError as exc:  # measured anyway, without a snapshot
-            item.add_report_section("call", "snaplab", f"no memory history recorded: {exc.message()}")
+            item.add_report_section(
+                "call",
+                "snaplab",
+                f"no memory history recorded: {exc.message()}",
+            )
             recorded = False
         devices = range(int(torch.cuda.device_count()))
         # the allocator counts on the host, at each request: no synchronisation needed
-        start = {d: int(torch.cuda.memory_allocated(d)) for d in devices}
-        for d in devices:
-            torch.cuda.reset_peak_memory_stats(d)
+        start = {device: int(torch.cuda.memory_allocated(device)) for device in devices}
+        for device in devices:
+            torch.cuda.reset_peak_memory_stats(device)
         error: BaseException | None = None
         result: object = None
         snapshot: Path | None = None
@@ -189,18 +210,20 @@ class CudaMemoryLimits:
         try:
             try:
                 result = yield
-            except BaseException as exc:  # the test's own failure: reported as it is, evidence added
+            except BaseException as exc:
+                # the test's own failure: reported as it is, evidence added
                 error = exc
-            peaks = {d: int(torch.cuda.max_memory_allocated(d)) for d in devices}
-            over = {d: p for d, p in peaks.items() if p > limit}
+            peaks = {device: int(torch.cuda.max_memory_allocated(device)) for device in devices}
+            over = {device: peak for device, peak in peaks.items() if peak > limit}
             failed = bool(over) or error is not None
             if recorded and (over or self.keep == "all" or (failed and self.keep == "failed")):
-                oom = [p for p in rec.written if p.name.endswith("_oom.pickle")]
+                oom = [peak for peak in rec.written if peak.name.endswith("_oom.pickle")]
                 # an OOM's snapshot was taken at the failing request: better evidence than the aftermath
                 snapshot = oom[-1] if error is not None and oom else rec.dump("peak" if over else "test")
         finally:
             if recorded:
-                rec.__exit__(None, None, None)  # history off (dump_on_exit=False: nothing more written)
+                # history off (dump_on_exit=False: nothing more written)
+                rec.__exit__(None, None, None)
         measured = Measured(item.nodeid, limit, source, peaks, over)
         self.results.append(measured)
         keep_files = self.keep == "all" or (self.keep == "failed" and failed)
@@ -217,53 +240,71 @@ class CudaMemoryLimits:
             item.add_report_section("call", "snaplab", message)
         return result
 
-    def _explain(self, m: Measured, start: dict[int, int], snapshot: Path | None, keep_files: bool) -> str:
+    def _explain(
+        self,
+        measured: Measured,
+        start: dict[int, int],
+        snapshot: Path | None,
+        keep_files: bool,
+    ) -> str:
         """The failure message (and, when files are kept, their paths in ``m``)."""
         lines = []
-        worst = max(m.peaks, key=lambda d: m.peaks[d]) if m.peaks else 0
-        for d, peak in sorted(m.over.items()):
+        worst = max(measured.peaks, key=lambda dev: measured.peaks[dev]) if measured.peaks else 0
+        for device_index, peak in sorted(measured.over.items()):
             lines.append(
-                f"CUDA memory peak {format_bytes(peak)} on device {d} exceeds the limit of "
-                f"{format_bytes(m.limit_bytes)} ({m.source}); {format_bytes(start.get(d, 0))} were already "
-                "allocated when the test started"
+                OVER_LIMIT.format(
+                    peak=format_bytes(peak),
+                    device=device_index,
+                    limit=format_bytes(measured.limit_bytes),
+                    source=measured.source,
+                    start=format_bytes(start.get(device_index, 0)),
+                )
             )
-        if not m.over and m.peaks:
-            shown, cap = format_bytes(m.peaks[worst]), format_bytes(m.limit_bytes)
+        if not measured.over and measured.peaks:
+            shown, cap = format_bytes(measured.peaks[worst]), format_bytes(measured.limit_bytes)
             lines.append(f"CUDA memory peak {shown} on device {worst}, limit {cap}")
         if snapshot is not None:
-            device = max(m.over, key=lambda d: m.over[d]) if m.over else worst
+            device = max(measured.over, key=lambda dev: measured.over[dev]) if measured.over else worst
             try:
-                sites, at, before = peak_sites(snapshot, device, MAX_SITES)
+                sites, peak_at, before = peak_sites(snapshot, device, MAX_SITES)
             except Exception as exc:  # the analysis must not hide the verdict
-                sites, at, before = [], None, 0
+                sites, peak_at, before = [], None, 0
                 lines.append(f"(the snapshot could not be analysed: {exc})")
             if sites:
                 lines.append(
                     "Top allocation sites live at the peak"
-                    + (f" ({format_bytes(at)} requested at the peak):" if at is not None else " (at the dump):")
+                    + (
+                        f" ({format_bytes(peak_at)} requested at the peak):"
+                        if peak_at is not None
+                        else " (at the dump):"
+                    )
                 )
-                for s in sites:
-                    share = s.bytes / at if at else s.share  # of the whole peak, not of the trace's part
-                    text = f"{format_bytes(s.bytes):>12}  {100 * share:5.1f}%  {s.label}"
-                    if s.detail:
-                        text += f" -> {s.detail}"
+                for site in sites:
+                    # of the whole peak, not of the trace's part
+                    share = site.bytes / peak_at if peak_at else site.share
+                    text = f"{format_bytes(site.bytes):>12}  {100 * share:5.1f}%  {site.label}"
+                    if site.detail:
+                        text += f" -> {site.detail}"
                     lines.append(text)
-                    m.sites.append(s.label)
-                if at and before > 0:
+                    measured.sites.append(site.label)
+                if peak_at and before > 0:
                     lines.append(
-                        f"{format_bytes(before):>12}  {100 * before / at:5.1f}%  "
+                        f"{format_bytes(before):>12}  {100 * before / peak_at:5.1f}%  "
                         "<allocated before the recording began (no site)>"
                     )
             if keep_files:
-                m.snapshot = snapshot
+                measured.snapshot = snapshot
                 lines.append(f"Snapshot: {_shown(snapshot)}")
                 try:
                     from .api import report
 
-                    m.report = Path(
-                        report(snapshot, output=snapshot.with_name(snapshot.name.removesuffix(".pickle") + ".html"))
+                    measured.report = Path(
+                        report(
+                            snapshot,
+                            output=snapshot.with_name(snapshot.name.removesuffix(".pickle") + ".html"),
+                        )
                     )
-                    lines.append(f"Report:   {_shown(m.report)}")
+                    lines.append(f"Report:   {_shown(measured.report)}")
                 except Exception as exc:
                     lines.append(f"(no report: {exc})")
         return "\n".join(lines)
@@ -271,20 +312,21 @@ class CudaMemoryLimits:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.results:
             return
-        tr = terminalreporter
-        tr.write_sep("=", "snaplab: CUDA memory peaks")
-        rows = sorted(self.results, key=lambda m: -max(m.peaks.values(), default=0))
-        for m in rows[:30]:
-            peak = max(m.peaks.values(), default=0)
-            verdict = "OVER" if m.over else "ok"
+        reporter = terminalreporter
+        reporter.write_sep("=", "snaplab: CUDA memory peaks")
+        rows = sorted(self.results, key=lambda measured: -max(measured.peaks.values(), default=0))
+        for measured in rows[:30]:
+            peak = max(measured.peaks.values(), default=0)
+            verdict = "OVER" if measured.over else "ok"
             tail = (
-                f"  report: {_shown(m.report)}"
-                if m.report
-                else (f"  snapshot: {_shown(m.snapshot)}" if m.snapshot else "")
+                f"  report: {_shown(measured.report)}"
+                if measured.report
+                else (f"  snapshot: {_shown(measured.snapshot)}" if measured.snapshot else "")
             )
-            tr.write_line(f"{verdict:4}  {format_bytes(peak):>11} / {format_bytes(m.limit_bytes):<11} {m.nodeid}{tail}")
+            limit = format_bytes(measured.limit_bytes)
+            reporter.write_line(f"{verdict:4}  {format_bytes(peak):>11} / {limit:<11} {measured.nodeid}{tail}")
         if len(rows) > 30:
-            tr.write_line(f"... and {len(rows) - 30} more measured tests")
+            reporter.write_line(f"... and {len(rows) - 30} more measured tests")
 
 
 def _shown(path: Path | None) -> str:
@@ -297,7 +339,11 @@ def _shown(path: Path | None) -> str:
     return rel if not rel.startswith("..") else str(path)
 
 
-def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tuple[list[Any], int | None, int]:
+def peak_sites(
+    snapshot: str | Path,
+    device: int,
+    limit: int = MAX_SITES,
+) -> tuple[list[Any], int | None, int]:
     """The allocation sites live at the device's requested-bytes peak of the recorded trace,
     largest first, that peak, and the part of it allocated before the trace began; without a
     trace, the sites live at the dump, None and 0."""
@@ -315,14 +361,29 @@ def peak_sites(snapshot: str | Path, device: int, limit: int = MAX_SITES) -> tup
     stats = compute_stats(frames)
     if device not in stats.devices:
         return [], None, 0
-    ts = stats.devices[device].torch_stats
-    tl = device_timeline(frames, device, ts["requested_bytes.all.current"], ts["reserved_bytes.all.current"])
+    torch_stats = stats.devices[device].torch_stats
+    timeline = device_timeline(
+        frames,
+        device,
+        torch_stats["requested_bytes.all.current"],
+        torch_stats["reserved_bytes.all.current"],
+    )
     sites = snapshot_sites(frames)
-    if tl is None:
+    if timeline is None:
         blocks = frames.blocks[frames.blocks["device"] == device]
         return live_sites(blocks, sites, limit), None, 0
-    alive = alive_at(device_lifetimes(frames, device), tl.peak_index)
+    alive = alive_at(device_lifetimes(frames, device), timeline.peak_index)
     codes = categorize(frames).alloc_codes[device][alive.index.to_numpy()]
     cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
-    before = tl.peak_requested_bytes - int(alive["size_bytes"].sum())
-    return top_sites(alive["stack_id"], alive["size_bytes"], sites, limit, cats), tl.peak_requested_bytes, before
+    before = timeline.peak_requested_bytes - int(alive["size_bytes"].sum())
+    return (
+        top_sites(
+            alive["stack_id"],
+            alive["size_bytes"],
+            sites,
+            limit,
+            cats,
+        ),
+        timeline.peak_requested_bytes,
+        before,
+    )

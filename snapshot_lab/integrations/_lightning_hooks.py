@@ -17,7 +17,8 @@ from ._session import SessionCallback
 
 
 class LightningHooks(SessionCallback):
-    _stage: str | None = None  # what the trainer runs: fit, validate, test or predict
+    # what the trainer runs: fit, validate, test or predict
+    _stage: str | None = None
     _last_step = 0  # the optimizer steps counted so far
 
     # -- start -------------------------------------------------------------------------------
@@ -27,7 +28,8 @@ class LightningHooks(SessionCallback):
         self.session.start(pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._last_step = int(getattr(trainer, "global_step", 0))  # resumed runs start past 0
+        # resumed runs start past 0
+        self._last_step = int(getattr(trainer, "global_step", 0))
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -40,7 +42,8 @@ class LightningHooks(SessionCallback):
         batch_idx: int,
     ) -> None:
         step = int(getattr(trainer, "global_step", self._last_step + 1))
-        while self._last_step < step:  # gradient accumulation: no step for some batches
+        while self._last_step < step:
+            # gradient accumulation: no step for some batches
             self._last_step += 1
             self.session.step()
 

@@ -100,10 +100,11 @@ class CaptureSession:
         if self.tags is not None:
             self.tags.remove()
             self.tags = None
-        tb: types.TracebackType | None = exception.__traceback__ if exception is not None else None
+        exc_tb: types.TracebackType | None = exception.__traceback__ if exception is not None else None
         try:
-            rec.__exit__(type(exception) if exception is not None else None, exception, tb)
-        except Exception as exc:  # recording never raises from a dump; this is belt and braces
+            rec.__exit__(type(exception) if exception is not None else None, exception, exc_tb)
+        except Exception as exc:
+            # recording never raises from a dump; this is belt and braces
             log.warning("snaplab: stopping the recording failed: %s", exc)
         self.written.extend(rec.written)
         return self.write_report(rec.written)
@@ -117,7 +118,8 @@ class CaptureSession:
             from ..api import report
 
             path = Path(report(snapshot, output=output))
-        except Exception as exc:  # the training finished: a report that fails must not fail it
+        except Exception as exc:
+            # the training finished: a report that fails must not fail it
             log.warning("snaplab: could not write the report of %s: %s", snapshot, exc)
             return None
         self.reports.append(path)

@@ -34,7 +34,8 @@ from .model import SMALL_BUFFER, UNLIMITED, recorded_settings
 # 'oom': the same, but the retry failed (an OOM follows)
 CAUSES = ("empty_cache", "oom", "flush", "allocator", "unknown")
 _NEW_SEGMENT = ("segment_alloc", "segment_map")
-_RELEASE_FRAMES = ("release_cached_blocks",)  # C++ frames (stacks='all') of the allocator's own flush
+# C++ frames (stacks='all') of the allocator's own flush
+_RELEASE_FRAMES = ("release_cached_blocks",)
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,15 @@ class Release:
     segments: int
     bytes: int
     cause: str  # one of CAUSES
-    reserved_again_bytes: int  # segments reserved after it, before the next release
+    # segments reserved after it, before the next release
+    reserved_again_bytes: int
     followed_by: str  # the first action after it ('' at the end of the trace)
-    reserved_before_bytes: int = 0  # reserved memory just before it (the trace anchored at the dump)
+    # reserved memory just before it (the trace anchored at the dump)
+    reserved_before_bytes: int = 0
     next_segment_bytes: int = 0  # the new segment right after it (0: none)
     time_us: int | None = None  # of its first event
-    duration_us: int | None = None  # from its first event to the new segment right after it
+    # from its first event to the new segment right after it
+    duration_us: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,34 +67,41 @@ class _TraceColumns:
 
 
 def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
-    ev = frames.events[frames.events["device"] == device]
-    action = ev["action"].astype(str).to_numpy()
-    size = ev["size_bytes"].to_numpy(dtype=np.int64)
-    sid = ev["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    events = frames.events[frames.events["device"] == device]
+    action = events["action"].astype(str).to_numpy()
+    size = events["size_bytes"].to_numpy(dtype=np.int64)
+    sid = events["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     delta = np.where(np.isin(action, _NEW_SEGMENT), size, 0) - np.where(
         np.isin(action, ["segment_free", "segment_unmap"]), size, 0
     )
     at_dump = int(frames.segments.loc[frames.segments["device"] == device, "total_size_bytes"].sum())
-    after = at_dump - (int(delta.sum()) - np.cumsum(delta))  # reserved after each event
+    # reserved after each event
+    after = at_dump - (int(delta.sum()) - np.cumsum(delta))
     frees = np.isin(action, ["free_requested", "free_completed", "segment_free", "segment_unmap"])
     return _TraceColumns(
         action=action,
         size=size,
         stack=sid,
-        time=ev["time_us"].to_numpy(dtype=np.float64, na_value=np.nan),
+        time=events["time_us"].to_numpy(dtype=np.float64, na_value=np.nan),
         reserved_before=after - delta,
         frees_have_stacks=bool((sid[frees] >= 0).any()),
     )
 
 
-def _is_flush(cols: _TraceColumns, s: int, e: int, stacks: set[int], self_releasing: bool) -> bool:
+def _is_flush(
+    cols: _TraceColumns,
+    start: int,
+    stop: int,
+    stacks: set[int],
+    self_releasing: bool,
+) -> bool:
     """Whether the release at [s, e), followed by a new segment, is the allocator's flush."""
     inside_allocation = bool(stacks) or cols.frees_have_stacks
     if not inside_allocation:
         return False
     if not self_releasing:
         return True
-    freed_small = (cols.action[s:e] == "segment_free") & (cols.size[s:e] == SMALL_BUFFER)
+    freed_small = (cols.action[start:stop] == "segment_free") & (cols.size[start:stop] == SMALL_BUFFER)
     return bool(freed_small.any())
 
 
@@ -114,26 +125,35 @@ def _signs(frames: SnapshotFrames) -> _Signs:
     )
 
 
-def _cause(cols: _TraceColumns, signs: _Signs, s: int, e: int, first: str) -> str:
-    stacks = set(cols.stack[s:e].tolist()) - {-1}
+def _cause(cols: _TraceColumns, signs: _Signs, start: int, stop: int, first: str) -> str:
+    stacks = set(cols.stack[start:stop].tolist()) - {-1}
     if stacks & signs.empty_cache:
         return "empty_cache"
     if first == "oom":
         return "oom"
-    if first in _NEW_SEGMENT and (stacks & signs.flush_frames or _is_flush(cols, s, e, stacks, signs.self_releasing)):
+    if first in _NEW_SEGMENT and (
+        stacks & signs.flush_frames
+        or _is_flush(
+            cols,
+            start,
+            stop,
+            stacks,
+            signs.self_releasing,
+        )
+    ):
         return "flush"
     if stacks or (signs.self_releasing and first in _NEW_SEGMENT):
         return "allocator"
     return "unknown"
 
 
-def _time(cols: _TraceColumns, i: int) -> int | None:
-    return None if np.isnan(cols.time[i]) else int(cols.time[i])
+def _time(cols: _TraceColumns, row: int) -> int | None:
+    return None if np.isnan(cols.time[row]) else int(cols.time[row])
 
 
 def _span_us(cols: _TraceColumns, start: int, end: int) -> int | None:
-    t0, t1 = _time(cols, start), _time(cols, end)
-    return None if t0 is None or t1 is None else t1 - t0
+    start_us, end_us = _time(cols, start), _time(cols, end)
+    return None if start_us is None or end_us is None else end_us - start_us
 
 
 def _find(frames: SnapshotFrames, device: int) -> list[Release]:
@@ -147,24 +167,24 @@ def _find(frames: SnapshotFrames, device: int) -> list[Release]:
     starts = idx[np.r_[True, np.diff(idx) > 1]]
     ends = idx[np.r_[np.diff(idx) > 1, True]] + 1
     out = []
-    for k, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        nxt_start = int(starts[k + 1]) if k + 1 < starts.size else action.size
-        following = np.flatnonzero(action[e:nxt_start] != "snapshot")
-        after = e + int(following[0]) if following.size else -1
+    for index, (start, stop) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        next_start = int(starts[index + 1]) if index + 1 < starts.size else action.size
+        following = np.flatnonzero(action[stop:next_start] != "snapshot")
+        after = stop + int(following[0]) if following.size else -1
         first = str(action[after]) if after >= 0 else ""
         out.append(
             Release(
-                start=s,
-                end=e,
-                segments=e - s,
-                bytes=int(size[s:e].sum()),
-                cause=_cause(cols, signs, s, e, first),
-                reserved_again_bytes=int(size[e:nxt_start][new[e:nxt_start]].sum()),
+                start=start,
+                end=stop,
+                segments=stop - start,
+                bytes=int(size[start:stop].sum()),
+                cause=_cause(cols, signs, start, stop, first),
+                reserved_again_bytes=int(size[stop:next_start][new[stop:next_start]].sum()),
                 followed_by=first,
-                reserved_before_bytes=int(cols.reserved_before[s]),
+                reserved_before_bytes=int(cols.reserved_before[start]),
                 next_segment_bytes=int(size[after]) if first in _NEW_SEGMENT else 0,
-                time_us=_time(cols, s),
-                duration_us=_span_us(cols, s, after) if first in _NEW_SEGMENT else None,
+                time_us=_time(cols, start),
+                duration_us=_span_us(cols, start, after) if first in _NEW_SEGMENT else None,
             )
         )
     return out

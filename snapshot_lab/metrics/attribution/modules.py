@@ -53,13 +53,17 @@ _NO_MODULE = -1
 class ModuleRow:
     """One module (tags) or one forward line (stacks). Bytes are requested bytes."""
 
-    module: str  # fqn ('' is the root module) or, from stacks, the forward frame's label
-    self_bytes: int  # live at the peak, allocated while this module was the innermost
-    inclusive_bytes: int  # the same, with every module inside this one (tags only; else = self)
+    # fqn ('' is the root module) or, from stacks, the forward frame's label
+    module: str
+    # live at the peak, allocated while this module was the innermost
+    self_bytes: int
+    # the same, with every module inside this one (tags only; else = self)
+    inclusive_bytes: int
     by_phase: dict[str, int]  # self bytes at the peak by phase: fwd / bwd / rec
     by_category: dict[str, int]  # self bytes at the peak by category
     peak_bytes: int  # the most self bytes alive at any moment of the trace
-    allocated_bytes: int  # every allocation of the trace made by this module, summed
+    # every allocation of the trace made by this module, summed
+    allocated_bytes: int
     allocations: int  # how many of them
     depth: int  # nesting depth (0 = the root or a top-level module)
 
@@ -87,20 +91,23 @@ class ModuleBreakdown:
     source: str  # "tags", "stacks" (approximation) or "none"
     peak_index: int | None
     peak_bytes: int  # bytes allocated (requested) at the peak
-    outside_bytes: int  # live at the peak, allocated in the trace outside any module
-    before_trace_bytes: int  # live at the peak, allocated before the trace began
+    # live at the peak, allocated in the trace outside any module
+    outside_bytes: int
+    # live at the peak, allocated before the trace began
+    before_trace_bytes: int
     rows: tuple[ModuleRow, ...]
     note: str
-    phase_totals: dict[str, int] = field(default_factory=dict)  # every row's self bytes by phase
+    # every row's self bytes by phase
+    phase_totals: dict[str, int] = field(default_factory=dict)
 
     @property
     def module_bytes(self) -> int:
-        return sum(r.self_bytes for r in self.rows)
+        return sum(row.self_bytes for row in self.rows)
 
     def largest(self, limit: int) -> list[ModuleRow]:
         """The ``limit`` rows holding the most bytes at the peak by themselves (none with 0)."""
-        rows = sorted(self.rows, key=lambda r: (-r.self_bytes, r.module))[:limit]
-        return [r for r in rows if r.self_bytes]
+        rows = sorted(self.rows, key=lambda row: (-row.self_bytes, row.module))[:limit]
+        return [row for row in rows if row.self_bytes]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,7 +121,7 @@ class ModuleBreakdown:
             "outside_any_module_bytes_at_peak": self.outside_bytes,
             "before_trace_bytes_at_peak": self.before_trace_bytes,
             "by_phase_at_peak": self.phase_totals,
-            "modules": [r.to_dict() for r in self.rows],
+            "modules": [row.to_dict() for row in self.rows],
         }
 
 
@@ -127,55 +134,68 @@ class _Attribution:
 
     names: list[str]  # module code -> name
     module: np.ndarray  # int64 per allocation
-    phase: np.ndarray  # int8 per allocation: index into PHASE_NAMES, -1 for none
+    # int8 per allocation: index into PHASE_NAMES, -1 for none
+    phase: np.ndarray
     source: str
 
 
 def _from_tags(events: pd.DataFrame, lifetimes: pd.DataFrame) -> _Attribution | None:
-    md = events["user_metadata"]
-    cats = list(md.cat.categories)
+    metadata = events["user_metadata"]
+    cats = list(metadata.cat.categories)
     if not any(cats):
         return None
-    codes = md.cat.codes.to_numpy()[lifetimes["event_index"].to_numpy(dtype=np.int64)]
+    codes = metadata.cat.codes.to_numpy()[lifetimes["event_index"].to_numpy(dtype=np.int64)]
     index: dict[str, int] = {}  # module name -> code, in the order first seen
     mod_of_cat = np.full(len(cats) + 1, _NO_MODULE, dtype=np.int64)
     phase_of_cat = np.full(len(cats) + 1, -1, dtype=np.int8)
-    for c, text in enumerate(cats):
+    for cat_code, text in enumerate(cats):
         if not text:
             continue
         parsed = parse_tag(text)
-        if parsed is None:  # the program's own metadata: a row of its own, no phase
+        if parsed is None:
+            # the program's own metadata: a row of its own, no phase
             name = f"metadata {text!r}"
         else:
-            phase_of_cat[c] = PHASE_NAMES.index(parsed[0])
+            phase_of_cat[cat_code] = PHASE_NAMES.index(parsed[0])
             name = parsed[1]
-        mod_of_cat[c] = index.setdefault(name, len(index))
+        mod_of_cat[cat_code] = index.setdefault(name, len(index))
     return _Attribution(list(index), mod_of_cat[codes], phase_of_cat[codes], "tags")
 
 
 def _forward_frames(frames: SnapshotFrames) -> pd.Series:
     """The innermost Python frame named ``forward`` of every stack that has one, as a label."""
-    sf, st = frames.stack_frames, frames.stacks
-    if sf.empty or st.empty:
+    frame_table, stacks = frames.stack_frames, frames.stacks
+    if frame_table.empty or stacks.empty:
         return pd.Series([], dtype=object)
-    fwd = sf[(sf["name"] == "forward") & sf["filename"].astype(str).str.endswith(".py")]
+    fwd = frame_table[(frame_table["name"] == "forward") & frame_table["filename"].astype(str).str.endswith(".py")]
     if fwd.empty:
         return pd.Series([], dtype=object)
     labels = pd.Series(
-        [frame_label(f, int(ln), n) for f, ln, n in fwd[["filename", "line", "name"]].itertuples(index=False)],
+        [
+            frame_label(filename, int(line), name)
+            for filename, line, name in fwd[["filename", "line", "name"]].itertuples(index=False)
+        ],
         index=fwd["frame_id"].to_numpy(),
     )
-    hit = st[st["frame_id"].isin(labels.index)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
-    return pd.Series(labels.reindex(hit["frame_id"]).to_numpy(), index=hit["stack_id"].to_numpy(), dtype=object)
+    hit = stacks[stacks["frame_id"].isin(labels.index)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
+    return pd.Series(
+        labels.reindex(hit["frame_id"]).to_numpy(),
+        index=hit["stack_id"].to_numpy(),
+        dtype=object,
+    )
 
 
 def _from_stacks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -> _Attribution:
     sid = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     fwd = memo(frames, "forward_frame_labels", lambda: _forward_frames(frames))
     # anomaly mode: the forward stack that created a backward allocation's autograd node
-    fwd_ids = allocation_forward_ids(frames, device, lifetimes["event_index"].to_numpy(dtype=np.int64))
+    fwd_ids = allocation_forward_ids(
+        frames,
+        device,
+        lifetimes["event_index"].to_numpy(dtype=np.int64),
+    )
     codes, uniq = pd.factorize(fwd.to_numpy())
-    names = [str(u) for u in uniq]
+    names = [str(label) for label in uniq]
     # module code per stack id; ids -1 (no stack) read the last slot: no module
     size = max(int(sid.max(initial=-1)), int(fwd.index.max()) if len(fwd) else -1) + 2
     if fwd_ids is not None:
@@ -188,7 +208,11 @@ def _from_stacks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -
     # no stack at all: with stacks='python', autograd's thread records no frames
     backward = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"])
     in_forward = module != _NO_MODULE
-    phase[in_forward] = np.where(backward[in_forward], PHASE_NAMES.index("rec"), PHASE_NAMES.index("fwd"))
+    phase[in_forward] = np.where(
+        backward[in_forward],
+        PHASE_NAMES.index("rec"),
+        PHASE_NAMES.index("fwd"),
+    )
     lost = backward & ~in_forward
     if fwd_ids is not None:
         by_forward = table[fwd_ids]
@@ -206,27 +230,33 @@ def _from_stacks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -
 # --------------------------------------------------------------------------- the breakdown
 
 
-def _self_peaks(module: np.ndarray, lifetimes: pd.DataFrame, sizes: np.ndarray, n_modules: int) -> np.ndarray:
+def _self_peaks(
+    module: np.ndarray,
+    lifetimes: pd.DataFrame,
+    sizes: np.ndarray,
+    n_modules: int,
+) -> np.ndarray:
     """The most bytes alive at once, per module, over the trace (allocations of the module only)."""
     has = module != _NO_MODULE
     start = lifetimes["event_index"].to_numpy(dtype=np.int64)[has]
     end = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)[has]
     mod, size = module[has], sizes[has]
     freed = end >= 0
-    t = np.concatenate([start, end[freed]])
-    m = np.concatenate([mod, mod[freed]])
-    d = np.concatenate([size, -size[freed]])
-    order = np.lexsort((t, m))
-    m, d = m[order], d[order]
-    level = np.cumsum(d)
-    first = np.flatnonzero(np.r_[True, m[1:] != m[:-1]]) if m.size else np.array([], dtype=np.int64)
+    times = np.concatenate([start, end[freed]])
+    mods = np.concatenate([mod, mod[freed]])
+    deltas = np.concatenate([size, -size[freed]])
+    order = np.lexsort((times, mods))
+    mods, deltas = mods[order], deltas[order]
+    level = np.cumsum(deltas)
+    first = np.flatnonzero(np.r_[True, mods[1:] != mods[:-1]]) if mods.size else np.array([], dtype=np.int64)
     base = np.zeros_like(level)
-    if m.size:
-        before = np.r_[0, level[first[1:] - 1]]  # the running total where each module's run begins
-        base = np.repeat(before, np.diff(np.r_[first, m.size]))
+    if mods.size:
+        # the running total where each module's run begins
+        before = np.r_[0, level[first[1:] - 1]]
+        base = np.repeat(before, np.diff(np.r_[first, mods.size]))
     peaks = np.zeros(n_modules, dtype=np.int64)
-    if m.size:
-        np.maximum.at(peaks, m, level - base)
+    if mods.size:
+        np.maximum.at(peaks, mods, level - base)
     return peaks
 
 
@@ -234,15 +264,15 @@ def _ancestors(names: list[str], source: str) -> list[list[int]]:
     """For each module code, the codes of the modules that enclose it (tags only)."""
     if source != "tags":
         return [[] for _ in names]
-    code = {n: i for i, n in enumerate(names)}
+    code = {name: i for i, name in enumerate(names)}
     out = []
-    for n in names:
+    for name in names:
         chain: list[int] = []
-        p = parent_fqn(n) if not n.startswith("metadata ") else None
-        while p is not None:
-            if p in code:
-                chain.append(code[p])
-            p = parent_fqn(p)
+        parent = parent_fqn(name) if not name.startswith("metadata ") else None
+        while parent is not None:
+            if parent in code:
+                chain.append(code[parent])
+            parent = parent_fqn(parent)
         out.append(chain)
     return out
 
@@ -251,8 +281,8 @@ def _inclusive(self_bytes: np.ndarray, names: list[str], source: str) -> np.ndar
     """Each module's self bytes plus those of every module inside it (tags only)."""
     inclusive = self_bytes.copy()
     for code, chain in enumerate(_ancestors(names, source)):
-        for a in chain:
-            inclusive[a] += self_bytes[code]
+        for ancestor in chain:
+            inclusive[ancestor] += self_bytes[code]
     return inclusive
 
 
@@ -262,10 +292,26 @@ def _depth(name: str, source: str) -> int:
     return name.count(".") + 1
 
 
-def module_breakdown(frames: SnapshotFrames, device: int, limit: int | None = None) -> ModuleBreakdown:
+def module_breakdown(
+    frames: SnapshotFrames,
+    device: int,
+    limit: int | None = None,
+) -> ModuleBreakdown:
     """Bytes by module at the device's peak (the requested peak of its timeline; see the module
     docstring); ``limit``: keep the rows with the most inclusive bytes (the totals count all)."""
     return memo(frames, ("modules", device, limit), lambda: _breakdown(frames, device, limit))
+
+
+# the note that says where the module view's numbers come from
+NOTE_FROM_TAGS = "From the module tags (user_metadata), exact"
+NOTE_FROM_STACKS = (
+    "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
+    "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
+    "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
+    "no module; "
+)
+ADVICE_TAG = "record with snaplab run / recording() to tag allocations by module"
+ADVICE_NEEDS_TAGS = ", and snaplab run / recording() to tag them"
 
 
 def _attribution(
@@ -274,76 +320,86 @@ def _attribution(
     """The tags where the recording has them, else the stacks; and the note that says which."""
     attribution = _from_tags(events, lifetimes)
     if attribution is not None:
-        return attribution, "From the module tags (user_metadata), exact"
+        return attribution, NOTE_FROM_TAGS
     has_key = "user_metadata (torch>=2.10)" in frames.info.format_hints
-    note = (
-        "Approximated from the stacks: each allocation is put on the innermost forward() frame of its "
-        "stack (a line of a module's code, not a module instance); backward allocations on the forward line "
-        "that created their autograd node where the recording has forward stacks (anomaly mode), else on "
-        "no module; "
-        + (
-            "record with snaplab run / recording() to tag allocations by module"
-            if has_key
-            else NEEDS + ", and snaplab run / recording() to tag them"
-        )
-    )
-    return _from_stacks(frames, device, lifetimes), note
+    advice = ADVICE_TAG if has_key else NEEDS + ADVICE_NEEDS_TAGS
+    return _from_stacks(frames, device, lifetimes), NOTE_FROM_STACKS + advice
 
 
 def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> ModuleBreakdown:
-    ev = frames.events[frames.events["device"] == device]
-    ts = compute_torch_stats(
+    events = frames.events[frames.events["device"] == device]
+    torch_stats = compute_torch_stats(
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
     )
-    requested_at_end = ts["requested_bytes.all.current"]
-    tl = device_timeline(frames, device, requested_at_end, ts["reserved_bytes.all.current"])
-    if tl is None:
-        return ModuleBreakdown(device, "none", None, requested_at_end, 0, requested_at_end, (), "no trace recorded")
+    requested_at_end = torch_stats["requested_bytes.all.current"]
+    timeline = device_timeline(
+        frames,
+        device,
+        requested_at_end,
+        torch_stats["reserved_bytes.all.current"],
+    )
+    if timeline is None:
+        return ModuleBreakdown(
+            device,
+            "none",
+            None,
+            requested_at_end,
+            0,
+            requested_at_end,
+            (),
+            "no trace recorded",
+        )
     lifetimes = device_lifetimes(frames, device)
-    attribution, note = _attribution(frames, device, ev, lifetimes)
+    attribution, note = _attribution(frames, device, events, lifetimes)
     names, module, phase = attribution.names, attribution.module, attribution.phase
     sizes = lifetimes["size_bytes"].to_numpy(dtype=np.int64)
     start = lifetimes["event_index"].to_numpy(dtype=np.int64)
     end = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
-    alive = (start <= tl.peak_index) & (end > tl.peak_index)
+    alive = (start <= timeline.peak_index) & (end > timeline.peak_index)
     cat_codes = categorize(frames).alloc_codes.get(device, np.full(sizes.size, len(CATEGORIES) - 1))
-    n = len(names)
+    n_modules = len(names)
     a_mod, a_size, a_phase, a_cat = module[alive], sizes[alive], phase[alive], cat_codes[alive]
     in_mod = a_mod != _NO_MODULE
-    self_bytes = np.bincount(a_mod[in_mod], weights=a_size[in_mod], minlength=n).astype(np.int64)
-    by_phase = np.zeros((n, len(PHASE_NAMES)), dtype=np.int64)
+    self_bytes = np.bincount(a_mod[in_mod], weights=a_size[in_mod], minlength=n_modules).astype(np.int64)
+    by_phase = np.zeros((n_modules, len(PHASE_NAMES)), dtype=np.int64)
     with_phase = in_mod & (a_phase >= 0)
     np.add.at(by_phase, (a_mod[with_phase], a_phase[with_phase]), a_size[with_phase])
-    by_cat = np.zeros((n, len(CATEGORIES)), dtype=np.int64)
+    by_cat = np.zeros((n_modules, len(CATEGORIES)), dtype=np.int64)
     np.add.at(by_cat, (a_mod[in_mod], a_cat[in_mod]), a_size[in_mod])
     has = module != _NO_MODULE
-    allocated = np.bincount(module[has], weights=sizes[has], minlength=n).astype(np.int64)
-    counts = np.bincount(module[has], minlength=n)
-    peaks = _self_peaks(module, lifetimes, sizes, n)
+    allocated = np.bincount(module[has], weights=sizes[has], minlength=n_modules).astype(np.int64)
+    counts = np.bincount(module[has], minlength=n_modules)
+    peaks = _self_peaks(module, lifetimes, sizes, n_modules)
     inclusive = _inclusive(self_bytes, names, attribution.source)
     outside = int(a_size[~in_mod].sum())
-    before = int(tl.peak_requested_bytes) - int(a_size.sum())
+    before = int(timeline.peak_requested_bytes) - int(a_size.sum())
     rows = [
         ModuleRow(
             module=names[i],
             self_bytes=int(self_bytes[i]),
             inclusive_bytes=int(inclusive[i]),
-            by_phase={p: int(by_phase[i, k]) for k, p in enumerate(PHASE_NAMES) if by_phase[i, k]},
-            by_category={c: int(by_cat[i, k]) for k, c in enumerate(CATEGORIES) if by_cat[i, k]},
+            by_phase={
+                phase_name: int(by_phase[i, column])
+                for column, phase_name in enumerate(PHASE_NAMES)
+                if by_phase[i, column]
+            },
+            by_category={
+                category: int(by_cat[i, column]) for column, category in enumerate(CATEGORIES) if by_cat[i, column]
+            },
             peak_bytes=int(peaks[i]),
             allocated_bytes=int(allocated[i]),
             allocations=int(counts[i]),
             depth=_depth(names[i], attribution.source),
         )
-        for i in range(n)
+        for i in range(n_modules)
     ]
-    rows.sort(key=lambda r: (-r.inclusive_bytes, -r.peak_bytes, r.module))
-    totals = {p: int(by_phase[:, k].sum()) for k, p in enumerate(PHASE_NAMES)}
+    rows.sort(key=lambda row: (-row.inclusive_bytes, -row.peak_bytes, row.module))
+    totals = {phase_name: int(by_phase[:, column].sum()) for column, phase_name in enumerate(PHASE_NAMES)}
     return ModuleBreakdown(
         device=device,
         source=attribution.source,
-        peak_index=tl.peak_index,
-        peak_bytes=int(tl.peak_requested_bytes),
+        peak_index=timeline.peak_index,
+        peak_bytes=int(timeline.peak_requested_bytes),
         outside_bytes=outside,
         before_trace_bytes=before,
         rows=tuple(rows[:limit] if limit is not None else rows),

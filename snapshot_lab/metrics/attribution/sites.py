@@ -57,7 +57,8 @@ INTERNAL_NAME_PARTS = (
 INTERNAL_FILES = (
     "core/boxing",
     "/Register",
-    "Register",  # C++ frames carry bare file names (RegisterCUDA_0.cpp): generated dispatch wrappers
+    # C++ frames carry bare file names (RegisterCUDA_0.cpp): generated dispatch wrappers
+    "Register",
     "/Redispatch",
     "pythonrun.c",
     "Modules/main.c",
@@ -79,7 +80,8 @@ _OP_RE = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)")
 @dataclass(frozen=True)
 class Site:
     label: str
-    detail: str | None  # the innermost library frame below the site (what the user's line called)
+    # the innermost library frame below the site (what the user's line called)
+    detail: str | None
     filename: str
     line: int
     name: str
@@ -91,17 +93,17 @@ class Site:
 
 def classify_frames(stack_frames: pd.DataFrame) -> pd.Series:
     """'internal', 'library' or 'user' per frame_id."""
-    fn = stack_frames["filename"].astype(str)
-    nm = stack_frames["name"].astype(str)
-    internal = nm.str.startswith(INTERNAL_NAMES) | nm.isin(INTERNAL_EXACT_NAMES)
-    for pat in INTERNAL_FILES:
-        internal |= fn.str.contains(pat, regex=False)
-    for pat in INTERNAL_NAME_PARTS:
-        internal |= nm.str.contains(pat, regex=False)
-    cpp = stack_frames["line"].eq(0) & ~fn.str.endswith(".py")
+    filenames = stack_frames["filename"].astype(str)
+    names = stack_frames["name"].astype(str)
+    internal = names.str.startswith(INTERNAL_NAMES) | names.isin(INTERNAL_EXACT_NAMES)
+    for pattern in INTERNAL_FILES:
+        internal |= filenames.str.contains(pattern, regex=False)
+    for pattern in INTERNAL_NAME_PARTS:
+        internal |= names.str.contains(pattern, regex=False)
+    cpp = stack_frames["line"].eq(0) & ~filenames.str.endswith(".py")
     library = cpp.copy()
-    for pat in LIBRARY_FILES:
-        library |= fn.str.contains(pat, regex=False)
+    for pattern in LIBRARY_FILES:
+        library |= filenames.str.contains(pattern, regex=False)
     kind = np.where(internal, "internal", np.where(library, "library", "user"))
     return pd.Series(kind, index=stack_frames["frame_id"].to_numpy(), name="kind")
 
@@ -111,10 +113,10 @@ def site_frames(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Series:
     if stacks.empty:
         return pd.Series([], dtype="int64")
     kind = classify_frames(stack_frames)
-    st = stacks.assign(kind=stacks["frame_id"].map(kind))
-    rank = st["kind"].map({"user": 0, "library": 1, "internal": 2})
-    st = st.assign(rank=rank).sort_values(["stack_id", "rank", "depth"])
-    return st.drop_duplicates("stack_id").set_index("stack_id")["frame_id"]
+    ranked = stacks.assign(kind=stacks["frame_id"].map(kind))
+    rank = ranked["kind"].map({"user": 0, "library": 1, "internal": 2})
+    ranked = ranked.assign(rank=rank).sort_values(["stack_id", "rank", "depth"])
+    return ranked.drop_duplicates("stack_id").set_index("stack_id")["frame_id"]
 
 
 def innermost_frames(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Series:
@@ -122,8 +124,8 @@ def innermost_frames(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Ser
     if stacks.empty:
         return pd.Series([], dtype="int64")
     kind = classify_frames(stack_frames)
-    st = stacks[stacks["frame_id"].map(kind).to_numpy() != "internal"].sort_values(["stack_id", "depth"])
-    return st.drop_duplicates("stack_id").set_index("stack_id")["frame_id"]
+    outer_stacks = stacks[stacks["frame_id"].map(kind).to_numpy() != "internal"].sort_values(["stack_id", "depth"])
+    return outer_stacks.drop_duplicates("stack_id").set_index("stack_id")["frame_id"]
 
 
 def frame_label(filename: str, line: int, name: str) -> str:
@@ -139,7 +141,12 @@ def display_stack(stack: list[dict[str, object]]) -> list[dict[str, object]]:
         return []
     frames["frame_id"] = range(len(frames))
     kind = classify_frames(frames)
-    return [{**f, "kind": k} for f, k in zip(stack, kind.to_numpy(), strict=True) if k != "internal"]
+    kinds = kind.to_numpy()
+    return [
+        {**frame, "kind": frame_kind}
+        for frame, frame_kind in zip(stack, kinds, strict=True)
+        if frame_kind != "internal"
+    ]
 
 
 def short_path(filename: str, parts: int = 3) -> str:
@@ -151,29 +158,36 @@ def autograd_nodes(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Serie
     """The innermost autograd node of every stack that has one (``AddmmBackward0``); ``autograd
     engine`` for the engine's own work outside any node (reducing a gradient to its input's
     shape, for instance)."""
-    nm = stack_frames["name"].astype(str)
-    node = nm.str.extract(_NODE_RE, expand=False)
-    node = node.where(~node.isin(list(_GENERIC_NODES)) & nm.str.contains("apply", regex=False))
-    engine = pd.Series("autograd engine", index=nm.index).where(nm.str.contains("autograd::Engine::", regex=False))
+    names = stack_frames["name"].astype(str)
+    node = names.str.extract(_NODE_RE, expand=False)
+    node = node.where(~node.isin(list(_GENERIC_NODES)) & names.str.contains("apply", regex=False))
+    engine = pd.Series("autograd engine", index=names.index).where(
+        names.str.contains("autograd::Engine::", regex=False)
+    )
     node = node.fillna(engine)
     node_of_frame = pd.Series(node.to_numpy(), index=stack_frames["frame_id"].to_numpy()).dropna()
     if node_of_frame.empty or stacks.empty:
         return pd.Series([], dtype=object)
-    st = stacks[stacks["frame_id"].isin(node_of_frame.index)].sort_values(["stack_id", "depth"])
-    st = st.drop_duplicates("stack_id")
-    return pd.Series(node_of_frame.reindex(st["frame_id"]).to_numpy(), index=st["stack_id"].to_numpy(), dtype=object)
+    holders = stacks[stacks["frame_id"].isin(node_of_frame.index)].sort_values(["stack_id", "depth"])
+    holders = holders.drop_duplicates("stack_id")
+    return pd.Series(
+        node_of_frame.reindex(holders["frame_id"]).to_numpy(),
+        index=holders["stack_id"].to_numpy(),
+        dtype=object,
+    )
 
 
 def aten_ops(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> pd.Series:
     """The innermost ATen operator of every stack whose C++ frames name one (``aten::mm``)."""
-    op = stack_frames["name"].astype(str).str.extract(_OP_RE, expand=False)
-    op_of_frame = pd.Series(op.to_numpy(), index=stack_frames["frame_id"].to_numpy()).dropna()
+    ops = stack_frames["name"].astype(str).str.extract(_OP_RE, expand=False)
+    op_of_frame = pd.Series(ops.to_numpy(), index=stack_frames["frame_id"].to_numpy()).dropna()
     if op_of_frame.empty or stacks.empty:
         return pd.Series([], dtype=object)
-    st = stacks[stacks["frame_id"].isin(op_of_frame.index)].sort_values(["stack_id", "depth"])
-    st = st.drop_duplicates("stack_id")
+    holders = stacks[stacks["frame_id"].isin(op_of_frame.index)].sort_values(["stack_id", "depth"])
+    holders = holders.drop_duplicates("stack_id")
     return pd.Series(
-        ["aten::" + o for o in op_of_frame.reindex(st["frame_id"]).to_numpy()], index=st["stack_id"].to_numpy()
+        ["aten::" + name for name in op_of_frame.reindex(holders["frame_id"]).to_numpy()],
+        index=holders["stack_id"].to_numpy(),
     )
 
 
@@ -182,7 +196,8 @@ class StackSites:
     """For every stack_id: the site's text label, its detail (what the site's line called, or the
     operator), and the site frame (filename, line, name; empty for an autograd node)."""
 
-    table: pd.DataFrame  # index stack_id; columns label, detail, filename, line, name
+    # index stack_id; columns label, detail, filename, line, name
+    table: pd.DataFrame
 
     def label(self, stack_id: int | None, category: str | None = None) -> str:
         if stack_id is None or stack_id not in self.table.index:
@@ -197,20 +212,29 @@ def stack_sites(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> StackSites:
         return StackSites(pd.DataFrame(columns=cols))
     site_of = site_frames(stacks, stack_frames)
     inner_of = innermost_frames(stacks, stack_frames)
-    sf = stack_frames.set_index("frame_id")
+    frame_table = stack_frames.set_index("frame_id")
     labels = {
-        int(fid): frame_label(str(f), int(ln), str(n))
-        for fid, f, ln, n in zip(sf.index, sf["filename"], sf["line"], sf["name"], strict=True)
+        int(fid): frame_label(str(filename), int(line), str(name))
+        for fid, filename, line, name in zip(
+            frame_table.index,
+            frame_table["filename"],
+            frame_table["line"],
+            frame_table["name"],
+            strict=True,
+        )
     }
     ids = site_of.index.to_numpy()
     site_fid = site_of.to_numpy()
     table = pd.DataFrame(
         {
-            "label": [labels[int(f)] for f in site_fid],
-            "detail": [labels.get(int(inner_of.get(i, f)), "") for i, f in zip(ids, site_fid, strict=True)],
-            "filename": sf.loc[site_fid, "filename"].astype(str).to_numpy(),
-            "line": sf.loc[site_fid, "line"].to_numpy(),
-            "name": sf.loc[site_fid, "name"].astype(str).to_numpy(),
+            "label": [labels[int(frame_id)] for frame_id in site_fid],
+            "detail": [
+                labels.get(int(inner_of.get(stack_id, frame_id)), "")
+                for stack_id, frame_id in zip(ids, site_fid, strict=True)
+            ],
+            "filename": frame_table.loc[site_fid, "filename"].astype(str).to_numpy(),
+            "line": frame_table.loc[site_fid, "line"].to_numpy(),
+            "name": frame_table.loc[site_fid, "name"].astype(str).to_numpy(),
         },
         index=ids,
     )
@@ -221,21 +245,30 @@ def stack_sites(stacks: pd.DataFrame, stack_frames: pd.DataFrame) -> StackSites:
     kind = classify_frames(stack_frames)
     user = stacks.assign(kind=stacks["frame_id"].map(kind).to_numpy())
     has_user = set(user.loc[user["kind"] == "user", "stack_id"].astype(int))
-    named = [i for i in nodes.index if int(i) not in has_user]  # a user frame still names the site best
+    # a user frame still names the site best
+    named = [stack_id for stack_id in nodes.index if int(stack_id) not in has_user]
     if named:
-        table.loc[named, "label"] = [f"{nodes[i]} (backward)" for i in named]
+        table.loc[named, "label"] = [f"{nodes[stack_id]} (backward)" for stack_id in named]
         table.loc[named, ["filename", "name"]] = ""
         table.loc[named, "line"] = 0
     # library caches kept for the process's life (cuBLAS workspaces): named as such, with the
     # operation that first needed them
     cache = stack_frames["name"].astype(str).str.contains("|".join(_CACHE_PARTS), regex=True)
     cache_frames = set(stack_frames.loc[cache, "frame_id"].astype(int))
-    st = stacks[stacks["frame_id"].isin(cache_frames)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
-    for sid_, fid in zip(st["stack_id"].astype(int), st["frame_id"].astype(int), strict=True):
-        if sid_ in table.index:
-            first = table.at[sid_, "label"]
-            table.at[sid_, "label"] = f"cuBLAS workspace, first used {'by' if '(backward)' in first else 'at'} {first}"
-            table.at[sid_, "detail"] = labels[fid]
+    cache_stacks = (
+        stacks[stacks["frame_id"].isin(cache_frames)].sort_values(["stack_id", "depth"]).drop_duplicates("stack_id")
+    )
+    for stack_id, fid in zip(
+        cache_stacks["stack_id"].astype(int),
+        cache_stacks["frame_id"].astype(int),
+        strict=True,
+    ):
+        if stack_id in table.index:
+            first = table.at[stack_id, "label"]
+            table.at[stack_id, "label"] = (
+                f"cuBLAS workspace, first used {'by' if '(backward)' in first else 'at'} {first}"
+            )
+            table.at[stack_id, "detail"] = labels[fid]
     table["detail"] = table["detail"].where(table["detail"] != table["label"], "")
     return StackSites(table)
 
@@ -264,29 +297,37 @@ def site_labels(
     labels[known] = table["label"].reindex(stack_ids[known]).to_numpy()
     detail[known] = table["detail"].reindex(stack_ids[known]).fillna("").to_numpy()
     cats = categories if categories is not None else np.full(stack_ids.size, None, dtype=object)
-    labels[~known] = [sites.label(None, c) for c in cats[~known]]
+    labels[~known] = [sites.label(None, category) for category in cats[~known]]
     if forward_ids is not None:
         has = np.flatnonzero((forward_ids >= 0) & np.isin(forward_ids, index))
         if has.size:
             forward = table["label"].reindex(forward_ids[has]).to_numpy()
-            for i, f in zip(has, forward, strict=True):
+            for i, forward_label in zip(has, forward, strict=True):
                 base = str(labels[i])
                 if base.endswith("(backward)"):
-                    labels[i] = f"{base} of {f}"
+                    labels[i] = f"{base} of {forward_label}"
                 elif base.startswith(NO_STACK_LABEL[:-1]):
-                    labels[i] = f"backward of {f}"
+                    labels[i] = f"backward of {forward_label}"
     return labels, detail
 
 
-def allocation_forward_ids(frames: SnapshotFrames, device: int, event_index: np.ndarray) -> np.ndarray | None:
+def allocation_forward_ids(
+    frames: SnapshotFrames,
+    device: int,
+    event_index: np.ndarray,
+) -> np.ndarray | None:
     """``forward_stack_id`` (-1 for none) of the allocations at ``event_index`` of a device's
     trace; None when the recording has no forward stacks (no anomaly mode)."""
-    col = memo(frames, ("forward_stack_ids", device), lambda: _device_forward_ids(frames.events, device))
-    return None if col is None else col[event_index]
+    forward_ids = memo(
+        frames,
+        ("forward_stack_ids", device),
+        lambda: _device_forward_ids(frames.events, device),
+    )
+    return None if forward_ids is None else forward_ids[event_index]
 
 
-def _device_forward_ids(ev: pd.DataFrame, device: int) -> np.ndarray | None:
-    fwd = ev.loc[ev["device"] == device, "forward_stack_id"]
+def _device_forward_ids(events: pd.DataFrame, device: int) -> np.ndarray | None:
+    fwd = events.loc[events["device"] == device, "forward_stack_id"]
     return fwd.to_numpy(dtype=np.int64, na_value=-1) if fwd.notna().any() else None
 
 
@@ -320,12 +361,17 @@ def top_sites(
         nbytes, count = int(grp["sum"].sum()), int(grp["count"].sum())
         best = int(grp.sort_values("sum", ascending=False).iloc[0]["stack_id"])
         if best >= 0 and best in table.index:
-            r = table.loc[best]
-            fn, line, name, detail = str(r["filename"]), int(r["line"]), str(r["name"]), str(r["detail"]) or None
-            out.append(Site(str(label), detail, fn, line, name, nbytes, count, best, nbytes / total))
+            site_row = table.loc[best]
+            filename, line, name, detail = (
+                str(site_row["filename"]),
+                int(site_row["line"]),
+                str(site_row["name"]),
+                str(site_row["detail"]) or None,
+            )
+            out.append(Site(str(label), detail, filename, line, name, nbytes, count, best, nbytes / total))
         else:
             out.append(Site(str(label), None, "", 0, "", nbytes, count, None, nbytes / total))
-    out.sort(key=lambda s: (-s.bytes, s.label))
+    out.sort(key=lambda site: (-site.bytes, site.label))
     return out[:limit]
 
 
@@ -337,7 +383,14 @@ def live_sites(
     live = blocks["state"] == "active_allocated"
     cats = categories[live] if categories is not None else None
     fwd = block_forward_ids(blocks[live])
-    return top_sites(blocks.loc[live, "stack_id"], blocks.loc[live, "size_bytes"], sites, limit, cats, fwd)
+    return top_sites(
+        blocks.loc[live, "stack_id"],
+        blocks.loc[live, "size_bytes"],
+        sites,
+        limit,
+        cats,
+        fwd,
+    )
 
 
 def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:

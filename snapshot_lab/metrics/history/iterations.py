@@ -41,7 +41,8 @@ MIN_ITERATIONS = 3
 @dataclass(frozen=True)
 class Iterations:
     device: int
-    starts: np.ndarray  # event_index of the first event of each iteration (ascending)
+    # event_index of the first event of each iteration (ascending)
+    starts: np.ndarray
     source: str  # how they were found
     label: str | None  # annotation name or site that marks them
 
@@ -50,7 +51,11 @@ class Iterations:
         return int(self.starts.size)
 
 
-def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: int) -> tuple[Iterations | None, bool]:
+def _from_annotations(
+    events: pd.DataFrame,
+    annotations: pd.DataFrame,
+    device: int,
+) -> tuple[Iterations | None, bool]:
     """Iterations from annotations, and whether step-like annotations exist at all (then a trace
     with too few of them is too short to judge: guessing from the pattern would be wrong)."""
     if annotations.empty or events["time_us"].isna().any():
@@ -66,7 +71,7 @@ def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: i
         if len(chosen) < MIN_ITERATIONS:
             continue
         # one family only (e.g. "Optimizer.step#AdamW.step"), digits folded
-        family = chosen["name"].map(lambda s: re.sub(r"\d+", "N", str(s)))
+        family = chosen["name"].map(lambda name: re.sub(r"\d+", "N", str(name)))
         top = family.value_counts().index[0]
         chosen = chosen[family == top]
         if len(chosen) < MIN_ITERATIONS:
@@ -78,11 +83,13 @@ def _from_annotations(events: pd.DataFrame, annotations: pd.DataFrame, device: i
     return None, seen
 
 
-MIN_PATTERN_ITERATIONS = 6  # a rhythm guessed from the trace needs more evidence than annotations
+# a rhythm guessed from the trace needs more evidence than annotations
+MIN_PATTERN_ITERATIONS = 6
 
 
 MIN_ENDING_SHARE = 0.8  # of the repetitions that must show an end
-MAX_NET_RISE = 0.5  # what a repetition may keep of its rise and still have "returned"
+# what a repetition may keep of its rise and still have "returned"
+MAX_NET_RISE = 0.5
 
 
 def _pattern_ends(frames: SnapshotFrames, events: pd.DataFrame, starts: np.ndarray) -> bool:
@@ -95,17 +102,17 @@ def _pattern_ends(frames: SnapshotFrames, events: pd.DataFrame, starts: np.ndarr
     optim = np.isin(sid, cats.index[cats == "optimizer_state"].to_numpy(dtype=np.int64))
     marks = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"]) | optim
     bounds = np.r_[pos, len(events)]
-    with_end = sum(bool(marks[a:b].any()) for a, b in itertools.pairwise(bounds))
+    with_end = sum(bool(marks[start:stop].any()) for start, stop in itertools.pairwise(bounds))
     if with_end >= MIN_ENDING_SHARE * pos.size:
         return True
     action = events["action"].astype(str).to_numpy()
     size = events["size_bytes"].to_numpy()
     level = np.cumsum(np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0))
     kept = []
-    for a, b in itertools.pairwise(bounds):
-        before = level[a - 1] if a > 0 else 0
-        rise = level[a:b].max() - before
-        kept.append((level[b - 1] - before) / rise if rise > 0 else 0.0)
+    for start, stop in itertools.pairwise(bounds):
+        before = level[start - 1] if start > 0 else 0
+        rise = level[start:stop].max() - before
+        kept.append((level[stop - 1] - before) / rise if rise > 0 else 0.0)
     return float(np.median(kept)) <= MAX_NET_RISE
 
 
@@ -115,16 +122,16 @@ def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     allocs = events[(events["action"] == "alloc") & events["stack_id"].notna()]
     if allocs.empty:
         return None
-    n = len(events)
+    n_events = len(events)
     best: tuple[int, float, int, np.ndarray] | None = None
     for sid, idx in allocs.groupby("stack_id")["event_index"]:
         pos = idx.to_numpy()
-        if pos.size < MIN_PATTERN_ITERATIONS or pos.size > n // 3:
+        if pos.size < MIN_PATTERN_ITERATIONS or pos.size > n_events // 3:
             continue
         gaps = np.diff(pos)
         if gaps.mean() <= 0 or gaps.std() / gaps.mean() > 0.35:
             continue
-        if (pos[-1] - pos[0]) < 0.5 * n:
+        if (pos[-1] - pos[0]) < 0.5 * n_events:
             continue
         key = (pos.size, float(gaps.std() / gaps.mean()), int(sid), pos)
         if best is None or key[:2] < best[:2]:
@@ -134,7 +141,8 @@ def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     return Iterations(device, best[3], "repeating allocation pattern", f"stack {best[2]}")
 
 
-OUTER_GAP_FACTOR = 2.0  # a gap this many times the median one ends a group of repetitions
+# a gap this many times the median one ends a group of repetitions
+OUTER_GAP_FACTOR = 2.0
 
 
 def _outer_loop(pattern: Iterations) -> Iterations:
@@ -161,15 +169,15 @@ def _outer_loop(pattern: Iterations) -> Iterations:
 
 def find_iterations(frames: SnapshotFrames, device: int) -> Iterations | None:
     """Iteration starts of one device (None when fewer than three can be found)."""
-    ev = frames.events[frames.events["device"] == device]
-    if len(ev) < 2:
+    events = frames.events[frames.events["device"] == device]
+    if len(events) < 2:
         return None
-    found, has_step_annotations = _from_annotations(ev, frames.annotations, device)
+    found, has_step_annotations = _from_annotations(events, frames.annotations, device)
     if found is not None:
         return found
     if has_step_annotations:
         return None
-    pattern = _from_pattern(ev, device)
-    if pattern is None or not _pattern_ends(frames, ev, pattern.starts):
+    pattern = _from_pattern(events, device)
+    if pattern is None or not _pattern_ends(frames, events, pattern.starts):
         return None
     return _outer_loop(pattern)

@@ -17,10 +17,14 @@ from .._memo import memo
 def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
     """Columns: event_index, address, size_bytes (requested), stack_id, time_us, free_index
     (``<NA>`` when the allocation is still live at the end of the trace); in event order."""
-    ev = events[events["device"] == device]
-    allocs = ev.loc[ev["action"] == "alloc", ["event_index", "address", "size_bytes", "stack_id", "time_us"]]
+    device_events = events[events["device"] == device]
+    allocs = device_events.loc[
+        device_events["action"] == "alloc", ["event_index", "address", "size_bytes", "stack_id", "time_us"]
+    ]
     allocs = allocs[allocs["address"].notna()].astype({"address": "int64"})
-    frees = ev.loc[(ev["action"] == "free_completed") & ev["address"].notna(), ["event_index", "address"]]
+    frees = device_events.loc[
+        (device_events["action"] == "free_completed") & device_events["address"].notna(), ["event_index", "address"]
+    ]
     frees = frees.astype({"address": "int64"})
     if allocs.empty:
         return allocs.assign(free_index=pd.array([], dtype="Int64"))

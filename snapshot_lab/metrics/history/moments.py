@@ -43,15 +43,15 @@ def dump_moment(frames: SnapshotFrames, device: int) -> Moment:
 
 
 def last_oom_index(frames: SnapshotFrames, device: int) -> int | None:
-    ev = frames.events
-    ooms = ev.loc[(ev["device"] == device) & (ev["action"] == "oom"), "event_index"]
+    events = frames.events
+    ooms = events.loc[(events["device"] == device) & (events["action"] == "oom"), "event_index"]
     return int(ooms.iloc[-1]) if len(ooms) else None
 
 
 def dumped_at(frames: SnapshotFrames, device: int, event_index: int) -> bool:
     """Whether nothing but ``snapshot`` markers follows the event: the dump shows its moment."""
-    ev = frames.events
-    after = ev[(ev["device"] == device) & (ev["event_index"] > event_index)]
+    events = frames.events
+    after = events[(events["device"] == device) & (events["event_index"] > event_index)]
     return bool((after["action"] == "snapshot").all())
 
 
@@ -62,18 +62,23 @@ def moment_at(frames: SnapshotFrames, device: int, event_index: int) -> Moment |
     def compute() -> Moment | None:
         if dumped_at(frames, device, event_index):
             return dump_moment(frames, device)
-        followed = follow(frames, device, recorded_settings(frames.info.allocator_settings), event_index)
+        followed = follow(
+            frames,
+            device,
+            recorded_settings(frames.info.allocator_settings),
+            event_index,
+        )
         if followed.mismatches:
             return None
-        ev = frames.events[frames.events["device"] == device]
-        later = int((ev["event_index"] > event_index).sum())
-        seg, blk = followed_tables(frames, device, followed)
+        events = frames.events[frames.events["device"] == device]
+        later = int((events["event_index"] > event_index).sum())
+        segments, blocks = followed_tables(frames, device, followed)
         return Moment(
             device,
             event_index,
             f"rebuilt from the trace at event {event_index:,} (the snapshot was dumped {later:,} events later)",
-            seg,
-            blk,
+            segments,
+            blocks,
         )
 
     return memo(frames, ("moment", device, event_index), compute)
@@ -85,14 +90,14 @@ def oom_moment(frames: SnapshotFrames, device: int) -> Moment | None:
     idx = last_oom_index(frames, device)
     if idx is None:
         return None
-    m = moment_at(frames, device, idx)
-    if m is not None:
-        return m
-    d = dump_moment(frames, device)
+    moment = moment_at(frames, device, idx)
+    if moment is not None:
+        return moment
+    dumped = dump_moment(frames, device)
     return Moment(
         device,
         None,
         "the snapshot as dumped after the OOM (the moment of the OOM could not be rebuilt from the trace)",
-        d.segments,
-        d.blocks,
+        dumped.segments,
+        dumped.blocks,
     )

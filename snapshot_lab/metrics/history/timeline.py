@@ -48,14 +48,16 @@ class Envelope:
 @dataclass(frozen=True)
 class Timeline:
     device: int
-    x: np.ndarray  # seconds since the first event, or the event index when there is no time
+    # seconds since the first event, or the event index when there is no time
+    x: np.ndarray
     x_label: str
     requested_bytes: np.ndarray
     reserved_bytes: np.ndarray
     peak_requested_bytes: int
     peak_index: int  # event index of the (first) requested peak
     peak_reserved_bytes: int
-    anchored_at_end: bool  # True when the start level had to be inferred from the end
+    # True when the start level had to be inferred from the end
+    anchored_at_end: bool
     ooms: tuple[Marker, ...] = ()
     markers: tuple[Marker, ...] = ()
     marker_group: str | None = None
@@ -74,21 +76,33 @@ def _step_markers(
     the first trace event at or after their time."""
     if times is None or annotations.empty:
         return (), None
-    a = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
-    if a.empty:
+    starts = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
+    if starts.empty:
         return (), None
-    family = a["name"].map(lambda s: re.sub(r"\d+", "N", str(s)))
+    family = starts["name"].map(lambda name: re.sub(r"\d+", "N", str(name)))
     counts = family.value_counts()
     repeated = counts[counts >= 2]
     if repeated.empty:
         return (), None
     # prefer names that look like iterations
-    stepish = [f for f in repeated.index if re.search(r"step|iter|epoch|batch", f, re.I)]
+    stepish = [
+        family_name
+        for family_name in repeated.index
+        if re.search(
+            r"step|iter|epoch|batch",
+            family_name,
+            re.I,
+        )
+    ]
     group = stepish[0] if stepish else repeated.index[0]
-    rows = a[family == group].head(limit)
+    rows = starts[family == group].head(limit)
     pos = np.searchsorted(times, rows["time_us"].to_numpy(dtype=np.int64), side="left")
-    ms = tuple(Marker(x=float(p), label=str(n)) for p, n in zip(pos, rows["name"], strict=True) if p < times.size)
-    return ms, str(group)
+    markers = tuple(
+        Marker(x=float(position), label=str(name))
+        for position, name in zip(pos, rows["name"], strict=True)
+        if position < times.size
+    )
+    return markers, str(group)
 
 
 def compute_timeline(
@@ -100,11 +114,11 @@ def compute_timeline(
     max_markers: int = 200,
 ) -> Timeline | None:
     """The timeline of one device (None when its trace has fewer than two entries)."""
-    ev = events[events["device"] == device]
-    if len(ev) < 2:
+    device_events = events[events["device"] == device]
+    if len(device_events) < 2:
         return None
-    action = ev["action"]
-    size = ev["size_bytes"].to_numpy()
+    action = device_events["action"]
+    size = device_events["size_bytes"].to_numpy()
     d_req = np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0)
     d_res = np.where(action.isin(_ADD_RESERVED), size, 0) - np.where(action.isin(_SUB_RESERVED), size, 0)
     req = np.cumsum(d_req)
@@ -115,15 +129,21 @@ def compute_timeline(
     res += res_offset
     # x is the position in the trace: time is dominated by idle stretches (start-up, data
     # loading) while the allocator's activity is what the picture is about
-    x = np.arange(len(ev), dtype=np.float64)
+    x = np.arange(len(device_events), dtype=np.float64)
     x_label = "allocator events, in trace order"
-    times = ev["time_us"]
-    t = times.to_numpy(dtype=np.int64) if times.notna().all() else None
-    t0 = int(t[0]) if t is not None else None
+    times = device_events["time_us"]
+    times_us = times.to_numpy(dtype=np.int64) if times.notna().all() else None
+    start_time = int(times_us[0]) if times_us is not None else None
     peak_pos = int(np.argmax(req))
     oom_rows = np.flatnonzero((action == "oom").to_numpy())
-    ooms = tuple(Marker(x=float(x[i]), label=f"OOM: request of {int(size[i])} bytes") for i in oom_rows)
-    markers, group = _step_markers(annotations, t, max_markers) if annotations is not None else ((), None)
+    ooms = tuple(
+        Marker(
+            x=float(x[i]),
+            label=f"OOM: request of {int(size[i])} bytes",
+        )
+        for i in oom_rows
+    )
+    markers, group = _step_markers(annotations, times_us, max_markers) if annotations is not None else ((), None)
     return Timeline(
         device=device,
         x=x,
@@ -131,25 +151,29 @@ def compute_timeline(
         requested_bytes=req,
         reserved_bytes=res,
         peak_requested_bytes=int(req[peak_pos]),
-        peak_index=int(ev["event_index"].iloc[peak_pos]),
+        peak_index=int(device_events["event_index"].iloc[peak_pos]),
         peak_reserved_bytes=int(res.max()),
         anchored_at_end=bool(req_offset != 0 or res_offset != 0),
         ooms=ooms,
         markers=markers,
         marker_group=group,
-        start_time_us=t0,
+        start_time_us=start_time,
     )
 
 
 def envelope(x: np.ndarray, y: np.ndarray, max_points: int = 2000) -> Envelope:
     """Reduce a long series to ``max_points`` buckets keeping each bucket's min and max, so peaks
     survive downsampling."""
-    n = y.size
-    if n <= max_points:
+    count = y.size
+    if count <= max_points:
         return Envelope(x=x, low=y, high=y)
-    edges = np.linspace(0, n, max_points + 1).astype(np.int64)
+    edges = np.linspace(0, count, max_points + 1).astype(np.int64)
     starts = edges[:-1]
-    return Envelope(x=x[starts], low=np.minimum.reduceat(y, starts), high=np.maximum.reduceat(y, starts))
+    return Envelope(
+        x=x[starts],
+        low=np.minimum.reduceat(y, starts),
+        high=np.maximum.reduceat(y, starts),
+    )
 
 
 def device_timeline(
@@ -160,5 +184,11 @@ def device_timeline(
     return memo(
         frames,
         ("timeline", device, requested_at_end, reserved_at_end),
-        lambda: compute_timeline(frames.events, device, requested_at_end, reserved_at_end, frames.annotations),
+        lambda: compute_timeline(
+            frames.events,
+            device,
+            requested_at_end,
+            reserved_at_end,
+            frames.annotations,
+        ),
     )

@@ -64,13 +64,15 @@ class ParallelLayout:
     source: LayoutSource
     coordinates: dict[str, int] = field(default_factory=dict)
     degrees: dict[str, int] = field(default_factory=dict)
-    strategies: list[str] = field(default_factory=list)  # keys of STRATEGY_NAMES once detected
+    # keys of STRATEGY_NAMES once detected
+    strategies: list[str] = field(default_factory=list)
     world_size: int | None = None
     num_stages: int | None = None
     schedule: str | None = None
     microbatches: int | None = None
     rank: int | None = None
-    from_stacks: list[str] = field(default_factory=list)  # the strategies the stacks showed
+    # the strategies the stacks showed
+    from_stacks: list[str] = field(default_factory=list)
 
     @property
     def pp_stage(self) -> int | None:
@@ -78,22 +80,24 @@ class ParallelLayout:
 
     @property
     def description(self) -> str:
-        known = [s for s in self.strategies if s in STRATEGY_NAMES]
+        known = [name for name in self.strategies if name in STRATEGY_NAMES]
         if not known:
             return "single process, no parallel training library seen"
-        names = " + ".join(STRATEGY_NAMES[s] for s in known)
-        where = f", rank {self.rank} of {self.world_size}" if self.world_size and self.rank is not None else ""
-        return names + where
+        names = " + ".join(STRATEGY_NAMES[strategy] for strategy in known)
+        if self.world_size and self.rank is not None:
+            return f"{names}, rank {self.rank} of {self.world_size}"
+        return names
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["description"] = self.description
-        return d
+        fields = asdict(self)
+        fields["description"] = self.description
+        return fields
 
 
 def _int(value: Any) -> int | None:
     # JSON from a file: bool is an int to Python, and neither it nor a float is a coordinate
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31 else None
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    return value if is_int and 0 <= value < 1 << 31 else None
 
 
 def _text(value: Any, limit: int = 40) -> str | None:
@@ -101,7 +105,8 @@ def _text(value: Any, limit: int = 40) -> str | None:
     messages and HTML)."""
     if not isinstance(value, str) or not value.strip():
         return None
-    return "".join(c if c.isprintable() and not c.isspace() else "-" for c in value.strip())[:limit]
+    shown = (char if char.isprintable() and not char.isspace() else "-" for char in value.strip())
+    return "".join(shown)[:limit]
 
 
 def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | None:
@@ -116,8 +121,10 @@ def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | N
         return value if isinstance(value, Mapping) else {}
 
     degrees_in, coords_in, pp_in = mapping("degrees"), mapping("coordinates"), mapping("pp")
-    degrees = {k: v for k in KINDS if (v := _int(degrees_in.get(k))) is not None and v >= 1}
-    coords = {k: v for k in KINDS if (v := _int(coords_in.get(k))) is not None}
+    given_degrees = {kind: _int(degrees_in.get(kind)) for kind in KINDS}
+    degrees = {kind: degree for kind, degree in given_degrees.items() if degree is not None and degree >= 1}
+    given_coords = {kind: _int(coords_in.get(kind)) for kind in KINDS}
+    coords = {kind: coordinate for kind, coordinate in given_coords.items() if coordinate is not None}
     stage = _int(pp_in.get("stage"))
     if stage is not None:
         coords.setdefault("pp", stage)
@@ -130,7 +137,7 @@ def layout_from_sidecar(capture: Mapping[str, Any] | None) -> ParallelLayout | N
         source="sidecar",
         coordinates=coords,
         degrees=degrees,
-        strategies=[t for s in strategies[:16] if (t := _text(s)) is not None],
+        strategies=[text for strategy in strategies[:16] if (text := _text(strategy)) is not None],
         world_size=_int(par.get("world_size")),
         num_stages=num_stages if num_stages and num_stages >= 1 else None,
         schedule=_text(pp_in.get("schedule")),
@@ -143,8 +150,8 @@ def layout_from_name(path: str) -> ParallelLayout | None:
     spelling of a kind wins, as for ``rank<N>``. None when the name has none."""
     name = path.replace("\\", "/").split("/")[-1]
     coords: dict[str, int] = {}
-    for m in _NAME_TOKEN.finditer(name):
-        coords[_NAME_KIND[m.group(1).lower()]] = int(m.group(2))
+    for match in _NAME_TOKEN.finditer(name):
+        coords[_NAME_KIND[match.group(1).lower()]] = int(match.group(2))
     return ParallelLayout(source="file name", coordinates=coords) if coords else None
 
 
@@ -152,8 +159,8 @@ def pipeline_stages(layouts: Mapping[str, ParallelLayout | None]) -> dict[str, i
     """Each file's pipeline stage when the files span at least two stages (files whose stage is
     unknown map to None); None when there is no pipeline to speak of, and every file is a peer
     of every other."""
-    stage = {p: (lay.pp_stage if lay is not None else None) for p, lay in layouts.items()}
-    if len({s for s in stage.values() if s is not None}) < 2:
+    stage = {path: (lay.pp_stage if lay is not None else None) for path, lay in layouts.items()}
+    if len({known for known in stage.values() if known is not None}) < 2:
         return None
     return stage
 
@@ -196,18 +203,22 @@ def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None
 def _normalised(strategies: list[str]) -> list[str]:
     out = set()
     for raw in strategies:
-        s = raw.lower()
-        if s in _STACK_MARKS:
-            out.add(s)
-        elif s.startswith("fsdp"):
-            out.add("fsdp2" if "2" in s else "fsdp1")
-    return [s for s in _STACK_MARKS if s in out]
+        lowered = raw.lower()
+        if lowered in _STACK_MARKS:
+            out.add(lowered)
+        elif lowered.startswith("fsdp"):
+            out.add("fsdp2" if "2" in lowered else "fsdp1")
+    return [name for name in _STACK_MARKS if name in out]
 
 
 def strategies_in_stacks(stack_frames: Any) -> list[str]:
     """The strategies whose library frames appear in a snapshot's stacks."""
-    fn = stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    return [s for s, marks in _STACK_MARKS.items() if any(fn.str.contains(m, regex=False).any() for m in marks)]
+    filenames = stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    return [
+        strategy
+        for strategy, marks in _STACK_MARKS.items()
+        if any(filenames.str.contains(mark, regex=False).any() for mark in marks)
+    ]
 
 
 def detect_parallel(frames: SnapshotFrames) -> ParallelLayout:
@@ -220,10 +231,12 @@ def detect_parallel(frames: SnapshotFrames) -> ParallelLayout:
         par = cap.get("parallel") if isinstance(cap.get("parallel"), Mapping) else {}
         stacks = strategies_in_stacks(frames.stack_frames)
         degrees = dict(layout.degrees)
-        for kind in ("tp", "pp"):  # a degree the sidecar saw counts as the strategy even if no stack shows it
+        for kind in ("tp", "pp"):
+            # a degree the sidecar saw counts as the strategy even if no stack shows it
             if degrees.get(kind, 1) > 1:
                 stacks = stacks if kind in stacks else [*stacks, kind]
-        strategies = [s for s in _STACK_MARKS if s in set(_normalised(layout.strategies)) | set(stacks)]
+        seen = set(_normalised(layout.strategies)) | set(stacks)
+        strategies = [strategy for strategy in _STACK_MARKS if strategy in seen]
         rank = _int(par.get("rank")) if par else None
         world = layout.world_size or (_int(par.get("world_size")) if par else None) or _int(cap.get("world_size"))
         return replace(

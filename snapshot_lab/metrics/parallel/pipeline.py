@@ -24,7 +24,8 @@ from .parallelism import ParallelLayout, pipeline_stages
 if TYPE_CHECKING:
     from ..comparison.snapshot_summary import SnapshotSummary
 
-PEAK_SITES_LIMIT = 50  # sites alive at the peak kept in a summary, largest first
+# sites alive at the peak kept in a summary, largest first
+PEAK_SITES_LIMIT = 50
 MAX_SITE_DELTAS = 5
 
 
@@ -32,11 +33,13 @@ MAX_SITE_DELTAS = 5
 class StageProfile:
     stage: int
     files: list[str]  # every file of the stage
-    path: str  # the file whose numbers stand for the stage (its peak is the stage's lower median)
+    # the file whose numbers stand for the stage (its peak is the stage's lower median)
+    path: str
     peak_requested_bytes: int
     inflight_activation_bytes: int  # at that peak
     peak_categories: dict[str, int]  # requested bytes per category at that peak
-    microbatches_in_flight: int | None  # what the schedule keeps in flight on this stage, when modelled
+    # what the schedule keeps in flight on this stage, when modelled
+    microbatches_in_flight: int | None
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,16 @@ class PipelineSkew:
     """The stages side by side (``stages`` by stage number) and the heaviest against the lightest."""
 
     stages: list[StageProfile]
-    num_stages: int | None  # from the sidecars; None when only file names tell the stages
+    # from the sidecars; None when only file names tell the stages
+    num_stages: int | None
     schedule: str | None
     microbatches: int | None
     heaviest: StageProfile
     lightest: StageProfile
-    by_category: dict[str, int]  # heaviest - lightest at their peaks, nonzero, largest change first
-    by_site: list[SiteDelta]  # the sites that make the heaviest stage heavier, most first
+    # heaviest - lightest at their peaks, nonzero, largest change first
+    by_category: dict[str, int]
+    # the sites that make the heaviest stage heavier, most first
+    by_site: list[SiteDelta]
 
     @property
     def spread_bytes(self) -> int:
@@ -75,7 +81,7 @@ class PipelineSkew:
     def balance_gain_bytes(self) -> int:
         """How far the heaviest stage's peak is above the stages' mean: what perfectly balanced
         stages would take off it, at most."""
-        mean = statistics.fmean(s.peak_requested_bytes for s in self.stages)
+        mean = statistics.fmean(stage.peak_requested_bytes for stage in self.stages)
         return max(0, round(self.heaviest.peak_requested_bytes - mean))
 
     @property
@@ -87,14 +93,14 @@ class PipelineSkew:
             "num_stages": self.num_stages,
             "schedule": self.schedule,
             "microbatches": self.microbatches,
-            "stages": [asdict(s) for s in self.stages],
+            "stages": [asdict(stage) for stage in self.stages],
             "heaviest_stage": self.heaviest.stage,
             "lightest_stage": self.lightest.stage,
             "spread_bytes": self.spread_bytes,
             "spread_ratio": round(self.spread_ratio, 4),
             "balance_gain_bytes": self.balance_gain_bytes,
             "difference_by_category": self.by_category,
-            "sites_behind_difference": [{**asdict(d), "delta_bytes": d.delta_bytes} for d in self.by_site],
+            "sites_behind_difference": [{**asdict(delta), "delta_bytes": delta.delta_bytes} for delta in self.by_site],
         }
 
 
@@ -115,29 +121,29 @@ def microbatches_in_flight(
 
 def _common(values: list[Any]) -> Any:
     """The value every file agrees on (None when they disagree or none says)."""
-    known = {v for v in values if v is not None}
+    known = {value for value in values if value is not None}
     return known.pop() if len(known) == 1 else None
 
 
-def _site_bytes(s: SnapshotSummary) -> dict[str, int]:
+def _site_bytes(summary: SnapshotSummary) -> dict[str, int]:
     out: dict[str, int] = {}
-    for r in s.peak_sites:
-        out[r["site"]] = out.get(r["site"], 0) + int(r["bytes"])
+    for row in summary.peak_sites:
+        out[row["site"]] = out.get(row["site"], 0) + int(row["bytes"])
     return out
 
 
 def _site_deltas(heavy: SnapshotSummary, light: SnapshotSummary) -> list[SiteDelta]:
-    h, lo = _site_bytes(heavy), _site_bytes(light)
+    heavy_bytes, light_bytes = _site_bytes(heavy), _site_bytes(light)
     # a summary keeps only its largest sites: one missing from a full list is of unknown size
-    h_full, lo_full = len(heavy.peak_sites) < PEAK_SITES_LIMIT, len(light.peak_sites) < PEAK_SITES_LIMIT
+    heavy_full, light_full = len(heavy.peak_sites) < PEAK_SITES_LIMIT, len(light.peak_sites) < PEAK_SITES_LIMIT
     out = []
-    for site in set(h) | set(lo):
-        if (site not in h and not h_full) or (site not in lo and not lo_full):
+    for site in set(heavy_bytes) | set(light_bytes):
+        if (site not in heavy_bytes and not heavy_full) or (site not in light_bytes and not light_full):
             continue
-        d = SiteDelta(site, h.get(site, 0), lo.get(site, 0))
-        if d.delta_bytes > 0:
-            out.append(d)
-    out.sort(key=lambda d: (-d.delta_bytes, d.site))
+        delta = SiteDelta(site, heavy_bytes.get(site, 0), light_bytes.get(site, 0))
+        if delta.delta_bytes > 0:
+            out.append(delta)
+    out.sort(key=lambda delta: (-delta.delta_bytes, delta.site))
     return out[:MAX_SITE_DELTAS]
 
 
@@ -146,45 +152,60 @@ def pipeline_skew(
 ) -> PipelineSkew | None:
     """The stages of the pipeline these files belong to, or None when they do not span two
     stages with a trace (a peak) each."""
-    stage_of = pipeline_stages({p: layouts.get(p) for p in summaries})
+    stage_of = pipeline_stages({path: layouts.get(path) for path in summaries})
     if stage_of is None:
         return None
     members: dict[int, list[str]] = {}
-    for p, st in stage_of.items():
-        if st is not None and summaries[p].peak_requested_bytes is not None:
-            members.setdefault(st, []).append(p)
+    for path, stage in stage_of.items():
+        if stage is not None and summaries[path].peak_requested_bytes is not None:
+            members.setdefault(stage, []).append(path)
     if len(members) < 2:
         return None
     reps = {}
-    for st, files in members.items():
-        peak = {p: int(summaries[p].peak_requested_bytes or 0) for p in files}
+    for stage, files in members.items():
+        peak = {path: int(summaries[path].peak_requested_bytes or 0) for path in files}
         # the lower median: of two replicas, one odd (a bigger batch, an OOM), the usual one
-        med = statistics.median_low(peak.values())
-        reps[st] = min(files, key=lambda p: (peak[p] != med, p))
+        median = statistics.median_low(peak.values())
+        reps[stage] = min(files, key=lambda path: (peak[path] != median, path))
     # the schedule the stages' usual ranks agree on (an odd replica's own sidecar aside)
-    lays = [lay for p in reps.values() if (lay := layouts.get(p)) is not None]
+    lays = [lay for path in reps.values() if (lay := layouts.get(path)) is not None]
     num_stages = _common([lay.num_stages for lay in lays])
     schedule = _common([lay.schedule for lay in lays])
     microbatches = _common([lay.microbatches for lay in lays])
     stages = []
-    for st in sorted(members):
-        s = summaries[reps[st]]
+    for stage in sorted(members):
+        summary = summaries[reps[stage]]
         stages.append(
             StageProfile(
-                stage=st,
-                files=members[st],
-                path=reps[st],
-                peak_requested_bytes=int(s.peak_requested_bytes or 0),
-                inflight_activation_bytes=int(s.peak_categories.get("inflight_activation", 0)),
-                peak_categories={c: v for c, v in s.peak_categories.items() if v},
-                microbatches_in_flight=microbatches_in_flight(schedule, st, num_stages, microbatches),
+                stage=stage,
+                files=members[stage],
+                path=reps[stage],
+                peak_requested_bytes=int(summary.peak_requested_bytes or 0),
+                inflight_activation_bytes=int(summary.peak_categories.get("inflight_activation", 0)),
+                peak_categories={category: value for category, value in summary.peak_categories.items() if value},
+                microbatches_in_flight=microbatches_in_flight(
+                    schedule,
+                    stage,
+                    num_stages,
+                    microbatches,
+                ),
             )
         )
-    heaviest = max(stages, key=lambda s: (s.peak_requested_bytes, -s.stage))
-    lightest = min(stages, key=lambda s: (s.peak_requested_bytes, s.stage))
+    heaviest = max(stages, key=lambda profile: (profile.peak_requested_bytes, -profile.stage))
+    lightest = min(stages, key=lambda profile: (profile.peak_requested_bytes, profile.stage))
     cats = set(heaviest.peak_categories) | set(lightest.peak_categories)
-    delta = {c: heaviest.peak_categories.get(c, 0) - lightest.peak_categories.get(c, 0) for c in cats}
-    by_category = {c: d for c, d in sorted(delta.items(), key=lambda kv: (-abs(kv[1]), kv[0])) if d}
+    delta = {
+        category: heaviest.peak_categories.get(category, 0) - lightest.peak_categories.get(category, 0)
+        for category in cats
+    }
+    by_category = {
+        category: difference
+        for category, difference in sorted(
+            delta.items(),
+            key=lambda item: (-abs(item[1]), item[0]),
+        )
+        if difference
+    }
     return PipelineSkew(
         stages=stages,
         num_stages=num_stages,

@@ -11,6 +11,7 @@ reached at the moment it would be, in allocated and in reserved bytes:
 - :mod:`.data_parallel` (DDP, ZeRO-1, FSDP2, FSDP1), :mod:`.tensor_parallel`, :mod:`.pipeline`:
   one module per strategy family;
 - :mod:`.planner`: the strategies, one plan, a table of the usual choices.
+- :mod:`.messages`: everything a plan says in words (notes, reasons, rules), to read as text.
 """
 
 from .planner import (

@@ -28,33 +28,41 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..categories import CATEGORIES, CODES
+from .messages import (
+    RULE_FIRST_GRADIENTS,
+    RULE_LATER_GRADIENTS,
+    RULE_MERGED_OUTPUTS,
+    RULE_MODEL_OUTPUT,
+    RULE_ONE_MICROBATCH,
+    RULE_RECV_ACTIVATIONS,
+    RULE_RECV_GRADIENTS,
+    RULE_SAVED_ACTIVATIONS,
+    RULE_STAGE_OUTPUT,
+)
 from .program import MB_KEY, Program
 from .rewrite import recorded_rule
 from .structure import Pass, TrainingStructure
 
 SCHEDULES = ("1f1b", "gpipe")
 PASS_PHASES = ["forward", "backward"]
-MODEL_STATE = ("parameter", "gradient", "optimizer_state")  # split between the stages
+# split between the stages
+MODEL_STATE = ("parameter", "gradient", "optimizer_state")
 
 # Program keys of what is not a recorded allocation (those are keyed by their row, >= 0, and
 # their microbatch copies by microbatch_key): negative, one range per kind
 RECV_BUFFER_KEYS = 10  # the stage's receive buffer i: -(RECV_BUFFER_KEYS + i)
-MERGED_OUTPUT_KEYS = 1000  # the merged microbatch outputs of pass p: -(MERGED_OUTPUT_KEYS + p)
-UNTRACKED_KEYS = 100_000  # memory older than the trace, entry i: -(UNTRACKED_KEYS + i)
-
-# the rules that say what each planned allocation is
-RULE_FIRST_GRADIENTS = "gradients of the stage's parameters (first microbatch)"
-RULE_LATER_GRADIENTS = "weight gradients of later microbatches (accumulated)"
-RULE_MODEL_OUTPUT = "the model's output, kept per microbatch until the step ends"
-RULE_STAGE_OUTPUT = "the stage's output, sent to the next stage (held until the step ends)"
-RULE_SAVED_ACTIVATIONS = "activations saved for a microbatch's backward, 1/{microbatches} of the batch"
-RULE_ONE_MICROBATCH = "{what}, one microbatch (1/{microbatches} of the batch)"
-RULE_MERGED_OUTPUTS = "the microbatches' outputs, merged into one at the step's end"
-RULE_RECV_ACTIVATIONS = "pipeline receive buffers: activations from stage {stage}, one per microbatch"
-RULE_RECV_GRADIENTS = "pipeline receive buffers: gradients from stage {stage}, one per microbatch"
+# the merged microbatch outputs of pass p: -(MERGED_OUTPUT_KEYS + p)
+MERGED_OUTPUT_KEYS = 1000
+# memory older than the trace, entry i: -(UNTRACKED_KEYS + i)
+UNTRACKED_KEYS = 100_000
 
 
-def schedule_ops(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+def schedule_ops(
+    schedule: str,
+    stage: int,
+    stages: int,
+    microbatches: int,
+) -> list[tuple[str, int]]:
     """The order of forwards and backwards one stage runs (torch's ScheduleGPipe and
     Schedule1F1B)."""
     if schedule == "gpipe":
@@ -89,12 +97,17 @@ def stage_blocks(n_blocks: int, stages: int, split: tuple[int, ...] | None = Non
 @dataclass(frozen=True)
 class StageAssignment:
     block_stage: tuple[int, ...]
-    row_stage: np.ndarray  # per recorded allocation: its stage, -1: every stage (inputs, setup)
+    # per recorded allocation: its stage, -1: every stage (inputs, setup)
+    row_stage: np.ndarray
     # per stage boundary s|s+1: recorded bytes of the tensor that crosses it
     boundary_bytes: tuple[int, ...]
 
 
-def assign_stages(structure: TrainingStructure, stages: int, split: tuple[int, ...] | None) -> StageAssignment:
+def assign_stages(
+    structure: TrainingStructure,
+    stages: int,
+    split: tuple[int, ...] | None,
+) -> StageAssignment:
     """Which stage holds each block and each recorded allocation, and what crosses the stage
     boundaries."""
     allocs = structure.allocs
@@ -126,7 +139,11 @@ def assign_stages(structure: TrainingStructure, stages: int, split: tuple[int, .
     return StageAssignment(tuple(block_stage), row_stage, boundaries)
 
 
-def _boundary_bytes(structure: TrainingStructure, block_stage: list[int], stages: int) -> tuple[int, ...]:
+def _boundary_bytes(
+    structure: TrainingStructure,
+    block_stage: list[int],
+    stages: int,
+) -> tuple[int, ...]:
     """Per boundary s|s+1, the recorded bytes of the tensor crossing it: the output of stage s's
     last block (first pass)."""
     allocs = structure.allocs
@@ -178,7 +195,8 @@ class StageBuilder:
         self.program = Program()
         self.row_at = np.full(structure.n_events, -1, dtype=np.int64)
         self.row_at[allocs["pos"].to_numpy()] = allocs["row"].to_numpy()
-        self.free_rows: dict[int, list[int]] = {}  # trace position -> recorded rows freed there
+        # trace position -> recorded rows freed there
+        self.free_rows: dict[int, list[int]] = {}
         for row, free_position in enumerate(allocs["free_pos"].tolist()):
             if free_position >= 0:
                 self.free_rows.setdefault(int(free_position), []).append(row)
@@ -202,11 +220,13 @@ class StageBuilder:
             training_pass.index: set(np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist())
             for training_pass in structure.passes
         }
-        self.live: dict[int, list[int]] = {}  # recorded row -> live keys (its copies)
+        # recorded row -> live keys (its copies)
+        self.live: dict[int, list[int]] = {}
         # activations freed from here on were saved for the backward (the pass's backward start;
         # 0 while the first step infers its shapes)
         self.saved_until = 0
-        self.after_step: list[int] = []  # made once, freed after the schedule's step() returns
+        # made once, freed after the schedule's step() returns
+        self.after_step: list[int] = []
 
     # ------------------------------------------------------------------ the steps
 
@@ -269,19 +289,26 @@ class StageBuilder:
                 self.live[row].remove(key)
                 self.program.free(key, self.origin(training_pass.forward_start))
         start = self.origin(training_pass.forward_start)
-        _recv_buffers(self.program, self.assignment, self.stage, self.stages, self.microbatches, start)
+        _recv_buffers(
+            self.program,
+            self.assignment,
+            self.stage,
+            self.stages,
+            self.microbatches,
+            start,
+        )
 
     def _run_schedule(self, training_pass: Pass) -> None:
         """The schedule's forwards and backwards, each over the pass's recorded span."""
         self.saved_until = training_pass.backward_start
         first_backward = True
         ops = schedule_ops(self.schedule, self.stage, self.stages, self.microbatches)
-        last_forward = max(index for index, (op, _) in enumerate(ops) if op == "F")
-        last_backward = max(index for index, (op, _) in enumerate(ops) if op == "B")
+        last_forward = max(index for index, (step, _) in enumerate(ops) if step == "F")
+        last_backward = max(index for index, (step, _) in enumerate(ops) if step == "B")
         forward = (training_pass.forward_start, training_pass.backward_start)
         backward = (training_pass.backward_start, training_pass.backward_end)
-        for index, (op, microbatch) in enumerate(ops):
-            if op == "F":
+        for index, (operation, microbatch) in enumerate(ops):
+            if operation == "F":
                 self._replay_microbatch(training_pass, *forward, microbatch, False, index == last_forward)
                 continue
             self._replay_microbatch(training_pass, *backward, microbatch, first_backward, index == last_backward)
@@ -366,10 +393,19 @@ class StageBuilder:
         if saved and int(free_position) >= self.saved_until:
             return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(microbatches=self.microbatches)
         category = self._category(row)
-        rule = RULE_ONE_MICROBATCH.format(what=category.replace("_", " "), microbatches=self.microbatches)
+        rule = RULE_ONE_MICROBATCH.format(
+            what=category.replace("_", " "),
+            microbatches=self.microbatches,
+        )
         return (category if category != "inflight_activation" else "activation"), rule
 
-    def _free_for_microbatch(self, position: int, microbatch: int, pass_rows: set[int], final: bool) -> None:
+    def _free_for_microbatch(
+        self,
+        position: int,
+        microbatch: int,
+        pass_rows: set[int],
+        final: bool,
+    ) -> None:
         for row in self.free_rows.get(position, ()):
             if row in self.outputs:
                 continue
@@ -415,11 +451,16 @@ def _ceil_div(nbytes: int, parts: int) -> int:
     return -(-nbytes // parts)
 
 
-def _stage_outputs(structure: TrainingStructure, assignment: StageAssignment, stage: int, stages: int) -> set[int]:
+def _stage_outputs(
+    structure: TrainingStructure,
+    assignment: StageAssignment,
+    stage: int,
+    stages: int,
+) -> set[int]:
     """Rows of the outputs the stage keeps per microbatch: the model's on the last stage, its
     last block's on the others."""
     if stage == stages - 1:
-        return {p.output_row for p in structure.passes if p.output_row >= 0}
+        return {one_pass.output_row for one_pass in structure.passes if one_pass.output_row >= 0}
     blocks = [j for j, holder in enumerate(assignment.block_stage) if holder == stage]
     if not blocks:
         return set()
@@ -446,7 +487,14 @@ def _recv_buffers(
         nbytes = assignment.boundary_bytes[stage - 1]
         source = program.source_id("comm_buffer", RULE_RECV_ACTIVATIONS.format(stage=stage - 1))
         for i in range(microbatches):
-            program.alloc(-(RECV_BUFFER_KEYS + i), _ceil_div(nbytes, microbatches), 0, source, origin, 0)
+            program.alloc(
+                -(RECV_BUFFER_KEYS + i),
+                _ceil_div(nbytes, microbatches),
+                0,
+                source,
+                origin,
+                0,
+            )
     if stage < stages - 1:
         nbytes = assignment.boundary_bytes[stage]
         source = program.source_id("comm_buffer", RULE_RECV_GRADIENTS.format(stage=stage + 1))

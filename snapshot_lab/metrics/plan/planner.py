@@ -11,9 +11,8 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..categories import CATEGORIES
-from . import data_parallel as dp
-from . import pipeline as pp
-from . import tensor_parallel as tpm
+from . import data_parallel, messages, pipeline, tensor_parallel
+from .messages import NOT_MODELLED
 from .program import PeakPart, Program, Replayed, replay
 from .rewrite import Rewrite
 from .structure import TrainingStructure, training_structure
@@ -28,21 +27,6 @@ ALIASES = {
     "fsdp2": ("fsdp", None),
     "hsdp": ("fsdp", None),
 }
-
-NOT_MODELLED = (
-    "memory outside PyTorch's caching allocator: the CUDA context, NCCL's own buffers and "
-    "communicators, cuBLAS/cuDNN handles made outside it (typically 0.5–2 GiB per GPU): compare "
-    "the plan with the device's capacity minus that",
-    "compute-communication overlap and timing: the plan follows the recorded order of operations; "
-    "a collective that finishes late (or early) shifts when its buffers are freed, which moves "
-    "reserved memory more than the allocated peak",
-    "tensor parallelism's backward all-reduces (their buffers) and sequence parallelism; "
-    "activations are divided between column- and row-parallel layers only",
-    "DDP keeping the first iteration's bucket alive into the next iteration (seen in one recorded "
-    "run), uneven ZeRO-1 partitions, FSDP's per-parameter padding beyond 1/N, mixed precision "
-    "policies and CPU offload",
-    "optimizer state that is not a mirror of the parameters (it is scaled like the parameters it mirrors, by size)",
-)
 
 
 class PlanUnsupported(ValueError):
@@ -74,78 +58,87 @@ class Strategy:
     def resolved(self) -> Strategy:
         """Defaults filled in and the combination checked (ValueError when it makes no sense)."""
         name = self.name.strip().lower()
-        s = self
+        strategy = self
         if name in ALIASES:
             base, reshard = ALIASES[name]
-            s = replace(s, reshard_after_forward=reshard if reshard is not None else s.reshard_after_forward)
+            if reshard is not None:
+                strategy = replace(strategy, reshard_after_forward=reshard)
             name = base
         if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.name!r}: one of {', '.join(STRATEGIES)} (or zero2, zero3)")
-        n = s.world_size
-        if n < 1:
+            known = ", ".join(STRATEGIES)
+            raise ValueError(messages.UNKNOWN_STRATEGY.format(name=self.name, strategies=known))
+        world = strategy.world_size
+        if world < 1:
             raise ValueError("the world size must be at least 1")
-        tp = s.tp
+        tp_degree = strategy.tp
         if name == "tp":
-            tp = tp or n
-            if tp != n:
-                raise ValueError(f"tp over {n} GPUs needs --tp {n} (or fsdp+tp for a 2-D mesh)")
+            tp_degree = tp_degree or world
+            if tp_degree != world:
+                raise ValueError(messages.TP_NEEDS_WORLD.format(world=world))
         elif name == "fsdp+tp":
-            tp = tp or (2 if n % 2 == 0 and n >= 2 else 1)
-            if tp < 1 or n % tp:
-                raise ValueError(f"--tp {tp} does not divide the world size {n}")
+            tp_degree = tp_degree or (2 if world % 2 == 0 and world >= 2 else 1)
+            if tp_degree < 1 or world % tp_degree:
+                raise ValueError(messages.TP_DOES_NOT_DIVIDE.format(tp=tp_degree, world=world))
         else:
-            tp = 1
-        stages = s.stages
-        micro = s.microbatches
-        schedule = s.schedule.lower().replace("-", "")
+            tp_degree = 1
+        stages = strategy.stages
+        micro = strategy.microbatches
+        schedule = strategy.schedule.lower().replace("-", "")
         if name == "pp":
-            stages = stages or n
-            if stages != n:
-                raise ValueError(f"pp over {n} GPUs has {n} stages")
+            stages = stages or world
+            if stages != world:
+                raise ValueError(messages.PP_STAGES.format(world=world))
             micro = micro or 4 * stages
-            if schedule not in pp.SCHEDULES:
-                raise ValueError(f"unknown schedule {s.schedule!r}: gpipe or 1f1b")
-            if s.pp_split is not None and (len(s.pp_split) != stages or min(s.pp_split) < 1):
-                raise ValueError(f"--pp-split needs {stages} block counts of at least 1")
+            if schedule not in pipeline.SCHEDULES:
+                raise ValueError(messages.UNKNOWN_SCHEDULE.format(schedule=strategy.schedule))
+            if strategy.pp_split is not None and (len(strategy.pp_split) != stages or min(strategy.pp_split) < 1):
+                raise ValueError(messages.PP_SPLIT_COUNTS.format(stages=stages))
         else:
             stages, micro = 1, 1
-        if s.tp_layers not in tpm.TP_LAYERS:
-            raise ValueError(f"--tp-layers: one of {', '.join(tpm.TP_LAYERS)}")
-        if s.bucket_cap_mb <= 0:
+        if strategy.tp_layers not in tensor_parallel.TP_LAYERS:
+            raise ValueError(messages.TP_LAYERS_CHOICES.format(choices=", ".join(tensor_parallel.TP_LAYERS)))
+        if strategy.bucket_cap_mb <= 0:
             raise ValueError("--bucket-cap-mb must be positive")
-        return replace(s, name=name, tp=tp, stages=stages, microbatches=micro, schedule=schedule)
+        return replace(
+            strategy,
+            name=name,
+            tp=tp_degree,
+            stages=stages,
+            microbatches=micro,
+            schedule=schedule,
+        )
 
     @property
     def dp(self) -> int:
         return self.world_size // max(self.tp or 1, 1) // max(self.stages or 1, 1)
 
     def label(self) -> str:
-        n = f"{self.world_size} GPU" + ("s" if self.world_size != 1 else "")
+        gpus = f"{self.world_size} GPU" + ("s" if self.world_size != 1 else "")
         if self.name == "ddp":
-            return f"DDP over {n}" + (", gradient_as_bucket_view" if self.bucket_view else "")
+            return f"DDP over {gpus}" + (", gradient_as_bucket_view" if self.bucket_view else "")
         if self.name == "zero1":
-            return f"ZeRO-1 (optimizer state sharded) over {n}"
+            return f"ZeRO-1 (optimizer state sharded) over {gpus}"
         if self.name in ("fsdp", "fsdp1"):
-            v = "FSDP2" if self.name == "fsdp" else "FSDP1"
+            version = "FSDP2" if self.name == "fsdp" else "FSDP1"
             how = (
                 ("reshard after forward" if self.reshard_after_forward else "no reshard after forward")
                 if self.name == "fsdp"
                 else ("FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
             )
             zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2"
-            return f"{v}, {how} ({zero}), over {n}"
+            return f"{version}, {how} ({zero}), over {gpus}"
         if self.name == "tp":
             return f"tensor parallel, degree {self.tp}"
         if self.name == "pp":
             schedule = self.schedule.upper()
             return f"pipeline, {self.stages} stages, {self.microbatches} microbatches, {schedule}"
-        return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {n}"
+        return f"FSDP2 x tensor parallel: {self.dp} x {self.tp} over {gpus}"
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["pp_split"] = list(self.pp_split) if self.pp_split else None
-        d["label"] = self.label()
-        return d
+        fields = asdict(self)
+        fields["pp_split"] = list(self.pp_split) if self.pp_split else None
+        fields["label"] = self.label()
+        return fields
 
 
 @dataclass(frozen=True)
@@ -173,7 +166,7 @@ class RankPlan:
             "peak_at_recorded_event": self.peak_event,
             "peak_moment": self.peak_moment,
             "at_peak_by_category": self.by_category,
-            "at_peak": [p.to_dict() for p in self.parts],
+            "at_peak": [part.to_dict() for part in self.parts],
             "cuda_malloc_calls": self.cuda_malloc_calls,
             "fits": self.fits,
             "headroom_bytes": self.headroom_bytes,
@@ -198,16 +191,18 @@ class MemoryPlan:
 
     @property
     def peak_allocated_bytes(self) -> int:
-        return max(r.peak_allocated_bytes for r in self.ranks)
+        return max(rank_plan.peak_allocated_bytes for rank_plan in self.ranks)
 
     @property
     def peak_reserved_bytes(self) -> int:
-        return max(r.peak_reserved_bytes for r in self.ranks)
+        return max(rank_plan.peak_reserved_bytes for rank_plan in self.ranks)
 
     @property
     def fits(self) -> bool | None:
-        vals = [r.fits for r in self.ranks]
-        return None if any(v is None for v in vals) else all(bool(v) for v in vals)
+        verdicts = [rank_plan.fits for rank_plan in self.ranks]
+        if any(verdict is None for verdict in verdicts):
+            return None
+        return all(bool(verdict) for verdict in verdicts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -218,7 +213,7 @@ class MemoryPlan:
             "fits": self.fits,
             "memory_limit_bytes": self.memory_limit_bytes,
             "memory_limit_source": self.memory_limit_source,
-            "ranks": [r.to_dict() for r in self.ranks],
+            "ranks": [rank_plan.to_dict() for rank_plan in self.ranks],
             "recorded": self.recorded.to_dict(),
             "recorded_torch_peaks": self.recorded_torch_peaks,
             "structure": self.structure,
@@ -231,41 +226,46 @@ class MemoryPlan:
 # --------------------------------------------------------------------------- planning
 
 
-def _moment(s: TrainingStructure, event: int) -> str:
-    a = s.allocs
-    if not len(a) or event < 0:
+def _moment(structure: TrainingStructure, event: int) -> str:
+    allocs = structure.allocs
+    if not len(allocs) or event < 0:
         return ""
-    p = s.position(event)
-    for ps in s.passes:
-        if ps.data_start <= p < ps.end:
-            it = f"iteration {ps.index + 1}"
-            if p < ps.forward_start:
-                return f"{it}, before the forward (data, optimizer step)"
-            if p < ps.backward_start:
-                for j, (lo, hi) in enumerate(ps.block_forward):
-                    nxt = ps.block_forward[j + 1][0] if j + 1 < len(ps.block_forward) else hi + 1
-                    if lo <= p < nxt:
-                        return f"{it}, forward, block {j}"
-                if ps.block_forward and p < ps.block_forward[0][0]:
-                    return f"{it}, forward, before the blocks (embeddings)"
-                return f"{it}, forward, after the blocks (head, loss)"
-            if p < ps.backward_end:
-                if p <= ps.post_backward[1]:
-                    return f"{it}, backward, start (loss, head)"
-                for j, (lo, hi) in enumerate(ps.block_backward):
-                    if lo <= p <= hi:
-                        return f"{it}, backward, block {j}"
-                return f"{it}, backward, end (embeddings)"
-            return f"{it}, optimizer step"
-    return "before the first iteration (model set-up)" if s.passes and p < s.passes[0].forward_start else ""
+    position = structure.position(event)
+    for one_pass in structure.passes:
+        if one_pass.data_start <= position < one_pass.end:
+            iteration = f"iteration {one_pass.index + 1}"
+            if position < one_pass.forward_start:
+                return f"{iteration}, before the forward (data, optimizer step)"
+            if position < one_pass.backward_start:
+                blocks = one_pass.block_forward
+                for j, (first, last) in enumerate(blocks):
+                    next_first = blocks[j + 1][0] if j + 1 < len(blocks) else last + 1
+                    if first <= position < next_first:
+                        return f"{iteration}, forward, block {j}"
+                if one_pass.block_forward and position < one_pass.block_forward[0][0]:
+                    return f"{iteration}, forward, before the blocks (embeddings)"
+                return f"{iteration}, forward, after the blocks (head, loss)"
+            if position < one_pass.backward_end:
+                if position <= one_pass.post_backward[1]:
+                    return f"{iteration}, backward, start (loss, head)"
+                for j, (first, last) in enumerate(one_pass.block_backward):
+                    if first <= position <= last:
+                        return f"{iteration}, backward, block {j}"
+                return f"{iteration}, backward, end (embeddings)"
+            return f"{iteration}, optimizer step"
+    return (
+        "before the first iteration (model set-up)"
+        if structure.passes and position < structure.passes[0].forward_start
+        else ""
+    )
 
 
 def _rank(
     label: str,
-    r: Replayed,
-    s: TrainingStructure,
+    replayed: Replayed,
+    structure: TrainingStructure,
     limit: int | None,
-    prog: Program | None = None,
+    program: Program | None = None,
     settings: AllocatorSettings | None = None,
     limit_is_cap: bool = False,
 ) -> RankPlan:
@@ -275,40 +275,39 @@ def _rank(
     fits = headroom = None
     note = ""
     if limit is not None:
-        headroom = limit - r.peak_reserved_bytes
+        headroom = limit - replayed.peak_reserved_bytes
         fits = headroom >= 0
-        if not fits and prog is not None and settings is not None:
-            capped = replay(prog, settings, limit, limit_is_cap)
+        if not fits and program is not None and settings is not None:
+            capped = replay(program, settings, limit, limit_is_cap)
             if capped.oom_at is None:
                 fits = True
                 headroom = limit - capped.peak_reserved_bytes
-                note = (
-                    "fits only because the allocator releases cached blocks under the limit (peak "
-                    f"reserved {capped.peak_reserved_bytes:,} bytes then): expect cudaMalloc "
-                    "retries"
-                )
+                note = messages.FITS_ONLY_BY_RELEASING.format(peak_reserved=capped.peak_reserved_bytes)
             else:
-                note = f"under the limit the replay runs out of memory at recorded event {capped.oom_at:,}"
+                note = messages.OOM_UNDER_LIMIT.format(event=capped.oom_at)
     return RankPlan(
         label=label,
-        peak_allocated_bytes=r.peak_allocated_bytes,
-        peak_reserved_bytes=r.peak_reserved_bytes,
-        peak_event=r.peak_origin,
-        peak_moment=_moment(s, r.peak_origin),
-        by_category={c: int(r.by_category.get(c, 0)) for c in CATEGORIES},
-        parts=r.parts,
-        cuda_malloc_calls=r.cuda_malloc_calls,
+        peak_allocated_bytes=replayed.peak_allocated_bytes,
+        peak_reserved_bytes=replayed.peak_reserved_bytes,
+        peak_event=replayed.peak_origin,
+        peak_moment=_moment(structure, replayed.peak_origin),
+        by_category={category: int(replayed.by_category.get(category, 0)) for category in CATEGORIES},
+        parts=replayed.parts,
+        cuda_malloc_calls=replayed.cuda_malloc_calls,
         fits=fits,
         headroom_bytes=headroom,
         fits_note=note,
     )
 
 
-def _local_after_tp(s: TrainingStructure, tp: tpm.TensorParallel | None) -> np.ndarray:
-    sizes = s.params["size"].to_numpy().astype(np.int64)
-    if tp is None:
+def _local_after_tp(
+    structure: TrainingStructure,
+    tp_plan: tensor_parallel.TensorParallel | None,
+) -> np.ndarray:
+    sizes = structure.params["size"].to_numpy().astype(np.int64)
+    if tp_plan is None:
         return sizes
-    return np.ceil(sizes * tp.param_scale).astype(np.int64)
+    return np.ceil(sizes * tp_plan.param_scale).astype(np.int64)
 
 
 def programs_for(
@@ -319,45 +318,38 @@ def programs_for(
     if strategy.name == "pp":
         return _pipeline_programs(structure, strategy, notes)
     rewrite = Rewrite.identity(structure)
-    tensor_parallel = None
+    tp_plan = None
     if strategy.name in ("tp", "fsdp+tp") and (strategy.tp or 1) > 1:
-        tensor_parallel = tpm.plan_tensor_parallel(frames, structure, strategy.tp or 1, strategy.tp_layers)
-        notes.append(_tensor_parallel_note(tensor_parallel, strategy.tp_layers))
-    local = _local_after_tp(structure, tensor_parallel)
+        tp_plan = tensor_parallel.plan_tensor_parallel(
+            frames,
+            structure,
+            strategy.tp or 1,
+            strategy.tp_layers,
+        )
+        notes.append(_tensor_parallel_note(tp_plan, strategy.tp_layers))
+    local = _local_after_tp(structure, tp_plan)
     older = np.array(
         [nbytes for nbytes, category, _ in structure.untracked if category == "parameter"],
         dtype=np.int64,
     )
     if not len(structure.params) and older.size:
-        notes.append(NOTE_PARAMETERS_BEFORE_TRACE.format(nbytes=int(older.sum())))
-    if tensor_parallel is not None:  # under FSDP x TP, FSDP shards the parameters when it wraps
+        notes.append(messages.NOTE_PARAMETERS_BEFORE_TRACE.format(nbytes=int(older.sum())))
+    if tp_plan is not None:
+        # under FSDP x TP, FSDP shards the parameters when it wraps
         wrap = strategy.name == "tp" or strategy.dp == 1
-        tpm.apply_tensor_parallel(rewrite, tensor_parallel, local, wrap=wrap)
+        tensor_parallel.apply_tensor_parallel(rewrite, tp_plan, local, wrap=wrap)
     bucketed = local if len(structure.params) else older
     _apply_data_parallel(rewrite, strategy, local, bucketed, notes)
     if strategy.name not in ("tp", "fsdp+tp") and strategy.name != "pp":
-        notes.append("every rank runs the recorded per-rank batch: activations as recorded")
+        notes.append(messages.NOTE_ACTIVATIONS_AS_RECORDED)
     label = "every rank" if strategy.world_size > 1 else "the one GPU"
     return [(label, rewrite.build())]
 
 
-NOTE_PARAMETERS_BEFORE_TRACE = (
-    "the parameters ({nbytes:,} bytes) were allocated before the trace began: which block each "
-    "belongs to is unknown, so FSDP's all-gathers and tensor parallelism's shards of them are "
-    "not planned (DDP's buckets are)"
-)
-TP_LAYERS_NOTE = {
-    "blocks": "Linear layers inside the repeated blocks; embeddings, norms and head replicated",
-    "all": "every matrix, head and embeddings included",
-}
-
-
-def _tensor_parallel_note(tensor_parallel: tpm.TensorParallel, tp_layers: str) -> str:
-    which = TP_LAYERS_NOTE["blocks" if tp_layers == "blocks" else "all"]
-    return (
-        f"tensor parallelism: {tensor_parallel.column_layers} column- and "
-        f"{tensor_parallel.row_layers} row-parallel Linear layers per iteration ({tp_layers}: "
-        f"{which})"
+def _tensor_parallel_note(tp_plan: tensor_parallel.TensorParallel, tp_layers: str) -> str:
+    which = messages.TP_LAYERS_NOTE["blocks" if tp_layers == "blocks" else "all"]
+    return messages.NOTE_TENSOR_PARALLEL.format(
+        column_layers=tp_plan.column_layers, row_layers=tp_plan.row_layers, tp_layers=tp_layers, which=which
     )
 
 
@@ -371,39 +363,65 @@ def _apply_data_parallel(
     """DDP's buckets, ZeRO-1's optimizer shards or FSDP's units, as the strategy says."""
     name = strategy.name
     if name == "ddp":
-        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed)
+        data_parallel.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed)
     elif name == "zero1":
         label = "DDP (under ZeRO-1)"
-        dp.apply_ddp(rewrite, strategy.bucket_view, strategy.bucket_cap_mb, bucketed, label=label)
-        dp.apply_zero1(rewrite, strategy.world_size)
-        rewrite.untracked = dp.untracked_sharded(("optimizer_state",), strategy.world_size, "ZeRO-1")
+        data_parallel.apply_ddp(
+            rewrite,
+            strategy.bucket_view,
+            strategy.bucket_cap_mb,
+            bucketed,
+            label=label,
+        )
+        data_parallel.apply_zero1(rewrite, strategy.world_size)
+        rewrite.untracked = data_parallel.untracked_sharded(
+            ("optimizer_state",),
+            strategy.world_size,
+            "ZeRO-1",
+        )
     elif name in ("fsdp", "fsdp1", "fsdp+tp"):
         world = strategy.dp if name == "fsdp+tp" else strategy.world_size
         if world <= 1:
             return
         version = 1 if name == "fsdp1" else 2
-        units = dp.apply_fsdp(rewrite, world, strategy.reshard_after_forward, version, local)
-        rewrite.untracked = dp.untracked_sharded(("parameter", "gradient", "optimizer_state"), world, "FSDP")
-        named = ", ".join(unit.name for unit in units) if len(units) <= 4 else f"{units[0].name}, …, {units[-1].name}"
-        notes.append(
-            f"FSDP units: {len(units)} ({named}): each repeated block one unit, the root (everything else) one more"
+        units = data_parallel.apply_fsdp(
+            rewrite,
+            world,
+            strategy.reshard_after_forward,
+            version,
+            local,
         )
+        rewrite.untracked = data_parallel.untracked_sharded(
+            ("parameter", "gradient", "optimizer_state"),
+            world,
+            "FSDP",
+        )
+        named = ", ".join(unit.name for unit in units)
+        if len(units) > 4:
+            named = f"{units[0].name}, …, {units[-1].name}"
+        notes.append(messages.NOTE_FSDP_UNITS.format(count=len(units), named=named))
 
 
-def _pipeline_programs(structure: TrainingStructure, strategy: Strategy, notes: list[str]) -> list[tuple[str, Program]]:
+def _pipeline_programs(
+    structure: TrainingStructure,
+    strategy: Strategy,
+    notes: list[str],
+) -> list[tuple[str, Program]]:
     """One program per pipeline stage."""
     stages = strategy.stages or 1
     if structure.n_blocks < stages:
         raise PlanUnsupported(
             [
-                f"a pipeline of {strategy.stages} stages needs at least {strategy.stages} repeated "
-                f"blocks in the forward pass; the trace shows {structure.n_blocks}"
+                messages.PIPELINE_TOO_FEW_BLOCKS.format(
+                    stages=strategy.stages,
+                    n_blocks=structure.n_blocks,
+                )
             ]
         )
     split = strategy.pp_split
     if split is not None and sum(split) != structure.n_blocks:
-        raise ValueError(f"--pp-split {','.join(map(str, split))} does not add up to the {structure.n_blocks} blocks")
-    assignment = pp.assign_stages(structure, stages, split)
+        raise ValueError(messages.PP_SPLIT_SUM.format(split=",".join(map(str, split)), n_blocks=structure.n_blocks))
+    assignment = pipeline.assign_stages(structure, stages, split)
     parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
     out = []
     for stage in range(stages):
@@ -412,37 +430,41 @@ def _pipeline_programs(structure: TrainingStructure, strategy: Strategy, notes: 
         extra = " + the layers before the blocks" if stage == 0 and "pre" in parts else ""
         if stage == stages - 1:
             extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
-        builder = pp.StageBuilder(structure, assignment, stage, stages, strategy.microbatches or 1, strategy.schedule)
+        builder = pipeline.StageBuilder(
+            structure,
+            assignment,
+            stage,
+            stages,
+            strategy.microbatches or 1,
+            strategy.schedule,
+        )
         program = builder.build()
         out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
     counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
-    notes.append(
-        f"pipeline stages: {counts} blocks; microbatches of 1/{strategy.microbatches} of the "
-        "recorded batch (activations taken as proportional to it)"
-    )
+    notes.append(messages.NOTE_PIPELINE_STAGES.format(counts=counts, microbatches=strategy.microbatches))
     return out
 
 
-def structure_summary(s: TrainingStructure) -> dict[str, Any]:
-    p = s.params
-    blocks = p[p["block"] >= 0]
+def structure_summary(structure: TrainingStructure) -> dict[str, Any]:
+    params = structure.params
+    blocks = params[params["block"] >= 0]
     return {
-        "iterations": len(s.passes),
-        "blocks": s.n_blocks,
-        "allocations_per_block_forward": s.block_period,
-        "blocks_called_from": s.block_call_site,
-        "parameters": len(p),
-        "parameter_bytes": int(p["size"].sum()),
+        "iterations": len(structure.passes),
+        "blocks": structure.n_blocks,
+        "allocations_per_block_forward": structure.block_period,
+        "blocks_called_from": structure.block_call_site,
+        "parameters": len(params),
+        "parameter_bytes": int(params["size"].sum()),
         "parameter_bytes_in_blocks": int(blocks["size"].sum()),
         "parameter_bytes_per_block": int(blocks.groupby("block")["size"].sum().max()) if len(blocks) else 0,
-        "model_built_before_event": s.wrap_pos,
+        "model_built_before_event": structure.wrap_pos,
         "passes": [
             {
-                "forward_from_position": ps.forward_start,
-                "backward_from_position": ps.backward_start,
-                "backward_to_position": ps.backward_end,
+                "forward_from_position": one_pass.forward_start,
+                "backward_from_position": one_pass.backward_start,
+                "backward_to_position": one_pass.backward_end,
             }
-            for ps in s.passes
+            for one_pass in structure.passes
         ],
     }
 
@@ -457,53 +479,64 @@ def plan_memory(
     """Plan ``strategy`` from the recorded run on ``device`` (the first device with a trace by
     default). Raises :class:`PlanUnsupported` when the trace cannot support a plan, ValueError
     for a strategy that makes no sense."""
-    st = strategy.resolved()
-    dev = _device(frames) if device is None else device
-    s = training_structure(frames, dev)
-    if s.missing:
-        raise PlanUnsupported(list(s.missing))
+    resolved = strategy.resolved()
+    device_index = _device(frames) if device is None else device
+    structure = training_structure(frames, device_index)
+    if structure.missing:
+        raise PlanUnsupported(list(structure.missing))
     settings = recorded_settings(frames.info.allocator_settings)
-    notes: list[str] = list(s.notes)
-    rec_prog, rec_replay = memo(frames, ("plan.recorded", dev), lambda: _recorded(s, settings))
-    limit, source, is_cap = _limit(frames, dev, memory_limit, memory_limit_source, _recorded_reserved_peak(frames, dev))
-    recorded = _rank("recorded run", rec_replay, s, limit, rec_prog, settings, is_cap)
+    notes: list[str] = list(structure.notes)
+    rec_prog, rec_replay = memo(
+        frames,
+        ("plan.recorded", device_index),
+        lambda: _recorded(structure, settings),
+    )
+    limit, source, is_cap = _limit(
+        frames,
+        device_index,
+        memory_limit,
+        memory_limit_source,
+        _recorded_reserved_peak(frames, device_index),
+    )
+    recorded = _rank("recorded run", rec_replay, structure, limit, rec_prog, settings, is_cap)
     ranks = []
-    for label, prog in programs_for(frames, s, st, notes):
-        ranks.append(_rank(label, replay(prog, settings), s, limit, prog, settings, is_cap))
-    if s.ooms:
-        notes.append(
-            "the recorded run ran out of memory: the plan replays it up to that moment (the "
-            "failing request included); what the rest of that iteration would have needed is not "
-            "in the trace"
-        )
+    for label, program in programs_for(frames, structure, resolved, notes):
+        ranks.append(_rank(label, replay(program, settings), structure, limit, program, settings, is_cap))
+    if structure.ooms:
+        notes.append(messages.NOTE_RECORDED_OOM)
     notes.append(
-        f"the structure came from the trace: {len(s.passes)} iterations, {s.n_blocks} repeated "
-        f"blocks (called from {s.block_call_site or 'an unnamed site'}), parameters assigned to "
-        "blocks by their order"
+        messages.NOTE_STRUCTURE.format(
+            iterations=len(structure.passes),
+            n_blocks=structure.n_blocks,
+            call_site=structure.block_call_site or "an unnamed site",
+        )
     )
     return MemoryPlan(
-        device=dev,
-        strategy=st,
+        device=device_index,
+        strategy=resolved,
         recorded=recorded,
-        recorded_torch_peaks=_torch_peaks(frames, dev),
+        recorded_torch_peaks=_torch_peaks(frames, device_index),
         ranks=tuple(ranks),
         memory_limit_bytes=limit,
         memory_limit_source=source,
-        structure=structure_summary(s),
+        structure=structure_summary(structure),
         assumptions=tuple(dict.fromkeys(notes)),
-        events=s.n_events,
+        events=structure.n_events,
     )
 
 
-def _recorded(s: TrainingStructure, settings: AllocatorSettings) -> tuple[Program, Replayed]:
-    prog = Rewrite.identity(s, as_recorded=True).build()
-    return prog, replay(prog, settings)
+def _recorded(
+    structure: TrainingStructure,
+    settings: AllocatorSettings,
+) -> tuple[Program, Replayed]:
+    program = Rewrite.identity(structure, as_recorded=True).build()
+    return program, replay(program, settings)
 
 
 def _device(frames: SnapshotFrames) -> int:
-    ev = frames.events
-    if len(ev):
-        counts = ev["device"].value_counts()
+    events = frames.events
+    if len(events):
+        counts = events["device"].value_counts()
         return int(counts.index[0])
     return int(frames.info.devices[0]) if frames.info.devices else 0
 
@@ -519,9 +552,9 @@ def _limit(
         return given, given_source or "--memory-limit", False
     from ..allocator.whatif import infer_memory_limit
 
-    ml = infer_memory_limit(frames, dev, reserved_peak)
-    if ml.bytes is not None:
-        return ml.bytes, ml.source, ml.is_cap
+    inferred = infer_memory_limit(frames, dev, reserved_peak)
+    if inferred.bytes is not None:
+        return inferred.bytes, inferred.source, inferred.is_cap
     cap = frames.info.capture if isinstance(frames.info.capture, dict) else {}
     totals = cap.get("device_total_bytes")
     if isinstance(totals, dict) and isinstance(totals.get(str(dev)), int):
@@ -534,11 +567,16 @@ def _recorded_reserved_peak(frames: SnapshotFrames, dev: int) -> int:
     the smallest per-process cap consistent with it."""
     from ..history.timeline import compute_timeline
 
-    seg = frames.segments[frames.segments["device"] == dev]
-    blk = frames.blocks[(frames.blocks["device"] == dev) & (frames.blocks["state"] != "inactive")]
-    requested = int(blk["requested_size_bytes"].fillna(0).sum())
-    tl = compute_timeline(frames.events, dev, requested, int(seg["total_size_bytes"].sum()))
-    return tl.peak_reserved_bytes if tl is not None else int(seg["total_size_bytes"].sum())
+    segments = frames.segments[frames.segments["device"] == dev]
+    blocks = frames.blocks[(frames.blocks["device"] == dev) & (frames.blocks["state"] != "inactive")]
+    requested = int(blocks["requested_size_bytes"].fillna(0).sum())
+    timeline = compute_timeline(
+        frames.events,
+        dev,
+        requested,
+        int(segments["total_size_bytes"].sum()),
+    )
+    return timeline.peak_reserved_bytes if timeline is not None else int(segments["total_size_bytes"].sum())
 
 
 def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
@@ -546,10 +584,11 @@ def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
     stats = cap.get("memory_stats")
     if not isinstance(stats, dict):
         return {}
-    d = stats.get(str(dev))
-    if not isinstance(d, dict):
+    device_stats = stats.get(str(dev))
+    if not isinstance(device_stats, dict):
         return {}
-    return {k: int(d[k]) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak") if isinstance(d.get(k), int)}
+    keys = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+    return {key: int(device_stats[key]) for key in keys if isinstance(device_stats.get(key), int)}
 
 
 # --------------------------------------------------------------------------- the usual choices
@@ -557,19 +596,19 @@ def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
 
 def usual_strategies(world_size: int, n_blocks: int) -> list[Strategy]:
     """What to compare when no strategy is named."""
-    n = world_size
+    world = world_size
     out = [
-        Strategy("ddp", n),
-        Strategy("ddp", n, bucket_view=True),
-        Strategy("zero1", n),
-        Strategy("fsdp", n, reshard_after_forward=False),
-        Strategy("fsdp", n),
-        Strategy("tp", n),
+        Strategy("ddp", world),
+        Strategy("ddp", world, bucket_view=True),
+        Strategy("zero1", world),
+        Strategy("fsdp", world, reshard_after_forward=False),
+        Strategy("fsdp", world),
+        Strategy("tp", world),
     ]
-    if n_blocks >= n:
-        out.append(Strategy("pp", n))
-    if n >= 4 and n % 2 == 0:
-        out.append(Strategy("fsdp+tp", n, tp=2))
+    if n_blocks >= world:
+        out.append(Strategy("pp", world))
+    if world >= 4 and world % 2 == 0:
+        out.append(Strategy("fsdp+tp", world, tp=2))
     return out
 
 
@@ -583,7 +622,7 @@ class PlanTable:
     def to_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
-            "plans": [p.to_dict() for p in self.plans],
+            "plans": [plan.to_dict() for plan in self.plans],
             "skipped": self.skipped,
         }
 
@@ -597,23 +636,23 @@ def would_it_fit(frames: SnapshotFrames, device: int) -> list[PlanTable]:
     """The report's table for a snapshot that ran out of memory: the strategies that shard
     or split the model, for 2 and 4 GPUs (for a long trace: 2, and no pipeline). Empty when the
     trace cannot support a plan."""
-    s = training_structure(frames, device)
-    if s.missing:
+    structure = training_structure(frames, device)
+    if structure.missing:
         return []
-    long = s.n_events > WOULD_IT_FIT_FULL_EVENTS
+    long = structure.n_events > WOULD_IT_FIT_FULL_EVENTS
     sizes = WOULD_IT_FIT_WORLD_SIZES[:1] if long else WOULD_IT_FIT_WORLD_SIZES
     out = []
-    for n in sizes:
+    for world in sizes:
         choices = [
-            Strategy("zero1", n),
-            Strategy("fsdp", n, reshard_after_forward=False),
-            Strategy("fsdp", n),
-            Strategy("tp", n),
+            Strategy("zero1", world),
+            Strategy("fsdp", world, reshard_after_forward=False),
+            Strategy("fsdp", world),
+            Strategy("tp", world),
         ]
         # a pipeline replays every microbatch: too slow for a report here
-        if s.n_blocks >= n and not long:
-            choices.append(Strategy("pp", n))
-        out.append(plan_table(frames, n, device, strategies=choices))
+        if structure.n_blocks >= world and not long:
+            choices.append(Strategy("pp", world))
+        out.append(plan_table(frames, world, device, strategies=choices))
     return out
 
 
@@ -626,15 +665,17 @@ def plan_table(
     strategies: list[Strategy] | None = None,
 ) -> PlanTable:
     """Every usual strategy for ``world_size`` GPUs (or ``strategies``)."""
-    dev = _device(frames) if device is None else device
-    s = training_structure(frames, dev)
-    if s.missing:
-        raise PlanUnsupported(list(s.missing))
+    device_index = _device(frames) if device is None else device
+    structure = training_structure(frames, device_index)
+    if structure.missing:
+        raise PlanUnsupported(list(structure.missing))
     plans = []
     skipped = {}
-    for st in strategies or usual_strategies(world_size, s.n_blocks):
+    for strategy in strategies or usual_strategies(world_size, structure.n_blocks):
         try:
-            plans.append(plan_memory(frames, st, dev, memory_limit, memory_limit_source))
+            plan = plan_memory(frames, strategy, device_index, memory_limit, memory_limit_source)
+            plans.append(plan)
         except (PlanUnsupported, ValueError) as exc:
-            skipped[st.resolved().label() if st.name in STRATEGIES else st.name] = str(exc)
+            label = strategy.resolved().label() if strategy.name in STRATEGIES else strategy.name
+            skipped[label] = str(exc)
     return PlanTable(world_size, tuple(plans), skipped)

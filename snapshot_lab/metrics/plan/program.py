@@ -19,7 +19,8 @@ from ..allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMem
 from ..categories import CATEGORIES
 
 ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
-MB_KEY = 1 << 32  # key of microbatch m's copy of recorded allocation r: r + (m + 1) * MB_KEY
+# key of microbatch m's copy of recorded allocation r: r + (m + 1) * MB_KEY
+MB_KEY = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,11 @@ class Program:
     _source_ids: dict[Source, int] = field(default_factory=dict)
 
     def source_id(self, category: str, rule: str) -> int:
-        s = Source(category, rule)
-        sid = self._source_ids.get(s)
+        entry = Source(category, rule)
+        sid = self._source_ids.get(entry)
         if sid is None:
-            sid = self._source_ids[s] = len(self.sources)
-            self.sources.append(s)
+            sid = self._source_ids[entry] = len(self.sources)
+            self.sources.append(entry)
         return sid
 
     def alloc(
@@ -109,7 +110,8 @@ class PeakPart:
     # what the recorded allocations it rescales asked for (0: added by the plan)
     recorded_bytes: int
     count: int
-    first_event: int  # recorded event indexes these allocations come from (or are placed at)
+    # recorded event indexes these allocations come from (or are placed at)
+    first_event: int
     last_event: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,14 +134,18 @@ class Replayed:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     final_allocated_bytes: int
-    peak_op: int  # index of the operation at which the allocated peak is reached
+    # index of the operation at which the allocated peak is reached
+    peak_op: int
     peak_origin: int  # the recorded event index where the plan reaches its peak
     parts: tuple[PeakPart, ...]  # alive at the peak, largest first
     by_category: dict[str, int]  # planned bytes at the peak per category
     cuda_malloc_calls: int
-    oom_at: int | None  # recorded event index where the replay ran out of memory (under a limit)
-    levels: np.ndarray  # allocated bytes after every allocation or free (for a picture)
-    origins: np.ndarray  # recorded event index where each of those operations happens
+    # recorded event index where the replay ran out of memory (under a limit)
+    oom_at: int | None
+    # allocated bytes after every allocation or free (for a picture)
+    levels: np.ndarray
+    # recorded event index where each of those operations happens
+    origins: np.ndarray
 
 
 def replay(
@@ -154,41 +160,42 @@ def replay(
     model = CachingAllocatorModel(settings, memory_limit, limit_is_cap)
     live: dict[int, Any] = {}
     pending: set[int] = set()  # freed, block still held
-    n = len(program)
-    block_size = np.zeros(n, dtype=np.int64)
-    levels = np.zeros(n, dtype=np.int64)
+    count = len(program)
+    block_size = np.zeros(count, dtype=np.int64)
+    levels = np.zeros(count, dtype=np.int64)
     kind, key, size, stream = program.kind, program.key, program.size, program.stream
     allocated = 0
     peak, peak_op = 0, -1
     oom_at: int | None = None
-    last = n
-    for i in range(n):
-        k = kind[i]
-        if k == ALLOC:
+    last = count
+    for i in range(count):
+        op_kind = kind[i]
+        if op_kind == ALLOC:
             try:
-                b = model.malloc(size[i], stream[i], i)
+                block = model.malloc(size[i], stream[i], i)
             except OutOfMemory:
                 oom_at = program.origin[i]
                 last = i
                 break
             old: Any = live.pop(key[i], None)
-            if old is not None:  # a key allocated twice: the first is lost (should not happen)
+            if old is not None:
+                # a key allocated twice: the first is lost (should not happen)
                 allocated -= old.size
                 model.free(old)
-            live[key[i]] = b
-            block_size[i] = b.size
-            allocated += b.size
+            live[key[i]] = block
+            block_size[i] = block.size
+            allocated += block.size
             if allocated > peak:
                 peak, peak_op = allocated, i
-        elif k == FREE:
-            b = live.pop(key[i], None)
-            if b is not None:
+        elif op_kind == FREE:
+            block = live.pop(key[i], None)
+            if block is not None:
                 if key[i] in pending:
                     pending.discard(key[i])
                 else:
-                    allocated -= b.size
-                model.free(b)
-        elif k == FREE_REQUESTED:
+                    allocated -= block.size
+                model.free(block)
+        elif op_kind == FREE_REQUESTED:
             held: Any = live.get(key[i])
             if held is not None and key[i] not in pending:
                 pending.add(key[i])
@@ -213,7 +220,11 @@ def replay(
     )
 
 
-def _at_peak(program: Program, block_size: np.ndarray, peak_op: int) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
+def _at_peak(
+    program: Program,
+    block_size: np.ndarray,
+    peak_op: int,
+) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
     alive: dict[int, int] = {}
     kind, key = program.kind, program.key
     for i in range(peak_op + 1):
@@ -242,5 +253,5 @@ def _at_peak(program: Program, block_size: np.ndarray, peak_op: int) -> tuple[tu
             )
         )
         by_cat[src.category] = by_cat.get(src.category, 0) + planned
-    parts.sort(key=lambda p: -p.planned_bytes)
+    parts.sort(key=lambda part: -part.planned_bytes)
     return tuple(parts), by_cat

@@ -12,28 +12,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..categories import CATEGORIES
+from .messages import AS_RECORDED, OOM_REQUEST, RECORDED_RULES, RULE_RECORDED_DDP_DROPPED
 from .program import Program
 from .structure import TrainingStructure
 
 # ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
-Op = tuple
-
-AS_RECORDED = "as recorded"
+Operation = tuple
 
 
 def recorded_rule(category: str) -> str:
-    return {
-        "parameter": "parameters, as recorded",
-        "gradient": "gradients, as recorded",
-        "optimizer_state": "optimizer state, as recorded",
-        "activation": "activations and temporaries, as recorded",
-        "inflight_activation": "pipeline in-flight activations, as recorded",
-        "fsdp_unsharded_params": "FSDP unsharded parameters, as recorded",
-        "comm_buffer": "communication buffers, as recorded",
-        "ddp_bucket": "DDP buckets, as recorded",
-        "cuda_graph_pool": "CUDA-graph pool, as recorded",
-        "other": "other allocations (inputs, caches, workspaces), as recorded",
-    }.get(category, AS_RECORDED)
+    """The rule of a recorded allocation kept as it was."""
+    return RECORDED_RULES.get(category, AS_RECORDED)
 
 
 @dataclass
@@ -43,40 +32,42 @@ class Rewrite:
     stream: np.ndarray
     category: np.ndarray  # object: category names
     rule: np.ndarray  # object: rule texts
-    free_after: np.ndarray  # position after which the allocation is freed (-1: never)
-    before: dict[int, list[Op]] = field(default_factory=dict)
-    after: dict[int, list[Op]] = field(default_factory=dict)
-    untracked: Callable[[int, str], tuple[int, str]] | None = None  # memory older than the trace
+    # position after which the allocation is freed (-1: never)
+    free_after: np.ndarray
+    before: dict[int, list[Operation]] = field(default_factory=dict)
+    after: dict[int, list[Operation]] = field(default_factory=dict)
+    # memory older than the trace
+    untracked: Callable[[int, str], tuple[int, str]] | None = None
     _next_key: int = -2
 
     @classmethod
     def identity(cls, structure: TrainingStructure, as_recorded: bool = False) -> Rewrite:
         """Every recorded allocation as the single-GPU run made it (``as_recorded``: exactly as
         recorded, a DDP rank's own buckets included)."""
-        a = structure.allocs
-        code = a["code_recorded" if as_recorded else "code"].to_numpy()
+        allocs = structure.allocs
+        code = allocs["code_recorded" if as_recorded else "code"].to_numpy()
         cats = np.array(CATEGORIES, dtype=object)[code]
-        size = a["size"].to_numpy(dtype=np.int64).copy()
-        rule = np.array([recorded_rule(c) for c in cats], dtype=object)
+        size = allocs["size"].to_numpy(dtype=np.int64).copy()
+        rule = np.array([recorded_rule(category) for category in cats], dtype=object)
         if not as_recorded:
-            dropped = a["dropped"].to_numpy()
+            dropped = allocs["dropped"].to_numpy()
             size[dropped] = 0
-            rule[dropped] = "the recorded run's DDP buckets: left out"
+            rule[dropped] = RULE_RECORDED_DDP_DROPPED
         return cls(
             structure=structure,
             size=size,
-            stream=a["stream"].to_numpy(dtype=np.int64).copy(),
+            stream=allocs["stream"].to_numpy(dtype=np.int64).copy(),
             category=cats.copy(),
             rule=rule,
-            free_after=a["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
+            free_after=allocs["free_pos_recorded" if as_recorded else "free_pos"].to_numpy(dtype=np.int64).copy(),
         )
 
     def new_key(self) -> int:
         self._next_key -= 1
         return self._next_key
 
-    def add(self, pos: int, op: Op, before: bool = True) -> None:
-        (self.before if before else self.after).setdefault(int(pos), []).append(op)
+    def add(self, pos: int, operation: Operation, before: bool = True) -> None:
+        (self.before if before else self.after).setdefault(int(pos), []).append(operation)
 
     def alloc_at(
         self,
@@ -91,14 +82,20 @@ class Rewrite:
     ) -> int:
         """An allocation the strategy adds at recorded position ``pos``; ``source_row``: the
         recorded allocation it stands for (a parameter's shard), for the record."""
-        k = self.new_key() if key is None else key
-        self.add(pos, ("a", k, int(size), int(stream), category, rule, int(source_row)), before)
-        return k
+        new = self.new_key() if key is None else key
+        self.add(pos, ("a", new, int(size), int(stream), category, rule, int(source_row)), before)
+        return new
 
     def free_at(self, pos: int, key: int, before: bool = True) -> None:
         self.add(pos, ("f", key), before)
 
-    def set(self, rows: np.ndarray, size: np.ndarray | int, category: str | None, rule: str) -> None:
+    def set(
+        self,
+        rows: np.ndarray,
+        size: np.ndarray | int,
+        category: str | None,
+        rule: str,
+    ) -> None:
         """Planned size, category (None: unchanged) and rule of the recorded allocations
         ``rows``."""
         self.size[rows] = size
@@ -130,8 +127,8 @@ class Rewrite:
         made = np.zeros(len(allocs), dtype=bool)
         program, origin, size, emit = writer.program, structure.origin, self.size, writer.emit
         for position in range(structure.n_events):
-            for op in self.before.get(position, ()):
-                emit(op, position)
+            for operation in self.before.get(position, ()):
+                emit(operation, position)
             row = int(alloc_row[position])
             if row >= 0 and size[row] > 0:
                 writer.alloc_row(self, row)
@@ -146,8 +143,8 @@ class Rewrite:
                     program.free(freed, origin(position))
             if position in releases:
                 program.empty_cache(origin(position))
-            for op in self.after.get(position, ()):
-                emit(op, position)
+            for operation in self.after.get(position, ()):
+                emit(operation, position)
         return program
 
     def _alloc_untracked(self, program: Program) -> None:
@@ -161,9 +158,6 @@ class Rewrite:
             if new_bytes > 0:
                 source = program.source_id(category, why + " (older than the trace)")
                 program.alloc(self.new_key(), new_bytes, old_stream, source, base, old_bytes)
-
-
-OOM_REQUEST = "the request that ran out of memory, as recorded"
 
 
 @dataclass(frozen=True)
@@ -187,20 +181,29 @@ class _ProgramWriter:
             int(self.recorded[row]),
         )
 
-    def emit(self, op: Op, position: int) -> None:
+    def emit(self, operation: Operation, position: int) -> None:
         """One operation the strategy added at ``position``."""
         program, origin = self.program, self.origin(position)
-        if op[0] == "a":
-            source = program.source_id(op[4], op[5])
-            row = op[6]
-            if row >= 0:  # stands for a recorded allocation: that is where it came from
+        if operation[0] == "a":
+            source = program.source_id(operation[4], operation[5])
+            row = operation[6]
+            if row >= 0:
+                # stands for a recorded allocation: that is where it came from
                 event_index, recorded = int(self.event_index[row]), int(self.recorded[row])
-                program.alloc(op[1], op[2], op[3], source, event_index, recorded, origin)
+                program.alloc(
+                    operation[1],
+                    operation[2],
+                    operation[3],
+                    source,
+                    event_index,
+                    recorded,
+                    origin,
+                )
             else:
-                program.alloc(op[1], op[2], op[3], source, origin, 0)
-        elif op[0] == "f":
-            program.free(op[1], origin)
-        elif op[0] == "r":
-            program.free_requested(op[1], origin)
+                program.alloc(operation[1], operation[2], operation[3], source, origin, 0)
+        elif operation[0] == "f":
+            program.free(operation[1], origin)
+        elif operation[0] == "r":
+            program.free_requested(operation[1], origin)
         else:
             program.empty_cache(origin)

@@ -36,6 +36,16 @@ from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
 from ..history.lifetimes import device_lifetimes
+from .messages import (
+    MISSING_ITERATION,
+    MISSING_STACKS,
+    NOTE_BUCKET_VIEW,
+    NOTE_NO_BLOCKS,
+    NOTE_PARAMETERS_NOT_REPEATED,
+    NOTE_RECORDED_DDP,
+    NOTE_UNEVEN_BLOCKS,
+    NOTE_UNTRACKED,
+)
 
 _MODULE_PY = "torch/nn/modules/module.py"
 _CALL_IMPL = frozenset({"_call_impl", "_wrapped_call_impl"})
@@ -63,20 +73,22 @@ def stack_info(frames: SnapshotFrames) -> StackInfo:
 
 
 def _stack_info(frames: SnapshotFrames) -> StackInfo:
-    sf = frames.stack_frames
-    fname = sf["filename"].astype(str).str.replace("\\", "/", regex=False).to_numpy()
-    name = sf["name"].astype(str).to_numpy()
-    line = sf["line"].to_numpy()
-    fid_pos = {int(f): i for i, f in enumerate(sf["frame_id"].to_numpy())}
-    label = {int(f): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}" for f, i in fid_pos.items()}
+    frame_table = frames.stack_frames
+    fname = frame_table["filename"].astype(str).str.replace("\\", "/", regex=False).to_numpy()
+    name = frame_table["name"].astype(str).to_numpy()
+    line = frame_table["line"].to_numpy()
+    fid_pos = {int(frame): i for i, frame in enumerate(frame_table["frame_id"].to_numpy())}
+    label = {int(frame): f"{fname[i].rsplit('/', 1)[-1]}:{name[i]}:{int(line[i])}" for frame, i in fid_pos.items()}
     call_path: dict[int, tuple[int, ...]] = {}
     callee: dict[int, tuple[str, ...]] = {}
     module_file: dict[int, str] = {}
-    st = frames.stacks.sort_values(["stack_id", "depth"])
-    for sid, g in st.groupby("stack_id", sort=False):
-        fids = g["frame_id"].to_numpy()
-        pos = [fid_pos.get(int(f), -1) for f in fids]
-        is_call = [p >= 0 and fname[p].endswith(_MODULE_PY) and name[p] in _CALL_IMPL for p in pos]
+    stacks = frames.stacks.sort_values(["stack_id", "depth"])
+    for sid, group in stacks.groupby("stack_id", sort=False):
+        fids = group["frame_id"].to_numpy()
+        pos = [fid_pos.get(int(frame_id), -1) for frame_id in fids]
+        is_call = [
+            position >= 0 and fname[position].endswith(_MODULE_PY) and name[position] in _CALL_IMPL for position in pos
+        ]
         sites: list[int] = []
         callees: list[str] = []
         innermost_forward = None
@@ -107,15 +119,18 @@ class Pass:
     """One forward and its backward (positions are rows of the device's trace)."""
 
     index: int
-    data_start: int  # first position after the previous pass (its data loading starts here)
+    # first position after the previous pass (its data loading starts here)
+    data_start: int
     forward_start: int
     backward_start: int
-    backward_end: int  # exclusive: the optimizer step or the next pass begins here
+    # exclusive: the optimizer step or the next pass begins here
+    backward_end: int
     # per block: first and last position of its forward allocations
     block_forward: tuple[tuple[int, int], ...]
     # per block: first and last position of its backward span
     block_backward: tuple[tuple[int, int], ...]
-    post_backward: tuple[int, int]  # the post part's backward (loss, head), first
+    # the post part's backward (loss, head), first
+    post_backward: tuple[int, int]
     # last position of the backward of what the program computed outside modules (the loss)
     loss_backward_end: int
     pre_backward: tuple[int, int]  # the pre part's backward (embeddings), last
@@ -128,16 +143,21 @@ class Pass:
 class TrainingStructure:
     device: int
     n_events: int
-    event_index: np.ndarray  # event_index of every position of the device's trace
+    # event_index of every position of the device's trace
+    event_index: np.ndarray
     allocs: pd.DataFrame  # one row per allocation of the trace (see _annotate)
-    params: pd.DataFrame  # one row per parameter tensor: row, size, block (-1: none), part, matrix
+    # one row per parameter tensor: row, size, block (-1: none), part, matrix
+    params: pd.DataFrame
     passes: tuple[Pass, ...]
     n_blocks: int
     block_period: int  # forward allocations per block
     block_call_site: str  # where the blocks are called from
-    wrap_pos: int  # the model is built: parameters allocated before this position
-    steps: tuple[tuple[int, int], ...]  # optimizer steps: first and last position
-    releases: tuple[int, ...]  # positions of the program's own empty_cache() calls
+    # the model is built: parameters allocated before this position
+    wrap_pos: int
+    # optimizer steps: first and last position
+    steps: tuple[tuple[int, int], ...]
+    # positions of the program's own empty_cache() calls
+    releases: tuple[int, ...]
     # (position, requested bytes, stream) of the recorded OOMs
     ooms: tuple[tuple[int, int, int], ...]
     # blocks alive before the trace: (bytes, category, stream)
@@ -165,30 +185,30 @@ class TrainingStructure:
 def tandem_repeat(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int]:
     """The run of ``seq`` that repeats one period most often: (period, start, count); count 0
     when nothing repeats ``min_count`` times."""
-    n = int(seq.size)
-    if n < 2 * min_count:
+    length = int(seq.size)
+    if length < 2 * min_count:
         return 0, 0, 0
     # the distance from every element to the next equal one (a block's stacks recur once per
     # block, so the block's period is among them)
     order = np.argsort(seq, kind="stable")
     same = seq[order][1:] == seq[order][:-1]
     gaps = (order[1:] - order[:-1])[same]
-    candidates = {int(g) for g in np.unique(gaps) if 0 < g <= n // min_count}
+    candidates = {int(gap) for gap in np.unique(gaps) if 0 < gap <= length // min_count}
     best = (0, 0, 0, 0)  # coverage, -period, start, count
-    for p in sorted(candidates):
-        eq = seq[:-p] == seq[p:]
-        if not eq.any():
+    for period in sorted(candidates):
+        equal = seq[:-period] == seq[period:]
+        if not equal.any():
             continue
         # longest run of True
-        padded = np.r_[False, eq, False]
+        padded = np.r_[False, equal, False]
         edges = np.flatnonzero(padded[1:] != padded[:-1])
         starts, ends = edges[::2], edges[1::2]
-        k = int(np.argmax(ends - starts))
-        run, s = int(ends[k] - starts[k]), int(starts[k])
-        count = (run + p) // p
+        longest = int(np.argmax(ends - starts))
+        run, start = int(ends[longest] - starts[longest]), int(starts[longest])
+        count = (run + period) // period
         if count < min_count:
             continue
-        key = (count * p, -p, s, count)
+        key = (count * period, -period, start, count)
         if key > best:
             best = key
     if best[0] == 0:
@@ -221,17 +241,18 @@ def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
     bwd = -1
     last_grad = -1
     for i in range(scan.pos.size):
-        p = int(scan.pos[i])
+        position = int(scan.pos[i])
         if scan.main[i] and scan.module[i]:
-            if bwd >= 0:  # a new forward after a backward: the pass before is complete
+            if bwd >= 0:
+                # a new forward after a backward: the pass before is complete
                 out.append((fwd, bwd, last_grad))
-                fwd, bwd = p, -1
+                fwd, bwd = position, -1
             elif fwd < 0:
-                fwd = p
+                fwd = position
         elif scan.grad_thread[i] and fwd >= 0:
             if bwd < 0:
-                bwd = p
-            last_grad = p
+                bwd = position
+            last_grad = position
         elif scan.optim[i] and bwd >= 0:
             out.append((fwd, bwd, last_grad))
             fwd, bwd = -1, -1
@@ -246,25 +267,6 @@ def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
 def training_structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     """The structure of the run on ``device`` (computed once per snapshot and device)."""
     return memo(frames, ("plan.structure", device), lambda: _structure(frames, device))
-
-
-MISSING_STACKS = (
-    "the trace has no stacks: the plan needs them to tell the forward, the backward and the "
-    "layers apart (record with torch.cuda.memory._record_memory_history(stacks='python') or "
-    "snaplab run)"
-)
-MISSING_ITERATION = (
-    "no whole training iteration in the trace (a forward pass followed by its backward): the "
-    "plan replays at least one; record longer (max_entries) or from before a step"
-)
-NOTE_UNTRACKED = (
-    "{count} blocks ({nbytes:,} bytes) were allocated before the trace began: they are kept, "
-    "rescaled by their category only"
-)
-NOTE_NO_BLOCKS = (
-    "no repeated layers found in the forward pass: the model is taken as one unit (FSDP wraps "
-    "the root only, tensor parallelism shards nothing, pipeline parallelism cannot split it)"
-)
 
 
 def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
@@ -286,7 +288,13 @@ def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     passes: list[Pass] = []
     n_blocks, period, site_label = 0, 0, ""
     if raw:
-        passes, n_blocks, period, site_label = _passes_and_blocks(allocs, raw, info, len(events), notes)
+        passes, n_blocks, period, site_label = _passes_and_blocks(
+            allocs,
+            raw,
+            info,
+            len(events),
+            notes,
+        )
     params = _params(allocs, passes, n_blocks, notes)
     _from_ddp(allocs, params, passes, notes)
     wrap = _wrap_pos(allocs, passes)
@@ -416,11 +424,14 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
     from ..allocator.state import start_state
 
     state = start_state(frames, device, recorded_settings(frames.info.allocator_settings))
-    if not any(s.live for s in state.segments):
+    if not any(segment.live for segment in state.segments):
         return ()
-    b = frames.blocks[frames.blocks["device"] == device]
-    cats = categorize(frames).block_category.reindex(b.index)
-    cat_at = {int(a): (c if isinstance(c, str) else "other") for a, c in zip(b["address"], cats, strict=True)}
+    blocks = frames.blocks[frames.blocks["device"] == device]
+    cats = categorize(frames).block_category.reindex(blocks.index)
+    cat_at = {
+        int(address): (category if isinstance(category, str) else "other")
+        for address, category in zip(blocks["address"], cats, strict=True)
+    }
     out = []
     for seg in state.segments:
         for addr, size in sorted(seg.live.items()):
@@ -428,7 +439,8 @@ def _untracked(frames: SnapshotFrames, device: int) -> tuple[tuple[int, str, int
     return tuple(out)
 
 
-MIN_BLOCK_SHARE = 0.2  # of a forward's allocations the repeated blocks must make
+# of a forward's allocations the repeated blocks must make
+MIN_BLOCK_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -437,39 +449,47 @@ class _BlockRepeat:
 
     count: int  # blocks (0: no model made of blocks)
     period: int  # forward allocations per block
-    start: int  # index of the first block's first allocation in the canonical pass's forward
+    # index of the first block's first allocation in the canonical pass's forward
+    start: int
     best_pass: int  # the canonical pass
-    site_depth: int  # depth of the blocks' call site on the call paths (-1: none found)
+    # depth of the blocks' call site on the call paths (-1: none found)
+    site_depth: int
     site_frame: int  # frame id of the blocks' call site (-1: none found)
     signature: np.ndarray  # stack ids of one block's forward allocations
 
 
 def _passes_and_blocks(
-    allocs: pd.DataFrame, raw: list[tuple[int, int, int]], info: StackInfo, n: int, notes: list[str]
+    allocs: pd.DataFrame,
+    raw: list[tuple[int, int, int]],
+    info: StackInfo,
+    n_positions: int,
+    notes: list[str],
 ) -> tuple[list[Pass], int, int, str]:
     sid = allocs["sid"].to_numpy()
     forward_sets = _forward_sets(allocs, raw)
     repeat = _block_repeat(sid, forward_sets, info)
     passes: list[Pass] = []
     counts = []
-    for k, ((forward, backward, last_grad), forward_rows) in enumerate(zip(raw, forward_sets, strict=True)):
-        next_start = raw[k + 1][0] if k + 1 < len(raw) else n
-        blocks = _pass_blocks(sid, forward_rows, k, repeat, info)
+    pass_spans = zip(raw, forward_sets, strict=True)
+    for pass_index, ((forward, backward, last_grad), forward_rows) in enumerate(pass_spans):
+        next_start = raw[pass_index + 1][0] if pass_index + 1 < len(raw) else n_positions
+        blocks = _pass_blocks(sid, forward_rows, pass_index, repeat, info)
         counts.append(len(blocks))
-        passes.append(_make_pass(k, allocs, forward, backward, last_grad, next_start, blocks))
+        one_pass = _make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks)
+        passes.append(one_pass)
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
-        notes.append(f"passes show different numbers of blocks ({sorted(set(counts))}); {n_blocks} taken")
+        notes.append(NOTE_UNEVEN_BLOCKS.format(counts=sorted(set(counts)), n_blocks=n_blocks))
     site_frame = repeat.site_frame
     label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
     # data starts: after the previous pass's backward and step
     fixed = [
         replace(
             training_pass,
-            data_start=passes[k - 1].backward_end if k else 0,
-            end=passes[k + 1].forward_start if k + 1 < len(passes) else n,
+            data_start=passes[index - 1].backward_end if index else 0,
+            end=passes[index + 1].forward_start if index + 1 < len(passes) else n_positions,
         )
-        for k, training_pass in enumerate(passes)
+        for index, training_pass in enumerate(passes)
     ]
     _annotate(allocs, fixed)
     return fixed, n_blocks, int(repeat.period if n_blocks else 0), label
@@ -487,11 +507,11 @@ def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackIn
     pass makes one-off allocations, such as cuBLAS's workspace, inside its first block), and
     where the blocks are called from."""
     best = (0, 0, 0, -1)
-    for k, forward_rows in enumerate(forward_sets):
+    for index, forward_rows in enumerate(forward_sets):
         period, start, count = tandem_repeat(sid[forward_rows])
         covered, best_covered = count * period, best[0] * best[1]
         if covered > best_covered or (covered == best_covered and count >= best[0] and count >= 2):
-            best = (count, period, start, k)
+            best = (count, period, start, index)
     count, period, start, best_pass = best
     if count * period < MIN_BLOCK_SHARE * len(forward_sets[best_pass]):
         # a few equal neighbours (a ResNet stage's first layers), not a model made of blocks
@@ -516,8 +536,8 @@ def _block_call_site(block_stack_ids: np.ndarray, info: StackInfo) -> tuple[int,
     """The call path down to the blocks' call site: the deepest common one that calls one and
     the same module (the MLP's Linear and GELU share the block's call line, but not their
     module)."""
-    common = _common_prefix([info.call_path.get(int(s), ()) for s in block_stack_ids])
-    callees = [info.callee.get(int(s), ()) for s in block_stack_ids]
+    common = _common_prefix([info.call_path.get(int(sid), ()) for sid in block_stack_ids])
+    callees = [info.callee.get(int(stack_id), ()) for stack_id in block_stack_ids]
 
     def called_modules(depth: int) -> set[str]:
         return {callee[depth - 1] if len(callee) >= depth else "" for callee in callees}
@@ -528,7 +548,11 @@ def _block_call_site(block_stack_ids: np.ndarray, info: StackInfo) -> tuple[int,
 
 
 def _pass_blocks(
-    sid: np.ndarray, forward_rows: np.ndarray, k: int, repeat: _BlockRepeat, info: StackInfo
+    sid: np.ndarray,
+    forward_rows: np.ndarray,
+    pass_index: int,
+    repeat: _BlockRepeat,
+    info: StackInfo,
 ) -> list[np.ndarray]:
     """The rows of each block's forward allocations in pass ``k``."""
     if not repeat.signature.size:
@@ -536,7 +560,7 @@ def _pass_blocks(
     stack_ids = sid[forward_rows]
     if repeat.site_depth >= 0:
         region = _region(stack_ids, info, repeat.site_depth, repeat.site_frame)
-    elif k == repeat.best_pass:
+    elif pass_index == repeat.best_pass:
         region = np.arange(repeat.start, repeat.start + repeat.count * repeat.period)
     else:
         region = np.zeros(0, dtype=np.int64)
@@ -547,49 +571,56 @@ def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
     if not paths:
         return ()
     first = paths[0]
-    k = min(len(p) for p in paths)
+    shortest = min(len(other) for other in paths)
     out = []
-    for i in range(k):
-        if all(p[i] == first[i] for p in paths):
+    for i in range(shortest):
+        if all(path[i] == first[i] for path in paths):
             out.append(first[i])
         else:
             break
     return tuple(out)
 
 
-def _region(s_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
+def _region(stack_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
     """Indices of forward allocations made inside a module called from the blocks' call site."""
-    hit = [len(info.call_path.get(int(s), ())) > depth and info.call_path[int(s)][depth] == frame for s in s_ids]
+    hit = [
+        len(info.call_path.get(int(stack_id), ())) > depth and info.call_path[int(stack_id)][depth] == frame
+        for stack_id in stack_ids
+    ]
     return np.flatnonzero(np.array(hit, dtype=bool))
 
 
-def _split_blocks(s_ids: np.ndarray, region: np.ndarray, signature: np.ndarray) -> list[np.ndarray]:
+def _split_blocks(
+    stack_ids: np.ndarray,
+    region: np.ndarray,
+    signature: np.ndarray,
+) -> list[np.ndarray]:
     """Cut the region into block instances: one starts where the block's first stack follows
     its last (or where the region starts)."""
     if region.size == 0:
         return []
     first, last = int(signature[0]), int(signature[-1])
     starts = [int(region[0])]
-    for a, b in itertools.pairwise(region):
-        if int(s_ids[b]) == first and int(s_ids[a]) == last:
-            starts.append(int(b))
+    for start, stop in itertools.pairwise(region):
+        if int(stack_ids[stop]) == first and int(stack_ids[start]) == last:
+            starts.append(int(stop))
     out = []
     bounds = [*starts, int(region[-1]) + 1]
-    in_region = np.zeros(s_ids.size, dtype=bool)
+    in_region = np.zeros(stack_ids.size, dtype=bool)
     in_region[region] = True
-    for a, b in itertools.pairwise(bounds):
-        idx = np.arange(a, b)
-        out.append(idx[in_region[a:b]])
+    for start, stop in itertools.pairwise(bounds):
+        idx = np.arange(start, stop)
+        out.append(idx[in_region[start:stop]])
     return out
 
 
 def _make_pass(
-    k: int,
+    index: int,
     allocs: pd.DataFrame,
-    f: int,
-    b: int,
+    forward_start: int,
+    backward_start: int,
     last_grad: int,
-    nxt: int,
+    next_start: int,
     blocks: list[np.ndarray],
 ) -> Pass:
     pos = allocs["pos"].to_numpy()
@@ -598,62 +629,66 @@ def _make_pass(
     module = allocs["module"].to_numpy()
     code = allocs["code"].to_numpy()
     # the backward ends where the optimizer step or the next pass begins
-    later = np.flatnonzero((pos > last_grad) & (pos < nxt) & main & ((code == CODES["optimizer_state"]) | module))
-    bwd_end = int(pos[later[0]]) if later.size else nxt
+    later = np.flatnonzero(
+        (pos > last_grad) & (pos < next_start) & main & ((code == CODES["optimizer_state"]) | module)
+    )
+    bwd_end = int(pos[later[0]]) if later.size else next_start
     # the data of the next pass begins after the step: keep the backward span to the step
-    block_fwd = tuple((int(pos[s[0]]), int(pos[s[-1]])) for s in blocks if s.size)
-    fwd_rows = np.flatnonzero((pos >= f) & (pos < b) & main & module)
+    block_fwd = tuple((int(pos[block_rows[0]]), int(pos[block_rows[-1]])) for block_rows in blocks if block_rows.size)
+    fwd_rows = np.flatnonzero((pos >= forward_start) & (pos < backward_start) & main & module)
     output_row = int(fwd_rows[-1]) if fwd_rows.size else -1
-    in_bwd = (free_pos >= b) & (free_pos < bwd_end)
+    in_bwd = (free_pos >= backward_start) & (free_pos < bwd_end)
     # what a block saved for backward is freed by its backward, except its output: that is the
     # next block's input (or the loss's), freed when the backward of what consumed it is done
-    last_fwd = block_fwd[-1][1] if block_fwd else f - 1
-    first_fwd = block_fwd[0][0] if block_fwd else b
-    pre_rows = np.flatnonzero((pos >= f) & (pos < first_fwd) & main)
-    inputs = [pre_rows[-1:]] + [s[-1:] for s in blocks]  # inputs[j]: what block j consumes
+    last_fwd = block_fwd[-1][1] if block_fwd else forward_start - 1
+    first_fwd = block_fwd[0][0] if block_fwd else backward_start
+    pre_rows = np.flatnonzero((pos >= forward_start) & (pos < first_fwd) & main)
+    # inputs[j]: what block j consumes
+    inputs = [pre_rows[-1:]] + [block_rows[-1:] for block_rows in blocks]
     saved = []
-    for j, s in enumerate(blocks):
-        mine = np.r_[s[:-1], inputs[j]].astype(np.int64)
+    for j, rows in enumerate(blocks):
+        mine = np.r_[rows[:-1], inputs[j]].astype(np.int64)
         saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    post_rows = np.r_[np.flatnonzero((pos > last_fwd) & (pos < b) & in_bwd), inputs[-1]].astype(np.int64)
+    after_blocks = np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd)
+    post_rows = np.r_[after_blocks, inputs[-1]].astype(np.int64)
     post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
     frees = saved
     # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
     # end) marks no end
-    meds = [float(np.median(fr)) if fr.size else np.nan for fr in frees]
+    meds = [float(np.median(block_frees)) if block_frees.size else np.nan for block_frees in frees]
 
-    def last_before(fr: np.ndarray, limit: float) -> int:
-        ok = fr[fr < limit] if not np.isnan(limit) else fr
-        return int(ok[-1]) if ok.size else -1
+    def last_before(frees: np.ndarray, limit: float) -> int:
+        earlier = frees[frees < limit] if not np.isnan(limit) else frees
+        return int(earlier[-1]) if earlier.size else -1
 
     post_end = last_before(post_frees, meds[-1] if meds else np.nan)
-    post_end = max(post_end, b - 1)
+    post_end = max(post_end, backward_start - 1)
     # the loss: what the program computed after the model's output, outside any module
-    out_pos = pos[fwd_rows[-1]] if fwd_rows.size else f
-    loss_rows = np.flatnonzero((pos > out_pos) & (pos < b) & main & ~module & in_bwd)
+    out_pos = pos[fwd_rows[-1]] if fwd_rows.size else forward_start
+    loss_rows = np.flatnonzero((pos > out_pos) & (pos < backward_start) & main & ~module & in_bwd)
     loss_end = last_before(np.sort(free_pos[loss_rows]), post_end + 1.0)
-    loss_end = min(max(loss_end, b - 1), post_end)
+    loss_end = min(max(loss_end, backward_start - 1), post_end)
     # backward order: post, blocks n-1 .. 0, pre; each span ends no earlier than the one before
     bwd_spans: list[tuple[int, int]] = [(0, 0)] * len(blocks)
-    lo = post_end + 1
+    start = post_end + 1
     for j in range(len(blocks) - 1, -1, -1):
-        end = max(last_before(frees[j], meds[j - 1] if j >= 1 else np.nan), lo - 1)
-        bwd_spans[j] = (lo, end)
-        lo = end + 1
-    pre = (lo, bwd_end - 1)
+        end = max(last_before(frees[j], meds[j - 1] if j >= 1 else np.nan), start - 1)
+        bwd_spans[j] = (start, end)
+        start = end + 1
+    pre = (start, bwd_end - 1)
     return Pass(
-        index=k,
+        index=index,
         data_start=0,
-        forward_start=f,
-        backward_start=b,
+        forward_start=forward_start,
+        backward_start=backward_start,
         backward_end=bwd_end,
         block_forward=block_fwd,
         block_backward=tuple(bwd_spans),
-        post_backward=(b, post_end),
+        post_backward=(backward_start, post_end),
         loss_backward_end=loss_end,
         pre_backward=pre,
         output_row=output_row,
-        end=nxt,
+        end=next_start,
     )
 
 
@@ -667,34 +702,34 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     block = allocs["block"].to_numpy().copy()
     pass_id = allocs["pass_id"].to_numpy().copy()
     optim = code == CODES["optimizer_state"]
-    for p in passes:
-        span = (pos >= p.data_start) & (pos < p.end)
-        data = span & (pos < p.forward_start)
+    for one_pass in passes:
+        span = (pos >= one_pass.data_start) & (pos < one_pass.end)
+        data = span & (pos < one_pass.forward_start)
         phase[data & ~optim] = "data"
         phase[data & optim] = "step"
-        fwd = (pos >= p.forward_start) & (pos < p.backward_start)
+        fwd = (pos >= one_pass.forward_start) & (pos < one_pass.backward_start)
         phase[fwd] = "forward"
-        bwd = (pos >= p.backward_start) & (pos < p.backward_end)
+        bwd = (pos >= one_pass.backward_start) & (pos < one_pass.backward_end)
         phase[bwd] = "backward"
-        after = (pos >= p.backward_end) & (pos < p.end)
+        after = (pos >= one_pass.backward_end) & (pos < one_pass.end)
         phase[after & (optim | ~main)] = "step"
         phase[after & ~optim & main] = "data"
-        pass_id[span] = p.index
-        if p.block_forward:
-            first, last = p.block_forward[0][0], p.block_forward[-1][1]
+        pass_id[span] = one_pass.index
+        if one_pass.block_forward:
+            first, last = one_pass.block_forward[0][0], one_pass.block_forward[-1][1]
             part[fwd & (pos < first)] = "pre"
             part[fwd & (pos > last)] = "post"
-            for j, (a, b) in enumerate(p.block_forward):
-                end = p.block_forward[j + 1][0] - 1 if j + 1 < len(p.block_forward) else b
-                sel = fwd & (pos >= a) & (pos <= end)
+            for j, (start_pos, last_pos) in enumerate(one_pass.block_forward):
+                end = one_pass.block_forward[j + 1][0] - 1 if j + 1 < len(one_pass.block_forward) else last_pos
+                sel = fwd & (pos >= start_pos) & (pos <= end)
                 part[sel] = "block"
                 block[sel] = j
-            part[bwd & (pos <= p.post_backward[1])] = "post"
-            for j, (a, b) in enumerate(p.block_backward):
-                sel = bwd & (pos >= a) & (pos <= b)
+            part[bwd & (pos <= one_pass.post_backward[1])] = "post"
+            for j, (start_pos, last_pos) in enumerate(one_pass.block_backward):
+                sel = bwd & (pos >= start_pos) & (pos <= last_pos)
                 part[sel] = "block"
                 block[sel] = j
-            part[bwd & (pos >= p.pre_backward[0])] = "pre"
+            part[bwd & (pos >= one_pass.pre_backward[0])] = "pre"
         else:
             part[fwd | bwd] = "pre"
     allocs["phase"] = phase
@@ -703,7 +738,12 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     allocs["pass_id"] = pass_id
 
 
-def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list[str]) -> pd.DataFrame:
+def _params(
+    allocs: pd.DataFrame,
+    passes: list[Pass],
+    n_blocks: int,
+    notes: list[str],
+) -> pd.DataFrame:
     """Parameter tensors built before the first pass, in allocation order, with their block."""
     first_fwd = passes[0].forward_start if passes else int(allocs["pos"].to_numpy().max(initial=0)) + 1
     first_bwd_end = passes[0].backward_end if passes else first_fwd
@@ -720,37 +760,47 @@ def _params(allocs: pd.DataFrame, passes: list[Pass], n_blocks: int, notes: list
     if n_blocks >= 2 and sel.size:
         found = None
         for keys in (sizes * 1_000_003 + sids, sizes):
-            p, s, c = tandem_repeat(keys)
-            if c >= n_blocks and p:
+            period, start, count = tandem_repeat(keys)
+            if count >= n_blocks and period:
                 # the run may repeat further by chance (identical neighbours): take n_blocks periods
-                found = (p, s)
+                found = (period, start)
                 break
         if found is None:
-            notes.append(
-                f"the parameters do not repeat {n_blocks} times in allocation order: which "
-                "parameters belong to which block is unknown; every parameter is taken as the "
-                "model's own (FSDP: the root unit)"
-            )
+            notes.append(NOTE_PARAMETERS_NOT_REPEATED.format(n_blocks=n_blocks))
         else:
-            p, s = found
+            period, start = found
             for j in range(n_blocks):
-                block[s + j * p : s + (j + 1) * p] = j
-            part[:s] = "pre"
-            part[s : s + n_blocks * p] = "block"
-            part[s + n_blocks * p :] = "post"
+                block[start + j * period : start + (j + 1) * period] = j
+            part[:start] = "pre"
+            part[start : start + n_blocks * period] = "block"
+            part[start + n_blocks * period :] = "post"
     largest = {}
-    for b in np.unique(block):
-        largest[int(b)] = int(sizes[block == b].max())
-    matrix = np.array([sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)], dtype=bool)
+    for block_index in np.unique(block):
+        largest[int(block_index)] = int(sizes[block == block_index].max())
+    matrix = np.array(
+        [sizes[i] * 32 >= largest[int(block[i])] for i in range(sel.size)],
+        dtype=bool,
+    )
     params = pd.DataFrame(
-        {"row": sel, "size": sizes, "block": block, "part": part, "matrix": matrix},
+        {
+            "row": sel,
+            "size": sizes,
+            "block": block,
+            "part": part,
+            "matrix": matrix,
+        }
     )
     allocs.loc[sel, "param"] = np.arange(sel.size)
     allocs.loc[sel, "phase"] = "setup"
     return params
 
 
-def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], notes: list[str]) -> None:
+def _from_ddp(
+    allocs: pd.DataFrame,
+    params: pd.DataFrame,
+    passes: list[Pass],
+    notes: list[str],
+) -> None:
     """A snapshot of one rank of a DDP run, made the single-GPU run it stands for: DDP's buckets
     are left out (a plan adds its own). With ``gradient_as_bucket_view`` the gradients were views
     into those buckets, and the tensors the backward made were freed once copied in: those
@@ -761,7 +811,7 @@ def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], no
     if not buckets.any():
         return
     allocs["dropped"] = buckets
-    notes.append("the recorded run used DDP: its buckets are left out, the plan adds its own")
+    notes.append(NOTE_RECORDED_DDP)
     if (code == CODES["gradient"]).any() or params.empty:
         return
     sizes = set(params["size"].tolist())
@@ -771,26 +821,23 @@ def _from_ddp(allocs: pd.DataFrame, params: pd.DataFrame, passes: list[Pass], no
     grad_thread = allocs["grad_thread"].to_numpy()
     size = allocs["size"].to_numpy()
     found = 0
-    for k, p in enumerate(passes):
-        nxt = passes[k + 1].forward_start - 1 if k + 1 < len(passes) else -1
+    for index, one_pass in enumerate(passes):
+        next_forward = passes[index + 1].forward_start - 1 if index + 1 < len(passes) else -1
         sel = np.flatnonzero(
             (phase == "backward")
             & grad_thread
-            & (pos >= p.backward_start)
-            & (pos < p.backward_end)
+            & (pos >= one_pass.backward_start)
+            & (pos < one_pass.backward_end)
             & (free_pos >= 0)
-            & (free_pos < p.backward_end)
+            & (free_pos < one_pass.backward_end)
             & np.isin(size, list(sizes))
         )
         code[sel] = CODES["gradient"]
-        free_pos[sel] = nxt
+        free_pos[sel] = next_forward
         found += sel.size
     allocs["code"] = code
     allocs["free_pos"] = free_pos
-    notes.append(
-        f"it ran with gradient_as_bucket_view: {found} parameter-sized tensors the backward copied "
-        "into the buckets are taken as its gradients, alive until the next forward"
-    )
+    notes.append(NOTE_BUCKET_VIEW.format(found=found))
 
 
 def _wrap_pos(allocs: pd.DataFrame, passes: list[Pass]) -> int:
@@ -819,29 +866,29 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
     pass_id = allocs["pass_id"].to_numpy()
     out = allocs["param"].to_numpy().copy()
     by_size: dict[int, np.ndarray] = {}
-    for i, s in enumerate(p_size.tolist()):
-        by_size.setdefault(int(s), np.zeros(0, dtype=np.int64))
-        by_size[int(s)] = np.r_[by_size[int(s)], i]
+    for i, size_bytes in enumerate(p_size.tolist()):
+        by_size.setdefault(int(size_bytes), np.zeros(0, dtype=np.int64))
+        by_size[int(size_bytes)] = np.r_[by_size[int(size_bytes)], i]
     # gradients: per pass, within the block the backward was in, last parameters first
     taken: dict[int, set[int]] = {}
-    for r in np.flatnonzero(code == CODES["gradient"]).tolist():
-        cands = by_size.get(int(size[r]))
+    for row in np.flatnonzero(code == CODES["gradient"]).tolist():
+        cands = by_size.get(int(size[row]))
         if cands is None:
             continue
-        used = taken.setdefault(int(pass_id[r]), set())
-        same = [int(c) for c in cands if p_block[c] == block[r] and int(c) not in used]
-        rest = [int(c) for c in cands if int(c) not in used]
+        used = taken.setdefault(int(pass_id[row]), set())
+        rest = [int(candidate) for candidate in cands if int(candidate) not in used]
+        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
         pick = same[-1] if same else (rest[-1] if rest else int(cands[-1]))
         used.add(pick)
-        out[r] = pick
+        out[row] = pick
     # optimizer state: in parameter order, cyclically
     ptr = 0
-    for r in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
-        cands = by_size.get(int(size[r]))
+    for row in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
+        cands = by_size.get(int(size[row]))
         if cands is None:
             continue
         later = cands[cands >= ptr]
         pick = int(later[0]) if later.size else int(cands[0])
-        out[r] = pick
+        out[row] = pick
         ptr = pick
     allocs["param"] = out

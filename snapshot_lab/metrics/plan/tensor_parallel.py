@@ -27,6 +27,16 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from ..categories import CODES
+from .messages import (
+    RULE_BACKWARD_TEMPORARIES,
+    RULE_COLUMN_CHUNKS,
+    RULE_GRADIENTS,
+    RULE_OPTIMIZER_STATE,
+    RULE_PARAMETERS,
+    RULE_PARTIAL_SUMS,
+    RULE_ROW_OUTPUTS,
+    RULE_SHARDED_ACTIVATIONS,
+)
 from .rewrite import Rewrite
 from .structure import StackInfo, TrainingStructure, stack_info
 
@@ -39,9 +49,11 @@ LINEAR_FILES = ("/linear.py", "transformers/pytorch_utils.py")
 @dataclass(frozen=True)
 class TensorParallel:
     degree: int
-    row_scale: np.ndarray  # per recorded allocation: its size on one rank / recorded size
+    # per recorded allocation: its size on one rank / recorded size
+    row_scale: np.ndarray
     param_scale: np.ndarray  # per parameter
-    partials: tuple[int, ...]  # rows that are row-parallel outputs (all-reduced)
+    # rows that are row-parallel outputs (all-reduced)
+    partials: tuple[int, ...]
     column_layers: int  # Linear calls per pass taken as column-parallel
     row_layers: int
     # parameters of row-parallel layers (sharded along columns)
@@ -64,7 +76,8 @@ class _Allocations:
     stack_id: np.ndarray
     param: np.ndarray
     is_linear: np.ndarray  # made inside a Linear-like module's forward
-    linear_call: np.ndarray  # a Linear layer's output in a block's forward (one per call)
+    # a Linear layer's output in a block's forward (one per call)
+    linear_call: np.ndarray
     activation_like: np.ndarray
     stacks: StackInfo
 
@@ -142,7 +155,8 @@ def plan_tensor_parallel(
 
 def _rows_per_pass(pass_id: np.ndarray, structure: TrainingStructure) -> list[np.ndarray]:
     """The allocation rows of every pass, in event order."""
-    order = np.argsort(pass_id, kind="stable")  # rows are in event order already
+    # rows are in event order already
+    order = np.argsort(pass_id, kind="stable")
     passes = [training_pass.index for training_pass in structure.passes]
     bounds = np.searchsorted(pass_id[order], [*passes, len(structure.passes)])
     return [np.sort(order[bounds[i] : bounds[i + 1]]) for i in range(len(structure.passes))]
@@ -204,7 +218,12 @@ def _scale_forward(
             sharded = False
 
 
-def _scale_backward(pass_rows: np.ndarray, forward: np.ndarray, allocs: _Allocations, scale: np.ndarray) -> None:
+def _scale_backward(
+    pass_rows: np.ndarray,
+    forward: np.ndarray,
+    allocs: _Allocations,
+    scale: np.ndarray,
+) -> None:
     """The backward's temporaries in a block: like the block's forward tensors of the same size
     (their mean scale), others like the block's forward tensors overall."""
     block, size = allocs.block, allocs.size
@@ -226,7 +245,10 @@ def _scale_backward(pass_rows: np.ndarray, forward: np.ndarray, allocs: _Allocat
             scale[row] = by_size.get(int(size[row]), mean)
 
 
-def _row_parallel_params(structure: TrainingStructure, last_roles: list[tuple[int, str]]) -> set[int]:
+def _row_parallel_params(
+    structure: TrainingStructure,
+    last_roles: list[tuple[int, str]],
+) -> set[int]:
     """A block's matrices, in parameter order, are its Linear layers in forward order (when the
     counts agree): which weights are row-parallel."""
     row_params: set[int] = set()
@@ -243,19 +265,12 @@ def _row_parallel_params(structure: TrainingStructure, last_roles: list[tuple[in
     return row_params
 
 
-RULE_GRADIENTS = "gradients of sharded matrices, 1/{degree} (tensor parallel)"
-RULE_OPTIMIZER_STATE = "optimizer state of sharded matrices, 1/{degree} (tensor parallel)"
-RULE_SHARDED_ACTIVATIONS = "activations between column- and row-parallel layers, 1/{degree} (tensor parallel)"
-RULE_BACKWARD_TEMPORARIES = (
-    "backward temporaries, scaled like the block's forward tensors of their size (tensor parallel)"
-)
-RULE_PARTIAL_SUMS = "tensor-parallel all-reduce input: a row-parallel layer's partial sums"
-RULE_ROW_OUTPUTS = "row-parallel outputs, all-reduced (replicated, tensor parallel)"
-RULE_PARAMETERS = "parameters: sharded matrices 1/{degree}, the rest replicated (tensor parallel)"
-RULE_COLUMN_CHUNKS = "distribute_tensor: column chunks (temporary)"
-
-
-def apply_tensor_parallel(rewrite: Rewrite, plan: TensorParallel, local: np.ndarray, wrap: bool = True) -> None:
+def apply_tensor_parallel(
+    rewrite: Rewrite,
+    plan: TensorParallel,
+    local: np.ndarray,
+    wrap: bool = True,
+) -> None:
     """Rescale the recorded allocations; the all-reduces of row-parallel outputs get their
     partial-sum buffers. ``local``: parameter bytes per rank after tensor parallelism."""
     allocs = rewrite.structure.allocs
@@ -299,7 +314,14 @@ def _shard_at_wrap(rewrite: Rewrite, plan: TensorParallel, local: np.ndarray) ->
         chunks = []
         if i in plan.row_params:
             chunks = [
-                rewrite.alloc_at(at, int(local[i]), stream, "parameter", RULE_COLUMN_CHUNKS) for _ in range(plan.degree)
+                rewrite.alloc_at(
+                    at,
+                    int(local[i]),
+                    stream,
+                    "parameter",
+                    RULE_COLUMN_CHUNKS,
+                )
+                for _ in range(plan.degree)
             ]
         rewrite.alloc_at(at, int(local[i]), stream, "parameter", rule, source_row=int(row))
         for key in chunks:
