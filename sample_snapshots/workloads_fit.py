@@ -191,6 +191,7 @@ def _snapshot_run(family: str, batch: int, capped: bool) -> None:
             if not dumped["done"]:
                 dumped["done"] = True
                 H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc,
+                              "oom_observed": True, "requested_bytes": alloc,
                               "observer_device_allocated": device_alloc, "observer_device_free": device_free})
 
         torch._C._cuda_attach_out_of_memory_observer(on_oom)

@@ -225,7 +225,7 @@ def test_first_screen_of_several_devices_and_no_trace(reports):
     assert "on device 0" in a and "Device 1:" in a
     state_only = _answer(reports["state_only"])
     assert "Nothing wrong at the dump" in state_only and "no leak check" in state_only
-    assert "110.09 MiB in use at the dump; 298.00 MiB reserved at the dump, 6.7% of it stranded" in state_only
+    assert "110.09 MiB requested at the dump; 298.00 MiB reserved at the dump, 6.7% of it stranded" in state_only
 
 
 def test_fit_answer_leads_the_levers():
