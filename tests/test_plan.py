@@ -292,7 +292,7 @@ def test_what_is_missing_is_said(real_frames, name, why):
 def test_bad_strategies_are_refused():
     for st, msg in [
         (Strategy("megatron", 2), "unknown strategy"),
-        (Strategy("tp", 4, tp=2), "needs --tp 4"),
+        (Strategy("tp", 4, tp=2), "needs tp=4"),
         (Strategy("fsdp+tp", 6, tp=4), "does not divide"),
         (Strategy("pp", 2, pp_split=(3, 3, 2)), "needs 2 block counts"),
         (Strategy("pp", 2, schedule="zb"), "unknown schedule"),

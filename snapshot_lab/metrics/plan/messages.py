@@ -104,13 +104,15 @@ OOM_UNDER_LIMIT = "under the limit the replay runs out of memory at recorded eve
 # --------------------------------------------------------------------------- a strategy that makes no sense
 
 UNKNOWN_STRATEGY = "unknown strategy {name!r}: one of {strategies} (or zero2, zero3)"
-TP_NEEDS_WORLD = "tp over {world} GPUs needs --tp {world} (or fsdp+tp for a 2-D mesh)"
-TP_DOES_NOT_DIVIDE = "--tp {tp} does not divide the world size {world}"
+# the strategy's parameters in braces (errors.ParameterError): ``tp=4`` in Python, ``--tp 4`` on the command line
+TP_NEEDS_WORLD = "tp over {world} GPUs needs {tp:{world}} (or fsdp+tp for a 2-D mesh)"
+TP_DOES_NOT_DIVIDE = "{tp:{degree}} does not divide the world size {world}"
 PP_STAGES = "pp over {world} GPUs has {world} stages"
 UNKNOWN_SCHEDULE = "unknown schedule {schedule!r}: gpipe or 1f1b"
-PP_SPLIT_COUNTS = "--pp-split needs {stages} block counts of at least 1"
-PP_SPLIT_SUM = "--pp-split {split} does not add up to the {n_blocks} blocks"
-TP_LAYERS_CHOICES = "--tp-layers: one of {choices}"
+PP_SPLIT_COUNTS = "{pp_split} needs {stages} block counts of at least 1"
+PP_SPLIT_SUM = "{pp_split:{split}} does not add up to the {n_blocks} blocks"
+TP_LAYERS_CHOICES = "{tp_layers}: one of {choices}"
+BUCKET_CAP_POSITIVE = "{bucket_cap_mb} must be positive"
 
 # --------------------------------------------------------------------------- rules: why one allocation is planned so
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import ParameterError
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
@@ -74,11 +75,11 @@ class Strategy:
         if name == "tp":
             tp_degree = tp_degree or world
             if tp_degree != world:
-                raise ValueError(messages.TP_NEEDS_WORLD.format(world=world))
+                raise ParameterError("tp", messages.TP_NEEDS_WORLD, world=world)
         elif name == "fsdp+tp":
             tp_degree = tp_degree or (2 if world % 2 == 0 and world >= 2 else 1)
             if tp_degree < 1 or world % tp_degree:
-                raise ValueError(messages.TP_DOES_NOT_DIVIDE.format(tp=tp_degree, world=world))
+                raise ParameterError("tp", messages.TP_DOES_NOT_DIVIDE, degree=tp_degree, world=world)
         else:
             tp_degree = 1
         stages = strategy.stages
@@ -92,13 +93,13 @@ class Strategy:
             if schedule not in pipeline.SCHEDULES:
                 raise ValueError(messages.UNKNOWN_SCHEDULE.format(schedule=strategy.schedule))
             if strategy.pp_split is not None and (len(strategy.pp_split) != stages or min(strategy.pp_split) < 1):
-                raise ValueError(messages.PP_SPLIT_COUNTS.format(stages=stages))
+                raise ParameterError("pp_split", messages.PP_SPLIT_COUNTS, stages=stages)
         else:
             stages, micro = 1, 1
         if strategy.tp_layers not in tensor_parallel.TP_LAYERS:
-            raise ValueError(messages.TP_LAYERS_CHOICES.format(choices=", ".join(tensor_parallel.TP_LAYERS)))
+            raise ParameterError("tp_layers", messages.TP_LAYERS_CHOICES, choices=", ".join(tensor_parallel.TP_LAYERS))
         if strategy.bucket_cap_mb <= 0:
-            raise ValueError("--bucket-cap-mb must be positive")
+            raise ParameterError("bucket_cap_mb", messages.BUCKET_CAP_POSITIVE)
         return replace(
             strategy,
             name=name,
@@ -420,7 +421,9 @@ def _pipeline_programs(
         )
     split = strategy.pp_split
     if split is not None and sum(split) != structure.n_blocks:
-        raise ValueError(messages.PP_SPLIT_SUM.format(split=",".join(map(str, split)), n_blocks=structure.n_blocks))
+        raise ParameterError(
+            "pp_split", messages.PP_SPLIT_SUM, split=",".join(map(str, split)), n_blocks=structure.n_blocks
+        )
     assignment = pipeline.assign_stages(structure, stages, split)
     parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
     out = []
