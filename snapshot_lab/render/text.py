@@ -189,6 +189,7 @@ def format_fleet_findings(result: FleetFindings) -> str:
 
 STEADY_MARK = " (steady state)"
 STEADY_LOWER_BOUND_MARK = " (steady state; a lower bound)"
+LOWER_BOUND_MARK = " (a lower bound)"
 BASELINE_LABEL = "as recorded, from the same steady state: "
 
 
@@ -199,9 +200,13 @@ def _whatif_row(sc: ScenarioResult, prefix: str) -> dict[str, Any]:
     first = sc.ooms[0] if sc.ooms else None
     oom = "no" if first is None else f"at event {first['event_index']:,} ({format_bytes(first['requested_bytes'])})"
     steady = sc.start == START_STEADY
-    mark = ""
-    if steady and prefix != BASELINE_LABEL:
-        mark = STEADY_LOWER_BOUND_MARK if sc.settings.get("max_split_size_mb") else STEADY_MARK
+    lower_bound = steady and bool(sc.settings.get("max_split_size_mb"))
+    if prefix == BASELINE_LABEL:
+        mark = LOWER_BOUND_MARK if lower_bound else ""
+    elif steady:
+        mark = STEADY_LOWER_BOUND_MARK if lower_bound else STEADY_MARK
+    else:
+        mark = ""
     return {
         "settings": prefix + settings_label(sc.settings) + mark,
         "steady": steady,
