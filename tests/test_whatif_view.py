@@ -30,7 +30,8 @@ def diagnoses(real_frames):
     def get(name):
         if name not in cache:
             fr = real_frames(name)
-            cache[name] = (compute_stats(fr), diagnose(fr, compute_stats(fr), with_category_timelines=False))
+            stats = compute_stats(fr)
+            cache[name] = (stats, diagnose(fr, stats, with_category_timelines=False))
         return cache[name]
 
     return get
