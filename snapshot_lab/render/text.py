@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..metrics import SnapshotStats
-from ..metrics.allocator.whatif import WhatIf, settings_label
+from ..metrics.allocator.whatif import START_STEADY, ScenarioResult, WhatIf, settings_label
 from ..metrics.attribution.modules import ModuleBreakdown
 from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import STATE_SOURCE, LeakAnalysis
@@ -187,23 +187,45 @@ def format_fleet_findings(result: FleetFindings) -> str:
     return "\n".join(out)
 
 
+STEADY_MARK = " (steady state)"
+STEADY_LOWER_BOUND_MARK = " (steady state; a lower bound)"
+LOWER_BOUND_MARK = " (a lower bound)"
+BASELINE_LABEL = "as recorded, from the same steady state: "
+
+
+def _whatif_row(sc: ScenarioResult, prefix: str) -> dict[str, Any]:
+    """One scenario's display strings; a row replayed from a steady state (a trace that starts
+    mid-run) is marked, and a max_split_size_mb row there as a lower bound (the steady state
+    does not see the segments earlier steps kept at their own sizes)."""
+    first = sc.ooms[0] if sc.ooms else None
+    oom = "no" if first is None else f"at event {first['event_index']:,} ({format_bytes(first['requested_bytes'])})"
+    steady = sc.start == START_STEADY
+    lower_bound = steady and bool(sc.settings.get("max_split_size_mb"))
+    if prefix == BASELINE_LABEL:
+        mark = LOWER_BOUND_MARK if lower_bound else ""
+    elif steady:
+        mark = STEADY_LOWER_BOUND_MARK if lower_bound else STEADY_MARK
+    else:
+        mark = ""
+    return {
+        "settings": prefix + settings_label(sc.settings) + mark,
+        "steady": steady,
+        "baseline": prefix == BASELINE_LABEL,
+        "peak": format_bytes(sc.peak_reserved_bytes),
+        "final": format_bytes(sc.final_reserved_bytes),
+        "mallocs": f"{sc.cuda_malloc_calls:,}",
+        "retries": f"{sc.alloc_retries:,}",
+        "oom": oom,
+    }
+
+
 def whatif_view(w: WhatIf) -> dict[str, Any]:
-    """The what-if result as display strings (shared by the terminal and the HTML report)."""
-    rows = []
-    for i, sc in enumerate(w.scenarios):
-        first = sc.ooms[0] if sc.ooms else None
-        rows.append(
-            {
-                "settings": ("as recorded: " if i == 0 else "") + settings_label(sc.settings),
-                "peak": format_bytes(sc.peak_reserved_bytes),
-                "final": format_bytes(sc.final_reserved_bytes),
-                "mallocs": f"{sc.cuda_malloc_calls:,}",
-                "retries": f"{sc.alloc_retries:,}",
-                "oom": "no"
-                if first is None
-                else f"at event {first['event_index']:,} ({format_bytes(first['requested_bytes'])})",
-            }
-        )
+    """The what-if result as display strings (shared by the terminal and the HTML report). On a
+    trace that starts mid-run, the recorded settings replayed from the steady state follow the
+    recorded row, so the rows replayed from a steady state compare like for like."""
+    rows = [_whatif_row(sc, "as recorded: " if i == 0 else "") for i, sc in enumerate(w.scenarios)]
+    if w.steady_baseline is not None:
+        rows.insert(1 if rows else 0, _whatif_row(w.steady_baseline, BASELINE_LABEL))
     c = w.replay_check
     limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
     # the limit's own source says how it was inferred, where it says anything: never twice
@@ -216,6 +238,7 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
         "rows": rows,
         "check": ("exact" if c.exact else "approximate: " + "; ".join(c.reasons)) + f"; started from {c.start}",
         "limit": limit,
+        "scenario_start": w.scenario_start,
     }
 
 
@@ -227,6 +250,7 @@ def format_whatif(result: list[WhatIf]) -> str:
             f"== device {w.device}: {w.events:,} events replayed; memory limit {v['limit']}"
             + (f" ({w.memory_limit_source})" if w.memory_limit_source else "")
             + f"\nreplay check under the recorded settings: {v['check']}"
+            + (f"\n{v['scenario_start']}" if v["scenario_start"] else "")
         )
         rows = [[r["settings"], r["peak"], r["final"], r["mallocs"], r["retries"], r["oom"]] for r in v["rows"]]
         out.append(

@@ -107,13 +107,16 @@ def _finding(device: int, tl: Timeline, w: WhatIf | None) -> Finding | None:
     )
 
 
+def gap_finding(ctx: FindingContext, device: int) -> Finding | None:
+    """The reserved-gap finding on ``device``, if the gap is there (high-fragmentation defers to it)."""
+    tl = ctx.timelines.get(device)
+    return None if tl is None else _finding(device, tl, ctx.whatifs.get(device))
+
+
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
     for dev in ctx.stats.devices:
-        tl = ctx.timelines.get(dev)
-        if tl is None:
-            continue
-        f = _finding(dev, tl, ctx.whatifs.get(dev))
+        f = gap_finding(ctx, dev)
         if f is not None:
             out.append(f)
     return out
