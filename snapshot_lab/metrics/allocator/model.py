@@ -248,6 +248,11 @@ class OutOfMemory(Exception):
     pass
 
 
+def segment_address_space(size: int) -> int:
+    """The address space a segment of ``size`` bytes takes: whole 2 MiB pages."""
+    return -(-size // (2 << 20)) * (2 << 20)
+
+
 class CachingAllocatorModel:
     """One device's allocator. ``malloc``/``free`` mirror the real calls; ``empty_cache`` is
     ``release_cached_blocks``."""
@@ -299,7 +304,12 @@ class CachingAllocatorModel:
             # a scenario may still hold the segment the recording freed there: not that one
             if addr not in self._segment_starts:
                 return addr
-        need = -(-size // (2 << 20)) * (2 << 20)
+        need = segment_address_space(size)
+        freed = self._take_freed_range(need)
+        return freed if freed is not None else self._fresh_range(need)
+
+    def _take_freed_range(self, need: int) -> int | None:
+        """The lowest freed range of address space that holds ``need`` bytes (None: none)."""
         for i, (start, length) in enumerate(self._free_va):
             if length >= need:
                 if length == need:
@@ -307,14 +317,17 @@ class CachingAllocatorModel:
                 else:
                     self._free_va[i] = (start + need, length - need)
                 return start
+        return None
+
+    def _fresh_range(self, need: int) -> int:
+        """Address space never used yet: above everything so far."""
         addr = self._next_addr
         self._next_addr += need
         return addr
 
     def _return_address(self, addr: int, size: int) -> None:
-        need = -(-size // (2 << 20)) * (2 << 20)
         if addr >= 1 << 40 and addr < self._next_addr:  # only synthetic space is recycled
-            bisect.insort(self._free_va, (addr, need))
+            bisect.insort(self._free_va, (addr, segment_address_space(size)))
 
     def _pool(self, small: bool) -> _Pool:
         return self.small if small else self.large

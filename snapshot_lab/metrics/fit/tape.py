@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory, segment_address_space
 
 NEVER = np.inf
 
@@ -134,21 +134,12 @@ class TopDownAllocator(CachingAllocatorModel):
 
     TOP = 1 << 47
 
-    def _new_address(self, size: int) -> int:
-        need = -(-size // (2 << 20)) * (2 << 20)
-        for i, (start, length) in enumerate(self._free_va):
-            if length >= need:
-                if length == need:
-                    del self._free_va[i]
-                else:
-                    self._free_va[i] = (start + need, length - need)
-                return start
+    def _fresh_range(self, need: int) -> int:
         self._next_addr = min(self._next_addr, self.TOP) - need
         return self._next_addr
 
     def _return_address(self, addr: int, size: int) -> None:
-        need = -(-size // (2 << 20)) * (2 << 20)
-        bisect.insort(self._free_va, (addr, need))
+        bisect.insort(self._free_va, (addr, segment_address_space(size)))
 
 
 def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None = None) -> Simulated:
