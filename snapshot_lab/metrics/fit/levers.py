@@ -39,8 +39,13 @@ STEP_TEMPORARY_RATIO = {"adamw": 1.0, "adam": 1.0, "8-bit adam": 0.25, "adafacto
 RECOMPUTE_WINDOW = 0.4  # the re-run forward is placed within the last positions before the block's backward
 
 
-def _block_rows(tape: Tape, b: BlockSpan) -> np.ndarray:
-    return np.flatnonzero((tape.block == b.uid) & (tape.phase == "forward") & (tape.per_batch > 0))
+def _rows_by_block(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
+    """The forward rows whose size follows the batch, grouped by block: their blocks' uids
+    sorted, and the rows in that order (each block's rows ascending, as a stable sort keeps
+    them). One pass over the tape, where one scan per block made checkpointing quadratic."""
+    candidates = np.flatnonzero((tape.phase == "forward") & (tape.per_batch > 0))
+    order = np.argsort(tape.block[candidates], kind="stable")
+    return tape.block[candidates][order], candidates[order]
 
 
 def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
@@ -49,8 +54,9 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     tape = tape.scaled(tape.category == KV_CACHE, 0.0)
     end = tape.end.copy()
     added: list[Tape] = []
+    uids, grouped = _rows_by_block(tape)
     for b in blocks:
-        rows = _block_rows(tape, b)
+        rows = grouped[np.searchsorted(uids, b.uid, "left") : np.searchsorted(uids, b.uid, "right")]
         if rows.size < 2:
             continue
         # the block's output (the next block's input, which the checkpoint keeps) is the first
@@ -89,9 +95,7 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     out = Tape(
         tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
     )
-    for t in added:
-        out = out.with_rows(t)
-    return out
+    return out.with_rows(*added)
 
 
 def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:

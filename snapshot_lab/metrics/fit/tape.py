@@ -43,8 +43,11 @@ class Tape:
     def select(self, keep: np.ndarray) -> Tape:
         return Tape(*(getattr(self, f)[keep] for f in _FIELDS))
 
-    def with_rows(self, other: Tape) -> Tape:
-        return Tape(*(np.concatenate([getattr(self, f), getattr(other, f)]) for f in _FIELDS))
+    def with_rows(self, *others: Tape) -> Tape:
+        """This tape's rows, then those of ``others`` in order (one concatenation for all)."""
+        if not others:
+            return self
+        return Tape(*(np.concatenate([getattr(self, f), *(getattr(o, f) for o in others)]) for f in _FIELDS))
 
     def scaled(self, rows: np.ndarray, factor: float) -> Tape:
         """``rows`` (a mask) made ``factor`` times as large (both parts)."""

@@ -692,9 +692,33 @@ def _make_pass(
     )
 
 
+class _ByPosition:
+    """The allocations sorted by position once: the rows whose position lies in a range are a
+    slice of that order, found by binary search (one scan of every allocation per range made
+    :func:`_annotate` quadratic in the trace's length)."""
+
+    def __init__(self, pos: np.ndarray) -> None:
+        self.order = np.argsort(pos, kind="stable")
+        self.pos = pos[self.order]
+
+    def between(self, low: float, high: float, within: slice | None = None, high_inclusive: bool = False) -> slice:
+        """``low <= pos < high`` (``<= high`` when ``high_inclusive``), inside ``within``."""
+        start = int(np.searchsorted(self.pos, low, "left"))
+        stop = int(np.searchsorted(self.pos, high, "right" if high_inclusive else "left"))
+        if within is not None:
+            start, stop = max(start, within.start), min(stop, within.stop)
+        return slice(start, max(start, stop))
+
+    def above(self, low: float, within: slice) -> slice:
+        """``pos > low``, inside ``within``."""
+        return slice(max(int(np.searchsorted(self.pos, low, "right")), within.start), within.stop)
+
+    def rows(self, part: slice) -> np.ndarray:
+        return self.order[part]
+
+
 def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     """Phase, part and block of every allocation of the passes."""
-    pos = allocs["pos"].to_numpy()
     main = allocs["main"].to_numpy()
     code = allocs["code"].to_numpy()
     phase = allocs["phase"].to_numpy(dtype=object).copy()
@@ -702,40 +726,51 @@ def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
     block = allocs["block"].to_numpy().copy()
     pass_id = allocs["pass_id"].to_numpy().copy()
     optim = code == CODES["optimizer_state"]
+    by_position = _ByPosition(allocs["pos"].to_numpy())
     for one_pass in passes:
-        span = (pos >= one_pass.data_start) & (pos < one_pass.end)
-        data = span & (pos < one_pass.forward_start)
-        phase[data & ~optim] = "data"
-        phase[data & optim] = "step"
-        fwd = (pos >= one_pass.forward_start) & (pos < one_pass.backward_start)
-        phase[fwd] = "forward"
-        bwd = (pos >= one_pass.backward_start) & (pos < one_pass.backward_end)
-        phase[bwd] = "backward"
-        after = (pos >= one_pass.backward_end) & (pos < one_pass.end)
-        phase[after & (optim | ~main)] = "step"
-        phase[after & ~optim & main] = "data"
-        pass_id[span] = one_pass.index
+        span = by_position.between(one_pass.data_start, one_pass.end)
+        data = by_position.rows(by_position.between(-np.inf, one_pass.forward_start, span))
+        phase[data[~optim[data]]] = "data"
+        phase[data[optim[data]]] = "step"
+        fwd = by_position.between(one_pass.forward_start, one_pass.backward_start)
+        phase[by_position.rows(fwd)] = "forward"
+        bwd = by_position.between(one_pass.backward_start, one_pass.backward_end)
+        phase[by_position.rows(bwd)] = "backward"
+        after = by_position.rows(by_position.between(one_pass.backward_end, one_pass.end))
+        phase[after[optim[after] | ~main[after]]] = "step"
+        phase[after[~optim[after] & main[after]]] = "data"
+        pass_id[by_position.rows(span)] = one_pass.index
         if one_pass.block_forward:
-            first, last = one_pass.block_forward[0][0], one_pass.block_forward[-1][1]
-            part[fwd & (pos < first)] = "pre"
-            part[fwd & (pos > last)] = "post"
-            for j, (start_pos, last_pos) in enumerate(one_pass.block_forward):
-                end = one_pass.block_forward[j + 1][0] - 1 if j + 1 < len(one_pass.block_forward) else last_pos
-                sel = fwd & (pos >= start_pos) & (pos <= end)
-                part[sel] = "block"
-                block[sel] = j
-            part[bwd & (pos <= one_pass.post_backward[1])] = "post"
-            for j, (start_pos, last_pos) in enumerate(one_pass.block_backward):
-                sel = bwd & (pos >= start_pos) & (pos <= last_pos)
-                part[sel] = "block"
-                block[sel] = j
-            part[bwd & (pos >= one_pass.pre_backward[0])] = "pre"
+            _annotate_blocks(one_pass, by_position, fwd, bwd, part, block)
         else:
-            part[fwd | bwd] = "pre"
+            part[by_position.rows(fwd)] = "pre"
+            part[by_position.rows(bwd)] = "pre"
     allocs["phase"] = phase
     allocs["part"] = part
     allocs["block"] = block
     allocs["pass_id"] = pass_id
+
+
+def _annotate_blocks(
+    one_pass: Pass, by_position: _ByPosition, fwd: slice, bwd: slice, part: np.ndarray, block: np.ndarray
+) -> None:
+    """Part and block of the allocations of a pass with repeated blocks (``fwd`` and ``bwd``:
+    its forward's and its backward's allocations, as slices of ``by_position``)."""
+    first, last = one_pass.block_forward[0][0], one_pass.block_forward[-1][1]
+    part[by_position.rows(by_position.between(-np.inf, first, fwd))] = "pre"
+    part[by_position.rows(by_position.above(last, fwd))] = "post"
+    for j, (start_pos, last_pos) in enumerate(one_pass.block_forward):
+        end = one_pass.block_forward[j + 1][0] - 1 if j + 1 < len(one_pass.block_forward) else last_pos
+        sel = by_position.rows(by_position.between(start_pos, end, fwd, high_inclusive=True))
+        part[sel] = "block"
+        block[sel] = j
+    post_end = one_pass.post_backward[1]
+    part[by_position.rows(by_position.between(-np.inf, post_end, bwd, high_inclusive=True))] = "post"
+    for j, (start_pos, last_pos) in enumerate(one_pass.block_backward):
+        sel = by_position.rows(by_position.between(start_pos, last_pos, bwd, high_inclusive=True))
+        part[sel] = "block"
+        block[sel] = j
+    part[by_position.rows(by_position.between(one_pass.pre_backward[0], np.inf, bwd))] = "pre"
 
 
 def _params(
