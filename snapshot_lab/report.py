@@ -29,6 +29,7 @@ from .metrics.diagnose import diagnose
 from .metrics.explore import explore
 from .metrics.fit import compute_fit
 from .metrics.fit.model import FitUnsupported
+from .metrics.fit.result import HEADLINE_LEVERS
 from .metrics.history.moments import Moment, oom_moment
 from .metrics.history.timeline import Timeline
 from .metrics.leaks import LeakAnalysis
@@ -559,7 +560,7 @@ def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
     """``snaplab fit``'s answer for the first screen, under the limit the run ran out of (else the
     device's capacity); None when the trace shows no step to build on."""
     try:
-        result = compute_fit(frames)
+        result = compute_fit(frames, levers=HEADLINE_LEVERS)
     except (FitUnsupported, ValueError):
         return None
     return FitSummary(verdict=fit_headline(result), steps=(*map(_sentence, result.notes), FIT_HOW))

@@ -363,3 +363,17 @@ def test_checkpointing_makes_no_kv_cache_copies(real_frames):
     assert int(cache.sum()) == 48 and (ev.tape.sizes(1.0)[cache] == 12 << 20).all()
     ck = checkpoint(ev.tape, ev.blocks)
     assert (ck.sizes(1.0)[: len(ev.tape)][cache] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["fit_gpt2_b32_oom_python", "fit_resnet50_b512_oom_python", "hf_trainer_end"])
+def test_the_reports_headline_levers_alone_give_the_same_answer(real_frames, name):
+    """The report asks fit for the four levers its first screen names (a replay of a long trace
+    costs seconds each): the same headline and notes as the whole answer, fewer replays."""
+    from snapshot_lab.metrics.fit.result import HEADLINE_LEVERS
+    from snapshot_lab.render.fit import headline
+
+    whole = compute_fit(real_frames(name))
+    few = compute_fit(real_frames(name), levers=HEADLINE_LEVERS)
+    assert [o.name for o in few.levers] == [o.name for o in whole.levers if o.name in HEADLINE_LEVERS]
+    assert len(few.levers) < len(whole.levers)
+    assert (headline(few), few.notes) == (headline(whole), whole.notes)

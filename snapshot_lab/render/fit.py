@@ -4,6 +4,7 @@ breakdown of the step and what each lever assumes."""
 from __future__ import annotations
 
 from ..metrics.fit import FitResult, LeverOutcome
+from ..metrics.fit.result import HEADLINE_LEVERS
 from ..units import format_bytes
 from .text import table
 
@@ -18,7 +19,6 @@ LEVER_PHRASES = {
     "adafactor": "with Adafactor",
     "optimizer offload": "with the optimizer offloaded to the CPU",
 }
-HEADLINE_LEVERS = ("as recorded", "bf16", "checkpointing", "checkpointing+bf16")
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
 HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
 NO_LIMIT = "No memory limit is known: give memory_limit (--memory-limit) for the largest batch that fits."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ from .strategies import StrategyOutcome, parallel_strategies
 from .tape import Tape, simulate
 
 AS_RECORDED = "as recorded"
+# the levers the one-line answer names (report's first screen, the headline of `snaplab fit`)
+HEADLINE_LEVERS = (AS_RECORDED, "bf16", "checkpointing", "checkpointing+bf16")
 ASSUMPTIONS = {
     AS_RECORDED: "the step as the trace shows it, only the batch changed: inputs and what the forward and backward "
     "make scale with it, parameters, gradients, optimizer state and workspaces do not",
@@ -242,11 +244,14 @@ def compute_fit(
     optimizer: str | None = None,
     device: int | None = None,
     parallel: bool | None = None,
+    levers: Collection[str] | None = None,
 ) -> FitResult:
     """The whole step under the levers asked for and, under the memory limit (given, or the one
     the recorded run ran out of, or the device's capacity), the largest batch per lever and
     (``parallel``; by default when a memory limit is given) the parallel strategies planned at
-    the recorded batch. Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
+    the recorded batch. ``levers``: only these (each replay of a long trace costs seconds; the
+    report's first screen needs :data:`HEADLINE_LEVERS` alone), without the allocator settings.
+    Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
     if optimizer is not None and optimizer not in lv.OPTIMIZER_STATE_RATIO:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(lv.OPTIMIZER_STATE_RATIO)}")
     dev = _device(frames) if device is None else device
@@ -257,8 +262,12 @@ def compute_fit(
     )
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     search = _Search(settings, limit, batch_scale, recorded_batch)
-    outcomes = [search.outcome(name, ASSUMPTIONS[name], build()) for name, build in lever_tapes(ev).items()]
-    if limit is not None:  # the allocator's settings: the same step, less fragmentation
+    outcomes = [
+        search.outcome(name, ASSUMPTIONS[name], build())
+        for name, build in lever_tapes(ev).items()
+        if levers is None or name in levers
+    ]
+    if limit is not None and levers is None:  # the allocator's settings: the same step, less fragmentation
         confs = [(settings_label(alt.describe()), alt) for alt in quick_grid(settings, limit)]
         outcomes[1:1] = [
             search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt) for conf, alt in confs
