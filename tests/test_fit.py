@@ -374,6 +374,6 @@ def test_the_reports_headline_levers_alone_give_the_same_answer(real_frames, nam
 
     whole = compute_fit(real_frames(name))
     few = compute_fit(real_frames(name), levers=HEADLINE_LEVERS)
-    assert [o.name for o in few.levers] == [o.name for o in whole.levers if o.name in HEADLINE_LEVERS]
+    assert [o.lever for o in few.levers] == [o.lever for o in whole.levers if o.lever in HEADLINE_LEVERS]
     assert len(few.levers) < len(whole.levers)
     assert (headline(few), few.notes) == (headline(whole), whole.notes)
