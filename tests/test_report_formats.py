@@ -77,3 +77,14 @@ def test_cli_format_option_and_default_paths(tmp_path, monkeypatch):
     r = runner.invoke(app, ["report", str(src), "--format", "pdf", "-q"])
     assert r.exit_code == 2
     assert not (tmp_path / "reports" / "job.html").exists()  # html stays the default, made only when asked
+
+
+def test_evidence_inside_a_value_keeps_its_units_and_its_names():
+    """reserved-gap's what-if rows: allocator settings as keys (not machine keys: kept as they
+    are, underscores and all) and bytes as values (the unit from the outer key)."""
+    from snapshot_lab.render.evidence import evidence_value
+
+    rows = {"expandable_segments:True,max_split_size_mb:64": 2462056448, "peak_allocated_bytes": 1024}
+    assert evidence_value(rows, "whatif_peak_reserved_bytes") == (
+        "expandable_segments:True,max_split_size_mb:64: 2.29 GiB; peak allocated: 1.00 KiB"
+    )

@@ -54,14 +54,14 @@ def test_the_gap_is_named_with_the_real_peaks(findings, name):
     (gaptwin's wrapped ring does; the twin's misses its 896-token step: the window's own peak)."""
     (f,) = _gap(findings, name)
     stats = sample_truth(name)["memory_stats"]["0"]
-    in_use = f.evidence["peak_in_use_bytes"]
+    in_use = f.evidence["peak_requested_bytes"]
     assert f.evidence["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
     if name == "twin_split64_wrapped":
         assert 0.8 * stats["requested_bytes.all.peak"] < in_use < stats["requested_bytes.all.peak"]
     else:
         assert in_use == stats["requested_bytes.all.peak"]
     assert f.evidence["gap_bytes"] == stats["reserved_bytes.all.peak"] - in_use > 1.9 * GiB
-    assert f.evidence["ratio"] == round(stats["reserved_bytes.all.peak"] / in_use, 3) > 2.4
+    assert f.evidence["reserved_over_requested"] == round(stats["reserved_bytes.all.peak"] / in_use, 3) > 2.4
     assert f"max_split_size_mb:{name.split('_')[1][5:]}" in f.advice
 
 

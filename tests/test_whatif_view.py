@@ -195,7 +195,7 @@ def test_high_fragmentation_defers_to_reserved_gap(diagnoses, name):
     assert would is not None and would.title.startswith("Fragmentation: at the peak")
     assert would.evidence["overhead_at_peak_bytes"] == gap.evidence["gap_bytes"]
     assert would.evidence["peak_reserved_bytes"] == gap.evidence["peak_reserved_bytes"]
-    assert would.evidence["peak_requested_bytes"] == gap.evidence["peak_in_use_bytes"]
+    assert would.evidence["peak_requested_bytes"] == gap.evidence["peak_requested_bytes"]
 
 
 def test_high_fragmentation_still_fires_below_the_gap(diagnoses):

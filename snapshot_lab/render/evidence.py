@@ -7,6 +7,7 @@ shares as percentages, counts with thousands separators, "not recorded" for a mi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..units import format_bytes, format_percent
@@ -38,6 +39,7 @@ LABELS = {
     "ddp_bucket_blocks": "DDP bucket blocks",
 }
 SHARE_WORDS = ("fragmentation", "share", "fraction", "ratio")
+MACHINE_KEY = re.compile(r"[a-z][a-z0-9_]*")
 STAKE_HELP = "memory this advice would free or make usable"
 
 
@@ -68,8 +70,23 @@ def evidence_value(value: Any, key: str = "") -> str:
         items = [evidence_value(v, key) for v in value]
         return "; ".join(items) if items else "none"
     if isinstance(value, dict):
-        return "; ".join(f"{evidence_label(str(k))}: {evidence_value(v, str(k))}" for k, v in value.items()) or "none"
+        return (
+            "; ".join(f"{_inner_label(str(k))}: {evidence_value(v, _inner_key(str(k), key))}" for k, v in value.items())
+            or "none"
+        )
     return str(value)
+
+
+def _inner_label(key: str) -> str:
+    """A key inside a value: a machine key becomes words, anything else (an allocator setting such
+    as ``max_split_size_mb:64``, a site, a module) stays as it is."""
+    return evidence_label(key) if MACHINE_KEY.fullmatch(key) else key
+
+
+def _inner_key(key: str, outer: str) -> str:
+    """The key that decides an inner value's unit: its own when it is a machine key, else the
+    outer one (``{"expandable_segments:True": 2462056448}`` under ``..._bytes`` is bytes)."""
+    return key if MACHINE_KEY.fullmatch(key) else outer
 
 
 def evidence_rows(evidence: dict[str, Any], savings_bytes: int | None = None) -> list[tuple[str, str, str]]:
