@@ -156,6 +156,21 @@ def ddp_buckets(sizes: list[int], cap: int) -> list[int]:
     return out
 
 
+def _broadcast_groups(sizes: list[int]) -> list[int]:
+    """The flat temporaries of ``_sync_module_states``: parameters packed, in order, until one
+    reaches the broadcast bucket; what is left goes last."""
+    groups: list[int] = []
+    group = 0
+    for size in sizes:
+        group += int(size)
+        if group >= BROADCAST_BUCKET:
+            groups.append(group)
+            group = 0
+    if group:
+        groups.append(group)
+    return groups
+
+
 def apply_ddp(
     rewrite: Rewrite,
     bucket_view: bool,
@@ -172,27 +187,8 @@ def apply_ddp(
         int(np.bincount(rewrite.stream[param_rows(structure)].clip(min=0)).argmax()) if len(structure.params) else 0
     )
     # _sync_module_states: rank 0's parameters broadcast through flat temporaries
-    group = 0
-    for size in local.tolist():
-        group += int(size)
-        if group >= BROADCAST_BUCKET:
-            key = rewrite.alloc_at(
-                wrap,
-                group,
-                stream,
-                "other",
-                RULE_DDP_BROADCAST.format(label=label),
-            )
-            rewrite.free_at(wrap, key)
-            group = 0
-    if group:
-        key = rewrite.alloc_at(
-            wrap,
-            group,
-            stream,
-            "other",
-            RULE_DDP_BROADCAST.format(label=label),
-        )
+    for group in _broadcast_groups(local.tolist()):
+        key = rewrite.alloc_at(wrap, group, stream, "other", RULE_DDP_BROADCAST.format(label=label))
         rewrite.free_at(wrap, key)
     first = rewrite.alloc_at(
         wrap,
