@@ -16,14 +16,14 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
-from .errors import OutputError, ParameterError, SnaplabError, UsageError
+from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
 from .metrics import SnapshotStats, compute_stats
@@ -530,6 +530,20 @@ if TYPE_CHECKING:
     from .metrics.plan import MemoryPlan, PlanTable
 
 
+@contextlib.contextmanager
+def _refused(snapshot: str | Path, what: str, unsupported: type[Exception]) -> Iterator[None]:
+    """A snapshot the analysis cannot use is bad input (exit 3); a bad value of a parameter that
+    names it passes through; any other ``ValueError`` is a usage error."""
+    try:
+        yield
+    except unsupported as exc:
+        raise SnapshotFormatError(snapshot, f"cannot {what} from this snapshot: {exc}") from None
+    except ParameterError:
+        raise  # already names its parameter
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def plan(
     snapshot: str | Path,
     *,
@@ -553,7 +567,6 @@ def plan(
     a :class:`PlanTable` of the usual choices. ``pp_split`` like ``"4,4"`` (blocks per stage);
     ``memory_limit`` like ``80GiB`` (default: the device's capacity from the capture sidecar).
     With ``output``, also written as HTML."""
-    from .errors import SnapshotFormatError
     from .metrics.plan import PlanUnsupported, Strategy, plan_memory, plan_table
 
     limit = _size_or_none(memory_limit, "memory_limit")
@@ -589,17 +602,11 @@ def plan(
     (progress or NullProgress()).stage("Planning")
     source = "--memory-limit" if limit is not None else ""
     result: MemoryPlan | PlanTable
-    try:
+    with _refused(snapshot, "plan", PlanUnsupported):
         if chosen is not None:
             result = plan_memory(frames, chosen, memory_limit=limit, memory_limit_source=source)
         else:
             result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source)
-    except PlanUnsupported as exc:
-        raise SnapshotFormatError(snapshot, f"cannot plan from this snapshot: {exc}") from None
-    except ParameterError:
-        raise  # already names its parameter
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     if output is not None:
         from . import __version__
         from .render.plan import render_plan_html
@@ -631,7 +638,6 @@ def fit(
     limit the recorded run ran out of, else the device's capacity), the largest batch per lever,
     in samples when ``recorded_batch`` is given. ``optimizer`` (``adamw``, ``sgd-momentum``...)
     when the stacks do not name it (a run that failed before its first step)."""
-    from .errors import SnapshotFormatError
     from .metrics.fit import compute_fit
     from .metrics.fit.model import FitUnsupported
 
@@ -642,7 +648,7 @@ def fit(
         raise ParameterError("batch_scale", "{batch_scale} must be positive")
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Fitting")
-    try:
+    with _refused(snapshot, "fit", FitUnsupported):
         return compute_fit(
             frames,
             memory_limit=limit,
@@ -652,9 +658,3 @@ def fit(
             bf16=bf16,
             optimizer=optimizer,
         )
-    except FitUnsupported as exc:
-        raise SnapshotFormatError(snapshot, f"cannot fit from this snapshot: {exc}") from None
-    except ParameterError:
-        raise  # already names its parameter
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
