@@ -22,7 +22,7 @@ LEVER_PHRASES = {
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
 HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
 NO_LIMIT = (
-    "No memory limit is known: give one (`--memory-limit SIZE`, `memory_limit=` in Python) for the largest batch "
+    "No memory limit is known: give one (--memory-limit SIZE, or memory_limit= in Python) for the largest batch "
     "that fits."
 )
 EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
