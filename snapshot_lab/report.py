@@ -56,7 +56,7 @@ from .units import format_bytes, format_percent
 
 POOLS = ("all", "large_pool", "small_pool")
 COUNTERS = (
-    ("reserved_bytes", True, "held from CUDA (cudaMalloc'd or mapped), in use or cached"),
+    ("reserved_bytes", True, "held from CUDA (cudaMalloc'd or mapped): allocated or cached"),
     ("allocated_bytes", True, "in blocks handed to tensors (sizes rounded up by the allocator)"),
     ("active_bytes", True, "allocated + freed blocks still waiting for another stream"),
     ("requested_bytes", True, "what tensors asked for, before rounding (active blocks)"),
@@ -123,7 +123,7 @@ def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
     free = frag.free_bytes
     cards = [
         Card("reserved", format_bytes(ts["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"),
-        Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in use by tensors at the dump"),
+        Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in blocks of live tensors at the dump"),
         Card("free in reserved", format_bytes(free), "cached, reusable by PyTorch, not by other processes"),
         Card(
             "fragmentation",

@@ -35,7 +35,7 @@ def plot_category_timeline(levels: pd.DataFrame, x: np.ndarray, x_label: str, ma
     ax.set_xlabel(x_label)
     ax.set_ylabel("requested bytes")
     ax.set_xlim(float(x[0]), float(x[-1]) if x[-1] > x[0] else float(x[0]) + 1)
-    ax.set_title("Memory in use by category (from allocation stacks)", loc="left")
+    ax.set_title("Memory requested by category (from allocation stacks)", loc="left")
     if cols:
         ax.legend(loc="upper left", ncols=len(cols))
     ax.grid(axis="y", color="#eeeeee", lw=0.6)

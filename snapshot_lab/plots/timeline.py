@@ -21,7 +21,7 @@ def plot_timeline(tl: Timeline, max_points: int = 2000) -> Figure:
     )
     ax.step(res.x, res.high, where="post", color=COLORS["reserved"], lw=1)
     ax.fill_between(req.x, req.low, req.high, step="post", color=COLORS["requested"], alpha=0.5, lw=0)
-    ax.step(req.x, req.high, where="post", color=COLORS["requested"], lw=1.1, label="in use by tensors (requested)")
+    ax.step(req.x, req.high, where="post", color=COLORS["requested"], lw=1.1, label="requested by live tensors")
     peak_x = tl.x[int(np.argmax(tl.requested_bytes))]
     ax.axhline(tl.peak_requested_bytes, color=COLORS["peak"], lw=0.8, ls=":")
     ax.annotate(

@@ -26,7 +26,7 @@ _NOTEBOOK_CSS = f".{SCOPE} {{ max-width:none; margin:0; padding:4px 0 8px; }}"
 
 _COUNTERS = (
     ("allocated_bytes", "in blocks handed to tensors"),
-    ("reserved_bytes", "held from CUDA, in use or cached"),
+    ("reserved_bytes", "held from CUDA: allocated or cached"),
     ("active_bytes", "allocated + freed blocks still waiting for another stream"),
     ("requested_bytes", "what tensors asked for, before rounding"),
     ("inactive_split_bytes", "free bytes inside split segments"),

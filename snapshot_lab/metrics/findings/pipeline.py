@@ -27,7 +27,7 @@ MAX_NAMED_CATEGORIES = 4
 
 TITLE = (
     "Pipeline stage {heavy} peaks {spread} ({spread_percent}) above stage {light} ({heavy_peak} vs "
-    "{light_peak} in use; {how})"
+    "{light_peak} requested; {how})"
 )
 IN_FLIGHT = "{heavy_inflight} on stage {heavy} at its peak, {light_inflight} on stage {light}"
 ADVICE_INFLIGHT = (
