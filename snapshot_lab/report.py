@@ -247,7 +247,8 @@ def _dump_section(
     hidden = sum(p.hidden_segments for p in layouts)
     layout_note = (
         "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
-        "largest segment spans the width); blocks are coloured by state."
+        "largest segment spans the width); blocks are coloured by state; segments alike (the same size and blocks) "
+        "are one bar marked ×N."
         + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None

@@ -177,18 +177,37 @@ def test_renders_in_headless_chromium(tmp_path, name):
 
 
 def test_thousands_of_segments_stay_readable(tmp_path):
-    """3000 segments: the layout draws the largest per pool and summarises the rest."""
+    """3000 segments, no two alike: the layout draws the largest per pool and summarises the rest."""
     from .conftest import block, make_snapshot, segment, write_pickle
 
     segs = []
     for i in range(3000):
         size = (2 + (i % 7) * 2) << 20
-        segs.append(segment((i + 1) << 32, [block(size // 2), block(size - size // 2, "inactive")]))
+        first = size // 2 + (i % 1000) * 512  # a different split in each segment
+        segs.append(segment((i + 1) << 32, [block(first), block(size - first, "inactive")]))
     html = api.report(
         write_pickle(tmp_path / "many.pickle", make_snapshot(segs)), output=tmp_path / "m.html"
     ).read_text()
     assert len(html.encode()) < SIZE_BUDGET
     assert "2960 smaller segments are summarised in the panel titles" in html
+
+
+def test_alike_segments_are_one_row_that_says_how_many():
+    """oom_fragmentation's 75 segments of 20 MiB each hold one 6 MiB tensor and a 14 MiB hole:
+    one row ×75 (it took a screen of 40 identical bars and a note about 35 more)."""
+    from snapshot_lab import load_frames
+    from snapshot_lab.metrics.stats.layout import select_layout
+
+    from .conftest import sample_path
+
+    fr = load_frames(sample_path("oom_fragmentation"))
+    (large,) = select_layout(fr.segments, fr.blocks)
+    assert len(large.segments) == 1 and large.hidden_segments == 0
+    assert large.repeats == {int(large.segments["segment_id"].iloc[0]): 75}
+    # every one of transformer_varlen's 84 segments is a row, stood for by a row, or summarised
+    varlen = load_frames(sample_path("transformer_varlen"))
+    pools = select_layout(varlen.segments, varlen.blocks)
+    assert sum(sum(p.repeats.values()) + p.hidden_segments for p in pools) == len(varlen.segments) == 84
 
 
 def _answer(html: str) -> str:

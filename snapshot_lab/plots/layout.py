@@ -61,16 +61,16 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
                 )
         labels, label_colors = [], []
         for _, s in segs.iterrows():
+            times = pool.repeats.get(int(s["segment_id"]), 1)
+            size = format_bytes(s["total_size_bytes"], 1) + (f" ×{times}" if times > 1 else "")
             if s["is_private_pool"]:
-                labels.append(
-                    f"{format_bytes(s['total_size_bytes'], 1)} · graph pool ({s['pool_id_0']},{s['pool_id_1']})"
-                )
+                labels.append(f"{size} · graph pool ({s['pool_id_0']},{s['pool_id_1']})")
                 label_colors.append(COLORS["private"])
             elif s["is_expandable"]:
-                labels.append(f"{format_bytes(s['total_size_bytes'], 1)} · expandable")
+                labels.append(f"{size} · expandable")
                 label_colors.append(COLORS["expandable"])
             else:
-                labels.append(format_bytes(s["total_size_bytes"], 1))
+                labels.append(size)
                 label_colors.append("black")
         ax.set_yticks(range(len(segs)), labels, fontsize=7)
         for tick, color in zip(ax.get_yticklabels(), label_colors, strict=True):
@@ -82,7 +82,10 @@ def plot_block_layout(pools: list[PoolLayout]) -> Figure:
         ax.set_xlabel("offset in the segment (one scale for every segment)")
         ax.tick_params(axis="y", length=0)
         ax.spines["left"].set_visible(False)
-        title = f"{pool.pool} pool: {len(segs)} largest segments"
+        drawn = sum(pool.repeats.get(int(sid), 1) for sid in segs["segment_id"])
+        title = f"{pool.pool} pool: {drawn} largest segments"
+        if drawn > len(segs):
+            title += f" in {len(segs)} row{'s' if len(segs) > 1 else ''} (alike segments drawn once, ×N)"
         if pool.hidden_segments:
             title += (
                 f" (+{pool.hidden_segments} smaller not drawn: {format_bytes(pool.hidden_reserved_bytes)} reserved, "

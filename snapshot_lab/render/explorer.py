@@ -133,6 +133,7 @@ def layout_data(layouts: list[PoolLayout]) -> list[dict[str, Any]]:
                     "pool": name,
                     "stream": stream,
                     "more": max(0, len(blk) - len(shown)),
+                    "alike": pool.repeats.get(seg_id, 1),
                     "blocks": [
                         [int(o), int(s), int(c), int(k)]
                         for o, s, c, k in zip(

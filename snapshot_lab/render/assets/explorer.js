@@ -353,7 +353,8 @@
       var row = el("button", "xp-seg");
       row.type = "button";
       row.style.width = Math.max(2, 100 * s.size / biggest) + "%";
-      row.title = fmtBytes(s.size) + " " + s.pool + " pool segment at " + s.addr;
+      row.title = fmtBytes(s.size) + " " + s.pool + " pool segment at " + s.addr +
+        (s.alike > 1 ? " (and " + (s.alike - 1) + " alike)" : "");
       s.blocks.forEach(function (bk) {
         var part = el("span", "xp-blk st-" + DATA.states[bk[2]]);
         part.style.width = (100 * bk[1] / s.size) + "%";
@@ -368,7 +369,8 @@
       detail.textContent = "";
       detail.appendChild(el("h4", null, "Segment " + s.addr + ": " + fmtBytes(s.size) + ", " + s.pool +
         " pool, stream " + s.stream + ", " + s.blocks.length.toLocaleString("en-US") + " blocks" +
-        (s.more ? " (" + s.more + " more not listed)" : "")));
+        (s.more ? " (" + s.more + " more not listed)" : "") +
+        (s.alike > 1 ? "; " + (s.alike - 1) + " more segments are alike (same size, same blocks)" : "")));
       var t = el("table"), head = el("tr");
       ["offset", "size", "state", "allocated at"].forEach(function (h) { head.appendChild(el("th", null, h)); });
       t.appendChild(head);
