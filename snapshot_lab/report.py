@@ -248,8 +248,7 @@ def _dump_section(
     layout_note = (
         "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
         "largest segment spans the width); blocks are coloured by state; segments alike (the same size and blocks) "
-        "are one bar marked ×N."
-        + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
+        "are one bar marked ×N." + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
     oom_req = d.oom.requested_bytes if d.oom else None
     histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom is not None else d.fragmentation
