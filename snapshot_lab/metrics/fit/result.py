@@ -258,7 +258,7 @@ def compute_fit(
     ev = step_evidence(frames, dev, optimizer)
     settings = recorded_settings(frames.info.allocator_settings)
     limit, source, _ = _limit(
-        frames, dev, memory_limit, "memory_limit" if memory_limit else "", _recorded_reserved_peak(frames, dev)
+        frames, dev, memory_limit, "given" if memory_limit else "", _recorded_reserved_peak(frames, dev)
     )
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     search = _Search(settings, limit, batch_scale, recorded_batch)
