@@ -184,18 +184,20 @@ def _run_events(
     Returns whether the recorded OOM (if any) was avoided, and whether the replay ran out of
     memory (the program raises OutOfMemoryError there: the rest of the trace never happens)."""
     recorded_oom_avoided: bool | None = None
-    kind, address, size, stream, index = prog.kind, prog.address, prog.size, prog.stream, prog.index
-    for i in range(len(kind)):
-        k = kind[i]
+    # Python lists, not numpy scalars, and the model's methods bound once: this loop runs once
+    # per recorded event
+    address, size, stream, index = prog.address.tolist(), prog.size.tolist(), prog.stream.tolist(), prog.index.tolist()
+    malloc, free, take_live = model.malloc, model.free, live.pop
+    for i, k in enumerate(prog.kind.tolist()):
         if k == _ALLOC:
             try:
-                live[int(address[i])] = model.malloc(int(size[i]), int(stream[i]), int(index[i]))
+                live[int(address[i])] = malloc(int(size[i]), int(stream[i]), int(index[i]))
             except OutOfMemory:
                 return recorded_oom_avoided, True
         elif k == _FREE:
-            b = live.pop(int(address[i]), None)
+            b = take_live(int(address[i]), None)
             if b is not None:
-                model.free(b)
+                free(b)
         elif k == _SEG_NEW:
             model.recorded_addresses.setdefault(int(size[i]), []).append(int(address[i]))
         elif k == _SEG_GONE:
