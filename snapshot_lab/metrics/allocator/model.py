@@ -24,8 +24,8 @@ Deliberate simplifications, each noted where it is made:
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
 import itertools
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -360,8 +360,20 @@ class CachingAllocatorModel:
             split = remaining >= MIN_BLOCK
         else:
             split = size < self._max_split_size and remaining > SMALL_SIZE
-        if split:
-            pool.insert(self._split_after(block, size))
+        if split:  # _split_after and pool.insert, written out
+            rest = Block(block.addr + size, remaining, block.stream, block.small, block.segment)
+            rest.mapped = block.mapped
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            key = rest.pool_key = (rest.stream, remaining, rest.addr)
+            insort(pool.keys, key)
+            pool.blocks[key] = rest
+            if pool.index_addresses:
+                pool.at[rest.addr] = rest
+            rest.gc_base = pool.gc_calls
         block.allocated = True
         stats = self.stats
         stats.allocated_bytes += block.size
