@@ -54,18 +54,32 @@ def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float,
     return wall, peak, proc.returncode, cpu
 
 
-def replay_rate(snap: Path) -> float:
-    """Events per second of one what-if replay (the recorded settings), in a fresh process."""
-    code = (
-        "import sys, time\n"
-        "from snapshot_lab import load_frames\n"
-        "from snapshot_lab.metrics.allocator.whatif import _program, _replay, recorded_settings\n"
-        "fr = load_frames(sys.argv[1]); s = recorded_settings(fr.info.allocator_settings)\n"
-        "t = time.perf_counter(); p = _program(fr, 0); _replay(p, s, None)\n"
-        "print(len(p.kind) / (time.perf_counter() - t))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip())
+REPLAY_CODE = """
+import sys, time
+from snapshot_lab import load_frames
+from snapshot_lab.metrics.allocator.model import recorded_settings
+from snapshot_lab.metrics.allocator.whatif import _program, _replay
+from snapshot_lab.metrics.fit.model import step_evidence
+from snapshot_lab.metrics.fit.result import requested_tape
+from snapshot_lab.metrics.fit.tape import ordered_ops, simulate
+from snapshot_lab.metrics.plan.planner import _device
+fr = load_frames(sys.argv[1]); s = recorded_settings(fr.info.allocator_settings)
+p = _program(fr, 0)
+t, c = time.perf_counter(), time.process_time(); _replay(p, s, None)
+print(len(p.kind) / (time.perf_counter() - t), len(p.kind) / (time.process_time() - c))
+tape = requested_tape(step_evidence(fr, _device(fr), None), False, False)
+c = time.process_time(); simulate(tape, 1.0, s)
+print(len(ordered_ops(tape)[0]) / (time.process_time() - c))
+"""
+
+
+def replay_rates(snap: Path) -> tuple[float, float, float]:
+    """Events per second of one what-if replay (the recorded settings; wall-clock, then CPU
+    time), and operations per second of one ``fit`` replay of the whole step (CPU time: the
+    report runs about nine), in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", REPLAY_CODE, str(snap)], capture_output=True, text=True, check=True)
+    wall, cpu, fit = (float(v) for v in out.stdout.split())
+    return wall, cpu, fit
 
 
 Timing = tuple[float, float, int, float]  # wall seconds, peak MiB, exit code, CPU seconds
@@ -131,8 +145,11 @@ def bench_size(a: argparse.Namespace, n: int) -> None:
     base = faster_baseline(base, run_timed(load_cmd))
     print_table(n, size_mb, base, cases)
     if not a.stats_only:
-        rate = replay_rate(snap)
-        print(f"  allocator what-if replay (one scenario, one core): {rate / 1e3:,.0f}k events/s")
+        wall, cpu, fit = replay_rates(snap)
+        print(
+            f"  allocator what-if replay (one scenario, one core): {wall / 1e3:,.0f}k events/s"
+            f" ({cpu / 1e3:,.0f}k per CPU second); fit step replay: {fit / 1e3:,.0f}k operations per CPU second"
+        )
         report_mb = report.stat().st_size / 2**20 if report.exists() else float("nan")
         print(f"  snaplab report size: {report_mb:.2f} MiB", end="")
         if a.torch_python:

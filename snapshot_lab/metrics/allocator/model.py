@@ -24,8 +24,8 @@ Deliberate simplifications, each noted where it is made:
 
 from __future__ import annotations
 
-import bisect
 import itertools
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -159,6 +159,9 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
+_UNPOOLED = (-1, -1, -1)
+
+
 class Block:
     __slots__ = (
         "addr",
@@ -185,7 +188,7 @@ class Block:
         self.mapped = True
         self.segment = segment  # id of the cudaMalloc'd segment or expandable range
         self.gc_base = 0
-        self.pool_key: tuple[int, int, int] = (stream, size, addr)
+        self.pool_key: tuple[int, int, int] = _UNPOOLED  # set when the block enters a pool
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -208,7 +211,7 @@ class _Pool:
 
     def insert(self, b: Block) -> None:
         k = b.pool_key = (b.stream, b.size, b.addr)  # unchanged while the block is in the pool
-        bisect.insort(self.keys, k)
+        insort(self.keys, k)
         self.blocks[k] = b
         if self.index_addresses:
             self.at[b.addr] = b
@@ -216,19 +219,19 @@ class _Pool:
 
     def remove(self, b: Block) -> None:
         k = b.pool_key
-        del self.keys[bisect.bisect_left(self.keys, k)]
+        del self.keys[bisect_left(self.keys, k)]
         del self.blocks[k]
         if self.index_addresses:
             del self.at[b.addr]
 
     def insert_unmapped(self, b: Block) -> None:
         k = (b.stream, b.addr)
-        bisect.insort(self.unmapped, k)
+        insort(self.unmapped, k)
         self.unmapped_blocks[k] = b
 
     def remove_unmapped(self, b: Block) -> None:
         k = (b.stream, b.addr)
-        del self.unmapped[bisect.bisect_left(self.unmapped, k)]
+        del self.unmapped[bisect_left(self.unmapped, k)]
         del self.unmapped_blocks[k]
 
 
@@ -270,6 +273,10 @@ class CachingAllocatorModel:
         # allocator garbage-collects only under a cap
         self.limit_is_cap = limit_is_cap
         self._plain_rounding = not any(d > 1 for d in settings.roundup_power2_divisions)
+        # the settings read on every malloc, held here to spare the lookups
+        self._expandable = settings.expandable_segments
+        self._max_split_size = settings.max_split_size
+        self._max_non_split_rounding = settings.max_non_split_rounding
         self._gc = memory_limit is not None and limit_is_cap and settings.garbage_collection_threshold > 0
         self.small = _Pool(True, follows_trace)
         self.large = _Pool(False, follows_trace)
@@ -327,7 +334,7 @@ class CachingAllocatorModel:
 
     def _return_address(self, addr: int, size: int) -> None:
         if addr >= 1 << 40 and addr < self._next_addr:  # only synthetic space is recycled
-            bisect.insort(self._free_va, (addr, segment_address_space(size)))
+            insort(self._free_va, (addr, segment_address_space(size)))
 
     def _pool(self, small: bool) -> _Pool:
         return self.small if small else self.large
@@ -343,26 +350,53 @@ class CachingAllocatorModel:
             size = MIN_BLOCK if orig_size < MIN_BLOCK else -(-orig_size // MIN_BLOCK) * MIN_BLOCK
         else:
             size = round_size(orig_size, self.s)
-        small = size <= SMALL_SIZE
-        pool = self._pool(small)
-        alloc_size = allocation_size(size)
+        pool = self.small if size <= SMALL_SIZE else self.large
         block = self._get_free_block(pool, size, stream)
         if block is None:
-            if self._gc:
-                self._garbage_collect()
+            block = self._new_block(pool, size, stream, event_index)
+        # _alloc_found_block, written out here: this runs once per replayed allocation
+        remaining = block.size - size
+        if block.small or self._expandable:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = size < self._max_split_size and remaining > SMALL_SIZE
+        if split:  # _split_after and pool.insert, written out
+            rest = Block(block.addr + size, remaining, block.stream, block.small, block.segment)
+            rest.mapped = block.mapped
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            key = rest.pool_key = (rest.stream, remaining, rest.addr)
+            insort(pool.keys, key)
+            pool.blocks[key] = rest
+            if pool.index_addresses:
+                pool.at[rest.addr] = rest
+            rest.gc_base = pool.gc_calls
+        block.allocated = True
+        stats = self.stats
+        stats.allocated_bytes += block.size
+        if stats.allocated_bytes > stats.peak_allocated_bytes:
+            stats.peak_allocated_bytes = stats.allocated_bytes
+        return block
+
+    def _new_block(self, pool: _Pool, size: int, stream: int, event_index: int) -> Block:
+        """No cached block serves ``size``: a new segment, after giving cached memory back when
+        the limit requires it; OutOfMemory when nothing helps."""
+        alloc_size = allocation_size(size)
+        if self._gc:
+            self._garbage_collect()
+        block = self._alloc_block(pool, size, alloc_size, stream)
+        if block is None and self._release_available_cached_blocks(pool, size, stream):
             block = self._alloc_block(pool, size, alloc_size, stream)
-            if block is None and self._release_available_cached_blocks(pool, size, stream):
-                block = self._alloc_block(pool, size, alloc_size, stream)
-            if block is None:
-                self.stats.alloc_retries += 1
-                self.empty_cache()
-                block = self._alloc_block(pool, size, alloc_size, stream)
-            if block is None:
-                self.stats.ooms.append((event_index, size))
-                raise OutOfMemory(size)
-        block = self._alloc_found_block(pool, block, size)
-        self.stats.allocated_bytes += block.size
-        self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
+        if block is None:
+            self.stats.alloc_retries += 1
+            self.empty_cache()
+            block = self._alloc_block(pool, size, alloc_size, stream)
+        if block is None:
+            self.stats.ooms.append((event_index, size))
+            raise OutOfMemory(size)
         return block
 
     def _expandable_size(self, b: Block) -> int:
@@ -372,11 +406,14 @@ class CachingAllocatorModel:
         if self._gc:
             pool.gc_calls += 1
         keys = pool.keys
-        i = bisect.bisect_left(keys, (stream, size, -1))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, (stream, size, -1))
+        if i == len(keys):
             return None
-        b = pool.blocks[keys[i]]
-        if b.segment in self._expandable_base and self.s.expandable_segments:
+        key = keys[i]
+        if key[0] != stream:
+            return None
+        b = pool.blocks[key]
+        if self._expandable and b.segment in self._expandable_base:
             # best fit by the size a block can grow to (its unmapped neighbour included)
             j = i + 1
             while j < len(keys) and keys[j][0] == stream:
@@ -386,11 +423,17 @@ class CachingAllocatorModel:
                     j += 1
                 else:
                     break
-        if size < self.s.max_split_size and b.size >= self.s.max_split_size:
+        max_split_size = self._max_split_size
+        if size < max_split_size:
+            if b.size >= max_split_size:
+                return None
+        elif b.size >= size + self._max_non_split_rounding:
             return None
-        if size >= self.s.max_split_size and b.size >= size + self.s.max_non_split_rounding:
-            return None
-        pool.remove(b)
+        # pool.remove(b), written out: keys[i] is b's key
+        del keys[i]
+        del pool.blocks[b.pool_key]
+        if pool.index_addresses:
+            del pool.at[b.addr]
         return b
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, stream: int) -> Block | None:
@@ -433,12 +476,40 @@ class CachingAllocatorModel:
         b.allocated = False
         self.stats.allocated_bytes -= b.size
         pool = self.small if b.small else self.large
+        # pool.remove and pool.insert written out: this runs once per replayed free
+        keys, blocks, at = pool.keys, pool.blocks, pool.at if pool.index_addresses else None
         prev, nxt = b.prev, b.next
         if prev is not None and not prev.allocated:
-            self._try_merge(b, prev, pool)
+            if prev.mapped and b.mapped:  # _try_merge(b, prev, pool), written out
+                del keys[bisect_left(keys, prev.pool_key)]
+                del blocks[prev.pool_key]
+                if at is not None:
+                    del at[prev.addr]
+                b.addr = prev.addr
+                b.prev = prev.prev
+                if b.prev is not None:
+                    b.prev.next = b
+                b.size += prev.size
+            else:
+                self._try_merge(b, prev, pool)
         if nxt is not None and not nxt.allocated:
-            self._try_merge(b, nxt, pool)
-        pool.insert(b)
+            if nxt.mapped and b.mapped:  # _try_merge(b, nxt, pool), written out
+                del keys[bisect_left(keys, nxt.pool_key)]
+                del blocks[nxt.pool_key]
+                if at is not None:
+                    del at[nxt.addr]
+                b.next = nxt.next
+                if b.next is not None:
+                    b.next.prev = b
+                b.size += nxt.size
+            else:
+                self._try_merge(b, nxt, pool)
+        key = b.pool_key = (b.stream, b.size, b.addr)
+        insort(keys, key)
+        blocks[key] = b
+        if at is not None:
+            at[b.addr] = b
+        b.gc_base = pool.gc_calls
 
     def _try_merge(self, dst: Block, src: Block | None, pool: _Pool) -> int:
         if src is None or src.allocated or dst.mapped != src.mapped:
@@ -474,7 +545,7 @@ class CachingAllocatorModel:
             return False
         want = max(size, ms)
         keys = pool.keys
-        i = bisect.bisect_left(keys, (stream, want, -1))
+        i = bisect_left(keys, (stream, want, -1))
         exp = self._expandable_base
         if i == len(keys) or keys[i][0] != stream or pool.blocks[keys[i]].segment in exp:
             if i == 0:
@@ -562,7 +633,7 @@ class CachingAllocatorModel:
         def allocatable(b: Block | None) -> bool:
             return b is not None and not b.allocated
 
-        i = bisect.bisect_left(pool.unmapped, (stream, -1))
+        i = bisect_left(pool.unmapped, (stream, -1))
         while i < len(pool.unmapped) and pool.unmapped[i][0] == stream:
             c = pool.unmapped_blocks[pool.unmapped[i]]
             if allocatable(c.prev) and c.prev is not None:
@@ -719,7 +790,7 @@ class CachingAllocatorModel:
         maps the small pool's next page at an address inside the large range's tail)."""
         found: tuple[_Pool, Block] | None = None
         for pool in (self.large, self.small):
-            i = bisect.bisect_right(pool.unmapped, (stream, addr)) - 1
+            i = bisect_right(pool.unmapped, (stream, addr)) - 1
             if i >= 0 and pool.unmapped[i][0] == stream:
                 b = pool.unmapped_blocks[pool.unmapped[i]]
                 if b.addr <= addr < b.addr + b.size and (found is None or b.addr > found[1].addr):
@@ -781,7 +852,7 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         pool = self._pool(small)
         keys = pool.keys
-        i = bisect.bisect_left(keys, (stream, size, -1))
+        i = bisect_left(keys, (stream, size, -1))
         if i < len(keys) and keys[i][0] == stream:
             b = pool.blocks[keys[i]]
             fits = not (size < self.s.max_split_size and b.size >= self.s.max_split_size) and not (

@@ -184,20 +184,23 @@ def _run_events(
     Returns whether the recorded OOM (if any) was avoided, and whether the replay ran out of
     memory (the program raises OutOfMemoryError there: the rest of the trace never happens)."""
     recorded_oom_avoided: bool | None = None
-    kind, address, size, stream, index = prog.kind, prog.address, prog.size, prog.stream, prog.index
-    for i in range(len(kind)):
-        k = kind[i]
+    # Python ints (the columns are int64), not numpy scalars, and the model's methods bound
+    # once: this loop runs once per recorded event
+    columns = (prog.address, prog.size, prog.stream, prog.index)
+    address, size, stream, index = (column.astype(np.int64, copy=False).tolist() for column in columns)
+    malloc, free, take_live = model.malloc, model.free, live.pop
+    for i, k in enumerate(prog.kind.tolist()):
         if k == _ALLOC:
             try:
-                live[int(address[i])] = model.malloc(int(size[i]), int(stream[i]), int(index[i]))
+                live[address[i]] = malloc(size[i], stream[i], index[i])
             except OutOfMemory:
                 return recorded_oom_avoided, True
         elif k == _FREE:
-            b = live.pop(int(address[i]), None)
+            b = take_live(address[i], None)
             if b is not None:
-                model.free(b)
+                free(b)
         elif k == _SEG_NEW:
-            model.recorded_addresses.setdefault(int(size[i]), []).append(int(address[i]))
+            model.recorded_addresses.setdefault(size[i], []).append(address[i])
         elif k == _SEG_GONE:
             if i in prog.releases:
                 is_explicit = _explicit_release(model, prog, i) if explicit is None else i in explicit
@@ -206,7 +209,7 @@ def _run_events(
                     model.empty_cache()
         elif k == _OOM:
             try:
-                model.malloc(int(size[i]), int(stream[i]), int(index[i]))
+                malloc(size[i], stream[i], index[i])
                 recorded_oom_avoided = True if recorded_oom_avoided is None else recorded_oom_avoided
             except OutOfMemory:
                 recorded_oom_avoided = False

@@ -148,21 +148,22 @@ class TopDownAllocator(CachingAllocatorModel):
 def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None = None) -> Simulated:
     """Replay the tape at ``scale`` through the allocator model (under ``limit``: a
     per-process cap, cached blocks released and the request retried before giving up)."""
-    size = tape.sizes(scale)
+    size = tape.sizes(scale).tolist()  # Python ints: the loop below runs once per operation
+    stream = tape.stream.tolist()
     model = TopDownAllocator(settings, limit, limit_is_cap=True)
+    malloc, free = model.malloc, model.free
     live: dict[int, Any] = {}
     which, is_free = ordered_ops(tape)
-    made = size > 0
     for r, f in zip(which.tolist(), is_free.tolist(), strict=True):
-        if not made[r]:
+        if size[r] <= 0:  # not made
             continue
         if f:
             block = live.pop(r, None)
             if block is not None:
-                model.free(block)
+                free(block)
             continue
         try:
-            live[r] = model.malloc(int(size[r]), int(tape.stream[r]))
+            live[r] = malloc(size[r], stream[r])
         except OutOfMemory:
             return Simulated(model.stats.peak_allocated_bytes, model.stats.peak_reserved_bytes, False)
     fits = None if limit is None else True

@@ -161,9 +161,11 @@ def replay(
     live: dict[int, Any] = {}
     pending: set[int] = set()  # freed, block still held
     count = len(program)
-    block_size = np.zeros(count, dtype=np.int64)
-    levels = np.zeros(count, dtype=np.int64)
+    # Python lists while replaying (numpy arrays after): the loop runs once per operation
+    block_sizes = [0] * count
+    level_list = [0] * count
     kind, key, size, stream = program.kind, program.key, program.size, program.stream
+    malloc, free = model.malloc, model.free
     allocated = 0
     peak, peak_op = 0, -1
     oom_at: int | None = None
@@ -172,7 +174,7 @@ def replay(
         op_kind = kind[i]
         if op_kind == ALLOC:
             try:
-                block = model.malloc(size[i], stream[i], i)
+                block = malloc(size[i], stream[i], i)
             except OutOfMemory:
                 oom_at = program.origin[i]
                 last = i
@@ -181,9 +183,9 @@ def replay(
             if old is not None:
                 # a key allocated twice: the first is lost (should not happen)
                 allocated -= old.size
-                model.free(old)
+                free(old)
             live[key[i]] = block
-            block_size[i] = block.size
+            block_sizes[i] = block.size
             allocated += block.size
             if allocated > peak:
                 peak, peak_op = allocated, i
@@ -194,7 +196,7 @@ def replay(
                     pending.discard(key[i])
                 else:
                     allocated -= block.size
-                model.free(block)
+                free(block)
         elif op_kind == FREE_REQUESTED:
             held: Any = live.get(key[i])
             if held is not None and key[i] not in pending:
@@ -202,7 +204,9 @@ def replay(
                 allocated -= held.size
         else:
             model.empty_cache()
-        levels[i] = allocated
+        level_list[i] = allocated
+    block_size = np.array(block_sizes, dtype=np.int64)
+    levels = np.array(level_list, dtype=np.int64)
     parts, by_cat = _at_peak(program, block_size, peak_op)
     origins = np.asarray(program.placed[:last], dtype=np.int64)
     return Replayed(
