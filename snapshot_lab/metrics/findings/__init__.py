@@ -76,10 +76,15 @@ def compute_findings(
 ) -> list[Finding]:
     """All findings, most severe first."""
     ctx = FindingContext(stats, frames, timelines or {}, categories or {}, leaks or {}, whatifs or {})
-    out = [f for rule in RULES for f in rule(ctx)]
+    out = [finding for rule in RULES for finding in rule(ctx)]
     # most severe first; within a severity, the devices in the stats' order (the failing one first)
-    place = {device: i for i, device in enumerate(stats.devices)}
-    out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -1 if f.device is None else place.get(f.device, f.device)))
+    place = {device: index for index, device in enumerate(stats.devices)}
+    out.sort(
+        key=lambda finding: (
+            SEVERITY_ORDER[finding.severity],
+            -1 if finding.device is None else place.get(finding.device, finding.device),
+        )
+    )
     return out
 
 
@@ -90,11 +95,12 @@ def compute_fleet_findings(
     file's place in the parallel layout is ``layouts``' or, by default, its summary's (from the
     capture sidecar), else its file name's."""
     lays = {
-        p: (layouts or {}).get(p) or s.layout or layout_from_name(p) or s.stack_layout for p, s in summaries.items()
+        path: (layouts or {}).get(path) or summary.layout or layout_from_name(path) or summary.stack_layout
+        for path, summary in summaries.items()
     }
     ctx = FleetContext(dict(summaries), lays, pipeline_skew(summaries, lays))
-    out = [f for rule in FLEET_RULES for f in rule(ctx)]
-    out.sort(key=lambda f: SEVERITY_ORDER[f.severity])
+    out = [finding for rule in FLEET_RULES for finding in rule(ctx)]
+    out.sort(key=lambda finding: SEVERITY_ORDER[finding.severity])
     return out
 
 
@@ -103,7 +109,8 @@ class FleetFindings:
     """``findings`` over several files: each file's own findings (as for one file), the findings
     across the files, and the files that could not be read."""
 
-    files: dict[str, list[Finding]]  # path -> its findings, most severe first; in the order given
+    # path -> its findings, most severe first; in the order given
+    files: dict[str, list[Finding]]
     across_files: list[Finding]
     errors: dict[str, str]  # path -> why it could not be read
 
@@ -115,8 +122,12 @@ class FleetFindings:
         return {
             "files": read,
             "findings": [
-                *({"file": None, "files": read, **f.to_dict()} for f in self.across_files),
-                *({"file": p, "files": [p], **f.to_dict()} for p, fs in self.files.items() for f in fs),
+                *({"file": None, "files": read, **finding.to_dict()} for finding in self.across_files),
+                *(
+                    {"file": path, "files": [path], **finding.to_dict()}
+                    for path, findings in self.files.items()
+                    for finding in findings
+                ),
             ],
             "errors": self.errors,
         }
