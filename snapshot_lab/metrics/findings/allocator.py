@@ -54,11 +54,11 @@ FLUSH_CAP_ASSUMPTION = (
 )
 
 
-def _assumption(w: WhatIf) -> str:
-    if not w.memory_limit_inferred or w.memory_limit_bytes is None:
+def _assumption(whatif: WhatIf) -> str:
+    if not whatif.memory_limit_inferred or whatif.memory_limit_bytes is None:
         return ""
-    text = FLUSH_CAP_ASSUMPTION if w.memory_limit_source.startswith("inferred from the") else OOM_CAP_ASSUMPTION
-    return text.format(cap=format_bytes(w.memory_limit_bytes))
+    text = FLUSH_CAP_ASSUMPTION if whatif.memory_limit_source.startswith("inferred from the") else OOM_CAP_ASSUMPTION
+    return text.format(cap=format_bytes(whatif.memory_limit_bytes))
 
 
 def _worth_it(baseline: int, predicted: int) -> bool:
@@ -66,20 +66,20 @@ def _worth_it(baseline: int, predicted: int) -> bool:
     return saved >= MIN_SAVING_BYTES and saved >= MIN_SAVING_SHARE * baseline
 
 
-def _steady_baseline(w: WhatIf) -> int | None:
+def _steady_baseline(whatif: WhatIf) -> int | None:
     """The recorded settings' peak from the same steady state as the alternatives, where the
     saving is measured against it (module docstring): a trace that starts mid-run, recorded
     without max_split_size_mb."""
-    if w.steady_baseline is None or not w.scenarios or w.scenarios[0].settings.get("max_split_size_mb"):
+    if whatif.steady_baseline is None or not whatif.scenarios or whatif.scenarios[0].settings.get("max_split_size_mb"):
         return None
-    return w.steady_baseline.peak_reserved_bytes
+    return whatif.steady_baseline.peak_reserved_bytes
 
 
-def _title(w: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, steady: int | None = None) -> str:
+def _title(whatif: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, steady: int | None = None) -> str:
     label = settings_label(best.settings)
     if why == "avoids the OOM":
         return (
-            f"{label} would have served the allocation that failed{_assumption(w)}: predicted peak reserved "
+            f"{label} would have served the allocation that failed{_assumption(whatif)}: predicted peak reserved "
             f"{format_bytes(best.peak_reserved_bytes)} up to that point"
             + (f" instead of {format_bytes(recorded_peak)}" if recorded_peak > best.peak_reserved_bytes else "")
             + " (the trace ends at the OOM, so later steps are not predicted)"
@@ -87,29 +87,30 @@ def _title(w: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, steady
     if steady is not None:
         return (
             f"{label} would lower the peak reserved memory to {format_bytes(best.peak_reserved_bytes)} instead of "
-            f"{format_bytes(steady)}{STEADY_BASELINE.format(recorded=format_bytes(recorded_peak))}{_assumption(w)}"
+            f"{format_bytes(steady)}{STEADY_BASELINE.format(recorded=format_bytes(recorded_peak))}{_assumption(whatif)}"
         )
     return (
         f"{label} would lower the peak reserved memory to {format_bytes(best.peak_reserved_bytes)} instead of "
-        f"{format_bytes(recorded_peak)}{_assumption(w)}"
+        f"{format_bytes(recorded_peak)}{_assumption(whatif)}"
     )
 
 
-def _finding(w: WhatIf, recorded_peak: int | None) -> Finding | None:
-    found = best_alternative(w)
+def _finding(whatif: WhatIf, recorded_peak: int | None) -> Finding | None:
+    found = best_alternative(whatif)
     if found is None:
         return None
     best, why = found
-    replayed = w.scenarios[0].peak_reserved_bytes
+    replayed = whatif.scenarios[0].peak_reserved_bytes
     recorded = replayed if recorded_peak is None else recorded_peak
     baseline = min(replayed, recorded)
-    steady = _steady_baseline(w) if why != "avoids the OOM" else None
+    steady = _steady_baseline(whatif) if why != "avoids the OOM" else None
     if steady is not None and steady < baseline:
         baseline = steady  # like for like: both from the same steady state
     else:
         steady = None
     if why != "avoids the OOM" and not _worth_it(baseline, best.peak_reserved_bytes):
-        return None  # the replay's saving is against a peak the recording never had
+        # the replay's saving is against a peak the recording never had
+        return None
     label = settings_label(best.settings)
     saved = baseline - best.peak_reserved_bytes
     evidence = {
@@ -117,29 +118,29 @@ def _finding(w: WhatIf, recorded_peak: int | None) -> Finding | None:
         "predicted_peak_reserved_bytes": best.peak_reserved_bytes,
         "replayed_peak_reserved_bytes": replayed,
         "recorded_peak_reserved_bytes": recorded_peak,
-        "memory_limit_bytes": w.memory_limit_bytes,
-        "memory_limit_inferred": w.memory_limit_inferred,
-        "replay_check": "exact" if w.replay_check.exact else "approximate",
+        "memory_limit_bytes": whatif.memory_limit_bytes,
+        "memory_limit_inferred": whatif.memory_limit_inferred,
+        "replay_check": "exact" if whatif.replay_check.exact else "approximate",
     }
-    if w.steady_baseline is not None:  # a trace that starts mid-run
-        evidence["steady_baseline_peak_reserved_bytes"] = w.steady_baseline.peak_reserved_bytes
+    if whatif.steady_baseline is not None:  # a trace that starts mid-run
+        evidence["steady_baseline_peak_reserved_bytes"] = whatif.steady_baseline.peak_reserved_bytes
         evidence["saving_measured_against"] = "steady baseline" if steady is not None else "recorded peak"
     return Finding(
         id="allocator-settings",
         severity="warning" if why == "avoids the OOM" else "info",
-        title=_title(w, best, why, recorded, steady),
-        advice=ADVICE.format(label=label, how="exactly" if w.replay_check.exact else "approximately"),
+        title=_title(whatif, best, why, recorded, steady),
+        advice=ADVICE.format(label=label, how="exactly" if whatif.replay_check.exact else "approximately"),
         evidence=evidence,
         savings_bytes=max(saved, 0) or None,
-        device=w.device,
+        device=whatif.device,
     )
 
 
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
-    for dev, w in ctx.whatifs.items():
+    for dev, whatif in ctx.whatifs.items():
         timeline = ctx.timelines.get(dev)
-        finding = _finding(w, timeline.peak_reserved_bytes if timeline is not None else None)
+        finding = _finding(whatif, timeline.peak_reserved_bytes if timeline is not None else None)
         if finding is not None:
             out.append(finding)
     return out
