@@ -28,7 +28,8 @@ class Finding:
     title: str
     advice: str
     evidence: dict[str, Any] = field(default_factory=dict)
-    savings_bytes: int | None = None  # memory the advice would free or make usable, when known
+    # memory the advice would free or make usable, when known
+    savings_bytes: int | None = None
     device: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
