@@ -44,11 +44,11 @@ WHEN = "first flush {first:.3f} s and last {last:.3f} s after the trace's first 
 
 
 def _recording(ctx: FindingContext, device: int) -> DeviceRecording | None:
-    return next((d for d in ctx.stats.recording.devices if d.device == device), None)
+    return next((recording for recording in ctx.stats.recording.devices if recording.device == device), None)
 
 
 def _seconds_after_start(rec: DeviceRecording | None, flushes: list[Release]) -> tuple[float, float] | None:
-    times = [r.time_us for r in flushes if r.time_us is not None]
+    times = [release.time_us for release in flushes if release.time_us is not None]
     if rec is None or rec.first_time_us is None or len(times) < len(flushes):
         return None
     return (min(times) - rec.first_time_us) / 1e6, (max(times) - rec.first_time_us) / 1e6
@@ -57,8 +57,12 @@ def _seconds_after_start(rec: DeviceRecording | None, flushes: list[Release]) ->
 def _total_time_us(flushes: list[Release]) -> int | None:
     """Time from each flush's first cudaFree to its retried cudaMalloc, summed: what the flushes
     cost inside the allocations that needed them (the re-reserving afterwards comes on top)."""
-    spans = [r.duration_us for r in flushes]
-    return None if any(d is None for d in spans) else sum(d for d in spans if d is not None)
+    spans = [release.duration_us for release in flushes]
+    return (
+        None
+        if any(duration is None for duration in spans)
+        else sum(duration for duration in spans if duration is not None)
+    )
 
 
 def _spent(flushes: list[Release]) -> str:
@@ -67,19 +71,19 @@ def _spent(flushes: list[Release]) -> str:
 
 
 def _device_has_oom(ctx: FindingContext, device: int) -> bool:
-    ev = ctx.frames.events
-    return bool(((ev["device"] == device) & (ev["action"] == "oom")).any())
+    events = ctx.frames.events
+    return bool(((events["device"] == device) & (events["action"] == "oom")).any())
 
 
 def _finding(ctx: FindingContext, device: int) -> Finding | None:
-    flushes = [r for r in find_releases(ctx.frames, device) if r.cause == "flush"]
+    flushes = [release for release in find_releases(ctx.frames, device) if release.cause == "flush"]
     if not flushes or _device_has_oom(ctx, device):
         return None
-    w = ctx.whatifs.get(device)
-    limit = w.memory_limit_bytes if w is not None else None
-    released = sum(r.bytes for r in flushes)
-    segments = sum(r.segments for r in flushes)
-    reserved_again = sum(r.reserved_again_bytes for r in flushes)
+    whatif = ctx.whatifs.get(device)
+    limit = whatif.memory_limit_bytes if whatif is not None else None
+    released = sum(release.bytes for release in flushes)
+    segments = sum(release.segments for release in flushes)
+    reserved_again = sum(release.reserved_again_bytes for release in flushes)
     rec = _recording(ctx, device)
     when = _seconds_after_start(rec, flushes)
     count = len(flushes)
@@ -100,17 +104,17 @@ def _finding(ctx: FindingContext, device: int) -> Finding | None:
         ),
         evidence={
             "flushes": count,
-            "flush_event_positions": [r.start for r in flushes],
+            "flush_event_positions": [release.start for release in flushes],
             "first_flush_s": when[0] if when is not None else None,
             "last_flush_s": when[1] if when is not None else None,
             "flush_time_us": _total_time_us(flushes),
             "bytes_released": released,
             "segments_released": segments,
             "bytes_reserved_again": reserved_again,
-            "largest_retried_request_bytes": max(r.next_segment_bytes for r in flushes),
-            "reserved_before_flush_bytes": max(r.reserved_before_bytes for r in flushes),
+            "largest_retried_request_bytes": max(release.next_segment_bytes for release in flushes),
+            "reserved_before_flush_bytes": max(release.reserved_before_bytes for release in flushes),
             "memory_limit_bytes": limit,
-            "memory_limit_source": w.memory_limit_source if w is not None else None,
+            "memory_limit_source": whatif.memory_limit_source if whatif is not None else None,
             # a trace that misses the job's start may miss flushes too: torch's count is then larger
             "history_complete": rec is None or rec.history_complete,
         },
@@ -119,4 +123,4 @@ def _finding(ctx: FindingContext, device: int) -> Finding | None:
 
 
 def find(ctx: FindingContext) -> list[Finding]:
-    return [f for dev in ctx.stats.devices if (f := _finding(ctx, dev)) is not None]
+    return [finding for dev in ctx.stats.devices if (finding := _finding(ctx, dev)) is not None]
