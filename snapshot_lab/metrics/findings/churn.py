@@ -18,16 +18,24 @@ from ..allocator.releases import find_releases
 from .base import Finding, FindingContext
 
 CHURN_MIN_SEGMENT_FREES = 8
-CHURN_MIN_CYCLES = 3  # releases by the program, each followed by reserving memory again
-CHURN_MIN_RESERVED_AGAIN = 0.25  # of what the release gave back, before the next release
+# releases by the program, each followed by reserving memory again
+CHURN_MIN_CYCLES = 3
+# of what the release gave back, before the next release
+CHURN_MIN_RESERVED_AGAIN = 0.25
 
 
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
     for dev in ctx.stats.devices:
-        releases = [r for r in find_releases(ctx.frames, dev) if r.cause in ("empty_cache", "unknown")]
-        segments = sum(r.segments for r in releases)
-        cycles = sum(1 for r in releases if r.bytes and r.reserved_again_bytes >= CHURN_MIN_RESERVED_AGAIN * r.bytes)
+        releases = [
+            release for release in find_releases(ctx.frames, dev) if release.cause in ("empty_cache", "unknown")
+        ]
+        segments = sum(release.segments for release in releases)
+        cycles = sum(
+            1
+            for release in releases
+            if release.bytes and release.reserved_again_bytes >= CHURN_MIN_RESERVED_AGAIN * release.bytes
+        )
         if segments < CHURN_MIN_SEGMENT_FREES or cycles < CHURN_MIN_CYCLES:
             continue
         out.append(
@@ -45,10 +53,10 @@ def find(ctx: FindingContext) -> list[Finding]:
                 ),
                 evidence={
                     "releases": len(releases),
-                    "released_by_empty_cache": sum(1 for r in releases if r.cause == "empty_cache"),
+                    "released_by_empty_cache": sum(1 for release in releases if release.cause == "empty_cache"),
                     "reserved_again_after": cycles,
                     "segments_released": segments,
-                    "bytes_released": sum(r.bytes for r in releases),
+                    "bytes_released": sum(release.bytes for release in releases),
                 },
                 device=dev,
             )
