@@ -14,16 +14,18 @@ def find(ctx: FindingContext) -> list[Finding]:
     devs = sorted(stats.devices)
     if len(devs) < 2:
         return []
-    alloc = {d: stats.devices[d].torch_stats["allocated_bytes.all.current"] for d in devs}
+    alloc = {device: stats.devices[device].torch_stats["allocated_bytes.all.current"] for device in devs}
     first, rest = devs[0], devs[1:]
-    others = sum(alloc[d] for d in rest) / len(rest)
+    others = sum(alloc[device] for device in rest) / len(rest)
     excess = alloc[first] - others
     if excess < DP_MIN_EXCESS_BYTES or alloc[first] < DP_MIN_RATIO * max(others, 1):
         return []
-    peaks = {d: tl.peak_requested_bytes for d in devs if (tl := timelines.get(d)) is not None}
+    peaks = {
+        device: timeline.peak_requested_bytes for device in devs if (timeline := timelines.get(device)) is not None
+    }
     peak_excess = 0
-    if first in peaks and all(d in peaks for d in rest):
-        peak_excess = max(0, int(peaks[first] - sum(peaks[d] for d in rest) / len(rest)))
+    if first in peaks and all(device in peaks for device in rest):
+        peak_excess = max(0, int(peaks[first] - sum(peaks[device] for device in rest) / len(rest)))
     return [
         Finding(
             id="dataparallel-imbalance",
@@ -39,8 +41,8 @@ def find(ctx: FindingContext) -> list[Finding]:
                 "the same, or move the loss computation into the replicated module so outputs are not gathered."
             ),
             evidence={
-                **{f"allocated_bytes_device_{d}": alloc[d] for d in devs},
-                **{f"peak_requested_bytes_device_{d}": peaks[d] for d in devs if d in peaks},
+                **{f"allocated_bytes_device_{device}": alloc[device] for device in devs},
+                **{f"peak_requested_bytes_device_{device}": peaks[device] for device in devs if device in peaks},
             },
             savings_bytes=peak_excess or int(excess),
             device=first,
