@@ -6,7 +6,8 @@ from ...units import format_bytes
 from ..categories import CategoryBreakdown
 from .base import Finding, FindingContext
 
-DDP_MIN_GRAD_SHARE = 0.5  # separate gradients must add up to this share of the bucket bytes
+# separate gradients must add up to this share of the bucket bytes
+DDP_MIN_GRAD_SHARE = 0.5
 
 
 def _finding(dev: int, cats: CategoryBreakdown) -> Finding | None:
@@ -41,4 +42,4 @@ def _finding(dev: int, cats: CategoryBreakdown) -> Finding | None:
 
 
 def find(ctx: FindingContext) -> list[Finding]:
-    return [f for dev, cats in ctx.categories.items() if (f := _finding(dev, cats)) is not None]
+    return [finding for dev, cats in ctx.categories.items() if (finding := _finding(dev, cats)) is not None]
