@@ -24,34 +24,34 @@ FRAG_MIN_BYTES = 512 * MiB
 FRAG_MIN_SHARE = 0.30
 
 
-def _finding(d: DeviceStats, tl: Timeline | None, gap_said: bool = False) -> Finding | None:
+def _finding(device_stats: DeviceStats, timeline: Timeline | None, gap_said: bool = False) -> Finding | None:
     """``gap_said``: the reserved-gap finding fires on the device and says the peak's gap."""
-    f = d.fragmentation["all"]
-    reserved = f.reserved_bytes
-    stranded = f.stranded_bytes
+    fragmentation = device_stats.fragmentation["all"]
+    reserved = fragmentation.reserved_bytes
+    stranded = fragmentation.stranded_bytes
     overhead = 0
-    if tl is not None and tl.n_events:
+    if timeline is not None and timeline.n_events:
         # what the trace reserved beyond its own need: cache already held when the trace began
         # (an earlier phase of the process; a late start) is not the trace's fragmentation (a
         # Lightning fit after another workload in the process: 1 GiB cached, 267 MiB used)
-        held_at_start = int(tl.reserved_bytes[0])
-        overhead = max(tl.peak_reserved_bytes - max(tl.peak_requested_bytes, held_at_start), 0)
+        held_at_start = int(timeline.reserved_bytes[0])
+        overhead = max(timeline.peak_reserved_bytes - max(timeline.peak_requested_bytes, held_at_start), 0)
     at_dump = stranded >= FRAG_MIN_BYTES and reserved and stranded / reserved >= FRAG_MIN_SHARE
     # levels anchored at the dump are exact too (the trace's changes are exact): a trace whose
     # ring buffer wrapped is judged at its peak like a complete one
     at_peak = (
         not gap_said
-        and tl is not None
+        and timeline is not None
         and overhead >= FRAG_MIN_BYTES
-        and overhead / max(tl.peak_reserved_bytes, 1) >= FRAG_MIN_SHARE
+        and overhead / max(timeline.peak_reserved_bytes, 1) >= FRAG_MIN_SHARE
     )
-    if not (at_dump and f.external_fragmentation >= 0.5) and not at_peak:
+    if not (at_dump and fragmentation.external_fragmentation >= 0.5) and not at_peak:
         return None
-    if at_peak and tl is not None:
+    if at_peak and timeline is not None:
         title = (
-            f"Fragmentation: at the peak {format_bytes(tl.peak_reserved_bytes)} was reserved for "
-            f"{format_bytes(tl.peak_requested_bytes)} of tensors; {format_bytes(overhead)} "
-            f"({overhead / tl.peak_reserved_bytes:.0%}) sat in cached blocks no request could use"
+            f"Fragmentation: at the peak {format_bytes(timeline.peak_reserved_bytes)} was reserved for "
+            f"{format_bytes(timeline.peak_requested_bytes)} of tensors; {format_bytes(overhead)} "
+            f"({overhead / timeline.peak_reserved_bytes:.0%}) sat in cached blocks no request could use"
         )
     else:
         title = (
@@ -71,24 +71,24 @@ def _finding(d: DeviceStats, tl: Timeline | None, gap_said: bool = False) -> Fin
         evidence={
             "reserved_bytes": reserved,
             "stranded_bytes": stranded,
-            "external_fragmentation": f.external_fragmentation,
-            "largest_free_block_bytes": f.largest_free_block_bytes,
-            "peak_reserved_bytes": tl.peak_reserved_bytes if tl else None,
-            "peak_requested_bytes": tl.peak_requested_bytes if tl else None,
-            "overhead_at_peak_bytes": overhead if tl else None,
-            "levels_anchored_at_dump": tl.anchored_at_end if tl else None,
+            "external_fragmentation": fragmentation.external_fragmentation,
+            "largest_free_block_bytes": fragmentation.largest_free_block_bytes,
+            "peak_reserved_bytes": timeline.peak_reserved_bytes if timeline else None,
+            "peak_requested_bytes": timeline.peak_requested_bytes if timeline else None,
+            "overhead_at_peak_bytes": overhead if timeline else None,
+            "levels_anchored_at_dump": timeline.anchored_at_end if timeline else None,
         },
         savings_bytes=max(stranded, overhead),
-        device=d.device,
+        device=device_stats.device,
     )
 
 
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
-    for dev, d in ctx.stats.devices.items():
-        if d.oom is not None and d.oom.cause == "fragmentation":
+    for dev, device_stats in ctx.stats.devices.items():
+        if device_stats.oom is not None and device_stats.oom.cause == "fragmentation":
             continue  # the OOM finding says it
-        f = _finding(d, ctx.timelines.get(dev), gap_said=gap_finding(ctx, dev) is not None)
-        if f is not None:
-            out.append(f)
+        finding = _finding(device_stats, ctx.timelines.get(dev), gap_said=gap_finding(ctx, dev) is not None)
+        if finding is not None:
+            out.append(finding)
     return out
