@@ -32,33 +32,33 @@ def kept_unsharded(ctx: FindingContext, device: int) -> tuple[float, int, int]:
     """(share of the bytes the forward gathered that stayed alive into backward, the most of
     those bytes alive at once, those alive at the device's peak)."""
     frames = ctx.frames
-    lt = device_lifetimes(frames, device)
+    lifetimes = device_lifetimes(frames, device)
     codes = categorize(frames).alloc_codes[device]
     unsharded = codes == CODES["fsdp_unsharded_params"]
     if not unsharded.any():
         return 0, 0, 0
-    ev = frames.events[frames.events["device"] == device]
+    events = frames.events[frames.events["device"] == device]
     threads = stack_threads(frames)
-    made = thread_codes(lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1), threads)
-    freed_by = thread_codes(free_stack_ids(lt, ev), threads)
-    never = lt["free_index"].isna().to_numpy()
+    made = thread_codes(lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1), threads)
+    freed_by = thread_codes(free_stack_ids(lifetimes, events), threads)
+    never = lifetimes["free_index"].isna().to_numpy()
     gathered_in_forward = unsharded & (made == THREAD_CODES["main"])
     kept = gathered_in_forward & ((freed_by == THREAD_CODES["autograd"]) | (freed_by == THREAD_CODES["none"]) | never)
     if not kept.any():
         return 0.0, 0, 0
-    sizes = lt["size_bytes"].to_numpy()
+    sizes = lifetimes["size_bytes"].to_numpy()
     share = float(sizes[kept].sum() / sizes[gathered_in_forward].sum())
-    start = lt["event_index"].to_numpy()[kept]
-    end = lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)[kept]
-    size = lt["size_bytes"].to_numpy()[kept]
+    start = lifetimes["event_index"].to_numpy()[kept]
+    end = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)[kept]
+    size = lifetimes["size_bytes"].to_numpy()[kept]
     order = np.argsort(np.r_[start, end], kind="stable")
     nbytes = np.r_[size, -size][order]
     total = np.cumsum(nbytes)
     best = int(np.argmax(total))
-    tl: Timeline | None = ctx.timelines.get(device)
+    timeline: Timeline | None = ctx.timelines.get(device)
     at_peak = 0
-    if tl is not None:
-        alive = (start <= tl.peak_index) & (end > tl.peak_index)
+    if timeline is not None:
+        alive = (start <= timeline.peak_index) & (end > timeline.peak_index)
         at_peak = int(size[alive].sum())
     return share, int(total[best]), at_peak
 
@@ -102,7 +102,7 @@ def find(ctx: FindingContext) -> list[Finding]:
                     "kept_share_of_forward_gathers": round(share, 4),
                     "unsharded_bytes_kept": nbytes,
                     "kept_bytes_at_peak": at_peak,
-                    "strategy": " + ".join(s for s in layout.strategies if s.startswith("fsdp")),
+                    "strategy": " + ".join(strategy for strategy in layout.strategies if strategy.startswith("fsdp")),
                     "world_size": layout.world_size,
                 },
                 savings_bytes=at_peak or None,
