@@ -21,8 +21,8 @@ STATE_ADVICE = (
 )
 
 
-def _state_only_finding(la: LeakAnalysis) -> Finding:
-    top = la.suspects[0]
+def _state_only_finding(leaks: LeakAnalysis) -> Finding:
+    top = leaks.suspects[0]
     return Finding(
         id="leak-suspect",
         severity="warning",
@@ -35,31 +35,31 @@ def _state_only_finding(la: LeakAnalysis) -> Finding:
         advice=STATE_ADVICE,
         evidence={
             "iterations": 0,
-            "iterations_from": la.iteration_source,
+            "iterations_from": leaks.iteration_source,
             "top_site": top.site,
             "top_site_live_blocks": top.count,
             "top_site_live_bytes": top.bytes,
-            "leaked_bytes_live": sum(s.bytes for s in la.suspects),
+            "leaked_bytes_live": sum(suspect.bytes for suspect in leaks.suspects),
             "confidence": top.confidence,
         },
-        savings_bytes=sum(s.bytes for s in la.suspects),
-        device=la.device,
+        savings_bytes=sum(suspect.bytes for suspect in leaks.suspects),
+        device=leaks.device,
     )
 
 
-def _finding(la: LeakAnalysis) -> Finding | None:
-    if not la.suspects:
+def _finding(leaks: LeakAnalysis) -> Finding | None:
+    if not leaks.suspects:
         return None
-    if la.iteration_source == STATE_SOURCE:
-        return _state_only_finding(la)
-    top = la.suspects[0]
-    total = la.growth_bytes_per_iteration
+    if leaks.iteration_source == STATE_SOURCE:
+        return _state_only_finding(leaks)
+    top = leaks.suspects[0]
+    total = leaks.growth_bytes_per_iteration
     return Finding(
         id="leak-suspect",
         severity="warning",
         title=(
-            f"Memory grows by {format_bytes(total)} every iteration: {len(la.suspects)} allocation "
-            f"site{'s' if len(la.suspects) > 1 else ''} never free what they allocate (top: {top.site})"
+            f"Memory grows by {format_bytes(total)} every iteration: {len(leaks.suspects)} allocation "
+            f"site{'s' if len(leaks.suspects) > 1 else ''} never free what they allocate (top: {top.site})"
         ),
         advice=(
             "Tensors allocated at these lines stay alive from one iteration to the next. Typical causes: "
@@ -69,17 +69,17 @@ def _finding(la: LeakAnalysis) -> Finding | None:
             "iterations."
         ),
         evidence={
-            "iterations": la.iterations,
-            "iterations_from": la.iteration_source,
+            "iterations": leaks.iterations,
+            "iterations_from": leaks.iteration_source,
             "growth_bytes_per_iteration": total,
             "top_site": top.site,
             "top_site_growth_bytes_per_iteration": top.growth_bytes_per_iteration,
-            "leaked_bytes_live": sum(s.bytes for s in la.suspects),
+            "leaked_bytes_live": sum(suspect.bytes for suspect in leaks.suspects),
         },
-        savings_bytes=sum(s.bytes for s in la.suspects),
-        device=la.device,
+        savings_bytes=sum(suspect.bytes for suspect in leaks.suspects),
+        device=leaks.device,
     )
 
 
 def find(ctx: FindingContext) -> list[Finding]:
-    return [f for la in ctx.leaks.values() if (f := _finding(la)) is not None]
+    return [finding for leaks in ctx.leaks.values() if (finding := _finding(leaks)) is not None]
