@@ -18,7 +18,8 @@ from .base import Finding, FleetContext, MiB
 
 PP_MIN_GAIN_RATIO = 0.05
 PP_MIN_GAIN_BYTES = 64 * MiB
-INFLIGHT_DOMINATES = 0.5  # share of the difference above which in-flight activations explain it
+# share of the difference above which in-flight activations explain it
+INFLIGHT_DOMINATES = 0.5
 MAX_NAMED_SITES = 3
 MAX_NAMED_CATEGORIES = 4
 
@@ -198,7 +199,7 @@ def _other_advice(skew: PipelineSkew) -> tuple[str, list[str]]:
             sites=LARGEST_AT.format(sites=sites) if sites else "",
         )
     ]
-    last = skew.num_stages - 1 if skew.num_stages else max(p.stage for p in skew.stages)
+    last = skew.num_stages - 1 if skew.num_stages else max(stage.stage for stage in skew.stages)
     template = ADVICE_LAST_STAGE if skew.heaviest.stage == last else ADVICE_MOVE_LAYERS
     advice.append(template.format(gain=format_bytes(skew.balance_gain_bytes), **_stages(skew)))
     return dominated_by, advice
