@@ -22,20 +22,20 @@ def find(ctx: FindingContext) -> list[Finding]:
                 evidence={"mode": rec.mode},
             )
         )
-    for d in rec.devices:
-        if rec.mode != "trace" or d.history_complete:
+    for device in rec.devices:
+        if rec.mode != "trace" or device.history_complete:
             continue
-        if d.live_blocks_before_trace:
-            what = f"{format_bytes(d.live_bytes_before_trace)} still live was allocated before its first event"
+        if device.live_blocks_before_trace:
+            what = f"{format_bytes(device.live_bytes_before_trace)} still live was allocated before its first event"
         else:  # all that predates the trace was freed inside it
-            n = d.orphan_frees
-            blocks, were = ("blocks", "were") if n != 1 else ("block", "was")
-            what = f"{n} {blocks} allocated before its first event {were} freed inside it"
+            orphans = device.orphan_frees
+            blocks, were = ("blocks", "were") if orphans != 1 else ("block", "was")
+            what = f"{orphans} {blocks} allocated before its first event {were} freed inside it"
         out.append(
             Finding(
                 id="history-incomplete",
                 severity="info",
-                title=f"The trace of device {d.device} misses the start of the job: {what}",
+                title=f"The trace of device {device.device} misses the start of the job: {what}",
                 advice=(
                     "The ring buffer wrapped or recording started after the model was built. Timelines are "
                     "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
@@ -43,12 +43,12 @@ def find(ctx: FindingContext) -> list[Finding]:
                     "older than the trace. Start recording earlier or raise max_entries to see them."
                 ),
                 evidence={
-                    "trace_events": d.events,
-                    "orphan_frees": d.orphan_frees,
-                    "live_blocks_before_trace": d.live_blocks_before_trace,
-                    "live_bytes_before_trace": d.live_bytes_before_trace,
+                    "trace_events": device.events,
+                    "orphan_frees": device.orphan_frees,
+                    "live_blocks_before_trace": device.live_blocks_before_trace,
+                    "live_bytes_before_trace": device.live_bytes_before_trace,
                 },
-                device=d.device,
+                device=device.device,
             )
         )
     return out
