@@ -27,7 +27,8 @@ from .base import Finding, FindingContext, MiB
 
 GAP_MIN_BYTES = 1024 * MiB
 GAP_MIN_RATIO = 2.0
-STEADY_MIN_RATIO = 1.25  # a mid-run trace: what its own work reserves under the recorded settings
+# a mid-run trace: what its own work reserves under the recorded settings
+STEADY_MIN_RATIO = 1.25
 
 TITLE = (
     "Reserved memory peaked at {reserved} for {in_use} of tensors at their peak ({ratio:.1f}x): {gap} of "
@@ -53,39 +54,42 @@ STEADY_NOTE = (
 )
 
 
-def _rows(w: WhatIf | None) -> list[tuple[str, int]]:
+def _rows(whatif: WhatIf | None) -> list[tuple[str, int]]:
     """Each alternative the what-if replayed without running out: (settings, predicted peak)."""
-    if w is None or not w.scenarios:
+    if whatif is None or not whatif.scenarios:
         return []
-    split = w.scenarios[0].settings.get("max_split_size_mb")
+    split = whatif.scenarios[0].settings.get("max_split_size_mb")
     rows = []
-    for s in w.scenarios[1:]:
-        if not s.ooms:
-            drops_split = bool(split) and not s.settings.get("max_split_size_mb")
-            rows.append((settings_label(s.settings) + (DROPS_SPLIT if drops_split else ""), s.peak_reserved_bytes))
+    for scenario in whatif.scenarios[1:]:
+        if not scenario.ooms:
+            drops_split = bool(split) and not scenario.settings.get("max_split_size_mb")
+            rows.append(
+                (settings_label(scenario.settings) + (DROPS_SPLIT if drops_split else ""), scenario.peak_reserved_bytes)
+            )
     return rows
 
 
-def _advice(w: WhatIf | None, rows: list[tuple[str, int]]) -> str:
-    recorded = w.scenarios[0].settings if w is not None and w.scenarios else {}
-    mb = recorded.get("max_split_size_mb")
-    text = ADVICE_SPLIT.format(mb=mb) if mb else ADVICE_PLAIN
-    if not rows or w is None:
+def _advice(whatif: WhatIf | None, rows: list[tuple[str, int]]) -> str:
+    recorded = whatif.scenarios[0].settings if whatif is not None and whatif.scenarios else {}
+    split_mb = recorded.get("max_split_size_mb")
+    text = ADVICE_SPLIT.format(mb=split_mb) if split_mb else ADVICE_PLAIN
+    if not rows or whatif is None:
         return text + ADVICE_NONE
-    steady = any(s.start == START_STEADY for s in w.scenarios)
-    listed = "; ".join(f"{label} {format_bytes(peak)}" for label, peak in sorted(rows, key=lambda r: r[1]))
+    steady = any(scenario.start == START_STEADY for scenario in whatif.scenarios)
+    listed = "; ".join(f"{label} {format_bytes(peak)}" for label, peak in sorted(rows, key=lambda row: row[1]))
     return text + ADVICE_ROWS.format(how=STEADY_NOTE if steady else "", rows=listed) + ADVICE_TAIL
 
 
-def _finding(device: int, tl: Timeline, w: WhatIf | None) -> Finding | None:
-    reserved, in_use = tl.peak_reserved_bytes, tl.peak_requested_bytes
+def _finding(device: int, timeline: Timeline, whatif: WhatIf | None) -> Finding | None:
+    reserved, in_use = timeline.peak_reserved_bytes, timeline.peak_requested_bytes
     gap = reserved - in_use
     if in_use <= 0 or gap < GAP_MIN_BYTES or reserved < GAP_MIN_RATIO * in_use:
         return None
-    steady = w.steady_baseline if w is not None else None
+    steady = whatif.steady_baseline if whatif is not None else None
     if steady is not None and steady.peak_reserved_bytes < STEADY_MIN_RATIO * in_use:
-        return None  # the cache came before the trace, not from the allocator's handling of its work
-    rows = _rows(w)
+        # the cache came before the trace, not from the allocator's handling of its work
+        return None
+    rows = _rows(whatif)
     best = min((peak for _, peak in rows), default=None)
     return Finding(
         id="reserved-gap",
@@ -93,7 +97,7 @@ def _finding(device: int, tl: Timeline, w: WhatIf | None) -> Finding | None:
         title=TITLE.format(
             reserved=format_bytes(reserved), in_use=format_bytes(in_use), ratio=reserved / in_use, gap=format_bytes(gap)
         ),
-        advice=_advice(w, rows),
+        advice=_advice(whatif, rows),
         evidence={
             "peak_reserved_bytes": reserved,
             "peak_requested_bytes": in_use,
@@ -109,14 +113,14 @@ def _finding(device: int, tl: Timeline, w: WhatIf | None) -> Finding | None:
 
 def gap_finding(ctx: FindingContext, device: int) -> Finding | None:
     """The reserved-gap finding on ``device``, if the gap is there (high-fragmentation defers to it)."""
-    tl = ctx.timelines.get(device)
-    return None if tl is None else _finding(device, tl, ctx.whatifs.get(device))
+    timeline = ctx.timelines.get(device)
+    return None if timeline is None else _finding(device, timeline, ctx.whatifs.get(device))
 
 
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
     for dev in ctx.stats.devices:
-        f = gap_finding(ctx, dev)
-        if f is not None:
-            out.append(f)
+        finding = gap_finding(ctx, dev)
+        if finding is not None:
+            out.append(finding)
     return out
