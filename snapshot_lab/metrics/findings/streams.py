@@ -8,8 +8,11 @@ from .base import Finding, FindingContext
 
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
-    for dev, d in ctx.stats.devices.items():
-        pending = d.torch_stats["active_bytes.all.current"] - d.torch_stats["allocated_bytes.all.current"]
+    for dev, device_stats in ctx.stats.devices.items():
+        pending = (
+            device_stats.torch_stats["active_bytes.all.current"]
+            - device_stats.torch_stats["allocated_bytes.all.current"]
+        )
         if not pending:
             continue
         out.append(
