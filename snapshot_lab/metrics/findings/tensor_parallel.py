@@ -33,25 +33,30 @@ def find(ctx: FindingContext) -> list[Finding]:
     sites = snapshot_sites(frames)
     out = []
     for dev in ctx.stats.devices:
-        b = frames.blocks
-        params = (b["device"] == dev) & (b["state"] == "active_allocated") & (cats == "parameter")
-        p = b[params]
-        sid = p["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-        replicated = ~np.isin(sid, np.fromiter(sharded, dtype=np.int64, count=len(sharded)))
-        total = int(p["requested_size_bytes"].sum())
-        rep = int(p.loc[replicated, "requested_size_bytes"].sum())
+        blocks = frames.blocks
+        params = (blocks["device"] == dev) & (blocks["state"] == "active_allocated") & (cats == "parameter")
+        param_blocks = blocks[params]
+        stack_ids = param_blocks["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+        replicated = ~np.isin(stack_ids, np.fromiter(sharded, dtype=np.int64, count=len(sharded)))
+        total = int(param_blocks["requested_size_bytes"].sum())
+        rep = int(param_blocks.loc[replicated, "requested_size_bytes"].sum())
         if not total or rep < MIN_BYTES or rep < MIN_SHARE * total:
             continue
-        tp = layout.degrees.get("tp") or layout.world_size or 2
+        tp_degree = layout.degrees.get("tp") or layout.world_size or 2
         by_site = (
-            p[replicated]
-            .assign(site=[sites.label(int(s)) if s >= 0 else sites.label(None) for s in sid[replicated]])
+            param_blocks[replicated]
+            .assign(
+                site=[
+                    sites.label(int(stack_id)) if stack_id >= 0 else sites.label(None)
+                    for stack_id in stack_ids[replicated]
+                ]
+            )
             .groupby("site")["requested_size_bytes"]
             .sum()
             .sort_values(ascending=False)
         )
         # with Adam-family optimizers each replicated parameter also has a gradient and two states
-        at_stake = int(rep * 4 * (tp - 1) / tp)
+        at_stake = int(rep * 4 * (tp_degree - 1) / tp_degree)
         out.append(
             Finding(
                 id="tp-replicated-params",
@@ -64,15 +69,19 @@ def find(ctx: FindingContext) -> list[Finding]:
                     "Layers left out of the tensor-parallel plan (embeddings, norms, the output head) are held in "
                     "full by every TP rank, with their gradients and optimizer state. Sharding the embedding "
                     "(RowwiseParallel on nn.Embedding) and the head (ColwiseParallel with loss_parallel) divides "
-                    f"them by the TP degree ({tp}); sequence parallelism shards the norms' activations. "
+                    f"them by the TP degree ({tp_degree}); sequence parallelism shards the norms' activations. "
                     "Largest replicated sites: "
-                    + "; ".join(f"{site} ({format_bytes(int(n))})" for site, n in by_site.head(3).items())
+                    + "; ".join(
+                        f"{site} ({format_bytes(int(site_bytes))})" for site, site_bytes in by_site.head(3).items()
+                    )
                 ),
                 evidence={
                     "replicated_parameter_bytes": rep,
                     "parameter_bytes": total,
-                    "tp_degree": tp,
-                    "replicated_sites": {str(k): int(v) for k, v in by_site.head(8).items()},
+                    "tp_degree": tp_degree,
+                    "replicated_sites": {
+                        str(site_name): int(total_bytes) for site_name, total_bytes in by_site.head(8).items()
+                    },
                 },
                 savings_bytes=at_stake,
                 device=dev,
