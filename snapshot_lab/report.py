@@ -69,61 +69,71 @@ COUNTERS = (
 MAX_SITES = 12
 
 
-def _counter_rows(ts: dict[str, int]) -> list[Row]:
+def _counter_rows(torch_stats: dict[str, int]) -> list[Row]:
     rows = []
     for name, is_bytes, help_text in COUNTERS:
-        vals = [ts[f"{name}.{p}.current"] for p in POOLS]
-        rows.append(Row(name, [format_bytes(v) if is_bytes else f"{v:,}" for v in vals], help_text))
+        vals = [torch_stats[f"{name}.{pool}.current"] for pool in POOLS]
+        rows.append(Row(name, [format_bytes(value) if is_bytes else f"{value:,}" for value in vals], help_text))
     return rows
 
 
-def _fragmentation_rows(d: DeviceStats) -> list[Row]:
-    fr = d.fragmentation
+def _fragmentation_rows(device_stats: DeviceStats) -> list[Row]:
+    by_pool = device_stats.fragmentation
     spec: list[tuple[str, Any, str]] = [
         (
             "fragmentation (stranded share)",
-            lambda f: format_percent(f.stranded_share),
+            lambda frag: format_percent(frag.stranded_share),
             "stranded bytes / reserved bytes: the part of reserved memory lost to holes",
         ),
         (
             "stranded",
-            lambda f: format_bytes(f.stranded_bytes),
+            lambda frag: format_bytes(frag.stranded_bytes),
             "free holes inside segments that still hold live tensors: only a request that fits a hole can "
             "use them, and empty_cache() cannot return them",
         ),
         (
             "cached, releasable",
-            lambda f: format_bytes(f.cached_releasable_bytes),
+            lambda frag: format_bytes(frag.cached_releasable_bytes),
             "whole free segments (or pages): reusable by any request; empty_cache() gives them back to CUDA",
         ),
-        ("free in reserved", lambda f: format_bytes(f.free_bytes), "all cached free blocks: stranded + releasable"),
-        ("free blocks", lambda f: f"{f.free_blocks:,}", ""),
+        (
+            "free in reserved",
+            lambda frag: format_bytes(frag.free_bytes),
+            "all cached free blocks: stranded + releasable",
+        ),
+        ("free blocks", lambda frag: f"{frag.free_blocks:,}", ""),
         (
             "largest free block",
-            lambda f: format_bytes(f.largest_free_block_bytes),
+            lambda frag: format_bytes(frag.largest_free_block_bytes),
             "the largest request the cache can serve without a new segment",
         ),
         (
             "external fragmentation",
-            lambda f: format_percent(f.external_fragmentation),
+            lambda frag: format_percent(frag.external_fragmentation),
             "1 − largest free block / free bytes: 0% one hole, near 100% many small holes",
         ),
         (
             "internal waste",
-            lambda f: format_bytes(f.internal_waste_bytes),
+            lambda frag: format_bytes(frag.internal_waste_bytes),
             "rounding: block size − requested size of allocated blocks",
         ),
     ]
-    return [Row(name, [fn(fr[p]) for p in POOLS], help_text) for name, fn, help_text in spec]
+    return [Row(name, [cell(by_pool[pool]) for pool in POOLS], help_text) for name, cell, help_text in spec]
 
 
-def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
-    ts = d.torch_stats
-    frag = d.fragmentation["all"]
+def _cards(device_stats: DeviceStats, timeline: Timeline | None) -> list[Card]:
+    torch_stats = device_stats.torch_stats
+    frag = device_stats.fragmentation["all"]
     free = frag.free_bytes
     cards = [
-        Card("reserved", format_bytes(ts["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"),
-        Card("allocated", format_bytes(ts["allocated_bytes.all.current"]), "in blocks of live tensors at the dump"),
+        Card(
+            "reserved", format_bytes(torch_stats["reserved_bytes.all.current"]), "held from CUDA by PyTorch's allocator"
+        ),
+        Card(
+            "allocated",
+            format_bytes(torch_stats["allocated_bytes.all.current"]),
+            "in blocks of live tensors at the dump",
+        ),
         Card("free in reserved", format_bytes(free), "cached, reusable by PyTorch, not by other processes"),
         Card(
             "fragmentation",
@@ -132,23 +142,33 @@ def _cards(d: DeviceStats, tl: Timeline | None) -> list[Card]:
             f"{format_bytes(frag.cached_releasable_bytes)} more is cached and releasable",
         ),
     ]
-    if tl is not None:
+    if timeline is not None:
         cards.append(
-            Card("peak requested", format_bytes(tl.peak_requested_bytes), "largest requested total during the trace")
+            Card(
+                "peak requested",
+                format_bytes(timeline.peak_requested_bytes),
+                "largest requested total during the trace",
+            )
         )
         cards.append(
-            Card("peak reserved", format_bytes(tl.peak_reserved_bytes), "largest reserved total during the trace")
+            Card("peak reserved", format_bytes(timeline.peak_reserved_bytes), "largest reserved total during the trace")
         )
-    if d.private_pool_reserved_bytes:
-        cards.append(Card("CUDA-graph pools", format_bytes(d.private_pool_reserved_bytes), "reserved by private pools"))
+    if device_stats.private_pool_reserved_bytes:
+        cards.append(
+            Card(
+                "CUDA-graph pools", format_bytes(device_stats.private_pool_reserved_bytes), "reserved by private pools"
+            )
+        )
     return cards
 
 
 def _site_views(frames: SnapshotFrames, sites: list[Any]) -> list[SiteView]:
     views = []
-    for s in sites:
-        full = frames.stack(s.stack_id)
-        views.append(SiteView(site=s, stack=display_stack(full), full_stack=[{**f, "kind": "frame"} for f in full]))
+    for site in sites:
+        full = frames.stack(site.stack_id)
+        views.append(
+            SiteView(site=site, stack=display_stack(full), full_stack=[{**frame, "kind": "frame"} for frame in full])
+        )
     return views
 
 
@@ -171,12 +191,16 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
     total = sum(cats.live_bytes.values()) or 1
     return [
         Row(
-            c,
-            [format_bytes(cats.live_bytes[c]), f"{cats.live_blocks[c]:,}", format_percent(cats.live_bytes[c] / total)],
-            CATEGORY_HELP[c] + _labelled_by(cats.live_requested_by_rule.get(c, {})),
+            category,
+            [
+                format_bytes(cats.live_bytes[category]),
+                f"{cats.live_blocks[category]:,}",
+                format_percent(cats.live_bytes[category] / total),
+            ],
+            CATEGORY_HELP[category] + _labelled_by(cats.live_requested_by_rule.get(category, {})),
         )
-        for c in CATEGORIES
-        if cats.live_blocks[c]
+        for category in CATEGORIES
+        if cats.live_blocks[category]
     ]
 
 
@@ -186,19 +210,20 @@ def _labelled_by(by_rule: dict[str, int]) -> str:
     if not inferred:
         return ""
     parts = [
-        f"{format_bytes(nbytes)} {RULE_HELP[rule]}" for rule, nbytes in sorted(inferred.items(), key=lambda kv: -kv[1])
+        f"{format_bytes(nbytes)} {RULE_HELP[rule]}"
+        for rule, nbytes in sorted(inferred.items(), key=lambda item: -item[1])
     ]
     return ". Inferred, not from the allocation's own stack: " + "; ".join(parts)
 
 
-def _whatif_view(wi: WhatIf | None) -> dict[str, Any] | None:
-    return None if wi is None else whatif_view(wi)
+def _whatif_view(whatif: WhatIf | None) -> dict[str, Any] | None:
+    return None if whatif is None else whatif_view(whatif)
 
 
-def _leak_view(frames: SnapshotFrames, la: LeakAnalysis) -> dict[str, Any]:
+def _leak_view(frames: SnapshotFrames, leaks: LeakAnalysis) -> dict[str, Any]:
     return {
-        "analysis": la,
-        "suspects": [{"s": s, "stack": display_stack(s.frames)} for s in la.suspects],
+        "analysis": leaks,
+        "suspects": [{"s": suspect, "stack": display_stack(suspect.frames)} for suspect in leaks.suspects],
     }
 
 
@@ -206,36 +231,36 @@ def _device_section(
     frames: SnapshotFrames,
     stats: SnapshotStats,
     dev: int,
-    tl: Timeline | None,
+    timeline: Timeline | None,
     cats: CategoryBreakdown,
-    la: LeakAnalysis,
+    leaks: LeakAnalysis,
     lifetimes: pd.DataFrame,
-    wi: WhatIf | None = None,
+    whatif: WhatIf | None = None,
 ) -> DeviceSection:
     """One device's section: what the dump shows, the moment of its OOM, then what the trace shows."""
-    d = stats.devices[dev]
-    moment = oom_moment(frames, dev) if d.oom is not None else None
+    device_stats = stats.devices[dev]
+    moment = oom_moment(frames, dev) if device_stats.oom is not None else None
     at_oom = moment if moment is not None and not moment.at_dump else None
-    section = _dump_section(frames, d, dev, tl, cats, la, wi, at_oom)
+    section = _dump_section(frames, device_stats, dev, timeline, cats, leaks, whatif, at_oom)
     if stats.parallel and stats.parallel.get("strategies"):
         section.parallel = str(stats.parallel["description"])
     if at_oom is not None:
         _show_oom_moment(section, frames, at_oom)
-    if tl is None:
+    if timeline is None:
         _without_trace(section, frames, stats, dev, cats)
     else:
-        _trace_views(section, frames, d, dev, tl, cats, lifetimes)
+        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes)
     return section
 
 
 def _dump_section(
     frames: SnapshotFrames,
-    d: DeviceStats,
+    device_stats: DeviceStats,
     dev: int,
-    tl: Timeline | None,
+    timeline: Timeline | None,
     cats: CategoryBreakdown,
-    la: LeakAnalysis,
-    wi: WhatIf | None,
+    leaks: LeakAnalysis,
+    whatif: WhatIf | None,
     at_oom: Moment | None,
 ) -> DeviceSection:
     """The counters, layout, histogram, sites and categories (of the OOM's moment where the
@@ -244,31 +269,31 @@ def _dump_section(
     blk = frames.blocks[frames.blocks["device"] == dev]
     shown_seg, shown_blk = (at_oom.segments, at_oom.blocks) if at_oom is not None else (seg, blk)
     layouts = select_layout(shown_seg, shown_blk)
-    hidden = sum(p.hidden_segments for p in layouts)
+    hidden = sum(layout.hidden_segments for layout in layouts)
     layout_note = (
         "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
         "largest segment spans the width); blocks are coloured by state; segments alike (the same size and blocks) "
         "are one bar marked ×N." + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
-    oom_req = d.oom.requested_bytes if d.oom else None
-    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom is not None else d.fragmentation
+    oom_req = device_stats.oom.requested_bytes if device_stats.oom else None
+    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom is not None else device_stats.fragmentation
     section = DeviceSection(
         device=dev,
-        cards=_cards(d, tl),
-        counter_rows=_counter_rows(d.torch_stats),
-        fragmentation_rows=_fragmentation_rows(d),
+        cards=_cards(device_stats, timeline),
+        counter_rows=_counter_rows(device_stats.torch_stats),
+        fragmentation_rows=_fragmentation_rows(device_stats),
         histogram_svg=figure_svg(plot_free_histogram(histogram_frag, oom_req)),
         layout_png=figure_png_data_uri(plot_block_layout(layouts)),
         layout_note=layout_note,
         live_sites=_site_views(
             frames, live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
         ),
-        oom=d.oom,
-        oom_stack=display_stack(frames.stack(d.oom.stack_id)) if d.oom else [],
+        oom=device_stats.oom,
+        oom_stack=display_stack(frames.stack(device_stats.oom.stack_id)) if device_stats.oom else [],
         category_rows=_category_rows(cats),
-        leaks=_leak_view(frames, la),
-        whatif=_whatif_view(wi),
-        kv_cache_note=_kv_cache_note(d.kv_cache_growth),
+        leaks=_leak_view(frames, leaks),
+        whatif=_whatif_view(whatif),
+        kv_cache_note=_kv_cache_note(device_stats.kv_cache_growth),
     )
     section.layout_data = layout_data(layouts)
     return section
@@ -299,37 +324,37 @@ def _without_trace(
     )
 
 
-def _timeline_notes(tl: Timeline) -> list[str]:
+def _timeline_notes(timeline: Timeline) -> list[str]:
     notes = [
         "Blue: bytes requested by live tensors; grey: bytes reserved from CUDA. Both are exact sums of the "
         "trace's events.",
     ]
-    if tl.anchored_at_end:
+    if timeline.anchored_at_end:
         notes.append(
             "The trace does not reach back to the start of the job (ring buffer wrapped or recording started "
             "late): levels are anchored at the dump, where the snapshot gives them exactly."
         )
-    if tl.markers:
-        notes.append(f"Dashed lines: starts of '{tl.marker_group}' from the recorded annotations.")
+    if timeline.markers:
+        notes.append(f"Dashed lines: starts of '{timeline.marker_group}' from the recorded annotations.")
     return notes
 
 
 def _trace_views(
     section: DeviceSection,
     frames: SnapshotFrames,
-    d: DeviceStats,
+    device_stats: DeviceStats,
     dev: int,
-    tl: Timeline,
+    timeline: Timeline,
     cats: CategoryBreakdown,
     lifetimes: pd.DataFrame,
 ) -> None:
     """The timeline, the explorer and what was alive at the peak."""
-    section.timeline_png = figure_png_data_uri(plot_timeline(tl))
-    section.exploration = explore(frames, tl)
-    if cats.timeline is not None and len(cats.timeline) == tl.n_events:
-        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, tl.x, tl.x_label))
-    section.timeline_notes = _timeline_notes(tl)
-    alive = alive_at(lifetimes, tl.peak_index)
+    section.timeline_png = figure_png_data_uri(plot_timeline(timeline))
+    section.exploration = explore(frames, timeline)
+    if cats.timeline is not None and len(cats.timeline) == timeline.n_events:
+        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, timeline.x, timeline.x_label))
+    section.timeline_notes = _timeline_notes(timeline)
+    alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
     fwd = allocation_forward_ids(frames, dev, alive["event_index"].to_numpy(dtype=np.int64))
@@ -338,18 +363,18 @@ def _trace_views(
     # the categories at the peak include memory older than the trace (weights of an inference
     # recorded after loading, a mid-run recording's gradients) where the stats could tell them
     by_category = (
-        pd.Series(d.categories_at_peak)
-        if d.categories_at_peak is not None
+        pd.Series(device_stats.categories_at_peak)
+        if device_stats.categories_at_peak is not None
         else alive["size_bytes"].groupby(alive_cats).sum()
     )
-    section.composition = compose("peak", by_category, peak_sites, d.modules, tl.peak_index)
+    section.composition = compose("peak", by_category, peak_sites, device_stats.modules, timeline.peak_index)
     section.peak_note = (
-        f"Allocations alive at the peak ({format_bytes(tl.peak_requested_bytes)} requested, event "
-        f"{tl.peak_index:,}), by requested bytes."
-        + ("" if not tl.anchored_at_end else " Allocations made before the trace began are not included.")
+        f"Allocations alive at the peak ({format_bytes(timeline.peak_requested_bytes)} requested, event "
+        f"{timeline.peak_index:,}), by requested bytes."
+        + ("" if not timeline.anchored_at_end else " Allocations made before the trace began are not included.")
     )
-    if d.modules is not None and d.modules.source != "none":
-        section.modules = _module_view(d.modules)
+    if device_stats.modules is not None and device_stats.modules.source != "none":
+        section.modules = _module_view(device_stats.modules)
 
 
 def _kv_cache_note(growth: KvCacheGrowth | None) -> str:
@@ -363,82 +388,91 @@ def _kv_cache_note(growth: KvCacheGrowth | None) -> str:
 
 
 MODULE_ROWS = 40
-MODULE_MIN_SHARE = 0.005  # rows below half a percent of the peak are left out of the table (still in the totals)
+# rows below half a percent of the peak are left out of the table (still in the totals)
+MODULE_MIN_SHARE = 0.005
 
 
-def _module_view(m: ModuleBreakdown) -> dict[str, Any]:
+def _module_view(modules: ModuleBreakdown) -> dict[str, Any]:
     """The by-module table: for tags, the module tree depth first, children by bytes (a row only
     when it holds at least MODULE_MIN_SHARE of the peak); from stacks, the forward lines by bytes."""
-    floor = m.peak_bytes * MODULE_MIN_SHARE
-    if m.source == "tags":
-        by_name = {r.module: r for r in m.rows}
+    floor = modules.peak_bytes * MODULE_MIN_SHARE
+    if modules.source == "tags":
+        by_name = {row.module: row for row in modules.rows}
         children: dict[str | None, list[ModuleRow]] = {}
-        for r in m.rows:
-            parent = parent_fqn(r.module) if not r.module.startswith("metadata ") else None
+        for row in modules.rows:
+            parent = parent_fqn(row.module) if not row.module.startswith("metadata ") else None
             while parent is not None and parent not in by_name:
                 parent = parent_fqn(parent)
-            children.setdefault(parent, []).append(r)
+            children.setdefault(parent, []).append(row)
         ordered: list[tuple[ModuleRow, int]] = []
 
         def walk(parent: str | None, depth: int) -> None:
-            for r in sorted(children.get(parent, []), key=lambda r: (-r.inclusive_bytes, r.module)):
-                if r.inclusive_bytes >= floor and len(ordered) < MODULE_ROWS:
-                    ordered.append((r, depth))
-                    walk(r.module, depth + 1)
+            for row in sorted(children.get(parent, []), key=lambda row: (-row.inclusive_bytes, row.module)):
+                if row.inclusive_bytes >= floor and len(ordered) < MODULE_ROWS:
+                    ordered.append((row, depth))
+                    walk(row.module, depth + 1)
 
         walk(None, 0)
     else:
-        ordered = [(r, 0) for r in sorted(m.rows, key=lambda r: -r.self_bytes) if r.self_bytes >= floor][:MODULE_ROWS]
+        ordered = [
+            (row, 0) for row in sorted(modules.rows, key=lambda row: -row.self_bytes) if row.self_bytes >= floor
+        ][:MODULE_ROWS]
     rows = [
         {
-            "label": r.label,
+            "label": row.label,
             "depth": depth,
-            "self": r.self_bytes,
-            "inclusive": r.inclusive_bytes,
-            "fwd": r.by_phase.get("fwd", 0),
-            "bwd": r.by_phase.get("bwd", 0),
-            "rec": r.by_phase.get("rec", 0),
-            "peak": r.peak_bytes,
+            "self": row.self_bytes,
+            "inclusive": row.inclusive_bytes,
+            "fwd": row.by_phase.get("fwd", 0),
+            "bwd": row.by_phase.get("bwd", 0),
+            "rec": row.by_phase.get("rec", 0),
+            "peak": row.peak_bytes,
             "categories": ", ".join(
-                f"{c} {format_bytes(v)}" for c, v in sorted(r.by_category.items(), key=lambda kv: -kv[1])[:3]
+                f"{category} {format_bytes(nbytes)}"
+                for category, nbytes in sorted(row.by_category.items(), key=lambda item: -item[1])[:3]
             ),
         }
-        for r, depth in ordered
+        for row, depth in ordered
     ]
     shown = len(rows)
     return {
-        "exact": m.source == "tags",
-        "note": m.note,
+        "exact": modules.source == "tags",
+        "note": modules.note,
         "rows": rows,
-        "hidden": len(m.rows) - shown,
-        "peak": m.peak_bytes,
-        "peak_index": m.peak_index,
-        "modules": m.module_bytes,
-        "outside": m.outside_bytes,
-        "before": m.before_trace_bytes,
-        "phases": m.phase_totals,
+        "hidden": len(modules.rows) - shown,
+        "peak": modules.peak_bytes,
+        "peak_index": modules.peak_index,
+        "modules": modules.module_bytes,
+        "outside": modules.outside_bytes,
+        "before": modules.before_trace_bytes,
+        "phases": modules.phase_totals,
         "min_share_pct": f"{MODULE_MIN_SHARE * 100:g}",
     }
 
 
 def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, str]]:
-    f = stats.file
+    file_info = stats.file
     rec = stats.recording
     rows = [
-        ("file", f["path"]),
+        ("file", file_info["path"]),
         (
             "size",
-            f"{format_bytes(f['file_size_bytes'])}" + (f", {f['compression']}-compressed" if f["compression"] else ""),
+            f"{format_bytes(file_info['file_size_bytes'])}"
+            + (f", {file_info['compression']}-compressed" if file_info["compression"] else ""),
         ),
-        ("encoding", f"{f['encoding']}" + (f", protocol {f['pickle_protocol']}" if f["pickle_protocol"] else "")),
+        (
+            "encoding",
+            f"{file_info['encoding']}"
+            + (f", protocol {file_info['pickle_protocol']}" if file_info["pickle_protocol"] else ""),
+        ),
         (
             "format",
-            ", ".join(f["format_hints"])
-            or (f"legacy {f['legacy_format']}" if f["legacy_format"] else "not recognised"),
+            ", ".join(file_info["format_hints"])
+            or (f"legacy {file_info['legacy_format']}" if file_info["legacy_format"] else "not recognised"),
         ),
-        ("devices", ", ".join(str(d) for d in f["devices"]) or "none"),
-        ("segments / blocks", f"{f['segments']:,} / {f['blocks']:,}"),
-        ("trace entries", f"{f['trace_entries']:,}"),
+        ("devices", ", ".join(str(device) for device in file_info["devices"]) or "none"),
+        ("segments / blocks", f"{file_info['segments']:,} / {file_info['blocks']:,}"),
+        ("trace entries", f"{file_info['trace_entries']:,}"),
         (
             "recording",
             {
@@ -451,7 +485,9 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
     ]
     if stats.parallel:
         layout = stats.parallel
-        degrees = ", ".join(f"{k} {v}" for k, v in (layout.get("degrees") or {}).items() if v and v > 1)
+        degrees = ", ".join(
+            f"{dim} {degree}" for dim, degree in (layout.get("degrees") or {}).items() if degree and degree > 1
+        )
         seen = "stacks" if layout.get("from_stacks") else ""
         seen += (" and " if seen and layout.get("from_sidecar") else "") + (
             "capture sidecar" if layout.get("from_sidecar") else ""
@@ -464,7 +500,7 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
                 + (f" (from the {seen})" if seen else ""),
             )
         )
-    cap = f.get("capture")
+    cap = file_info.get("capture")
     if cap:
         rows.append(
             (
@@ -474,44 +510,44 @@ def _meta_rows(frames: SnapshotFrames, stats: SnapshotStats) -> list[tuple[str, 
             )
         )
         if cap.get("argv"):
-            rows.append(("command", " ".join(str(a) for a in cap["argv"])))
-    for d in rec.devices:
+            rows.append(("command", " ".join(str(arg) for arg in cap["argv"])))
+    for device in rec.devices:
         if rec.mode == "trace":
             complete = (
                 "complete from the first allocation"
-                if d.history_complete
+                if device.history_complete
                 else (
-                    f"starts mid-run: {d.orphan_frees} frees without their allocation, "
-                    f"{format_bytes(d.live_bytes_before_trace)} live from before the trace"
+                    f"starts mid-run: {device.orphan_frees} frees without their allocation, "
+                    f"{format_bytes(device.live_bytes_before_trace)} live from before the trace"
                 )
             )
             span = ""
-            if d.first_time_us is not None and d.last_time_us is not None:
-                span = f", {(d.last_time_us - d.first_time_us) / 1e6:.3f} s"
-            rows.append((f"trace of device {d.device}", f"{d.events:,} events{span}; history {complete}"))
+            if device.first_time_us is not None and device.last_time_us is not None:
+                span = f", {(device.last_time_us - device.first_time_us) / 1e6:.3f} s"
+            rows.append((f"trace of device {device.device}", f"{device.events:,} events{span}; history {complete}"))
     return rows
 
 
 def _settings_rows(frames: SnapshotFrames) -> list[tuple[str, str]]:
-    s = frames.info.allocator_settings or {}
+    settings = frames.info.allocator_settings or {}
     rows = []
-    for k, v in s.items():
-        if k == "roundup_power2_divisions" and isinstance(v, dict):
-            nonzero = {kk: vv for kk, vv in v.items() if vv}
-            v = ", ".join(f"{kk}: {vv}" for kk, vv in nonzero.items()) or "off"
-        elif k == "max_split_size" and v == -1:
-            v = "unlimited (-1)"
-        rows.append((str(k), str(v) if v != "" else "''"))
+    for key, value in settings.items():
+        if key == "roundup_power2_divisions" and isinstance(value, dict):
+            nonzero = {size: divisions for size, divisions in value.items() if divisions}
+            value = ", ".join(f"{size}: {divisions}" for size, divisions in nonzero.items()) or "off"
+        elif key == "max_split_size" and value == -1:
+            value = "unlimited (-1)"
+        rows.append((str(key), str(value) if value != "" else "''"))
     return rows
 
 
 def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
     """One line for the header: what was recorded and under which allocator settings."""
     rec = stats.recording
-    f = stats.file
+    file_info = stats.file
     parts = [
-        f"{format_bytes(f['file_size_bytes'])} file",
-        f"device{'s' if len(f['devices']) != 1 else ''} {', '.join(map(str, f['devices'])) or 'none'}",
+        f"{format_bytes(file_info['file_size_bytes'])} file",
+        f"device{'s' if len(file_info['devices']) != 1 else ''} {', '.join(map(str, file_info['devices'])) or 'none'}",
         {"trace": "allocation history + state", "state": "state only (no history)", "none": "nothing recorded"}[
             rec.mode
         ],
@@ -523,7 +559,7 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
             if rec.history_complete
             else "early history missing (recording started late or the ring buffer wrapped)"
         )
-    cap = f.get("capture")
+    cap = file_info.get("capture")
     if stats.parallel and stats.parallel.get("strategies"):
         parts.append(str(stats.parallel["description"]))
     elif cap:
@@ -536,13 +572,13 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
 
 
 def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
-    ts = stats.torch_stats
+    torch_stats = stats.torch_stats
     text = (
-        f"{format_bytes(ts['reserved_bytes.all.current'])} reserved, "
-        f"{format_bytes(ts['allocated_bytes.all.current'])} allocated"
+        f"{format_bytes(torch_stats['reserved_bytes.all.current'])} reserved, "
+        f"{format_bytes(torch_stats['allocated_bytes.all.current'])} allocated"
         f" on {len(stats.devices)} device{'s' if len(stats.devices) != 1 else ''}."
     )
-    crit = [f for f in findings if f.severity == "critical"]
+    crit = [finding for finding in findings if finding.severity == "critical"]
     if crit:
         text += " " + crit[0].title + "."
     return text
@@ -600,14 +636,16 @@ def _first_screen_png(ctx: ReportContext) -> bytes:
         provenance += f", {format_bytes(source.size_bytes)}, sha256 {source.sha256_prefix}…"
     if first is None:
         return figure_png_bytes(plot_first_screen(provenance, "ok", ctx.headline, "", [], [], None))
-    comp = next((d.composition for d in ctx.devices if d.composition is not None), None)
-    levers = [(lv.title + (f" (at stake: {lv.stake})" if lv.stake else ""), lv.detail) for lv in first.levers]
+    comp = next((section.composition for section in ctx.devices if section.composition is not None), None)
+    levers = [
+        (lever.title + (f" (at stake: {lever.stake})" if lever.stake else ""), lever.detail) for lever in first.levers
+    ]
     fig = plot_first_screen(
         provenance,
         first.status,
         first.verdict,
         first.cause,
-        [(f"{k}", v) for k, v in first.made_of] + [("", line) for line in first.others],
+        [(f"{label}", value) for label, value in first.made_of] + [("", line) for line in first.others],
         levers,
         comp,
         first.made_of_title,
@@ -624,8 +662,8 @@ def build_report_context(
     """Everything every format of the report shows, computed once."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
-    dg = diagnose(frames, stats)
-    timelines, findings = dg.timelines, dg.findings
+    diagnosis = diagnose(frames, stats)
+    timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
     sections = []
     for dev in stats.devices:
@@ -635,10 +673,10 @@ def build_report_context(
                 stats,
                 dev,
                 timelines[dev],
-                dg.categories[dev],
-                dg.leaks[dev],
-                dg.lifetimes[dev],
-                dg.whatifs.get(dev),
+                diagnosis.categories[dev],
+                diagnosis.leaks[dev],
+                diagnosis.lifetimes[dev],
+                diagnosis.whatifs.get(dev),
             )
         )
     _would_it_fit(frames, stats, sections)
@@ -661,16 +699,16 @@ def build_report_context(
     )
     if len(sections) > 1:
         rows = []
-        for dev, d in stats.devices.items():
-            tl = timelines[dev]
+        for dev, device_stats in stats.devices.items():
+            timeline = timelines[dev]
             rows.append(
                 {
                     "device": dev,
-                    "reserved": d.torch_stats["reserved_bytes.all.current"],
-                    "allocated": d.torch_stats["allocated_bytes.all.current"],
-                    "free": d.fragmentation["all"].free_bytes,
-                    "frag": d.fragmentation["all"].stranded_share,
-                    "peak": tl.peak_requested_bytes if tl else None,
+                    "reserved": device_stats.torch_stats["reserved_bytes.all.current"],
+                    "allocated": device_stats.torch_stats["allocated_bytes.all.current"],
+                    "free": device_stats.fragmentation["all"].free_bytes,
+                    "frag": device_stats.fragmentation["all"].stranded_share,
+                    "peak": timeline.peak_requested_bytes if timeline else None,
                 }
             )
         ctx.compare_rows = rows
@@ -687,7 +725,7 @@ def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
             "Each bar is one segment, all to one scale (the widest is the largest); click one for its blocks "
             "and the stacks that allocated them."
         )
-        stack_ids = [b[3] for seg in section.layout_data for b in seg["blocks"]]
+        stack_ids = [block[3] for seg in section.layout_data for block in seg["blocks"]]
         if section.exploration is not None:
             data.update(timeline_data(section.exploration))
             stack_ids += section.exploration.allocations["stack_id"].tolist()
@@ -703,8 +741,8 @@ def _source_file(frames: SnapshotFrames) -> SourceFile:
     path = Path(str(frames.info.source.path))
     digest = hashlib.sha256()
     try:
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
+        with path.open("rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
                 digest.update(chunk)
         size, prefix = path.stat().st_size, digest.hexdigest()[:12]
     except OSError:
@@ -717,12 +755,12 @@ def _first_screen(
 ) -> FirstScreen | None:
     """The answer at the top: the device that failed (else the one with the largest peak) in full,
     one line for each other device."""
-    with_comp = [s for s in sections if s.composition is not None]
+    with_comp = [section for section in sections if section.composition is not None]
     if not with_comp:
         return None
-    ooms = {dev: d.oom for dev, d in stats.devices.items() if d.oom is not None}
-    main = next((s for s in with_comp if s.device in ooms), None) or max(
-        with_comp, key=lambda s: s.composition.total_bytes if s.composition else 0
+    ooms = {dev: device_stats.oom for dev, device_stats in stats.devices.items() if device_stats.oom is not None}
+    main = next((section for section in with_comp if section.device in ooms), None) or max(
+        with_comp, key=lambda section: section.composition.total_bytes if section.composition else 0
     )
     comp = main.composition
     assert comp is not None
@@ -734,7 +772,7 @@ def _first_screen(
         f"({format_bytes(frag.stranded_bytes)})."
     )
     status, said, cause = verdict(ooms, findings, peak, comp.moment == "peak")
-    plans = [t for s in sections for t in s.would_it_fit]
+    plans = [plan for section in sections for plan in section.would_it_fit]
     dev = f" on device {main.device}" if len(sections) > 1 else ""
     return FirstScreen(
         status=status,
@@ -745,9 +783,10 @@ def _first_screen(
         levers=levers(findings, plans, fit),
         chart_svg=figure_svg(plot_composition(comp)),
         others=[
-            f"Device {s.device}: {format_bytes(s.composition.total_bytes)} {where}; " + made_of(s.composition)[0][1]
-            for s in with_comp
-            if s is not main and s.composition is not None
+            f"Device {section.device}: {format_bytes(section.composition.total_bytes)} {where}; "
+            + made_of(section.composition)[0][1]
+            for section in with_comp
+            if section is not main and section.composition is not None
         ],
         fit_answer=fit,
     )
@@ -763,7 +802,9 @@ def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[D
         if stats.devices[section.device].oom is None:
             continue
         try:
-            section.would_it_fit = [plan_view(t) for t in would_it_fit(frames, section.device) if t.plans]
+            section.would_it_fit = [
+                plan_view(fit_plan) for fit_plan in would_it_fit(frames, section.device) if fit_plan.plans
+            ]
         except (PlanUnsupported, ValueError):
             section.would_it_fit = []
 
