@@ -21,7 +21,8 @@ from ..units import format_bytes, format_percent
 class FitSummary:
     """What ``snaplab fit`` concluded for this snapshot (filled by that command when it ran)."""
 
-    verdict: str  # one sentence, e.g. "Fits on one 80 GiB GPU with activation checkpointing"
+    # one sentence, e.g. "Fits on one 80 GiB GPU with activation checkpointing"
+    verdict: str
     steps: tuple[str, ...] = ()  # the changes it takes, in order
     saved_bytes: int | None = None
 
@@ -38,7 +39,8 @@ class Lever:
 class SourceFile:
     name: str
     size_bytes: int
-    sha256_prefix: str  # first 12 hex digits; "" when the file could not be read again
+    # first 12 hex digits; "" when the file could not be read again
+    sha256_prefix: str
     version: str
 
 
@@ -47,24 +49,28 @@ class FirstScreen:
     status: str  # "critical", "warning" or "ok": the colour of the answer
     verdict: str  # what happened, one sentence
     cause: str  # why, one or two sentences ("" when nothing went wrong)
-    made_of: list[tuple[str, str]]  # (by what, the line): category, module, top site
+    # (by what, the line): category, module, top site
+    made_of: list[tuple[str, str]]
     made_of_title: str
     levers: list[Lever]
     chart_svg: str
-    others: list[str] = field(default_factory=list)  # one line per further device
+    # one line per further device
+    others: list[str] = field(default_factory=list)
     fit_answer: FitSummary | None = None
 
 
 def _parts(parts: tuple[Part, ...], limit: int = 4) -> str:
-    shown = ", ".join(f"{p.label} {format_bytes(p.bytes)} ({format_percent(p.share)})" for p in parts[:limit])
+    shown = ", ".join(
+        f"{part.label} {format_bytes(part.bytes)} ({format_percent(part.share)})" for part in parts[:limit]
+    )
     rest = parts[limit:]
     if rest:
-        shown += f", {len(rest)} more {format_bytes(sum(p.bytes for p in rest))}"
+        shown += f", {len(rest)} more {format_bytes(sum(part.bytes for part in rest))}"
     return shown
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+def _count(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def made_of(comp: Composition) -> list[tuple[str, str]]:
@@ -73,15 +79,15 @@ def made_of(comp: Composition) -> list[tuple[str, str]]:
     if comp.by_module:
         approx = "" if comp.module_source == "tags" else " (approximate, from forward frames)"
         lines.append((f"by module{approx}", _parts(comp.by_module)))
-    s = comp.top_site
-    if s is not None:
-        share = s.bytes / comp.total_bytes if comp.total_bytes else 0.0
+    site = comp.top_site
+    if site is not None:
+        share = site.bytes / comp.total_bytes if comp.total_bytes else 0.0
         lines.append(
             (
                 "top allocation site",
-                f"{s.label}"
-                + (f" → {s.detail}" if s.detail else "")
-                + f": {format_bytes(s.bytes)} ({format_percent(share)}) in {_count(s.count, 'block')}",
+                f"{site.label}"
+                + (f" → {site.detail}" if site.detail else "")
+                + f": {format_bytes(site.bytes)} ({format_percent(share)}) in {_count(site.count, 'block')}",
             )
         )
     return lines
@@ -106,14 +112,14 @@ def verdict(
     """(status, verdict, cause) from the OOMs (by device) and the findings; ``peak``: the numbers
     a healthy run is summed up by; ``with_history``: whether the trace let leaks be checked."""
     if ooms:
-        dev, o = next(iter(ooms.items()))
+        dev, oom = next(iter(ooms.items()))
         where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
         return (
             "critical",
-            f"Out of memory{where}: a request of {format_bytes(o.requested_bytes)} could not be served.",
-            oom_cause(o),
+            f"Out of memory{where}: a request of {format_bytes(oom.requested_bytes)} could not be served.",
+            oom_cause(oom),
         )
-    ranked = sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
+    ranked = sorted(findings, key=lambda finding: SEVERITY_ORDER.get(finding.severity, 9))
     worst = ranked[0] if ranked else None
     if worst is not None and worst.severity in ("critical", "warning"):
         return worst.severity, f"No out-of-memory error, but: {worst.title}.", worst.advice.split(". ")[0] + "."
@@ -141,15 +147,22 @@ def levers(
         out.append(
             Lever(fit.verdict, " ".join(fit.steps), format_bytes(fit.saved_bytes) if fit.saved_bytes else "", "fit")
         )
-    ranked = sorted(findings, key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), -(f.savings_bytes or 0)))
+    ranked = sorted(
+        findings, key=lambda finding: (SEVERITY_ORDER.get(finding.severity, 9), -(finding.savings_bytes or 0))
+    )
     seen: set[str] = set()
-    for f in ranked:
-        if not f.advice or f.advice in seen:
+    for finding in ranked:
+        if not finding.advice or finding.advice in seen:
             continue
-        seen.add(f.advice)
-        dev = f" (device {f.device})" if f.device is not None and f.device != 0 else ""
+        seen.add(finding.advice)
+        dev = f" (device {finding.device})" if finding.device is not None and finding.device != 0 else ""
         out.append(
-            Lever(f.title + dev, _sentences(f.advice), format_bytes(f.savings_bytes) if f.savings_bytes else "", f.id)
+            Lever(
+                finding.title + dev,
+                _sentences(finding.advice),
+                format_bytes(finding.savings_bytes) if finding.savings_bytes else "",
+                finding.id,
+            )
         )
     for table in plans:
         for row in table.get("rows", [])[1:]:
