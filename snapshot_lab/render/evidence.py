@@ -63,15 +63,18 @@ def evidence_value(value: Any, key: str = "") -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        if any(w in key for w in SHARE_WORDS):
+        if any(word in key for word in SHARE_WORDS):
             return format_percent(value)
         return f"{value:,.3g}"
     if isinstance(value, list | tuple | set):
-        items = [evidence_value(v, key) for v in value]
+        items = [evidence_value(item, key) for item in value]
         return "; ".join(items) if items else "none"
     if isinstance(value, dict):
         return (
-            "; ".join(f"{_inner_label(str(k))}: {evidence_value(v, _inner_key(str(k), key))}" for k, v in value.items())
+            "; ".join(
+                f"{_inner_label(str(inner))}: {evidence_value(item, _inner_key(str(inner), key))}"
+                for inner, item in value.items()
+            )
             or "none"
         )
     return str(value)
@@ -91,7 +94,7 @@ def _inner_key(key: str, outer: str) -> str:
 
 def evidence_rows(evidence: dict[str, Any], savings_bytes: int | None = None) -> list[tuple[str, str, str]]:
     """(label, value, tooltip) per key, then what is at stake; the tooltip names the machine key."""
-    rows = [(evidence_label(k), evidence_value(v, k), f"--json key: {k}") for k, v in evidence.items()]
+    rows = [(evidence_label(key), evidence_value(value, key), f"--json key: {key}") for key, value in evidence.items()]
     if savings_bytes:
         rows.append(("at stake", f"{format_bytes(savings_bytes)} ({STAKE_HELP})", "--json key: savings_bytes"))
     return rows
