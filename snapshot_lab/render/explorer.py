@@ -42,8 +42,8 @@ class Payload:
         if str(stack_id) in self.stacks:
             return
         ids = []
-        for f in frames[:MAX_STACK_FRAMES]:
-            text = f"{f['name']} — {f['filename']}" + (f":{f['line']}" if f.get("line") else "")
+        for frame in frames[:MAX_STACK_FRAMES]:
+            text = f"{frame['name']} — {frame['filename']}" + (f":{frame['line']}" if frame.get("line") else "")
             fid = self._frame_ids.get(text)
             if fid is None:
                 fid = self._frame_ids[text] = len(self.frames)
@@ -63,7 +63,7 @@ class Payload:
 
 
 def _round(values: np.ndarray) -> list[float]:
-    return [float(f"{v:.6g}") for v in values.tolist()]
+    return [float(f"{value:.6g}") for value in values.tolist()]
 
 
 def _rows(levels: np.ndarray) -> list[list[int] | None]:
@@ -73,38 +73,38 @@ def _rows(levels: np.ndarray) -> list[list[int] | None]:
 
 def timeline_data(ex: Exploration) -> dict[str, Any]:
     """The timeline part of one device's payload (columns as lists)."""
-    b, a = ex.buckets, ex.allocations
+    buckets, allocations = ex.buckets, ex.allocations
     return {
         "axis": ex.axis,
         "xLabel": ex.x_label,
         "b": {
-            "x0": _round(b.x_start),
-            "x1": _round(b.x_end),
-            "lo": b.requested_low.tolist(),
-            "hi": b.requested_high.tolist(),
-            "res": b.reserved_high.tolist(),
-            "end": b.requested_end.tolist(),
-            "resEnd": b.reserved_end.tolist(),
+            "x0": _round(buckets.x_start),
+            "x1": _round(buckets.x_end),
+            "lo": buckets.requested_low.tolist(),
+            "hi": buckets.requested_high.tolist(),
+            "res": buckets.reserved_high.tolist(),
+            "end": buckets.requested_end.tolist(),
+            "resEnd": buckets.reserved_end.tolist(),
         },
         "cats": list(ex.categories),
         "catLv": _rows(ex.category_levels),
         "sites": list(ex.sites),
         "siteLv": _rows(ex.site_levels),
         "allocs": {
-            "x0": _round(a["x_alloc"].to_numpy()),
-            "x1": [None if np.isnan(v) else float(f"{v:.6g}") for v in a["x_free"].to_numpy()],
-            "size": a["size_bytes"].tolist(),
-            "cat": a["category"].tolist(),
-            "site": a["site"].tolist(),
-            "mod": a["module"].tolist(),
-            "stack": a["stack_id"].tolist(),
+            "x0": _round(allocations["x_alloc"].to_numpy()),
+            "x1": [None if np.isnan(value) else float(f"{value:.6g}") for value in allocations["x_free"].to_numpy()],
+            "size": allocations["size_bytes"].tolist(),
+            "cat": allocations["category"].tolist(),
+            "site": allocations["site"].tolist(),
+            "mod": allocations["module"].tolist(),
+            "stack": allocations["stack_id"].tolist(),
         },
         "siteNames": list(ex.site_names),
         "modNames": list(ex.module_names),
         "unlisted": ex.unlisted_allocations,
         "peak": {"x": ex.peak_x, "bytes": ex.peak_bytes},
         "ooms": list(ex.oom_x),
-        "markers": [[x, label] for x, label in ex.markers],
+        "markers": [[marker_x, label] for marker_x, label in ex.markers],
     }
 
 
@@ -135,8 +135,8 @@ def layout_data(layouts: list[PoolLayout]) -> list[dict[str, Any]]:
                     "more": max(0, len(blk) - len(shown)),
                     "alike": pool.repeats.get(seg_id, 1),
                     "blocks": [
-                        [int(o), int(s), int(c), int(k)]
-                        for o, s, c, k in zip(
+                        [int(offset), int(block_size), int(state_code), int(stack_id)]
+                        for offset, block_size, state_code, stack_id in zip(
                             shown["offset_bytes"].tolist(),
                             shown["size_bytes"].tolist(),
                             states.tolist(),
