@@ -32,46 +32,46 @@ ACCUMULATION = (
 )
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f}"
 
 
-def _amount(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 2 else format_bytes(n, 0)
+def _amount(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 2 else format_bytes(nbytes, 0)
 
 
-def _batch_words(r: FitResult, n: float | None) -> str:
-    if n is None:
+def _batch_words(result: FitResult, batch: float | None) -> str:
+    if batch is None:
         return "—"
-    if r.recorded_batch:
-        return f"{int(n)}"
-    return f"{n:g}x the recorded batch"
+    if result.recorded_batch:
+        return f"{int(batch)}"
+    return f"{batch:g}x the recorded batch"
 
 
 def headline(r: FitResult) -> str:
     """The answer in one or two sentences."""
-    b = r.breakdown
+    breakdown = r.breakdown
     what = (
         f"at batch {_batch_words(r, r.batch)}"
         if r.batch is not None
         else ("at the recorded batch" if r.batch_scale == 1 else f"at {r.batch_scale:g}x the recorded batch")
     )
-    per = b.get("activations_per_sample_bytes")
+    per = breakdown.get("activations_per_sample_bytes")
     acts = (
         f"{_amount(per)} per sample"
         if per is not None
-        else (f"{_amount(b.get('activations_at_recorded_batch_bytes', 0))} at the recorded batch")
+        else (f"{_amount(breakdown.get('activations_at_recorded_batch_bytes', 0))} at the recorded batch")
     )
-    levers = [x for x in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if x[1]]
+    levers = [flag for flag in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if flag[1]]
     if levers:
-        what += " with " + " and ".join(n for n, _ in levers)
+        what += " with " + " and ".join(lever_name for lever_name, _ in levers)
     first = HEADLINE.format(
         what=what,
         peak=format_bytes(r.peak_allocated_bytes, 1),
-        p=_gib(b["parameters_bytes"]),
-        g=_gib(b["gradients_bytes"]),
+        p=_gib(breakdown["parameters_bytes"]),
+        g=_gib(breakdown["gradients_bytes"]),
         opt=OPTIMIZER_NAMES.get(r.optimizer, r.optimizer),
-        o=_gib(b["optimizer_state_bytes"]),
+        o=_gib(breakdown["optimizer_state_bytes"]),
         a=acts,
     )
     if r.memory_limit_bytes is None:
@@ -88,14 +88,14 @@ def headline(r: FitResult) -> str:
     return first + f" Under {format_bytes(r.memory_limit_bytes, 1)}, batch {listed} fits."
 
 
-def _row(r: FitResult, o: LeverOutcome) -> list[str]:
-    fits = "—" if o.fits is None else ("yes" if o.fits else "NO")
+def _row(result: FitResult, outcome: LeverOutcome) -> list[str]:
+    fits = "—" if outcome.fits is None else ("yes" if outcome.fits else "NO")
     return [
-        o.lever,
-        format_bytes(o.peak_allocated_bytes),
-        format_bytes(o.peak_reserved_bytes),
+        outcome.lever,
+        format_bytes(outcome.peak_allocated_bytes),
+        format_bytes(outcome.peak_reserved_bytes),
         fits,
-        _batch_words(r, o.largest_batch),
+        _batch_words(result, outcome.largest_batch),
     ]
 
 
@@ -108,23 +108,23 @@ WAYS_KINDS = (
 )
 
 
-def _parallel(r: FitResult) -> list[str]:
+def _parallel(result: FitResult) -> list[str]:
     """The strategies plan found, fitting or not, and those it refused."""
-    if "all" in r.parallel_refused:
-        return ["", PARALLEL_REFUSED.format(why=r.parallel_refused["all"])]
-    if not r.parallel_strategies:
+    if "all" in result.parallel_refused:
+        return ["", PARALLEL_REFUSED.format(why=result.parallel_refused["all"])]
+    if not result.parallel_strategies:
         return []
     rows = [
         [
-            p.label,
-            format_bytes(p.peak_allocated_bytes),
-            format_bytes(p.peak_reserved_bytes),
-            "—" if p.fits is None else ("yes" if p.fits else "NO"),
+            strategy.label,
+            format_bytes(strategy.peak_allocated_bytes),
+            format_bytes(strategy.peak_reserved_bytes),
+            "—" if strategy.fits is None else ("yes" if strategy.fits else "NO"),
         ]
-        for p in r.parallel_strategies
+        for strategy in result.parallel_strategies
     ]
     out = ["", PARALLEL_HEAD, table(["strategy", "peak allocated", "peak reserved", "fits"], rows)]
-    out += [f"  not planned: {label}: {why}" for label, why in r.parallel_refused.items()]
+    out += [f"  not planned: {label}: {why}" for label, why in result.parallel_refused.items()]
     return out
 
 
@@ -133,28 +133,35 @@ def format_fit(r: FitResult, name: str = "") -> str:
     out = [headline(r), ""]
     if not r.complete:
         out += [EXTRAPOLATED, ""]
-    at = f"batch {_batch_words(r, r.batch)}" if r.batch is not None else f"{r.batch_scale:g}x the recorded batch"
+    at_batch = f"batch {_batch_words(r, r.batch)}" if r.batch is not None else f"{r.batch_scale:g}x the recorded batch"
     largest = "largest batch" + ("" if r.recorded_batch else " (x recorded)")
-    out.append(f"Levers, from {name or 'the snapshot'} (device {r.device}): the whole step at {at}")
-    out.append(table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, o) for o in r.levers]))
+    out.append(f"Levers, from {name or 'the snapshot'} (device {r.device}): the whole step at {at_batch}")
+    out.append(
+        table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, outcome) for outcome in r.levers])
+    )
     if r.memory_limit_bytes is not None:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
     out += _parallel(r)
     if r.memory_limit_bytes is not None and r.ways_to_fit:
         out += ["", "What makes it fit, least change to the job first:"]
         for kind, words in WAYS_KINDS:
-            labels = [w["label"] for w in r.ways_to_fit if w["kind"] == kind]
+            labels = [way["label"] for way in r.ways_to_fit if way["kind"] == kind]
             if labels:
                 out.append(f"  {words}: {'; '.join(labels)}")
     acc = r.accumulation
     if acc["accumulation_steps"] and int(acc["accumulation_steps"]) > 1:
         out.append(
-            ACCUMULATION.format(micro=_batch_words(r, acc["micro_batch"]), steps=acc["accumulation_steps"], what=at)
+            ACCUMULATION.format(
+                micro=_batch_words(r, acc["micro_batch"]), steps=acc["accumulation_steps"], what=at_batch
+            )
         )
     out += ["", "The step (bytes):"]
-    out += [f"  {k.removesuffix('_bytes').replace('_', ' ')}: {format_bytes(v)}" for k, v in r.breakdown.items()]
+    out += [
+        f"  {key.removesuffix('_bytes').replace('_', ' ')}: {format_bytes(nbytes)}"
+        for key, nbytes in r.breakdown.items()
+    ]
     out += ["", "Each lever assumes:"]
-    out += [f"  - {o.lever}: {o.assumption}" for o in r.levers]
+    out += [f"  - {outcome.lever}: {outcome.assumption}" for outcome in r.levers]
     out += ["", "From the trace:"]
-    out += [f"  - {n}" for n in r.notes]
+    out += [f"  - {note}" for note in r.notes]
     return "\n".join(out) + "\n"
