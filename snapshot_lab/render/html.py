@@ -40,7 +40,8 @@ class Row:
 @dataclass(frozen=True)
 class SiteView:
     site: Site
-    stack: list[dict[str, Any]]  # display stack: internals removed, each frame with its 'kind'
+    # display stack: internals removed, each frame with its 'kind'
+    stack: list[dict[str, Any]]
     full_stack: list[dict[str, Any]]
 
 
@@ -67,14 +68,21 @@ class DeviceSection:
     whatif: dict[str, Any] | None = None
     layout_title: str = "Block layout"
     histogram_title: str = "Free (cached) blocks by size."
-    oom_moment_note: str = ""  # where the OOM explanation, layout and sites come from, when not the dump
+    # where the OOM explanation, layout and sites come from, when not the dump
+    oom_moment_note: str = ""
     oom_sites: list[SiteView] = field(default_factory=list)
-    parallel: str = ""  # the parallel training strategy the snapshot came from, when one was seen
-    would_it_fit: list[dict[str, Any]] = field(default_factory=list)  # plan tables for an OOM (render/plan.py)
-    modules: dict[str, Any] | None = None  # memory by module at the peak (report._module_view)
-    exploration: Exploration | None = None  # the explorer's timeline data (metrics/explore.py)
-    layout_data: list[dict[str, Any]] = field(default_factory=list)  # the explorer's segments (render/explorer.py)
-    composition: Composition | None = None  # what the peak (or, with no trace, the dump) was made of
+    # the parallel training strategy the snapshot came from, when one was seen
+    parallel: str = ""
+    # plan tables for an OOM (render/plan.py)
+    would_it_fit: list[dict[str, Any]] = field(default_factory=list)
+    # memory by module at the peak (report._module_view)
+    modules: dict[str, Any] | None = None
+    # the explorer's timeline data (metrics/explore.py)
+    exploration: Exploration | None = None
+    # the explorer's segments (render/explorer.py)
+    layout_data: list[dict[str, Any]] = field(default_factory=list)
+    # what the peak (or, with no trace, the dump) was made of
+    composition: Composition | None = None
     kv_cache_note: str = ""  # inference: the KV cache's growth per decode step
 
 
@@ -89,9 +97,11 @@ class ReportContext:
     settings_rows: list[tuple[str, str]]
     version: str
     first: FirstScreen | None = None  # the answer at the top (render/answer.py)
-    fit_answer: FitSummary | None = None  # what `snaplab fit` concluded; leads "What to change" when set
+    # what `snaplab fit` concluded; leads "What to change" when set
+    fit_answer: FitSummary | None = None
     source: SourceFile | None = None
-    explorer_json: str = ""  # escaped JSON (render/explorer.py); empty: no explorer
+    # escaped JSON (render/explorer.py); empty: no explorer
+    explorer_json: str = ""
     css: str = ""
     script: str = ""
     csp: str = ""
