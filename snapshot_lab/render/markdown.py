@@ -18,8 +18,10 @@ from .html import ReportContext, SiteView
 
 LIMIT_CHARS = 65_536
 BUDGET_CHARS = 60_000  # room under GitHub's limit for the reporter's own words
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]|~])")  # anywhere; < > & become HTML entities
-_LINE_START = re.compile(r"^(\s*)([#+\-=>!])")  # what makes a heading, list or quote of a line
+# anywhere; < > & become HTML entities
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]|~])")
+# what makes a heading, list or quote of a line
+_LINE_START = re.compile(r"^(\s*)([#+\-=>!])")
 _ORDERED = re.compile(r"^(\s*\d+)\.")  # ... or an ordered list
 
 
@@ -35,20 +37,23 @@ def md_line(text: object) -> str:
 
 
 def _fence(lines: list[str]) -> str:
-    longest = max((len(m) for line in lines for m in re.findall(r"`+", line)), default=0)
+    longest = max((len(ticks) for line in lines for ticks in re.findall(r"`+", line)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}text\n" + "\n".join(lines) + f"\n{fence}"
 
 
 def _stack_lines(view: SiteView, frames: int) -> list[str]:
-    lines = [f"{f['name']} — {f['filename']}" + (f":{f['line']}" if f.get("line") else "") for f in view.stack]
+    lines = [
+        f"{frame['name']} — {frame['filename']}" + (f":{frame['line']}" if frame.get("line") else "")
+        for frame in view.stack
+    ]
     if len(lines) > frames:
         lines = [*lines[:frames], f"… {len(lines) - frames} more frames (the HTML report has them all)"]
     return lines
 
 
 def _answer(ctx: ReportContext) -> list[str]:
-    a = ctx.first
+    first = ctx.first
     src = ctx.source
     out = [f"## snaplab: {md(ctx.file_name)}", ""]
     if src is not None:
@@ -58,19 +63,19 @@ def _answer(ctx: ReportContext) -> list[str]:
             + "</sub>"
         )
         out.append("")
-    if a is None:
+    if first is None:
         return [*out, md_line(ctx.headline), ""]
-    mark = {"critical": "🔴", "warning": "🟠", "ok": "🟢"}.get(a.status, "")
-    out += [f"**{mark} {md(a.verdict)}**", ""]
-    if a.cause:
-        out += [md_line(a.cause), ""]
-    out += [f"### What the memory was: {md(a.made_of_title)}", "", "| | |", "|---|---|"]
-    out += [f"| {md(k)} | {md(v)} |" for k, v in a.made_of]
-    out += [f"| | {md(line)} |" for line in a.others]
+    mark = {"critical": "🔴", "warning": "🟠", "ok": "🟢"}.get(first.status, "")
+    out += [f"**{mark} {md(first.verdict)}**", ""]
+    if first.cause:
+        out += [md_line(first.cause), ""]
+    out += [f"### What the memory was: {md(first.made_of_title)}", "", "| | |", "|---|---|"]
+    out += [f"| {md(label)} | {md(value)} |" for label, value in first.made_of]
+    out += [f"| | {md(line)} |" for line in first.others]
     out += ["", "### What to change", ""]
-    if not a.levers:
+    if not first.levers:
         out.append("Nothing to change: no finding calls for it.")
-    for i, lever in enumerate(a.levers, start=1):
+    for i, lever in enumerate(first.levers, start=1):
         stake = f" (at stake: {lever.stake})" if lever.stake else ""
         out.append(f"{i}. **{md(lever.title)}**{stake}  ")
         out.append(f"   {md(lever.detail)}")
@@ -84,19 +89,19 @@ def _numbers(ctx: ReportContext) -> list[str]:
         "| device | reserved | allocated | peak requested | fragmentation (stranded) | cached, releasable | OOM |",
         "|---|--:|--:|--:|--:|--:|---|",
     ]
-    for d in ctx.devices:
-        cards = {c.label: c.value for c in d.cards}
-        oom = f"{d.oom.cause}, request of {format_bytes(d.oom.requested_bytes)}" if d.oom else "no"
+    for section in ctx.devices:
+        cards = {card.label: card.value for card in section.cards}
+        oom = f"{section.oom.cause}, request of {format_bytes(section.oom.requested_bytes)}" if section.oom else "no"
         out.append(
-            f"| {d.device} | {cards.get('reserved', '')} | {cards.get('allocated', '')} | "
+            f"| {section.device} | {cards.get('reserved', '')} | {cards.get('allocated', '')} | "
             f"{cards.get('peak requested', 'no trace')} | {cards.get('fragmentation', '')} | "
-            f"{_releasable(d)} | {oom} |"
+            f"{_releasable(section)} | {oom} |"
         )
     return [*out, ""]
 
 
-def _releasable(d: Any) -> str:
-    for row in d.fragmentation_rows:
+def _releasable(section: Any) -> str:
+    for row in section.fragmentation_rows:
         if row.name == "cached, releasable":
             return str(row.values[0])
     return ""
@@ -104,20 +109,22 @@ def _releasable(d: Any) -> str:
 
 def _sites(ctx: ReportContext, sites: int, frames: int) -> list[str]:
     out: list[str] = []
-    for d in ctx.devices:
-        views = d.oom_sites or d.peak_sites or d.live_sites
+    for section in ctx.devices:
+        views = section.oom_sites or section.peak_sites or section.live_sites
         if not views:
             continue
-        where = "live at the OOM" if d.oom_sites else "live at the peak" if d.peak_sites else "live at the dump"
-        dev = f" (device {d.device})" if len(ctx.devices) > 1 else ""
+        where = (
+            "live at the OOM" if section.oom_sites else "live at the peak" if section.peak_sites else "live at the dump"
+        )
+        dev = f" (device {section.device})" if len(ctx.devices) > 1 else ""
         out += [f"### Top allocation sites, {where}{dev}", ""]
-        for v in views[:sites]:
-            s = v.site
+        for view in views[:sites]:
+            site = view.site
             summary = (
-                f"<code>{html.escape(s.label)}</code> — {format_bytes(s.bytes)} ({format_percent(s.share)}), "
-                f"{s.count:,} block{'s' if s.count != 1 else ''}"
+                f"<code>{html.escape(site.label)}</code> — {format_bytes(site.bytes)} ({format_percent(site.share)}), "
+                f"{site.count:,} block{'s' if site.count != 1 else ''}"
             )
-            body = _fence(_stack_lines(v, frames)) if v.stack else "No stack was recorded for these blocks."
+            body = _fence(_stack_lines(view, frames)) if view.stack else "No stack was recorded for these blocks."
             out += ["<details>", f"<summary>{summary}</summary>", "", body, "", "</details>", ""]
     return out
 
@@ -126,9 +133,9 @@ def _findings(ctx: ReportContext) -> list[str]:
     if not ctx.findings:
         return []
     out = ["### Findings", ""]
-    for f in ctx.findings:
-        dev = f" (device {f.device})" if f.device is not None and len(ctx.devices) > 1 else ""
-        out.append(f"- **{f.severity}** `{f.id}`{dev}: {md(f.title)}")
+    for finding in ctx.findings:
+        dev = f" (device {finding.device})" if finding.device is not None and len(ctx.devices) > 1 else ""
+        out.append(f"- **{finding.severity}** `{finding.id}`{dev}: {md(finding.title)}")
     return [*out, ""]
 
 
