@@ -43,9 +43,9 @@ def scope_css(css: str, scope: str = SCOPE) -> str:
             return f".{scope}"
         return f".{scope} {sel}"
 
-    def rule(m: re.Match[str]) -> str:
-        selectors = ", ".join(scoped(s) for s in m.group(1).split(",") if s.strip())
-        return f"{selectors} {{{m.group(2)}}}"
+    def rule(match: re.Match[str]) -> str:
+        selectors = ", ".join(scoped(part) for part in match.group(1).split(",") if part.strip())
+        return f"{selectors} {{{match.group(2)}}}"
 
     return re.sub(r"([^{}]+)\{([^{}]*)\}", rule, css).strip() + "\n" + _NOTEBOOK_CSS
 
@@ -57,10 +57,11 @@ def _wrap(body: str) -> str:
 def page_fragment(page: str) -> str:
     """A page snaplab wrote (report, diff) as a notebook fragment: its ``<main>``, restyled.
     Anything else (a file edited by hand, with a script in it) is not shown."""
-    m = re.search(r"<main>(.*)</main>", page, re.DOTALL)
-    if m is None or re.search(r"<\s*script", _without_explorer(page), re.IGNORECASE):
+    match = re.search(r"<main>(.*)</main>", page, re.DOTALL)
+    if match is None or re.search(r"<\s*script", _without_explorer(page), re.IGNORECASE):
         return _wrap('<p class="note">This file is not a page snaplab wrote: not shown here.</p>')
-    return _wrap(m.group(1))  # the explorer stays behind: a notebook shows the static pictures
+    # the explorer stays behind: a notebook shows the static pictures
+    return _wrap(match.group(1))
 
 
 def _without_explorer(page: str) -> str:
@@ -77,55 +78,59 @@ def missing_fragment(path: str) -> str:
     return _wrap(f'<p class="note">No report at <span class="mono">{html.escape(path)}</span>.</p>')
 
 
-def _device_view(dev: int, d: Any) -> dict[str, Any]:
-    ts = d.torch_stats
-    fr = d.fragmentation
-    cats = d.categories or {}
+def _device_view(dev: int, device_stats: Any) -> dict[str, Any]:
+    torch_stats = device_stats.torch_stats
+    by_pool = device_stats.fragmentation
+    cats = device_stats.categories or {}
     total = sum(cats.values()) or 1
     return {
         "device": dev,
         "cards": [
-            ("reserved", format_bytes(ts["reserved_bytes.all.current"])),
-            ("allocated", format_bytes(ts["allocated_bytes.all.current"])),
-            ("free in reserved", format_bytes(fr["all"].free_bytes)),
-            ("requested", format_bytes(ts["requested_bytes.all.current"])),
-            ("external fragmentation", format_percent(fr["all"].external_fragmentation)),
+            ("reserved", format_bytes(torch_stats["reserved_bytes.all.current"])),
+            ("allocated", format_bytes(torch_stats["allocated_bytes.all.current"])),
+            ("free in reserved", format_bytes(by_pool["all"].free_bytes)),
+            ("requested", format_bytes(torch_stats["requested_bytes.all.current"])),
+            ("external fragmentation", format_percent(by_pool["all"].external_fragmentation)),
         ],
         "counters": [
-            (name, [format_bytes(ts.get(f"{name}.{p}.current")) for p in _POOLS], help_text)
+            (name, [format_bytes(torch_stats.get(f"{name}.{pool}.current")) for pool in _POOLS], help_text)
             for name, help_text in _COUNTERS
         ],
         "fragmentation": [
-            ("free blocks", [f"{fr[p].free_blocks:,}" for p in _POOLS]),
-            ("largest free block", [format_bytes(fr[p].largest_free_block_bytes) for p in _POOLS]),
-            ("external fragmentation", [format_percent(fr[p].external_fragmentation) for p in _POOLS]),
-            ("stranded", [format_bytes(fr[p].stranded_bytes) for p in _POOLS]),
-            ("releasable", [format_bytes(fr[p].releasable_bytes) for p in _POOLS]),
+            ("free blocks", [f"{by_pool[pool].free_blocks:,}" for pool in _POOLS]),
+            ("largest free block", [format_bytes(by_pool[pool].largest_free_block_bytes) for pool in _POOLS]),
+            ("external fragmentation", [format_percent(by_pool[pool].external_fragmentation) for pool in _POOLS]),
+            ("stranded", [format_bytes(by_pool[pool].stranded_bytes) for pool in _POOLS]),
+            ("releasable", [format_bytes(by_pool[pool].releasable_bytes) for pool in _POOLS]),
         ],
-        "categories": [(c, format_bytes(b), format_percent(b / total)) for c, b in cats.items() if b],
-        "oom": d.oom,
-        "modules": _modules_view(d.modules),
+        "categories": [
+            (category, format_bytes(nbytes), format_percent(nbytes / total))
+            for category, nbytes in cats.items()
+            if nbytes
+        ],
+        "oom": device_stats.oom,
+        "modules": _modules_view(device_stats.modules),
     }
 
 
-def _modules_view(m: Any, limit: int = 10) -> dict[str, Any] | None:
+def _modules_view(modules: Any, limit: int = 10) -> dict[str, Any] | None:
     """The modules holding the most bytes at the peak (by themselves), as in ``snaplab stats``."""
-    if m is None or m.source == "none" or not m.rows:
+    if modules is None or modules.source == "none" or not modules.rows:
         return None
     return {
-        "exact": m.source == "tags",
-        "peak": format_bytes(m.peak_bytes),
+        "exact": modules.source == "tags",
+        "peak": format_bytes(modules.peak_bytes),
         "rows": [
             (
-                r.label,
-                format_bytes(r.self_bytes),
-                format_bytes(r.by_phase.get("fwd", 0)),
-                format_bytes(r.by_phase.get("bwd", 0)),
+                row.label,
+                format_bytes(row.self_bytes),
+                format_bytes(row.by_phase.get("fwd", 0)),
+                format_bytes(row.by_phase.get("bwd", 0)),
             )
-            for r in m.largest(limit)
+            for row in modules.largest(limit)
         ],
-        "outside": format_bytes(m.outside_bytes),
-        "before": format_bytes(m.before_trace_bytes) if m.before_trace_bytes else "",
+        "outside": format_bytes(modules.outside_bytes),
+        "before": format_bytes(modules.before_trace_bytes) if modules.before_trace_bytes else "",
     }
 
 
@@ -136,13 +141,13 @@ def render_stats_fragment(stats: SnapshotStats) -> str:
     body = (
         _environment()
         .get_template("notebook_stats.html.j2")
-        .render(name=name, devices=[_device_view(dev, d) for dev, d in stats.devices.items()])
+        .render(name=name, devices=[_device_view(dev, device_stats) for dev, device_stats in stats.devices.items()])
     )
     return _wrap(body)
 
 
 def render_findings_fragment(findings: list[Finding]) -> str:
     """``snaplab findings`` as a notebook fragment, in the report's style."""
-    multi = len({f.device for f in findings if f.device is not None}) > 1
+    multi = len({finding.device for finding in findings if finding.device is not None}) > 1
     body = _environment().get_template("notebook_findings.html.j2").render(findings=findings, multi_device=multi)
     return _wrap(body)
