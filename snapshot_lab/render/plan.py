@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics.plan import MemoryPlan, PlanTable, RankPlan
-from ..plots.palette import CATEGORY_COLORS as COLORS  # the report's colours, for HTML bars
+
+# the report's colours, for HTML bars
+from ..plots.palette import CATEGORY_COLORS as COLORS
 from ..units import format_bytes
 from .html import _css, _environment
 from .text import table
@@ -14,19 +16,20 @@ from .text import table
 MiB = 1 << 20
 
 
-NO_LIMIT = "no limit known"  # headroom without a memory limit (--memory-limit gives one)
+# headroom without a memory limit (--memory-limit gives one)
+NO_LIMIT = "no limit known"
 
 
-def _fits(r: RankPlan) -> str:
-    if r.fits is None:
+def _fits(rank: RankPlan) -> str:
+    if rank.fits is None:
         return "unknown"
-    return "yes" if r.fits else "NO"
+    return "yes" if rank.fits else "NO"
 
 
-def _headroom(r: RankPlan) -> str:
-    if r.headroom_bytes is not None:
-        return format_bytes(r.headroom_bytes)
-    return NO_LIMIT if r.fits is None else "none"
+def _headroom(rank: RankPlan) -> str:
+    if rank.headroom_bytes is not None:
+        return format_bytes(rank.headroom_bytes)
+    return NO_LIMIT if rank.fits is None else "none"
 
 
 def _events(first: int, last: int) -> str:
@@ -39,8 +42,8 @@ def _limit_line(limit: int | None, source: str) -> str:
     return f"Fits in {format_bytes(limit)} per GPU? ({source}; memory outside the caching allocator not counted.)"
 
 
-def _rank_rows(p: MemoryPlan) -> list[list[str]]:
-    rec = p.recorded
+def _rank_rows(plan: MemoryPlan) -> list[list[str]]:
+    rec = plan.recorded
     rows = [
         [
             "recorded run (1 GPU, replayed)",
@@ -50,24 +53,30 @@ def _rank_rows(p: MemoryPlan) -> list[list[str]]:
             _headroom(rec),
         ]
     ]
-    for k, name in (("allocated_bytes.all.peak", "allocated"), ("reserved_bytes.all.peak", "reserved")):
-        if k in p.recorded_torch_peaks:
-            rows[0][1 if name == "allocated" else 2] += f" (torch: {format_bytes(p.recorded_torch_peaks[k])})"
-    for r in p.ranks:
+    for key, name in (("allocated_bytes.all.peak", "allocated"), ("reserved_bytes.all.peak", "reserved")):
+        if key in plan.recorded_torch_peaks:
+            rows[0][1 if name == "allocated" else 2] += f" (torch: {format_bytes(plan.recorded_torch_peaks[key])})"
+    for rank in plan.ranks:
         rows.append(
-            [r.label, format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes), _fits(r), _headroom(r)]
+            [
+                rank.label,
+                format_bytes(rank.peak_allocated_bytes),
+                format_bytes(rank.peak_reserved_bytes),
+                _fits(rank),
+                _headroom(rank),
+            ]
         )
     return rows
 
 
 def _where(part: Any) -> str:
-    ev = _events(part.first_event, part.last_event)
-    return f"added at recorded {ev}" if not part.recorded_bytes else f"from recorded {ev}"
+    events = _events(part.first_event, part.last_event)
+    return f"added at recorded {events}" if not part.recorded_bytes else f"from recorded {events}"
 
 
-def _parts_text(r: RankPlan, limit: int = 14) -> str:
+def _parts_text(rank: RankPlan, limit: int = 14) -> str:
     rows = []
-    for part in r.parts[:limit]:
+    for part in rank.parts[:limit]:
         rows.append(
             [
                 part.category,
@@ -76,47 +85,53 @@ def _parts_text(r: RankPlan, limit: int = 14) -> str:
                 f"{part.rule}: {part.count:,} allocations, {_where(part)}",
             ]
         )
-    rest = r.parts[limit:]
+    rest = rank.parts[limit:]
     if rest:
-        rows.append(["…", format_bytes(sum(x.planned_bytes for x in rest)), "", f"{len(rest)} smaller kinds"])
+        rows.append(["…", format_bytes(sum(part.planned_bytes for part in rest)), "", f"{len(rest)} smaller kinds"])
     head = ["category", "planned", "recorded", "what, and where in the recorded run it came from"]
-    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(3)]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(3)]
     lines = []
-    for j, x in enumerate([head, *rows]):
-        lines.append(f"  {x[0].ljust(widths[0])}  {x[1].rjust(widths[1])}  {x[2].rjust(widths[2])}  {x[3]}".rstrip())
+    for j, row in enumerate([head, *rows]):
+        lines.append(
+            f"  {row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2].rjust(widths[2])}  {row[3]}".rstrip()
+        )
         if j == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths) + "  " + "-" * len(head[3]))
+            lines.append("  " + "  ".join("-" * width for width in widths) + "  " + "-" * len(head[3]))
     return "\n".join(lines)
 
 
 def format_plan(result: MemoryPlan | PlanTable, name: str = "") -> str:
     if isinstance(result, PlanTable):
         return _format_table(result, name)
-    p = result
-    out = [f"{p.strategy.label()} — planned from {name or 'the snapshot'} (device {p.device}, {p.events:,} events)", ""]
-    out.append(_limit_line(p.memory_limit_bytes, p.memory_limit_source))
-    out.append(table(["", "peak allocated", "peak reserved", "fits", "headroom"], _rank_rows(p)))
-    for r in p.ranks:
+    plan = result
+    out = [
+        f"{plan.strategy.label()} — planned from {name or 'the snapshot'} "
+        f"(device {plan.device}, {plan.events:,} events)",
+        "",
+    ]
+    out.append(_limit_line(plan.memory_limit_bytes, plan.memory_limit_source))
+    out.append(table(["", "peak allocated", "peak reserved", "fits", "headroom"], _rank_rows(plan)))
+    for rank in plan.ranks:
         out.append("")
         out.append(
-            f"{r.label}: peak at {r.peak_moment or 'the recorded event'} (recorded event {r.peak_event:,}); "
+            f"{rank.label}: peak at {rank.peak_moment or 'the recorded event'} (recorded event {rank.peak_event:,}); "
             "what it is made of, and where it came from:"
         )
-        out.append(_parts_text(r))
-        if r.fits_note:
-            out.append(f"  note: {r.fits_note}")
+        out.append(_parts_text(rank))
+        if rank.fits_note:
+            out.append(f"  note: {rank.fits_note}")
     out.append("")
     out.append("Assumed (read from the trace, or defaults; see --help to override):")
-    out += [f"  - {a}" for a in p.assumptions]
+    out += [f"  - {line}" for line in plan.assumptions]
     out.append("Not modelled:")
-    out += [f"  - {a}" for a in p.not_modelled]
+    out += [f"  - {line}" for line in plan.not_modelled]
     return "\n".join(out) + "\n"
 
 
-def _table_rows(t: PlanTable) -> list[list[str]]:
+def _table_rows(plan_table: PlanTable) -> list[list[str]]:
     rows = []
-    if t.plans:
-        rec = t.plans[0].recorded
+    if plan_table.plans:
+        rec = plan_table.plans[0].recorded
         rows.append(
             [
                 "recorded run (1 GPU)",
@@ -126,13 +141,13 @@ def _table_rows(t: PlanTable) -> list[list[str]]:
                 _headroom(rec),
             ]
         )
-    for p in t.plans:
-        worst = max(p.ranks, key=lambda r: r.peak_reserved_bytes)
+    for plan in plan_table.plans:
+        worst = max(plan.ranks, key=lambda rank: rank.peak_reserved_bytes)
         rows.append(
             [
-                p.strategy.label(),
-                format_bytes(p.peak_allocated_bytes),
-                format_bytes(p.peak_reserved_bytes),
+                plan.strategy.label(),
+                format_bytes(plan.peak_allocated_bytes),
+                format_bytes(plan.peak_reserved_bytes),
                 _fits(worst),
                 _headroom(worst),
             ]
@@ -140,12 +155,12 @@ def _table_rows(t: PlanTable) -> list[list[str]]:
     return rows
 
 
-def _format_table(t: PlanTable, name: str) -> str:
-    out = [f"Memory per GPU over {t.world_size} GPUs — planned from {name or 'the snapshot'}", ""]
-    if t.plans:
-        out.append(_limit_line(t.plans[0].memory_limit_bytes, t.plans[0].memory_limit_source))
-    out.append(table(["strategy", "peak allocated", "peak reserved", "fits", "headroom"], _table_rows(t)))
-    for label, why in t.skipped.items():
+def _format_table(plan_table: PlanTable, name: str) -> str:
+    out = [f"Memory per GPU over {plan_table.world_size} GPUs — planned from {name or 'the snapshot'}", ""]
+    if plan_table.plans:
+        out.append(_limit_line(plan_table.plans[0].memory_limit_bytes, plan_table.plans[0].memory_limit_source))
+    out.append(table(["strategy", "peak allocated", "peak reserved", "fits", "headroom"], _table_rows(plan_table)))
+    for label, why in plan_table.skipped.items():
         out.append(f"  {label}: not planned: {why}")
     out.append("")
     out.append("Per rank and per pipeline stage, the worst is shown; snaplab plan SNAP --strategy S for the details.")
@@ -162,50 +177,57 @@ def plan_view(result: MemoryPlan | PlanTable) -> dict[str, Any]:
             "limit": _limit_line(plans[0].memory_limit_bytes, plans[0].memory_limit_source) if plans else "",
             "rows": _table_rows(result),
             "skipped": result.skipped,
-            "plans": [plan_view(p) for p in plans],
+            "plans": [plan_view(plan) for plan in plans],
         }
-    p = result
-    biggest = max([p.recorded.peak_allocated_bytes, *[r.peak_allocated_bytes for r in p.ranks]], default=1) or 1
+    plan = result
+    biggest = (
+        max([plan.recorded.peak_allocated_bytes, *[rank.peak_allocated_bytes for rank in plan.ranks]], default=1) or 1
+    )
     ranks = []
-    for r in [p.recorded, *p.ranks]:
+    for rank in [plan.recorded, *plan.ranks]:
         bars = [
             # width: percent of the bar cell, the largest peak filling it (one line at any width)
-            {"category": c, "bytes": b, "width": round(100 * b / biggest, 2), "color": COLORS.get(c, "#999")}
-            for c, b in r.by_category.items()
-            if b > 0
+            {
+                "category": category,
+                "bytes": nbytes,
+                "width": round(100 * nbytes / biggest, 2),
+                "color": COLORS.get(category, "#999"),
+            }
+            for category, nbytes in rank.by_category.items()
+            if nbytes > 0
         ]
         ranks.append(
             {
-                "label": r.label,
-                "allocated": r.peak_allocated_bytes,
-                "reserved": r.peak_reserved_bytes,
-                "fits": _fits(r),
-                "headroom": _headroom(r),
-                "moment": r.peak_moment,
-                "event": r.peak_event,
+                "label": rank.label,
+                "allocated": rank.peak_allocated_bytes,
+                "reserved": rank.peak_reserved_bytes,
+                "fits": _fits(rank),
+                "headroom": _headroom(rank),
+                "moment": rank.peak_moment,
+                "event": rank.peak_event,
                 "bars": bars,
                 "parts": [
                     {
-                        "category": x.category,
-                        "what": x.rule,
-                        "planned": x.planned_bytes,
-                        "recorded": x.recorded_bytes,
-                        "count": x.count,
-                        "events": _where(x),
+                        "category": part.category,
+                        "what": part.rule,
+                        "planned": part.planned_bytes,
+                        "recorded": part.recorded_bytes,
+                        "count": part.count,
+                        "events": _where(part),
                     }
-                    for x in r.parts
+                    for part in rank.parts
                 ],
-                "note": r.fits_note,
+                "note": rank.fits_note,
             }
         )
     return {
         "kind": "plan",
-        "label": p.strategy.label(),
-        "limit": _limit_line(p.memory_limit_bytes, p.memory_limit_source),
+        "label": plan.strategy.label(),
+        "limit": _limit_line(plan.memory_limit_bytes, plan.memory_limit_source),
         "ranks": ranks,
-        "assumptions": list(p.assumptions),
-        "not_modelled": list(p.not_modelled),
-        "structure": p.structure,
+        "assumptions": list(plan.assumptions),
+        "not_modelled": list(plan.not_modelled),
+        "structure": plan.structure,
     }
 
 
