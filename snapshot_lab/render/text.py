@@ -18,13 +18,13 @@ _POOLS = (("all", "all"), ("large_pool", "large"), ("small_pool", "small"))
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned first column, right-aligned others."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     lines = []
-    for j, r in enumerate([header, *rows]):
-        cells = [str(c).ljust(widths[i]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)]
+    for j, row in enumerate([header, *rows]):
+        cells = [str(cell).ljust(widths[i]) if i == 0 else str(cell).rjust(widths[i]) for i, cell in enumerate(row)]
         lines.append("  ".join(cells).rstrip())
         if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
+            lines.append("  ".join("-" * width for width in widths))
     return "\n".join(lines)
 
 
@@ -35,15 +35,15 @@ def format_modules(m: ModuleBreakdown, limit: int = 12) -> str:
     )
     body = [
         [
-            r.label,
-            format_bytes(r.self_bytes),
-            format_bytes(r.inclusive_bytes) if m.source == "tags" else "",
-            format_bytes(r.by_phase.get("fwd", 0)),
-            format_bytes(r.by_phase.get("bwd", 0)),
-            format_bytes(r.by_phase.get("rec", 0)),
-            format_bytes(r.peak_bytes),
+            row.label,
+            format_bytes(row.self_bytes),
+            format_bytes(row.inclusive_bytes) if m.source == "tags" else "",
+            format_bytes(row.by_phase.get("fwd", 0)),
+            format_bytes(row.by_phase.get("bwd", 0)),
+            format_bytes(row.by_phase.get("rec", 0)),
+            format_bytes(row.peak_bytes),
         ]
-        for r in m.largest(limit)
+        for row in m.largest(limit)
     ]
     body.append(["<outside any module>", format_bytes(m.outside_bytes), "", "", "", "", ""])
     if m.before_trace_bytes:
@@ -52,62 +52,68 @@ def format_modules(m: ModuleBreakdown, limit: int = 12) -> str:
     return head + "\n" + table(cols, body)
 
 
-def _device_text(d: DeviceStats) -> str:
-    ts = d.torch_stats
+def _device_text(device_stats: DeviceStats) -> str:
+    torch_stats = device_stats.torch_stats
     rows = []
     for name in ("reserved_bytes", "allocated_bytes", "active_bytes", "requested_bytes", "inactive_split_bytes"):
-        rows.append([name] + [format_bytes(ts[f"{name}.{k}.current"]) for k, _ in _POOLS])
+        rows.append([name] + [format_bytes(torch_stats[f"{name}.{pool}.current"]) for pool, _ in _POOLS])
     for name in ("segment", "allocation", "active", "inactive_split"):
-        rows.append([name] + [str(ts[f"{name}.{k}.current"]) for k, _ in _POOLS])
+        rows.append([name] + [str(torch_stats[f"{name}.{pool}.current"]) for pool, _ in _POOLS])
     out = [table(["counter (.current)", "all", "large pool", "small pool"], rows)]
-    fr = d.fragmentation
+    by_pool = device_stats.fragmentation
     frows = [
-        ["fragmentation (stranded share)"] + [format_percent(fr[k].stranded_share) for k, _ in _POOLS],
-        ["stranded (holes beside live blocks)"] + [format_bytes(fr[k].stranded_bytes) for k, _ in _POOLS],
-        ["cached, releasable (empty_cache)"] + [format_bytes(fr[k].cached_releasable_bytes) for k, _ in _POOLS],
-        ["free in reserved"] + [format_bytes(fr[k].free_bytes) for k, _ in _POOLS],
-        ["largest free block"] + [format_bytes(fr[k].largest_free_block_bytes) for k, _ in _POOLS],
-        ["external fragmentation"] + [format_percent(fr[k].external_fragmentation) for k, _ in _POOLS],
-        ["internal waste (rounding)"] + [format_bytes(fr[k].internal_waste_bytes) for k, _ in _POOLS],
+        ["fragmentation (stranded share)"] + [format_percent(by_pool[pool].stranded_share) for pool, _ in _POOLS],
+        ["stranded (holes beside live blocks)"] + [format_bytes(by_pool[pool].stranded_bytes) for pool, _ in _POOLS],
+        ["cached, releasable (empty_cache)"]
+        + [format_bytes(by_pool[pool].cached_releasable_bytes) for pool, _ in _POOLS],
+        ["free in reserved"] + [format_bytes(by_pool[pool].free_bytes) for pool, _ in _POOLS],
+        ["largest free block"] + [format_bytes(by_pool[pool].largest_free_block_bytes) for pool, _ in _POOLS],
+        ["external fragmentation"] + [format_percent(by_pool[pool].external_fragmentation) for pool, _ in _POOLS],
+        ["internal waste (rounding)"] + [format_bytes(by_pool[pool].internal_waste_bytes) for pool, _ in _POOLS],
     ]
-    a = fr["all"]
+    whole = by_pool["all"]
     out.append("")
     out.append(
-        f"fragmentation: {format_percent(a.stranded_share)} of reserved memory is stranded "
-        f"({format_bytes(a.stranded_bytes)} in holes of segments that still hold live blocks); "
-        f"{format_bytes(a.cached_releasable_bytes)} is cached in whole free segments, reusable by any request "
+        f"fragmentation: {format_percent(whole.stranded_share)} of reserved memory is stranded "
+        f"({format_bytes(whole.stranded_bytes)} in holes of segments that still hold live blocks); "
+        f"{format_bytes(whole.cached_releasable_bytes)} is cached in whole free segments, reusable by any request "
         "and released by empty_cache()"
     )
     out.append("")
     out.append(table(["fragmentation", "all", "large pool", "small pool"], frows))
-    if d.private_pool_reserved_bytes or d.expandable_reserved_bytes:
+    if device_stats.private_pool_reserved_bytes or device_stats.expandable_reserved_bytes:
         out.append("")
-        if d.private_pool_reserved_bytes:
-            out.append(f"private pools (CUDA graphs, MemPool): {format_bytes(d.private_pool_reserved_bytes)} reserved")
-        if d.expandable_reserved_bytes:
-            out.append(f"expandable segments: {format_bytes(d.expandable_reserved_bytes)} mapped")
-    if d.modules is not None and d.modules.source != "none":
+        if device_stats.private_pool_reserved_bytes:
+            out.append(
+                "private pools (CUDA graphs, MemPool): "
+                f"{format_bytes(device_stats.private_pool_reserved_bytes)} reserved"
+            )
+        if device_stats.expandable_reserved_bytes:
+            out.append(f"expandable segments: {format_bytes(device_stats.expandable_reserved_bytes)} mapped")
+    if device_stats.modules is not None and device_stats.modules.source != "none":
         out.append("")
-        out.append(format_modules(d.modules))
-    if d.oom:
-        o = d.oom
+        out.append(format_modules(device_stats.modules))
+    if device_stats.oom:
+        oom = device_stats.oom
         out.append("")
         out.append(
-            f"OUT OF MEMORY ({o.cause}): a request of {format_bytes(o.requested_bytes)} from the {o.pool} pool failed; "
-            f"{format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, largest free block "
-            f"{format_bytes(o.largest_free_block_bytes)}; CUDA reported {format_bytes(o.device_free_bytes)} free"
-            + ("" if o.snapshot_at_oom else " (layout from a later dump; approximate)")
+            f"OUT OF MEMORY ({oom.cause}): a request of {format_bytes(oom.requested_bytes)} "
+            f"from the {oom.pool} pool failed; "
+            f"{format_bytes(oom.free_in_reserved_bytes)} was free in reserved memory, largest free block "
+            f"{format_bytes(oom.largest_free_block_bytes)}; CUDA reported {format_bytes(oom.device_free_bytes)} free"
+            + ("" if oom.snapshot_at_oom else " (layout from a later dump; approximate)")
         )
     return "\n".join(out)
 
 
 def format_stats(s: SnapshotStats) -> str:
-    f = s.file
+    file_info = s.file
     rec = s.recording
     head = [
-        f"{f['path']}  ({format_bytes(f['file_size_bytes'])}"
-        + (f", {f['compression']}" if f["compression"] else "")
-        + f"; {f['segments']} segments, {f['blocks']} blocks, {f['trace_entries']} trace entries)",
+        f"{file_info['path']}  ({format_bytes(file_info['file_size_bytes'])}"
+        + (f", {file_info['compression']}" if file_info["compression"] else "")
+        + f"; {file_info['segments']} segments, {file_info['blocks']} blocks, "
+        f"{file_info['trace_entries']} trace entries)",
         f"recording: {rec.mode}, stacks: {rec.stacks}"
         + (
             ""
@@ -116,8 +122,8 @@ def format_stats(s: SnapshotStats) -> str:
         ),
     ]
     parts = ["\n".join(head)]
-    for d, ds in s.devices.items():
-        parts.append(f"== device {d}\n" + _device_text(ds))
+    for device, device_stats in s.devices.items():
+        parts.append(f"== device {device}\n" + _device_text(device_stats))
     if not s.devices:
         parts.append("(no segments: nothing was reserved on any device)")
     return "\n\n".join(parts) + "\n"
@@ -125,41 +131,44 @@ def format_stats(s: SnapshotStats) -> str:
 
 def format_leaks(result: dict[int, LeakAnalysis]) -> str:
     parts = []
-    for dev, la in result.items():
+    for dev, leaks in result.items():
         head = f"== device {dev}: "
-        if la.note and not la.suspects:
-            parts.append(head + la.note)
+        if leaks.note and not leaks.suspects:
+            parts.append(head + leaks.note)
             continue
-        if la.iteration_source == STATE_SOURCE:
-            parts.append(head + _state_only_suspects(la))
+        if leaks.iteration_source == STATE_SOURCE:
+            parts.append(head + _state_only_suspects(leaks))
             continue
-        head += f"{la.iterations} iterations (from {la.iteration_source}: {la.iteration_label})"
-        if not la.suspects:
+        head += f"{leaks.iterations} iterations (from {leaks.iteration_source}: {leaks.iteration_label})"
+        if not leaks.suspects:
             parts.append(head + "\nno leak suspects: no allocation site keeps growing across iterations")
             continue
         rows = [
             [
-                s.site,
-                format_bytes(s.growth_bytes_per_iteration),
-                f"{s.iterations_growing}/{s.iterations_considered}",
-                format_bytes(s.bytes),
-                str(s.count),
-                f"{s.confidence:.2f}",
+                suspect.site,
+                format_bytes(suspect.growth_bytes_per_iteration),
+                f"{suspect.iterations_growing}/{suspect.iterations_considered}",
+                format_bytes(suspect.bytes),
+                str(suspect.count),
+                f"{suspect.confidence:.2f}",
             ]
-            for s in la.suspects
+            for suspect in leaks.suspects
         ]
         parts.append(
             head
-            + f"\nmemory grows by {format_bytes(la.growth_bytes_per_iteration)} per iteration\n"
+            + f"\nmemory grows by {format_bytes(leaks.growth_bytes_per_iteration)} per iteration\n"
             + table(["site (allocation line)", "growth/iter", "iters", "live now", "blocks", "confidence"], rows)
         )
     return "\n\n".join(parts) + "\n"
 
 
-def _state_only_suspects(la: LeakAnalysis) -> str:
+def _state_only_suspects(leaks: LeakAnalysis) -> str:
     """A state-only snapshot has no iterations: say what one site holds, not growth per iteration."""
-    rows = [[s.site, format_bytes(s.bytes), f"{s.count:,}", f"{s.confidence:.2f}"] for s in la.suspects]
-    return f"{la.note or 'no allocation history'}; leak suspects from {STATE_SOURCE}\n" + table(
+    rows = [
+        [suspect.site, format_bytes(suspect.bytes), f"{suspect.count:,}", f"{suspect.confidence:.2f}"]
+        for suspect in leaks.suspects
+    ]
+    return f"{leaks.note or 'no allocation history'}; leak suspects from {STATE_SOURCE}\n" + table(
         ["site (allocation line)", "live now", "blocks", "confidence"], rows
     )
 
@@ -168,11 +177,14 @@ def format_findings(findings: list[Finding]) -> str:
     if not findings:
         return "No findings: no OOM, no leak, no notable fragmentation or allocator churn.\n"
     out = []
-    for f in findings:
-        dev = f" [device {f.device}]" if f.device is not None else ""
-        lines = [f"{f.severity.upper():8s} {f.id}{dev}: {f.title}", f"         advice: {f.advice}"]
-        if f.savings_bytes:
-            lines.append(f"         at stake: {format_bytes(f.savings_bytes)}")
+    for finding in findings:
+        dev = f" [device {finding.device}]" if finding.device is not None else ""
+        lines = [
+            f"{finding.severity.upper():8s} {finding.id}{dev}: {finding.title}",
+            f"         advice: {finding.advice}",
+        ]
+        if finding.savings_bytes:
+            lines.append(f"         at stake: {format_bytes(finding.savings_bytes)}")
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
 
@@ -193,14 +205,14 @@ LOWER_BOUND_MARK = " (a lower bound)"
 BASELINE_LABEL = "as recorded, from the same steady state: "
 
 
-def _whatif_row(sc: ScenarioResult, prefix: str) -> dict[str, Any]:
+def _whatif_row(scenario: ScenarioResult, prefix: str) -> dict[str, Any]:
     """One scenario's display strings; a row replayed from a steady state (a trace that starts
     mid-run) is marked, and a max_split_size_mb row there as a lower bound (the steady state
     does not see the segments earlier steps kept at their own sizes)."""
-    first = sc.ooms[0] if sc.ooms else None
+    first = scenario.ooms[0] if scenario.ooms else None
     oom = "no" if first is None else f"at event {first['event_index']:,} ({format_bytes(first['requested_bytes'])})"
-    steady = sc.start == START_STEADY
-    lower_bound = steady and bool(sc.settings.get("max_split_size_mb"))
+    steady = scenario.start == START_STEADY
+    lower_bound = steady and bool(scenario.settings.get("max_split_size_mb"))
     if prefix == BASELINE_LABEL:
         mark = LOWER_BOUND_MARK if lower_bound else ""
     elif steady:
@@ -208,13 +220,13 @@ def _whatif_row(sc: ScenarioResult, prefix: str) -> dict[str, Any]:
     else:
         mark = ""
     return {
-        "settings": prefix + settings_label(sc.settings) + mark,
+        "settings": prefix + settings_label(scenario.settings) + mark,
         "steady": steady,
         "baseline": prefix == BASELINE_LABEL,
-        "peak": format_bytes(sc.peak_reserved_bytes),
-        "final": format_bytes(sc.final_reserved_bytes),
-        "mallocs": f"{sc.cuda_malloc_calls:,}",
-        "retries": f"{sc.alloc_retries:,}",
+        "peak": format_bytes(scenario.peak_reserved_bytes),
+        "final": format_bytes(scenario.final_reserved_bytes),
+        "mallocs": f"{scenario.cuda_malloc_calls:,}",
+        "retries": f"{scenario.alloc_retries:,}",
         "oom": oom,
     }
 
@@ -223,10 +235,10 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
     """The what-if result as display strings (shared by the terminal and the HTML report). On a
     trace that starts mid-run, the recorded settings replayed from the steady state follow the
     recorded row, so the rows replayed from a steady state compare like for like."""
-    rows = [_whatif_row(sc, "as recorded: " if i == 0 else "") for i, sc in enumerate(w.scenarios)]
+    rows = [_whatif_row(scenario, "as recorded: " if i == 0 else "") for i, scenario in enumerate(w.scenarios)]
     if w.steady_baseline is not None:
         rows.insert(1 if rows else 0, _whatif_row(w.steady_baseline, BASELINE_LABEL))
-    c = w.replay_check
+    check = w.replay_check
     limit = format_bytes(w.memory_limit_bytes) if w.memory_limit_bytes else "unlimited"
     # the limit's own source says how it was inferred, where it says anything: never twice
     if w.memory_limit_bytes and w.memory_limit_inferred and not w.memory_limit_source:
@@ -236,7 +248,8 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
         )
     return {
         "rows": rows,
-        "check": ("exact" if c.exact else "approximate: " + "; ".join(c.reasons)) + f"; started from {c.start}",
+        "check": ("exact" if check.exact else "approximate: " + "; ".join(check.reasons))
+        + f"; started from {check.start}",
         "limit": limit,
         "scenario_start": w.scenario_start,
     }
@@ -244,15 +257,18 @@ def whatif_view(w: WhatIf) -> dict[str, Any]:
 
 def format_whatif(result: list[WhatIf]) -> str:
     out = []
-    for w in result:
-        v = whatif_view(w)
+    for whatif in result:
+        view = whatif_view(whatif)
         head = (
-            f"== device {w.device}: {w.events:,} events replayed; memory limit {v['limit']}"
-            + (f" ({w.memory_limit_source})" if w.memory_limit_source else "")
-            + f"\nreplay check under the recorded settings: {v['check']}"
-            + (f"\n{v['scenario_start']}" if v["scenario_start"] else "")
+            f"== device {whatif.device}: {whatif.events:,} events replayed; memory limit {view['limit']}"
+            + (f" ({whatif.memory_limit_source})" if whatif.memory_limit_source else "")
+            + f"\nreplay check under the recorded settings: {view['check']}"
+            + (f"\n{view['scenario_start']}" if view["scenario_start"] else "")
         )
-        rows = [[r["settings"], r["peak"], r["final"], r["mallocs"], r["retries"], r["oom"]] for r in v["rows"]]
+        rows = [
+            [row["settings"], row["peak"], row["final"], row["mallocs"], row["retries"], row["oom"]]
+            for row in view["rows"]
+        ]
         out.append(
             head + "\n" + table(["settings", "peak reserved", "final reserved", "cudaMalloc", "retries", "OOM"], rows)
         )
