@@ -35,7 +35,8 @@ from ..stats.summary import SnapshotStats
 from .snapshot_summary import SnapshotSummary
 
 MiB = 1024 * 1024
-TIMELINE_POINTS = 400  # buckets of the timelines a summary keeps for diff's overlaid chart
+# buckets of the timelines a summary keeps for diff's overlaid chart
+TIMELINE_POINTS = 400
 
 
 # --------------------------------------------------------------------------- summaries
@@ -44,12 +45,12 @@ TIMELINE_POINTS = 400  # buckets of the timelines a summary keeps for diff's ove
 def site_table(frames: SnapshotFrames) -> pd.DataFrame:
     """Allocated bytes at the dump per allocation site, keyed by text (comparable across files):
     columns site, detail, bytes, blocks (stackless blocks grouped by category)."""
-    b = frames.blocks[frames.blocks["state"] == "active_allocated"]
+    blocks = frames.blocks[frames.blocks["state"] == "active_allocated"]
     sites = snapshot_sites(frames)
-    cats = categorize(frames).block_category[b.index]
-    sid = b["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    site, detail = site_labels(sid, sites, cats.to_numpy(dtype=object), block_forward_ids(b))
-    df = pd.DataFrame({"site": site, "detail": detail, "bytes": b["size_bytes"].to_numpy()})
+    cats = categorize(frames).block_category[blocks.index]
+    stack_ids = blocks["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    site, detail = site_labels(stack_ids, sites, cats.to_numpy(dtype=object), block_forward_ids(blocks))
+    df = pd.DataFrame({"site": site, "detail": detail, "bytes": blocks["size_bytes"].to_numpy()})
     return df.groupby(["site", "detail"], as_index=False).agg(
         bytes=("bytes", "sum"),
         blocks=("bytes", "size"),
@@ -94,8 +95,8 @@ def summarize(
         external_fragmentation=fragmentation.external_fragmentation,
         free_in_reserved_bytes=fragmentation.free_bytes,
         stranded_bytes=fragmentation.stranded_bytes,
-        peak_requested_bytes=sum(t.peak_requested_bytes for t in peaks) if peaks else None,
-        peak_reserved_bytes=sum(t.peak_reserved_bytes for t in peaks) if peaks else None,
+        peak_requested_bytes=sum(peak.peak_requested_bytes for peak in peaks) if peaks else None,
+        peak_reserved_bytes=sum(peak.peak_reserved_bytes for peak in peaks) if peaks else None,
         oom_cause=stats.oom.cause if stats.oom else None,
         oom_requested_bytes=stats.oom.requested_bytes if stats.oom else None,
         categories=stats.categories,
@@ -108,7 +109,7 @@ def summarize(
         peak_sites=peak_sites,
         peak_modules=peak_modules,
         modules_source=modules_source,
-        timelines=[timeline_series(frames, t) for t in peaks] if with_sites else [],
+        timelines=[timeline_series(frames, peak) for peak in peaks] if with_sites else [],
     )
 
 
@@ -124,16 +125,16 @@ def timeline_series(frames: SnapshotFrames, timeline: Timeline, points: int = TI
     timed = len(times) == timeline.n_events and bool(times.notna().all())
     if timed:
         micros = times.to_numpy(dtype=np.int64)
-        x = [float(t) for t in (micros[starts] - micros[0]) / 1e6]
+        x_values = [float(seconds) for seconds in (micros[starts] - micros[0]) / 1e6]
     else:
-        x = [float(i) for i in starts]
+        x_values = [float(start) for start in starts]
     return {
         "device": timeline.device,
         "x_label": "seconds" if timed else "event index",
-        "x": x,
-        "index": [int(i) for i in starts],
-        "requested": [int(v) for v in requested.high],
-        "reserved": [int(v) for v in reserved.high],
+        "x": x_values,
+        "index": [int(start) for start in starts],
+        "requested": [int(value) for value in requested.high],
+        "reserved": [int(value) for value in reserved.high],
     }
 
 
@@ -244,27 +245,27 @@ class SnapshotDiff:
     modules_source: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
-        def ch(c: Change) -> dict[str, Any]:
-            return {"name": c.name, "before": c.before, "after": c.after, "delta": c.delta}
+        def ch(change: Change) -> dict[str, Any]:
+            return {"name": change.name, "before": change.before, "after": change.after, "delta": change.delta}
 
         return {
             "before": self.before.path,
             "after": self.after.path,
-            "totals": [ch(c) for c in self.totals],
-            "categories": [ch(c) for c in self.categories],
-            "sites": [{**asdict(s), "delta_bytes": s.delta_bytes} for s in self.sites],
+            "totals": [ch(change) for change in self.totals],
+            "categories": [ch(change) for change in self.categories],
+            "sites": [{**asdict(site), "delta_bytes": site.delta_bytes} for site in self.sites],
             "findings_new": self.findings_new,
             "findings_gone": self.findings_gone,
             "modules_source": self.modules_source,
             "modules": [
                 {
-                    "module": m.site,
-                    "before_bytes": m.before_bytes,
-                    "after_bytes": m.after_bytes,
-                    "delta_bytes": m.delta_bytes,
-                    "status": m.status,
+                    "module": module.site,
+                    "before_bytes": module.before_bytes,
+                    "after_bytes": module.after_bytes,
+                    "delta_bytes": module.delta_bytes,
+                    "status": module.status,
                 }
-                for m in self.modules
+                for module in self.modules
             ],
         }
 
@@ -278,15 +279,15 @@ def _status(before: int, after: int) -> str:
     return "grown" if after > before else "shrunk" if after < before else "same"
 
 
-def _module_changes(a: SnapshotSummary, b: SnapshotSummary, limit: int) -> list[SiteChange]:
-    if a.modules_source != b.modules_source or a.modules_source == "none":
+def _module_changes(first: SnapshotSummary, second: SnapshotSummary, limit: int) -> list[SiteChange]:
+    if first.modules_source != second.modules_source or first.modules_source == "none":
         return []
     rows = []
     # every name holds bytes in a or b
-    for name in dict.fromkeys([*a.peak_modules, *b.peak_modules]):
-        before, after = a.peak_modules.get(name, 0), b.peak_modules.get(name, 0)
+    for name in dict.fromkeys([*first.peak_modules, *second.peak_modules]):
+        before, after = first.peak_modules.get(name, 0), second.peak_modules.get(name, 0)
         rows.append(SiteChange(name, "", before, after, _status(before, after)))
-    rows.sort(key=lambda r: (-abs(r.delta_bytes), -r.after_bytes, r.site))
+    rows.sort(key=lambda row: (-abs(row.delta_bytes), -row.after_bytes, row.site))
     return rows[:limit]
 
 
@@ -310,7 +311,7 @@ def diff_summaries(a: SnapshotSummary, b: SnapshotSummary, limit: int = 50) -> S
             b.torch_stats["segment.all.current"],
         ),
     ]
-    cats = [Change(c, a.categories.get(c, 0), b.categories.get(c, 0)) for c in a.categories]
+    cats = [Change(category, a.categories.get(category, 0), b.categories.get(category, 0)) for category in a.categories]
     return SnapshotDiff(
         before=a,
         after=b,
@@ -347,21 +348,21 @@ def site_changes(before: list[dict[str, Any]], after: list[dict[str, Any]], limi
     merged["size"] = merged[["bytes_a", "bytes_b"]].max(axis=1)
     merged = merged.sort_values(["delta", "size", "site"], key=_magnitude, ascending=[False, False, True])
     out = []
-    for r in merged.head(limit).itertuples(index=False):
-        paths_a = r.details_a if isinstance(r.details_a, list) else []
-        paths_b = r.details_b if isinstance(r.details_b, list) else []
-        largest = (paths_b if r.bytes_b >= r.bytes_a else paths_a) or paths_a or paths_b
+    for row in merged.head(limit).itertuples(index=False):
+        paths_a = row.details_a if isinstance(row.details_a, list) else []
+        paths_b = row.details_b if isinstance(row.details_b, list) else []
+        largest = (paths_b if row.bytes_b >= row.bytes_a else paths_a) or paths_a or paths_b
         paths = len(set(paths_a) | set(paths_b))
-        before_bytes, after_bytes = int(r.bytes_a), int(r.bytes_b)
+        before_bytes, after_bytes = int(row.bytes_a), int(row.bytes_b)
         out.append(
             SiteChange(
-                str(r.site),
+                str(row.site),
                 str(largest[0]) if largest else "",
                 before_bytes,
                 after_bytes,
                 _status(before_bytes, after_bytes),
-                int(r.blocks_a),
-                int(r.blocks_b),
+                int(row.blocks_a),
+                int(row.blocks_b),
                 max(paths, 1),
             )
         )
@@ -383,7 +384,8 @@ CAPTURE_HOST_RE = re.compile(r"rank[_-]?\d+_([A-Za-z0-9.-]+)_\d{8}-\d{6}", re.IG
 # prefix such as 'a_rank0' or 'run2_rank0' is not taken for a host
 NAME_HOST_RE = re.compile(r"(?<![A-Za-z0-9])((?:node|host|nid)-?\d+)(?![A-Za-z0-9])", re.IGNORECASE)
 OUTLIER_RATIO = 0.15  # flagged when this far above the median...
-OUTLIER_LOW_RATIO = 0.5  # ...or this far below it (a rank doing much less work than the others)
+# ...or this far below it (a rank doing much less work than the others)
+OUTLIER_LOW_RATIO = 0.5
 OUTLIER_MIN_BYTES = 128 * MiB  # ...and by at least this much
 
 K = TypeVar("K", bound=Hashable)
@@ -395,8 +397,8 @@ def _file_name(path: str) -> str:
 
 def rank_of(path: str) -> int | None:
     """The rank number in a file's name (the last ``rank<N>``), or None when it has none."""
-    m = RANK_RE.findall(_file_name(path))
-    return int(m[-1]) if m else None
+    found = RANK_RE.findall(_file_name(path))
+    return int(found[-1]) if found else None
 
 
 def host_of(path: str, sidecar: dict[str, Any] | None = None) -> str | None:
@@ -405,11 +407,11 @@ def host_of(path: str, sidecar: dict[str, Any] | None = None) -> str | None:
     if sidecar is not None and isinstance(sidecar.get("host"), str) and sidecar["host"].strip():
         # it goes into one-line messages and labels: no newline, control character or space
         recorded = sidecar["host"].strip()
-        host = "".join(c if c.isprintable() and not c.isspace() else "-" for c in recorded)
+        host = "".join(char if char.isprintable() and not char.isspace() else "-" for char in recorded)
         return host[:64]
     name = _file_name(path)
-    m = CAPTURE_HOST_RE.search(name) or NAME_HOST_RE.search(name)
-    return m.group(1) if m else None
+    match = CAPTURE_HOST_RE.search(name) or NAME_HOST_RE.search(name)
+    return match.group(1) if match else None
 
 
 LabelKind = Literal["rank", "host", "file"]
@@ -434,7 +436,7 @@ class RankRow:
     group_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        s = self.summary
+        summary = self.summary
         lay = self.layout
         return {
             "rank": self.rank,
@@ -444,18 +446,18 @@ class RankRow:
             "coordinates_from": lay.source if lay is not None else None,
             "group": self.group,
             "group_size": self.group_size,
-            "path": s.path,
-            "devices": s.devices,
-            "reserved_bytes": s.reserved,
-            "allocated_bytes": s.allocated,
-            "peak_requested_bytes": s.peak_requested_bytes,
-            "peak_reserved_bytes": s.peak_reserved_bytes,
-            "external_fragmentation": s.external_fragmentation,
-            "oom": s.oom_cause,
+            "path": summary.path,
+            "devices": summary.devices,
+            "reserved_bytes": summary.reserved,
+            "allocated_bytes": summary.allocated,
+            "peak_requested_bytes": summary.peak_requested_bytes,
+            "peak_reserved_bytes": summary.peak_reserved_bytes,
+            "external_fragmentation": summary.external_fragmentation,
+            "oom": summary.oom_cause,
             "inflight_activation_bytes_at_peak": (
-                s.peak_categories.get("inflight_activation", 0) if s.peak_categories else None
+                summary.peak_categories.get("inflight_activation", 0) if summary.peak_categories else None
             ),
-            "findings": s.findings,
+            "findings": summary.findings,
             "outlier": bool(self.flags),
             "flags": self.flags,
         }
@@ -490,28 +492,28 @@ def rank_outliers(
     the message says it against its peer when there are two files. ``within`` names the group
     they form in the messages ('pp stage 1': '... the median ... of pp stage 1')."""
     of_group = f" of {within}" if within else ""
-    flags: dict[K, list[str]] = {r: [] for r in summaries}
+    flags: dict[K, list[str]] = {file_key: [] for file_key in summaries}
     metrics: dict[str, dict[K, int | None]] = {
-        "peak requested": {r: s.peak_requested_bytes for r, s in summaries.items()},
-        "reserved": {r: s.reserved for r, s in summaries.items()},
-        "allocated": {r: s.allocated for r, s in summaries.items()},
+        "peak requested": {file_key: summary.peak_requested_bytes for file_key, summary in summaries.items()},
+        "reserved": {file_key: summary.reserved for file_key, summary in summaries.items()},
+        "allocated": {file_key: summary.allocated for file_key, summary in summaries.items()},
     }
     if len(summaries) >= 2:
         for label, values in metrics.items():
-            known = {r: v for r, v in values.items() if v is not None}
+            known = {file_key: nbytes for file_key, nbytes in values.items() if nbytes is not None}
             if len(known) < 2:
                 continue
             med = statistics.median(known.values())
-            for r, v in known.items():
-                diff = v - med
+            for file_key, nbytes in known.items():
+                diff = nbytes - med
                 ratio = OUTLIER_RATIO if diff > 0 else OUTLIER_LOW_RATIO
                 if abs(diff) >= OUTLIER_MIN_BYTES and med and abs(diff) / med >= ratio:
-                    others = [other for key, other in known.items() if key != r]
-                    flags[r].append(_how_far(label, v, others, med, of_group))
-    for r, s in summaries.items():
-        if s.oom_cause:
-            requested = format_bytes(s.oom_requested_bytes)
-            flags[r].append(f"out of memory ({s.oom_cause}) on a request of {requested}")
+                    others = [other for key, other in known.items() if key != file_key]
+                    flags[file_key].append(_how_far(label, nbytes, others, med, of_group))
+    for file_key, summary in summaries.items():
+        if summary.oom_cause:
+            requested = format_bytes(summary.oom_requested_bytes)
+            flags[file_key].append(f"out of memory ({summary.oom_cause}) on a request of {requested}")
     return flags
 
 
@@ -523,16 +525,16 @@ def _path_end(parts: list[str], depth: int) -> str | None:
 def _path_labels(paths: list[str]) -> dict[str, str]:
     """The shortest end of each path (file name, then parent/file name, ...) that no other of
     ``paths`` shares; the whole path where nothing shorter tells them apart."""
-    parts = {p: [x for x in p.replace("\\", "/").split("/") if x] or [p] for p in paths}
+    parts = {path: [part for part in path.replace("\\", "/").split("/") if part] or [path] for path in paths}
     depth = dict.fromkeys(paths, 1)
     while True:
-        labels = {p: _path_end(parts[p], depth[p]) or p for p in paths}
+        labels = {path: _path_end(parts[path], depth[path]) or path for path in paths}
         seen = Counter(labels.values())
-        clash = [p for p in paths if seen[labels[p]] > 1 and labels[p] != p]
+        clash = [path for path in paths if seen[labels[path]] > 1 and labels[path] != path]
         if not clash:
             return labels
-        for p in clash:
-            depth[p] += 1
+        for path in clash:
+            depth[path] += 1
 
 
 def rank_labels(
@@ -540,25 +542,25 @@ def rank_labels(
     hosts: dict[str, str | None],
 ) -> dict[str, tuple[int | None, str, LabelKind]]:
     """Rank, label and what the label comes from, per path (see ``RankRow``)."""
-    rank = {p: rank_of(p) for p in paths}
-    count = Counter(r for r in rank.values() if r is not None)
-    count_host = Counter((rank[p], hosts.get(p)) for p in paths)
+    rank = {path: rank_of(path) for path in paths}
+    count = Counter(number for number in rank.values() if number is not None)
+    count_host = Counter((rank[path], hosts.get(path)) for path in paths)
     out: dict[str, tuple[int | None, str, LabelKind]] = {}
     by_file = []
-    for p in paths:
-        r, h = rank[p], hosts.get(p)
-        if r is not None and count[r] == 1:
-            out[p] = (r, str(r), "rank")
-        elif r is not None and h is not None and count_host[r, h] == 1:
-            out[p] = (r, f"{h}/rank{r}", "host")
+    for path in paths:
+        number, host = rank[path], hosts.get(path)
+        if number is not None and count[number] == 1:
+            out[path] = (number, str(number), "rank")
+        elif number is not None and host is not None and count_host[number, host] == 1:
+            out[path] = (number, f"{host}/rank{number}", "host")
         else:
-            by_file.append(p)
+            by_file.append(path)
     names = _path_labels(by_file)
     taken = {label for _, label, _ in out.values()}
-    for p in by_file:
+    for path in by_file:
         # a file literally named like another row's label ('3', 'node3/rank0') keeps its whole path
-        label = names[p] if names[p] not in taken else p if p not in taken else f"./{p}"
-        out[p] = (rank[p], label, "file")
+        label = names[path] if names[path] not in taken else path if path not in taken else f"./{path}"
+        out[path] = (rank[path], label, "file")
     return out
 
 
@@ -577,8 +579,8 @@ def rank_groups(layouts: dict[str, ParallelLayout | None]) -> dict[str, str | No
     stage = pipeline_stages(layouts)
     if stage is None:
         return dict.fromkeys(layouts)
-    inferred = {p for p, lay in layouts.items() if lay is not None and lay.source == "stacks"}
-    return {p: group_label(st, p in inferred) for p, st in stage.items()}
+    inferred = {path for path, lay in layouts.items() if lay is not None and lay.source == "stacks"}
+    return {path: group_label(stage_number, path in inferred) for path, stage_number in stage.items()}
 
 
 def rank_rows(
@@ -596,41 +598,41 @@ def rank_rows(
     layouts = rank_layouts(summaries)
     groups = rank_groups(layouts)
     members: dict[str | None, list[str]] = {}
-    for p in paths:
-        members.setdefault(groups[p], []).append(p)
+    for path in paths:
+        members.setdefault(groups[path], []).append(path)
     flags: dict[str, list[str]] = {}
-    for g, ps in members.items():
-        flags.update(rank_outliers({p: summaries[p] for p in ps}, within=g))
+    for group, group_paths in members.items():
+        flags.update(rank_outliers({path: summaries[path] for path in group_paths}, within=group))
 
     def natural(text: str) -> list[str | int]:  # node2 before node10
-        return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", text))]
+        return [int(token) if i % 2 else token for i, token in enumerate(re.split(r"(\d+)", text))]
 
-    def order(p: str) -> tuple[bool, int, list[str | int], list[str | int], str]:
-        rank = labels[p][0]
-        host, name = natural(hosts.get(p) or ""), natural(_file_name(p))
-        return (rank is None, rank if rank is not None else 0, host, name, p)
+    def order(path: str) -> tuple[bool, int, list[str | int], list[str | int], str]:
+        rank = labels[path][0]
+        host, name = natural(hosts.get(path) or ""), natural(_file_name(path))
+        return (rank is None, rank if rank is not None else 0, host, name, path)
 
     return [
         RankRow(
-            labels[p][0],
-            labels[p][1],
-            labels[p][2],
-            hosts.get(p),
-            summaries[p],
-            flags[p],
-            layouts[p],
-            groups[p],
-            len(members[groups[p]]) if groups[p] is not None else None,
+            labels[path][0],
+            labels[path][1],
+            labels[path][2],
+            hosts.get(path),
+            summaries[path],
+            flags[path],
+            layouts[path],
+            groups[path],
+            len(members[groups[path]]) if groups[path] is not None else None,
         )
-        for p in sorted(paths, key=order)
+        for path in sorted(paths, key=order)
     ]
 
 
 def rank_pipeline(rows: list[RankRow]) -> tuple[PipelineSkew | None, list[Finding]]:
     """The pipeline's stages side by side (None unless the rows span two pipeline stages) and
     the findings across the files of ``rows`` (``pipeline-stage-imbalance``)."""
-    summaries = {r.summary.path: r.summary for r in rows}
-    layouts = {r.summary.path: r.layout for r in rows}
+    summaries = {row.summary.path: row.summary for row in rows}
+    layouts = {row.summary.path: row.layout for row in rows}
     return pipeline_skew(summaries, layouts), compute_fleet_findings(summaries, layouts)
 
 
@@ -643,7 +645,8 @@ class Limits:
     max_allocated_bytes: int | None = None
     max_peak_bytes: int | None = None
     max_fragmentation: float | None = None
-    no_oom: bool = True  # an OOM fails the gate unless allowed: a CI gate must not pass one by default
+    # an OOM fails the gate unless allowed: a CI gate must not pass one by default
+    no_oom: bool = True
     no_leaks: bool = False
     max_growth: float | None = None  # against a baseline, e.g. 0.05
 
