@@ -383,10 +383,12 @@ CAPTURE_HOST_RE = re.compile(r"rank[_-]?\d+_([A-Za-z0-9.-]+)_\d{8}-\d{6}", re.IG
 # otherwise only a token that plainly names a machine (node3, node-7, host12, nid001234): a bare
 # prefix such as 'a_rank0' or 'run2_rank0' is not taken for a host
 NAME_HOST_RE = re.compile(r"(?<![A-Za-z0-9])((?:node|host|nid)-?\d+)(?![A-Za-z0-9])", re.IGNORECASE)
-OUTLIER_RATIO = 0.15  # flagged when this far above the median...
-# ...or this far below it (a rank doing much less work than the others)
+# a rank is flagged when this far above the median...
+OUTLIER_RATIO = 0.15
+# ...or this far below it (a rank doing much less work than the others)...
 OUTLIER_LOW_RATIO = 0.5
-OUTLIER_MIN_BYTES = 128 * MiB  # ...and by at least this much
+# ...and by at least this much
+OUTLIER_MIN_BYTES = 128 * MiB
 
 K = TypeVar("K", bound=Hashable)
 
