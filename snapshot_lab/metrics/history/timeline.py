@@ -127,9 +127,9 @@ def compute_timeline(
     res_offset = reserved_at_end - int(res[-1])
     req += req_offset
     res += res_offset
-    # x is the position in the trace: time is dominated by idle stretches (start-up, data
+    # positions in the trace, not times: time is dominated by idle stretches (start-up, data
     # loading) while the allocator's activity is what the picture is about
-    x = np.arange(len(device_events), dtype=np.float64)
+    positions = np.arange(len(device_events), dtype=np.float64)
     x_label = "allocator events, in trace order"
     times = device_events["time_us"]
     times_us = times.to_numpy(dtype=np.int64) if times.notna().all() else None
@@ -138,15 +138,15 @@ def compute_timeline(
     oom_rows = np.flatnonzero((action == "oom").to_numpy())
     ooms = tuple(
         Marker(
-            x=float(x[i]),
-            label=f"OOM: request of {int(size[i])} bytes",
+            x=float(positions[row]),
+            label=f"OOM: request of {int(size[row])} bytes",
         )
-        for i in oom_rows
+        for row in oom_rows
     )
     markers, group = _step_markers(annotations, times_us, max_markers) if annotations is not None else ((), None)
     return Timeline(
         device=device,
-        x=x,
+        x=positions,
         x_label=x_label,
         requested_bytes=req,
         reserved_bytes=res,
