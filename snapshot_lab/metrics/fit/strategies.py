@@ -8,6 +8,7 @@ the optimizer state sharded (ZeRO-1) before the gradients too (ZeRO-2) before th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,19 +43,15 @@ class StrategyOutcome:
         }
 
 
-def _choices(world_size: int) -> list[tuple[str, Strategy]]:
-    """The strategies tried, least change first."""
-    n = world_size
-    return [
-        ("zero1", Strategy("zero1", n)),
-        ("zero2", Strategy("fsdp", n, reshard_after_forward=False)),
-        ("zero3", Strategy("fsdp", n)),
-        ("tp", Strategy("tp", n)),
-        ("pp", Strategy("pp", n)),
-    ]
-
-
-CHANGE_ORDER = ("zero1", "zero2", "zero3", "tp", "pp")
+# the strategies tried, least change to the job first (the order the answer ranks them in)
+_STRATEGIES: dict[str, Callable[[int], Strategy]] = {
+    "zero1": lambda n: Strategy("zero1", n),
+    "zero2": lambda n: Strategy("fsdp", n, reshard_after_forward=False),
+    "zero3": lambda n: Strategy("fsdp", n),
+    "tp": lambda n: Strategy("tp", n),
+    "pp": lambda n: Strategy("pp", n),
+}
+CHANGE_ORDER = tuple(_STRATEGIES)
 
 
 def parallel_strategies(
@@ -71,7 +68,8 @@ def parallel_strategies(
     out: list[StrategyOutcome] = []
     refused: dict[str, str] = {}
     for n in WORLD_SIZES[:1] if long else WORLD_SIZES:
-        for key, strategy in _choices(n)[: 4 if long else 5]:
+        for key in CHANGE_ORDER[:-1] if long else CHANGE_ORDER:
+            strategy = _STRATEGIES[key](n)
             try:
                 p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
             except (PlanUnsupported, ValueError) as exc:
