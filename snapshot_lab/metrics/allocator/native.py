@@ -1,0 +1,92 @@
+"""Which replay engine runs the allocator model: the compiled one (``_replay.c``, built by
+``pip install`` when a C compiler is there) or the pure-Python model (:mod:`.model`, the
+reference). Both give the same results to the byte; the compiled engine replays a whole
+operation stream in C.
+
+``SNAPLAB_PURE_PYTHON=1`` forces the Python model. Anything the compiled engine does not
+reproduce (a value out of its range, a state the Python model handles in its own way) raises
+:class:`Unsupported` inside it, and the caller replays the same stream in Python instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .model import UNLIMITED, AllocatorSettings, ReplayStats
+
+try:
+    from . import _replay as _compiled
+except ImportError:  # not built: no compiler at install time, or a source checkout
+    _compiled = None  # type: ignore[assignment]
+
+# operation kinds of Engine.run (the OP_* of _replay.c)
+ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
+ALLOC_KEEP, RECORD_ADDRESS, OOM_PROBE, NOP = 4, 5, 6, 7
+RELEASE_UNLESS_SERVED, ALLOC_IF_ABSENT = 8, 9
+
+ENV_PURE_PYTHON = "SNAPLAB_PURE_PYTHON"
+
+
+# raised by the compiled engine when it cannot replay a stream exactly (the Python model will)
+Unsupported: type[ValueError] = _compiled.Unsupported if _compiled is not None else ValueError
+
+
+def available() -> bool:
+    """Whether the compiled engine was built."""
+    return _compiled is not None
+
+
+def enabled() -> bool:
+    """Whether replays use the compiled engine: built, and not switched off with
+    ``SNAPLAB_PURE_PYTHON=1``."""
+    return _compiled is not None and os.environ.get(ENV_PURE_PYTHON, "") not in ("1", "true", "True", "yes")
+
+
+def backend() -> str:
+    """``compiled`` or ``pure-python``: the allocator replay in use, for ``snaplab --version``."""
+    return "compiled" if enabled() else "pure-python"
+
+
+def engine(
+    settings: AllocatorSettings, limit: int | None, limit_is_cap: bool = True, top_down: bool = False
+) -> Any | None:
+    """A fresh compiled allocator (None: the Python model must run: not built, switched off,
+    or settings out of the engine's range)."""
+    if not enabled():
+        return None
+    try:
+        return _compiled.Engine(
+            None if settings.max_split_size == UNLIMITED else settings.max_split_size,
+            settings.max_non_split_rounding,
+            tuple(settings.roundup_power2_divisions),
+            float(settings.garbage_collection_threshold),
+            bool(settings.expandable_segments),
+            limit,
+            bool(limit_is_cap),
+            bool(top_down),
+        )
+    except (Unsupported, TypeError, OverflowError):
+        return None
+
+
+def column(values: Any) -> np.ndarray:
+    """An operation column as the engine reads it: contiguous int64."""
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def stats_of(eng: Any) -> ReplayStats:
+    """The engine's counters as the Python model keeps them."""
+    reserved, peak_reserved, allocated, peak_allocated, mallocs, frees, retries, ooms, _level = eng.stats()
+    return ReplayStats(
+        reserved_bytes=reserved,
+        peak_reserved_bytes=peak_reserved,
+        allocated_bytes=allocated,
+        peak_allocated_bytes=peak_allocated,
+        cuda_malloc_calls=mallocs,
+        cuda_free_calls=frees,
+        alloc_retries=retries,
+        ooms=list(ooms),
+    )
