@@ -73,8 +73,7 @@ typedef struct {
 
 typedef struct {
     int64_t key;
-    int64_t value;          /* block index (-1: none), or a queue index */
-    uint64_t placed_serial; /* mark_placed's block serial (0: none) */
+    int64_t value;          /* block index (-1: none), a queue index, or a block serial */
     uint8_t state;          /* 0 empty, 1 used, 2 deleted */
     uint8_t pending;
 } Entry;
@@ -135,7 +134,6 @@ static Entry *table_get_or_add(Table *t, int64_t key) {
     e->state = 1;
     e->key = key;
     e->value = -1;
-    e->placed_serial = 0;
     e->pending = 0;
     t->used++;
     return e;
@@ -177,7 +175,8 @@ typedef struct {
     Py_ssize_t nfree_slots, free_slots_cap;
     uint64_t next_serial;
     Pool small, large;
-    Table live;           /* key -> block (+ pending flag, placed serial) */
+    Table live;           /* key -> block (+ pending flag) */
+    Table placed;         /* key -> serial of the block it held at mark_placed() */
     Table segment_starts; /* cudaMalloc'd segment addresses alive */
     Table recorded;       /* size -> index into queues */
     Queue *queues;
@@ -962,6 +961,7 @@ static void engine_dealloc(Engine *m) {
     PyMem_Free(m->large.keys.idx);
     PyMem_Free(m->large.unmapped.idx);
     PyMem_Free(m->live.e);
+    PyMem_Free(m->placed.e);
     PyMem_Free(m->segment_starts.e);
     PyMem_Free(m->recorded.e);
     for (Py_ssize_t i = 0; i < m->nqueues; i++) PyMem_Free(m->queues[i].data);
@@ -1217,20 +1217,28 @@ static PyObject *engine_reset_stats(Engine *m, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-/* mark_placed(): remember which block every key holds now */
+/* mark_placed(): remember which block every key holds now (_steady_replay's `placed`) */
 static PyObject *engine_mark_placed(Engine *m, PyObject *Py_UNUSED(ignored)) {
+    PyMem_Free(m->placed.e);
+    memset(&m->placed, 0, sizeof m->placed);
     for (size_t j = 0; j < m->live.cap; j++) {
         Entry *e = &m->live.e[j];
-        if (e->state == 1) e->placed_serial = e->value >= 0 ? BLK(e->value)->serial : 0;
+        if (e->state != 1 || e->value < 0) continue;
+        Entry *p = table_get_or_add(&m->placed, e->key);
+        if (!p) return NULL;
+        p->value = (int64_t)BLK(e->value)->serial; /* serials stay far below 2**63 */
     }
     Py_RETURN_NONE;
 }
 
-/* free_unplaced(): free every live block that is not the one its key held at mark_placed() */
+/* free_unplaced(): free every live block that is not the very block its key held at
+ * mark_placed() (a block freed and handed back to the same key is the same block) */
 static PyObject *engine_free_unplaced(Engine *m, PyObject *Py_UNUSED(ignored)) {
     for (size_t j = 0; j < m->live.cap; j++) {
         Entry *e = &m->live.e[j];
-        if (e->state != 1 || e->value < 0 || BLK(e->value)->serial == e->placed_serial) continue;
+        if (e->state != 1 || e->value < 0) continue;
+        Entry *p = table_find(&m->placed, e->key);
+        if (p && (uint64_t)p->value == BLK(e->value)->serial) continue;
         if (e->pending) return PyErr_Format(Unsupported, "a pending free when bringing blocks back"), NULL;
         int32_t bi = take_live(m, e);
         if (engine_free(m, bi) < 0) return NULL;

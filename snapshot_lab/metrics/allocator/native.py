@@ -34,6 +34,19 @@ ENV_PURE_PYTHON = "SNAPLAB_PURE_PYTHON"
 Unsupported: type[ValueError] = _compiled.Unsupported if _compiled is not None else ValueError
 
 
+_fallbacks = [0]  # streams the compiled engine handed back to the Python model
+
+
+def fell_back() -> None:
+    """Count a stream the compiled engine could not replay (the Python model did)."""
+    _fallbacks[0] += 1
+
+
+def fallbacks() -> int:
+    """How many streams the compiled engine handed back to the Python model so far."""
+    return _fallbacks[0]
+
+
 def available() -> bool:
     """Whether the compiled engine was built."""
     return _compiled is not None
@@ -69,6 +82,7 @@ def engine(
             bool(top_down),
         )
     except (Unsupported, TypeError, OverflowError):
+        fell_back()
         return None
 
 

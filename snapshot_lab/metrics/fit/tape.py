@@ -193,7 +193,8 @@ def _simulate_compiled(
     ops = (kind, which, sizes[which], tape.stream[which], no_index)
     try:
         stop, _avoided, _decided = engine.run(*(native.column(c) for c in ops), None, None)
-    except native.Unsupported:
+    except (native.Unsupported, OverflowError):
+        native.fell_back()
         return None
     stats = native.stats_of(engine)
     fits = False if stop >= 0 else None if limit is None else True
