@@ -1246,6 +1246,83 @@ static PyObject *engine_free_unplaced(Engine *m, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+/* seed_chain(stream, small, expandable, start, booked, addrs, sizes, mapped, allocated):
+ * model.seed_segment / seed_expandable, the chain of blocks laid out by the caller (native.py):
+ * a new segment (an expandable range starting at `start`, else a segment registered at
+ * `start`), `booked` bytes reserved without a limit check, the blocks linked in order, the
+ * unmapped ones to the unmapped pool, the allocated ones live under their address, the rest
+ * to their pool. */
+static PyObject *engine_seed_chain(Engine *m, PyObject *args) {
+    long long stream, start, booked;
+    int small, expandable;
+    PyObject *objs[4];
+    if (!PyArg_ParseTuple(args, "LppLLOOOO", &stream, &small, &expandable, &start, &booked, &objs[0], &objs[1],
+                          &objs[2], &objs[3]))
+        return NULL;
+    if (!m->blocks) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine not initialised");
+        return NULL;
+    }
+    static const char *names[4] = {"addrs", "sizes", "mapped", "allocated"};
+    Column cols[4];
+    memset(cols, 0, sizeof cols);
+    Py_ssize_t n = -1;
+    for (int i = 0; i < 4; i++)
+        if (get_column(objs[i], &cols[i], &n, 0, names[i]) < 0) goto fail;
+    if (stream < -MAX_ADDRESS || stream > MAX_ADDRESS || start < -MAX_ADDRESS || start > MAX_ADDRESS ||
+        booked < 0 || booked > MAX_ADDRESS) {
+        unsupported("a seeded segment out of range");
+        goto fail;
+    }
+    int64_t previous_end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* blocks in increasing addresses, each of a sane size */
+        int64_t a = cols[0].data[i], size = cols[1].data[i];
+        if (a < -MAX_ADDRESS || a > MAX_ADDRESS || size <= 0 || size > MAX_ADDRESS || (i && a < previous_end)) {
+            unsupported("seeded blocks that do not tile their segment");
+            goto fail;
+        }
+        previous_end = a + size;
+    }
+    int64_t seg = new_segment_id(m, expandable, start);
+    if (seg < 0) goto fail;
+    if (!expandable && !table_get_or_add(&m->segment_starts, start)) goto fail;
+    if (add_checked(m->reserved, booked, &m->reserved) < 0) goto fail;
+    if (m->reserved > m->peak_reserved) m->peak_reserved = m->reserved;
+    int32_t prev = -1, first = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t bi = new_block(m, cols[0].data[i], cols[1].data[i], stream, small, seg);
+        if (bi < 0) goto fail;
+        Block *b = BLK(bi);
+        b->mapped = cols[2].data[i] != 0;
+        b->prev = prev;
+        if (prev >= 0) BLK(prev)->next = bi;
+        else first = bi;
+        prev = bi;
+    }
+    Py_ssize_t i = 0; /* place them, first to last */
+    for (int32_t bi = first; bi >= 0; bi = BLK(bi)->next, i++) {
+        Block *b = BLK(bi);
+        Pool *p = pool_of(m, b->small);
+        if (!b->mapped) {
+            if (insert_unmapped(m, p, bi) < 0) goto fail;
+        } else if (cols[3].data[i]) {
+            b->allocated = 1;
+            if (add_checked(m->allocated, b->size, &m->allocated) < 0) goto fail;
+            Entry *e = table_get_or_add(&m->live, b->addr);
+            if (!e) goto fail;
+            e->value = bi;
+        } else if (pool_insert(m, p, bi) < 0) {
+            goto fail;
+        }
+    }
+    if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
+    release_columns(cols, 4);
+    Py_RETURN_NONE;
+fail:
+    release_columns(cols, 4);
+    return NULL;
+}
+
 /* layout() -> [[(block size, allocated), ...] per mapped range], as model.layout(live blocks) */
 static PyObject *engine_layout(Engine *m, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyList_New(0);
@@ -1295,6 +1372,7 @@ static PyMethodDef engine_methods[] = {
     {"reset_stats", (PyCFunction)engine_reset_stats, METH_NOARGS, "Start a measured pass."},
     {"mark_placed", (PyCFunction)engine_mark_placed, METH_NOARGS, "Remember the live blocks."},
     {"free_unplaced", (PyCFunction)engine_free_unplaced, METH_NOARGS, "Free blocks not marked."},
+    {"seed_chain", (PyCFunction)engine_seed_chain, METH_VARARGS, "A segment that existed before the trace."},
     {"layout", (PyCFunction)engine_layout, METH_NOARGS, "Mapped ranges as (size, allocated) lists."},
     {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .model import UNLIMITED, AllocatorSettings, ReplayStats
+from .state import StartState
 
 try:
     from . import _replay as _compiled
@@ -104,3 +105,50 @@ def stats_of(eng: Any) -> ReplayStats:
         alloc_retries=retries,
         ooms=list(ooms),
     )
+
+
+def seed(eng: Any, start: StartState) -> None:
+    """:func:`.state.seed` into the compiled engine: the same chains of blocks, in the same order
+    (its live blocks are then the engine's, under their addresses)."""
+    groups: dict[tuple[int, bool], list[tuple[int, list[tuple[int, int, bool]]]]] = {}
+    for s in start.segments:
+        if s.expandable:
+            groups.setdefault((s.stream, s.small), []).append((s.address, s.blocks()))
+        else:
+            blocks = s.blocks()
+            allocated = {a for a, _, alloc in blocks if alloc}
+            chain = [(a, n, True, a in allocated) for a, n, _ in blocks]
+            _seed_chain(eng, s.stream, s.small, False, s.address, sum(n for _, n, _ in blocks), chain)
+    for (stream, small), ranges in groups.items():
+        _seed_expandable(eng, stream, small, ranges)
+
+
+def _seed_expandable(eng: Any, stream: int, small: bool, ranges: list[tuple[int, list[tuple[int, int, bool]]]]) -> None:
+    """``CachingAllocatorModel.seed_expandable``: the mapped ranges, the unmapped gaps between
+    them and the unmapped address space after the last, as one chain."""
+    ranges = sorted(ranges)
+    base = ranges[0][0]
+    allocated = {a for _, blocks in ranges for a, _, alloc in blocks if alloc}
+    chain: list[tuple[int, int, bool, bool]] = []
+    pos, booked = base, 0
+    for start, blocks in ranges:
+        if start > pos:
+            chain.append((pos, start - pos, False, False))
+        chain.extend((a, n, True, a in allocated) for a, n, _ in blocks)
+        pos = start + sum(n for _, n, _ in blocks)
+        booked += pos - start
+    chain.append((pos, base + (1 << 47) - pos, False, False))
+    _seed_chain(eng, stream, small, True, base, booked, chain)
+
+
+def _seed_chain(
+    eng: Any,
+    stream: int,
+    small: bool,
+    expandable: bool,
+    start: int,
+    booked: int,
+    chain: list[tuple[int, int, bool, bool]],
+) -> None:
+    addrs, sizes, mapped, allocated = (column(c) for c in zip(*chain, strict=True)) if chain else (column([]),) * 4
+    eng.seed_chain(stream, small, expandable, start, booked, addrs, sizes, mapped, allocated)

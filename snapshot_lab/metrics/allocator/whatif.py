@@ -289,10 +289,12 @@ def _replay(
     """Replay the program; returns the model, its live blocks by recorded address, whether the
     recorded OOM (if any) was avoided, and the release runs taken as explicit empty_cache()
     calls (decided on the way when ``explicit`` is None: only under the recorded settings). The
-    compiled engine runs a replay from empty when it is built (:mod:`.native`)."""
-    engine = native.engine(settings, limit, limit_is_cap) if start is None or not start.segments else None
+    compiled engine runs it when it is built (:mod:`.native`)."""
+    engine = native.engine(settings, limit, limit_is_cap)
     if engine is not None:
         try:
+            if start is not None:
+                native.seed(engine, start)
             avoided, _ran_out, decided = _run_compiled(prog, engine, explicit, limit)
             return _CompiledModel(engine), {}, avoided, decided
         except (native.Unsupported, OverflowError):
