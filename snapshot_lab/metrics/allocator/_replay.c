@@ -751,6 +751,7 @@ static int32_t find_expandable_block(Engine *m, Pool *p, int64_t size, int64_t s
     if (seg < 0) return -1;
     int64_t addr;
     if (new_address(m, EXPANDABLE_SPAN, &addr) < 0) return -1;
+    if (addr < -MAX_ADDRESS || addr > MAX_ADDRESS) { unsupported("an address out of range"); return -1; }
     m->seg_base[seg] = addr;
     int32_t fresh = new_block(m, addr, EXPANDABLE_SPAN, stream, p->small, seg);
     if (fresh < 0) return -1;
@@ -935,8 +936,9 @@ static int needs_release(Engine *m, int64_t orig_size, int64_t stream) {
                 if (!IS_SPLIT(BLK(m->large.keys.idx[j]))) return 1;
         }
     }
-    int64_t need = m->expandable ? size : allocation_size(size);
-    return m->has_limit && m->reserved + need > m->limit;
+    int64_t need = m->expandable ? size : allocation_size(size), total;
+    if (add_checked(m->reserved, need, &total) < 0) return -1;
+    return m->has_limit && total > m->limit;
 }
 
 /* ------------------------------------------------------------------------- Python interface */
