@@ -58,7 +58,14 @@ typedef struct {
 } Block;
 
 typedef struct {
+    int64_t stream, size, addr; /* size 0 in the unmapped pools */
+} Key;
+
+/* a pool's sorted blocks: their indexes, and beside them their keys (searched without touching
+ * the blocks) */
+typedef struct {
     int32_t *idx;
+    Key *key;
     Py_ssize_t len, cap;
 } IdxArray;
 
@@ -273,10 +280,10 @@ static int64_t new_segment_id(Engine *m, int expandable, int64_t base) {
 
 /* ------------------------------------------------------------------------- pools */
 
-static int cmp_key(const Block *b, int64_t stream, int64_t size, int64_t addr) {
-    if (b->stream != stream) return b->stream < stream ? -1 : 1;
-    if (b->key_size != size) return b->key_size < size ? -1 : 1;
-    if (b->key_addr != addr) return b->key_addr < addr ? -1 : 1;
+static int cmp_key(const Key *k, int64_t stream, int64_t size, int64_t addr) {
+    if (k->stream != stream) return k->stream < stream ? -1 : 1;
+    if (k->size != size) return k->size < size ? -1 : 1;
+    if (k->addr != addr) return k->addr < addr ? -1 : 1;
     return 0;
 }
 
@@ -285,22 +292,33 @@ static Py_ssize_t lower_bound(Engine *m, IdxArray *a, int64_t stream, int64_t si
     Py_ssize_t lo = 0, hi = a->len;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_key(BLK(a->idx[mid]), stream, size, addr) < 0) lo = mid + 1;
+        if (cmp_key(&a->key[mid], stream, size, addr) < 0) lo = mid + 1;
         else hi = mid;
     }
     return lo;
 }
 
-static int array_insert_at(IdxArray *a, Py_ssize_t pos, int32_t v) {
-    if (reserve_items((void **)&a->idx, &a->cap, a->len + 1, sizeof(int32_t)) < 0) return -1;
+static int array_insert_at(IdxArray *a, Py_ssize_t pos, int32_t v, int64_t stream, int64_t size, int64_t addr) {
+    if (a->len + 1 > a->cap) {
+        Py_ssize_t cap = a->cap;
+        if (reserve_items((void **)&a->idx, &cap, a->len + 1, sizeof(int32_t)) < 0) return -1;
+        cap = a->cap;
+        if (reserve_items((void **)&a->key, &cap, a->len + 1, sizeof(Key)) < 0) return -1;
+        a->cap = cap;
+    }
     memmove(a->idx + pos + 1, a->idx + pos, (size_t)(a->len - pos) * sizeof(int32_t));
+    memmove(a->key + pos + 1, a->key + pos, (size_t)(a->len - pos) * sizeof(Key));
     a->idx[pos] = v;
+    a->key[pos].stream = stream;
+    a->key[pos].size = size;
+    a->key[pos].addr = addr;
     a->len++;
     return 0;
 }
 
 static void array_delete_at(IdxArray *a, Py_ssize_t pos) {
     memmove(a->idx + pos, a->idx + pos + 1, (size_t)(a->len - pos - 1) * sizeof(int32_t));
+    memmove(a->key + pos, a->key + pos + 1, (size_t)(a->len - pos - 1) * sizeof(Key));
     a->len--;
 }
 
@@ -312,9 +330,9 @@ static int pool_insert(Engine *m, Pool *p, int32_t i) {
     b->key_size = b->size;
     b->key_addr = b->addr;
     Py_ssize_t pos = lower_bound(m, &p->keys, b->stream, b->size, b->addr);
-    if (pos < p->keys.len && cmp_key(BLK(p->keys.idx[pos]), b->stream, b->size, b->addr) == 0)
+    if (pos < p->keys.len && cmp_key(&p->keys.key[pos], b->stream, b->size, b->addr) == 0)
         return unsupported("two free blocks with the same (stream, size, address)");
-    if (array_insert_at(&p->keys, pos, i) < 0) return -1;
+    if (array_insert_at(&p->keys, pos, i, b->stream, b->size, b->addr) < 0) return -1;
     b->in_pool = 1;
     b->gc_base = p->gc_calls;
     return 0;
@@ -331,9 +349,9 @@ static int pool_remove(Engine *m, Pool *p, int32_t i) {
     return 0;
 }
 
-static int cmp_unmapped(const Block *b, int64_t stream, int64_t addr) {
-    if (b->stream != stream) return b->stream < stream ? -1 : 1;
-    if (b->key_addr != addr) return b->key_addr < addr ? -1 : 1;
+static int cmp_unmapped(const Key *k, int64_t stream, int64_t addr) {
+    if (k->stream != stream) return k->stream < stream ? -1 : 1;
+    if (k->addr != addr) return k->addr < addr ? -1 : 1;
     return 0;
 }
 
@@ -341,7 +359,7 @@ static Py_ssize_t unmapped_lower_bound(Engine *m, IdxArray *a, int64_t stream, i
     Py_ssize_t lo = 0, hi = a->len;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_unmapped(BLK(a->idx[mid]), stream, addr) < 0) lo = mid + 1;
+        if (cmp_unmapped(&a->key[mid], stream, addr) < 0) lo = mid + 1;
         else hi = mid;
     }
     return lo;
@@ -351,9 +369,9 @@ static int insert_unmapped(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
     b->key_addr = b->addr;
     Py_ssize_t pos = unmapped_lower_bound(m, &p->unmapped, b->stream, b->addr);
-    if (pos < p->unmapped.len && cmp_unmapped(BLK(p->unmapped.idx[pos]), b->stream, b->addr) == 0)
+    if (pos < p->unmapped.len && cmp_unmapped(&p->unmapped.key[pos], b->stream, b->addr) == 0)
         return unsupported("two unmapped blocks at one address");
-    if (array_insert_at(&p->unmapped, pos, i) < 0) return -1;
+    if (array_insert_at(&p->unmapped, pos, i, b->stream, 0, b->addr) < 0) return -1;
     b->in_pool = 2;
     return 0;
 }
@@ -816,7 +834,7 @@ static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int3
     if (m->gc) p->gc_calls++;
     IdxArray *keys = &p->keys;
     Py_ssize_t i = lower_bound(m, keys, stream, size, -1);
-    if (i == keys->len || BLK(keys->idx[i])->stream != stream) return 0;
+    if (i == keys->len || keys->key[i].stream != stream) return 0;
     int32_t bi = keys->idx[i];
     if (m->expandable && IS_EXP(BLK(bi))) {
         Py_ssize_t j = i + 1;
@@ -958,10 +976,11 @@ static int get_int64(PyObject *o, int64_t *out, int64_t lo, int64_t hi, const ch
 static void engine_dealloc(Engine *m) {
     PyMem_Free(m->blocks);
     PyMem_Free(m->free_slots);
-    PyMem_Free(m->small.keys.idx);
-    PyMem_Free(m->small.unmapped.idx);
-    PyMem_Free(m->large.keys.idx);
-    PyMem_Free(m->large.unmapped.idx);
+    IdxArray *arrays[4] = {&m->small.keys, &m->small.unmapped, &m->large.keys, &m->large.unmapped};
+    for (int i = 0; i < 4; i++) {
+        PyMem_Free(arrays[i]->idx);
+        PyMem_Free(arrays[i]->key);
+    }
     PyMem_Free(m->live.e);
     PyMem_Free(m->placed.e);
     PyMem_Free(m->segment_starts.e);
