@@ -226,7 +226,10 @@ def test_sizes_the_engine_refuses_fall_back_to_python(monkeypatch):
 
 
 @compiled
-def test_the_engine_checks_its_inputs():
+def test_the_engine_checks_its_inputs(monkeypatch):
+    """Columns of the wrong type or length, an unknown operation and a size out of range are
+    refused with a Python exception (never a crash)."""
+    monkeypatch.delenv(native.ENV_PURE_PYTHON, raising=False)
     engine = native.engine(AllocatorSettings(), None)
     assert engine is not None
     ops = [native.column([native.ALLOC]), native.column([1]), native.column([1 << 60]), native.column([0])]
