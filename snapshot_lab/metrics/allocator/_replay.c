@@ -228,6 +228,11 @@ static int add_checked(int64_t a, int64_t b, int64_t *out) {
     return 0;
 }
 
+static int sub_checked(int64_t a, int64_t b, int64_t *out) {
+    if (__builtin_sub_overflow(a, b, out)) return unsupported("a difference of sizes is out of range");
+    return 0;
+}
+
 static int32_t new_block(Engine *m, int64_t addr, int64_t size, int64_t stream, int small, int64_t segment) {
     int32_t i;
     if (m->nfree_slots) {
@@ -607,7 +612,7 @@ static int unmap_block(Engine *m, int32_t bi, Pool *p) {
 static int32_t *snapshot(IdxArray *a) {
     int32_t *copy = PyMem_Malloc((size_t)(a->len ? a->len : 1) * sizeof(int32_t));
     if (!copy) { PyErr_NoMemory(); return NULL; }
-    memcpy(copy, a->idx, (size_t)a->len * sizeof(int32_t));
+    if (a->len) memcpy(copy, a->idx, (size_t)a->len * sizeof(int32_t));
     return copy;
 }
 
@@ -666,11 +671,12 @@ static int garbage_collect(Engine *m) {
     for (Py_ssize_t j = 0; j < p->keys.len; j++) {
         Block *b = BLK(p->keys.idx[j]);
         if (!IS_SPLIT(b)) {
-            total_age += p->gc_calls - b->gc_base;
+            if (add_checked(total_age, p->gc_calls - b->gc_base, &total_age) < 0) return -1;
             count++;
         }
     }
     if (!count) return 0;
+    /* the Python model divides exactly-held integers: doubles match it below 2**53 */
     if (total_age > (1LL << 52)) return unsupported("garbage collection ages out of range");
     int64_t reclaimed = 0;
     int freed = 1;
@@ -1105,13 +1111,11 @@ static int run_one(Engine *m, int64_t kind, int64_t key, int64_t size, int64_t s
         if (!e) return -1;
         if (kind == OP_ALLOC && e->value >= 0) { /* a key allocated twice: the first is lost */
             int32_t old = (int32_t)e->value;
-            m->level -= BLK(old)->size;
-            if (engine_free(m, old) < 0) return -1;
+            if (sub_checked(m->level, BLK(old)->size, &m->level) < 0 || engine_free(m, old) < 0) return -1;
         }
         e->value = bi;
         *block_size = BLK(bi)->size;
-        m->level += BLK(bi)->size;
-        return 0;
+        return add_checked(m->level, BLK(bi)->size, &m->level);
     case OP_FREE:
         e = table_find(&m->live, key);
         if (!e || e->value < 0) return 0;
@@ -1120,14 +1124,14 @@ static int run_one(Engine *m, int64_t kind, int64_t key, int64_t size, int64_t s
             bi = take_live(m, e);
         } else {
             bi = take_live(m, e);
-            m->level -= BLK(bi)->size;
+            if (sub_checked(m->level, BLK(bi)->size, &m->level) < 0) return -1;
         }
         return engine_free(m, bi);
     case OP_FREE_REQUESTED:
         e = table_find(&m->live, key);
         if (e && e->value >= 0 && !e->pending) {
             e->pending = 1;
-            m->level -= BLK(e->value)->size;
+            return sub_checked(m->level, BLK(e->value)->size, &m->level);
         }
         return 0;
     case OP_EMPTY_CACHE:
