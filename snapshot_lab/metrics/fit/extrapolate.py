@@ -122,6 +122,7 @@ class PartialForward:
     layers: int  # blocks the model has
     params: np.ndarray  # parameter rows, in order
     param_block: np.ndarray  # per parameter: its block (-1: outside)
+    tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
 
 
 def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
@@ -150,10 +151,15 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
     spans = [(int(pos[r[0]]), int(pos[r[-1]])) for r in found]
     blocks = [fwd[(pos[fwd] >= lo) & (pos[fwd] <= hi) & main[fwd]] for lo, hi in spans]
+    # what a block makes in its own forward after its last submodule (ViT's and GPT-2's
+    # residual add: the block's output, which the next block saves), up to the next block
+    nexts = [lo for lo, _ in spans[1:]]
+    tails = [fwd[(pos[fwd] > hi) & (pos[fwd] < nxt) & main[fwd]] for (_, hi), nxt in zip(spans, nexts, strict=False)]
     after = fwd[pos[fwd] > spans[-1][1]]
     # the forward ran past the blocks when something outside them followed the last one
     past = bool(np.isin(after, mod_rows).any())
     whole = tuple(blocks if past else blocks[:-1])
+    tails.append(np.zeros(0, dtype=np.int64))  # the last block's: in what follows it (after)
     pre = fwd[pos[fwd] < spans[0][0]]
     return PartialForward(
         f0,
@@ -164,6 +170,7 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         max(p_count, len(blocks)),
         params,
         param_block,
+        tuple(tails[: len(whole)]),
     )
 
 
@@ -185,6 +192,7 @@ class _Step:
         self.sid = a["sid"].to_numpy()
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
+        self.sorted_pos = np.sort(self.pos)
         self.autocast = autocast_codes(frames)
         self.kv_cache = kv_cache_stacks(frames)
         castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
@@ -226,8 +234,18 @@ class _Step:
             else:
                 cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
                 kept.append(b.add(start, NEVER, 0.0, self.size[r], cat, "forward", block, fp32))
-        b.now = t0 + float(self.pos[rows].max() - base) + 1
+        b.now = t0 + float(self.closing(rows) - base) + 1
         return kept
+
+    def closing(self, rows: np.ndarray) -> int:
+        """Where these rows' part ends on the trace: its last allocation, or the last free of one of
+        its temporaries before the next allocation (a block's last temporary, freed by its residual
+        add, belongs to the block)."""
+        last = int(self.pos[rows].max())
+        later = self.sorted_pos[np.searchsorted(self.sorted_pos, last, "right") :]
+        following = int(later[0]) if later.size else np.iinfo(np.int64).max
+        freed = self.free_pos[rows]
+        return max(last, int(freed[(freed > last) & (freed < following)].max(initial=last)))
 
     # ------------------------------------------------------------------ forward
 
@@ -269,16 +287,22 @@ class _Step:
         self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
-        template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        template = pf.blocks[-1] if pf.blocks else none
         if len(pf.blocks) == 1:  # the first block's one-off allocations (a workspace) are not repeated
             template = template[~self.lone_rows(template)]
+        template_tail = pf.tails[-1] if pf.tails else none
         for j in range(pf.layers if pf.blocks else 0):
-            rows = pf.blocks[j] if j < len(pf.blocks) else template
+            rows, tail = (pf.blocks[j], pf.tails[j]) if j < len(pf.blocks) else (template, template_tail)
             start = self.b.now + 1
             uid = self.pass_index * BLOCK_UID_STRIDE + j
             first_pass = workspace if self.pass_index == 0 else None
-            self.saved.append(("block", j, self.copy_rows(rows, "block", uid, first_pass)))
+            kept = self.copy_rows(np.concatenate([rows, tail]), "block", uid, first_pass)
             self.spans.append([start, self.b.now, 0.0, 0.0])
+            # the tail (the block's output) is saved by what follows: freed by its backward
+            tail_start = start + float(self.pos[tail[0]] - self.pos[rows[0]]) if tail.size and rows.size else NEVER
+            self.saved.append(("block", j, [k for k in kept if self.b.rows[k][0] < tail_start]))
+            self.saved.append(("tail", j, [k for k in kept if self.b.rows[k][0] >= tail_start]))
         if len(pf.blocks) < pf.layers:
             self.notes.append(
                 f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
@@ -306,10 +330,10 @@ class _Step:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
         pb = self.pf.param_block
         inside = np.flatnonzero(pb >= 0)
-        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > inside.max(initial=pb.size)))
+        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > (inside.max() if inside.size else pb.size)))
         mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
-        if mats.size:
-            return float(mats.sum()), False
+        if mats.size:  # the last (a position embedding may come before it)
+            return float(mats[-1]), False
         return float(self.p_size.max(initial=0)), True
 
     def head(self) -> None:
@@ -317,7 +341,7 @@ class _Step:
         pf, b = self.pf, self.b
         if not pf.blocks:
             return
-        last_block = self.saved[-1][2]
+        last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
         stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
         width = self.model_width()
         matrix, tied = self.head_matrix()
@@ -361,6 +385,9 @@ class _Step:
                 if pending >= 0:  # a saved tensor goes once the gradient after its own is made
                     b.set_end(pending, b.tick())
                 pending = r if r in saved else -1
+            if part == "tail" and pending >= 0:  # the next block's input goes before that block's backward
+                b.set_end(pending, b.tick())
+                pending = -1
             if part == "block" and j in spans:
                 spans[j][3] = b.now
         if pending >= 0:
@@ -377,6 +404,8 @@ class _Step:
         idx = np.arange(self.pf.param_block.size)
         inside = np.flatnonzero(self.pf.param_block >= 0)
         first, last = (int(inside.min()), int(inside.max())) if inside.size else (idx.size, idx.size)
+        if part == "tail":  # a block's own arithmetic: no parameters
+            return np.zeros(idx.size, dtype=bool)
         if part == "pre":
             return (self.pf.param_block < 0) & (idx < first)
         return (self.pf.param_block < 0) & (idx > last) if inside.size else np.zeros(idx.size, dtype=bool)
