@@ -366,7 +366,9 @@ def _most_alive_at_once(tape, rows) -> int:
 
 def test_the_extrapolated_head_backward_holds_three_logits_as_the_recorded_one(real_frames):
     """The recorded GPT-2 step holds the log-softmax, its gradient and the logits' gradient at
-    once (3 x 128 MiB at batch 4); the step extrapolated from the OOM does the same."""
+    once (3 x 128 MiB at batch 4); the step extrapolated from the OOM does the same: the loss's
+    log-softmax is a result its backward needs, freed once the gradient after its own is made.
+    Freeing it with its own gradient, as what an operation saved of its input, holds two."""
     from snapshot_lab.metrics.fit.model import step_evidence
 
     for name, optimizer in (("fit_gpt2_b4_complete_python", None), ("fit_gpt2_b32_oom_python", "adamw")):
