@@ -11,6 +11,7 @@ from ..allocator.model import AllocatorSettings, recorded_settings
 from ..allocator.whatif import quick_grid, settings_label
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
 from . import levers as lv
+from . import workload as wl
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
@@ -172,6 +173,8 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
 def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
     tape = ev.tape
     if checkpointing:
+        if wl.is_forward_only(ev):
+            raise FitUnsupported(wl.NO_CHECKPOINTING)
         if not ev.blocks:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
         tape = lv.checkpoint(tape, ev.blocks)
@@ -263,7 +266,7 @@ def compute_fit(
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     search = _Search(settings, limit, batch_scale, recorded_batch)
     outcomes = [
-        search.outcome(name, ASSUMPTIONS[name], build())
+        search.outcome(name, wl.assumption(ev, name, ASSUMPTIONS[name]), build())
         for name, build in lever_tapes(ev).items()
         if levers is None or name in levers
     ]
