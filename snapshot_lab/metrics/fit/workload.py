@@ -13,7 +13,8 @@
   during the first forward call it shows and no backward: the rest of the step is extrapolated
   (:mod:`.extrapolate`);
 - *too little*: no forward at all, or forwards of a training job whose backward and optimizer
-  step the trace does not hold, without an out-of-memory error to extrapolate from.
+  step the trace does not hold, without an out-of-memory error to extrapolate from, or a pass
+  whose backward ran out of memory before any optimizer step.
 
 A *forward call* is a run of the program thread's allocations inside modules, between
 allocations outside any module (the inputs of the next call, the program's own arithmetic),
@@ -101,6 +102,11 @@ NO_FORWARD_OOM = (
     "the trace ran out of memory outside any module's forward (no allocation inside a torch.nn.Module's forward): "
     "nothing to model a step from (record the job's forward, backward and optimizer step)"
 )
+OOM_IN_BACKWARD = (
+    "the trace ran out of memory in a backward before any optimizer step: the recorded pass is cut short, and fit "
+    "extrapolates a step only from a forward (record at a smaller batch, or under a larger limit, so that one whole "
+    "step completes)"
+)
 MID_STEP = (
     "forward passes only, no out-of-memory error: {forwards} forward call(s) and no backward, but {state} older than "
     "the trace show a training job recorded in the middle of a step, whose backward and optimizer step the trace "
@@ -144,6 +150,8 @@ def _classify(frames: SnapshotFrames, s: TrainingStructure) -> Workload:
     state = tuple(sorted({c for _, c, _ in s.untracked if c in ("gradient", "optimizer_state")}))
     oom = s.ooms[-1] if s.ooms else None
     seen = Workload(TOO_LITTLE, int(calls.size), len(s.passes), len(s.steps), None if oom is None else oom[1], state)
+    if s.passes and not s.steps and oom is not None and oom[0] >= s.passes[-1].backward_start:
+        return replace(seen, refusal=OOM_IN_BACKWARD)  # the pass was cut short: it is no step to build on
     if s.passes:
         return replace(seen, kind=TRAINING_STEP if s.steps else FORWARD_BACKWARD)
     if calls.size == 0:
