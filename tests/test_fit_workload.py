@@ -214,6 +214,7 @@ def test_inference_answer_has_no_training_parts(real_frames: Any) -> None:
     with pytest.raises(FitUnsupported, match="not applicable to forward passes only"):
         predict_step(frames, checkpointing=True)
     assert result.optimizer == wl.NO_OPTIMIZER
+    assert result.to_dict()["workload"] == wl.FORWARD_ONLY == "forward passes only"
     at_half, _ = predict_step(frames, batch_scale=0.5)
     at_one, _ = predict_step(frames)
     # peak(k) = fixed + k * scaling while the peak stays where it is: what does not scale is

@@ -10,6 +10,7 @@ from ...frames import SnapshotFrames
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..allocator.whatif import quick_grid, settings_label
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
+from ..plan.structure import training_structure
 from . import levers as lv
 from . import workload as wl
 from .evidence import StepEvidence
@@ -93,6 +94,7 @@ class FitResult:
     # planned at the recorded batch by snaplab plan under the memory limit, least change first
     parallel_strategies: tuple[StrategyOutcome, ...] = field(default=())
     parallel_refused: dict[str, str] = field(default_factory=dict)  # label ("all": every one) -> why
+    workload: str = ""  # what the trace recorded (workload.KINDS): a training step, forward passes only...
 
     @property
     def batch(self) -> float | None:
@@ -150,6 +152,7 @@ class FitResult:
             "parallel_strategies_refused": self.parallel_refused,
             "ways_to_fit": self.ways_to_fit,
             "notes": list(self.notes),
+            "workload": self.workload,
         }
 
 
@@ -300,4 +303,5 @@ def compute_fit(
         notes=tuple(notes),
         parallel_strategies=planned,
         parallel_refused=refused,
+        workload=wl.workload(frames, training_structure(frames, dev)).kind,
     )
