@@ -27,13 +27,15 @@ from typing import Any
 
 import pytest
 
+from snapshot_lab import api
+from snapshot_lab.errors import EXIT_BAD_INPUT, SnapshotFormatError
 from snapshot_lab.metrics.fit import compute_fit, predict_step
 from snapshot_lab.metrics.fit import workload as wl
 from snapshot_lab.metrics.fit.model import FitUnsupported, step_evidence
 from snapshot_lab.metrics.plan.planner import _device
 from snapshot_lab.metrics.plan.structure import training_structure
 
-from .conftest import sample_names, sample_truth
+from .conftest import sample_names, sample_path, sample_truth
 
 # truth "kind" -> what the job ran, as its truth file describes it
 TRAINING_KINDS = {
@@ -169,6 +171,12 @@ def test_simpler_rules_break_on_real_samples(real_frames: Any) -> None:
 
 
 def test_refusals_say_what_the_trace_shows(real_frames: Any) -> None:
+    """Refused as other snapshots fit cannot use are (bad input, exit code 3), saying what the
+    trace holds."""
+    with pytest.raises(SnapshotFormatError, match="cannot fit from this snapshot: forward passes only") as refused:
+        api.fit(sample_path("midrun_late_python"))
+    assert refused.value.exit_code == EXIT_BAD_INPUT == 3
+    assert "gradients and optimizer state older than the trace" in str(refused.value)
     with pytest.raises(FitUnsupported, match=r"^forward passes only, no out-of-memory error: 1 forward call"):
         step_evidence(real_frames("midrun_late_python"), 0)
     with pytest.raises(FitUnsupported, match=r"^the trace shows no forward pass .* and no out-of-memory error"):

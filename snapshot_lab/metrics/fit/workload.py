@@ -102,6 +102,7 @@ NO_FORWARD_OOM = (
     "the trace ran out of memory outside any module's forward (no allocation inside a torch.nn.Module's forward): "
     "nothing to model a step from (record the job's forward, backward and optimizer step)"
 )
+STATE_WORDS = {"gradient": "gradients", "optimizer_state": "optimizer state"}
 OOM_IN_BACKWARD = (
     "the trace ran out of memory in a backward before any optimizer step: the recorded pass is cut short, and fit "
     "extrapolates a step only from a forward (record at a smaller batch, or under a larger limit, so that one whole "
@@ -159,7 +160,7 @@ def _classify(frames: SnapshotFrames, s: TrainingStructure) -> Workload:
     if oom is not None and oom[0] > calls[0] and int((calls < oom[0]).sum()) == 1:
         return replace(seen, kind=OOM_IN_FORWARD)
     if state:
-        words = " and ".join(c.replace("_", " ") for c in state)
+        words = " and ".join(STATE_WORDS[c] for c in state)
         return replace(seen, refusal=MID_STEP.format(forwards=calls.size, state=words))
     return replace(seen, kind=FORWARD_ONLY)
 
