@@ -245,3 +245,21 @@ def test_forward_backward_without_optimizer(real_frames: Any) -> None:
     # (a large block keeps a remainder under 1 MiB), 1.5 MiB in all
     added = predict_step(frames, optimizer="adamw")[0] - allocated
     assert 0 <= added - with_adamw.optimizer_state_bytes <= 0.01 * with_adamw.optimizer_state_bytes
+
+
+def test_the_answer_names_the_job_it_models(real_frames: Any) -> None:
+    """The headline speaks of what was recorded: inference is "the recorded forwards" with no
+    gradients and no optimizer state; a forward+backward says "no optimizer state" (it once read
+    "gradients 0.00, none 0.00" and "a whole step" for both)."""
+    from snapshot_lab.render.fit import format_fit, headline
+
+    inference = compute_fit(real_frames("deep_inference_python"), memory_limit=6 << 30, parallel=False)
+    first = headline(inference)
+    assert first.startswith("The recorded forwards at the recorded batch need about 526.4 MiB: parameters 0.10;")
+    assert "(inference: no gradients, no optimizer state)" in first and "none" not in first
+    text = format_fit(inference, "deep_inference_python.pickle.xz")
+    assert "The recorded forwards (bytes):" in text and "The step (bytes):" not in text
+    benchmark = compute_fit(real_frames("bench_fwdbwd_python"), memory_limit=6 << 30, parallel=False)
+    first = headline(benchmark)
+    assert first.startswith("A forward and backward at the recorded batch need about ")
+    assert "no optimizer state" in first and "none 0.00" not in first
