@@ -25,6 +25,7 @@ on an MLP stack (``tests/test_plan.py``).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -425,7 +426,7 @@ def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
 
 def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
     """(position, requested bytes, stream) of the recorded OOMs."""
-    oom_positions = np.flatnonzero(events["action"].astype(str).to_numpy() == "oom")
+    oom_positions = np.flatnonzero((events["action"] == "oom").to_numpy(dtype=bool))
     return tuple(
         (
             int(position),
@@ -1039,27 +1040,19 @@ def _from_ddp(
     notes.append(NOTE_RECORDED_DDP)
     if (code == CODES["gradient"]).any() or params.empty:
         return
-    sizes = set(params["size"].tolist())
     pos = allocs["pos"].to_numpy()
     free_pos = allocs["free_pos"].to_numpy().copy()
-    phase = allocs["phase"].to_numpy()
-    grad_thread = allocs["grad_thread"].to_numpy()
-    size = allocs["size"].to_numpy()
-    found = 0
-    for index, one_pass in enumerate(passes):
-        next_forward = passes[index + 1].forward_start - 1 if index + 1 < len(passes) else -1
-        sel = np.flatnonzero(
-            (phase == "backward")
-            & grad_thread
-            & (pos >= one_pass.backward_start)
-            & (pos < one_pass.backward_end)
-            & (free_pos >= 0)
-            & (free_pos < one_pass.backward_end)
-            & np.isin(size, list(sizes))
-        )
-        code[sel] = CODES["gradient"]
-        free_pos[sel] = next_forward
-        found += sel.size
+    backward_start = np.array([one_pass.backward_start for one_pass in passes], dtype=np.int64)
+    backward_end = np.array([one_pass.backward_end for one_pass in passes], dtype=np.int64)
+    next_forward = np.array([one_pass.forward_start - 1 for one_pass in passes[1:]] + [-1], dtype=np.int64)
+    rows, owner = index_ranges(np.searchsorted(pos, backward_start, "left"), np.searchsorted(pos, backward_end, "left"))
+    free = free_pos[rows]
+    keep = (allocs["phase"].to_numpy()[rows] == "backward") & allocs["grad_thread"].to_numpy()[rows]
+    keep &= (free >= 0) & (free < backward_end[owner])
+    keep &= np.isin(allocs["size"].to_numpy()[rows], params["size"].to_numpy())
+    code[rows[keep]] = CODES["gradient"]
+    free_pos[rows[keep]] = next_forward[owner[keep]]
+    found = int(keep.sum())
     allocs["code"] = code
     allocs["free_pos"] = free_pos
     notes.append(NOTE_BUCKET_VIEW.format(found=found))
@@ -1084,36 +1077,62 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
     if params.empty:
         return
     p_size = params["size"].to_numpy()
-    p_block = params["block"].to_numpy()
     code = allocs["code"].to_numpy()
     size = allocs["size"].to_numpy()
-    block = allocs["block"].to_numpy()
-    pass_id = allocs["pass_id"].to_numpy()
     out = allocs["param"].to_numpy().copy()
-    by_size: dict[int, np.ndarray] = {}
+    by_size: dict[int, list[int]] = {}
     for i, size_bytes in enumerate(p_size.tolist()):
-        by_size.setdefault(int(size_bytes), np.zeros(0, dtype=np.int64))
-        by_size[int(size_bytes)] = np.r_[by_size[int(size_bytes)], i]
-    # gradients: per pass, within the block the backward was in, last parameters first
-    taken: dict[int, set[int]] = {}
-    for row in np.flatnonzero(code == CODES["gradient"]).tolist():
-        cands = by_size.get(int(size[row]))
-        if cands is None:
-            continue
-        used = taken.setdefault(int(pass_id[row]), set())
-        rest = [int(candidate) for candidate in cands if int(candidate) not in used]
-        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
-        pick = same[-1] if same else (rest[-1] if rest else int(cands[-1]))
-        used.add(pick)
-        out[row] = pick
-    # optimizer state: in parameter order, cyclically
+        by_size.setdefault(int(size_bytes), []).append(i)
+    _mirror_gradients(allocs, params, by_size, out)
+    # optimizer state: in parameter order, cyclically (each pick depends on the one before)
     ptr = 0
-    for row in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
-        cands = by_size.get(int(size[row]))
+    rows = np.flatnonzero(code == CODES["optimizer_state"])
+    for row, size_bytes in zip(rows.tolist(), size[rows].tolist(), strict=True):
+        cands = by_size.get(size_bytes)
         if cands is None:
             continue
-        later = cands[cands >= ptr]
-        pick = int(later[0]) if later.size else int(cands[0])
+        later = bisect.bisect_left(cands, ptr)
+        pick = cands[later] if later < len(cands) else cands[0]
         out[row] = pick
         ptr = pick
     allocs["param"] = out
+
+
+def _mirror_gradients(
+    allocs: pd.DataFrame, params: pd.DataFrame, by_size: dict[int, list[int]], out: np.ndarray
+) -> None:
+    """Per gradient, within the pass, the last parameter of its size and block not taken yet,
+    else the last of its size not taken yet, else the last of its size. Where every block's
+    gradients of a size are no more than its parameters of that size (the rule), the k-th
+    gradient of a block takes the block's k-th last parameter; the passes and sizes where
+    some are more are walked one gradient after the other."""
+    p_size = params["size"].to_numpy()
+    p_block = params["block"].to_numpy()
+    size = allocs["size"].to_numpy()
+    block = allocs["block"].to_numpy()
+    pass_id = allocs["pass_id"].to_numpy()
+    rows = np.flatnonzero(allocs["code"].to_numpy() == CODES["gradient"])
+    rows = rows[np.isin(size[rows], p_size)]
+    # one key per (size, block): parameters sorted by it (stably: in parameter order within)
+    stride = int(max(p_block.max(initial=-1), block[rows].max(initial=-1))) + 2
+    p_key = p_size.astype(np.int64) * stride + (p_block + 1)
+    order = np.argsort(p_key, kind="stable")
+    row_key = size[rows].astype(np.int64) * stride + (block[rows] + 1)
+    low = np.searchsorted(p_key[order], row_key, "left")
+    high = np.searchsorted(p_key[order], row_key, "right")
+    keys = pd.DataFrame({"pass": pass_id[rows], "size": size[rows], "block": block[rows]})
+    same_block = keys.groupby(["pass", "size", "block"], sort=False)
+    rank = same_block.cumcount().to_numpy()
+    enough = same_block["pass"].transform("size").to_numpy() <= high - low
+    regular = keys.assign(enough=enough).groupby(["pass", "size"], sort=False)["enough"].transform("all")
+    regular = regular.to_numpy(dtype=bool)
+    out[rows[regular]] = order[(high - 1 - rank)[regular]]
+    taken: dict[int, set[int]] = {}
+    for row in rows[~regular].tolist():
+        cands = by_size[int(size[row])]
+        used = taken.setdefault(int(pass_id[row]), set())
+        rest = [candidate for candidate in cands if candidate not in used]
+        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
+        pick = same[-1] if same else (rest[-1] if rest else cands[-1])
+        used.add(pick)
+        out[row] = pick
