@@ -241,6 +241,10 @@ class _Scan:
     optim: np.ndarray  # optimizer step
 
 
+# the kinds of allocation that start, turn and end a pass (0: any other)
+_FORWARD, _AUTOGRAD, _STEP = 1, 2, 3
+
+
 def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
     """(forward_start, backward_start, backward_end) positions of every pass whose backward
     was recorded.
@@ -253,17 +257,17 @@ def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
     forward = scan.main & scan.module
     grad = scan.grad_thread & ~forward
     step = scan.optim & ~forward & ~grad
-    kind = np.where(forward, 1, np.where(grad, 2, np.where(step, 3, 0)))
+    kind = np.where(forward, _FORWARD, np.where(grad, _AUTOGRAD, np.where(step, _STEP, 0)))
     rows = np.flatnonzero(kind)
     kinds = kind[rows]
     run_first = np.flatnonzero(np.r_[True, kinds[1:] != kinds[:-1]]) if rows.size else rows
     run_last = np.r_[run_first[1:], kinds.size] - 1
     run_kind = kinds[run_first]
-    forward_runs = np.flatnonzero(run_kind == 1)
-    grad_runs = np.flatnonzero(run_kind == 2)
+    forward_runs = np.flatnonzero(run_kind == _FORWARD)
+    grad_runs = np.flatnonzero(run_kind == _AUTOGRAD)
     if not forward_runs.size:
         return []
-    grads_so_far = np.cumsum(run_kind == 2)[forward_runs]
+    grads_so_far = np.cumsum(run_kind == _AUTOGRAD)[forward_runs]
     starting = forward_runs[np.r_[True, grads_so_far[1:] > grads_so_far[:-1]]]
     following = np.searchsorted(grad_runs, starting)
     found = following < grad_runs.size
