@@ -240,17 +240,17 @@ def block_spans(
     main = a["main"].to_numpy()
     uid = np.full(len(a), -1, dtype=np.int64)
     found = _forward_blocks(frames, s)
-    lo, hi = pos[found.first], pos[found.last]
+    first_pos, last_pos = pos[found.first], pos[found.last]
     # a block's allocations on the program's thread: from its first forward allocation to its last
-    rows, owner = index_ranges(np.searchsorted(pos, lo, "left"), np.searchsorted(pos, hi, "right"))
+    rows, owner = index_ranges(np.searchsorted(pos, first_pos, "left"), np.searchsorted(pos, last_pos, "right"))
     rows, owner = rows[main[rows]], owner[main[rows]]
     block_uid = found.pass_index * BLOCK_UID_STRIDE + found.index
     uid[rows] = block_uid[owner]
-    backward_start = np.array([p.backward_start for p in s.passes], dtype=np.int64)
-    backward_end = np.array([p.backward_end for p in s.passes], dtype=np.int64)
+    backward_start = np.array([one_pass.backward_start for one_pass in s.passes], dtype=np.int64)
+    backward_end = np.array([one_pass.backward_end for one_pass in s.passes], dtype=np.int64)
     saved = free_pos[rows] >= backward_start[found.pass_index][owner]
-    first_free, last_free = _segment_bounds(free_pos[rows][saved], owner[saved], lo.size)
-    some = np.bincount(owner[saved], minlength=lo.size) > 0
+    first_free, last_free = _segment_bounds(free_pos[rows][saved], owner[saved], first_pos.size)
+    some = np.bincount(owner[saved], minlength=first_pos.size) > 0
     start = np.where(some, first_free - 0.5, backward_start[found.pass_index].astype(np.float64))
     end = np.where(some, last_free, backward_end[found.pass_index].astype(np.float64))
     # a block's backward begins once the next block's is over: before the gradients its own
@@ -264,8 +264,8 @@ def block_spans(
         for fields in zip(
             block_uid.tolist(),
             found.index.tolist(),
-            lo.astype(np.float64).tolist(),
-            hi.astype(np.float64).tolist(),
+            first_pos.astype(np.float64).tolist(),
+            last_pos.astype(np.float64).tolist(),
             start.tolist(),
             end.tolist(),
             [
@@ -276,8 +276,8 @@ def block_spans(
         )
     )
     passes = tuple(
-        PassSpan(p.forward_start, p.backward_start, p.backward_end, matrices[count][-1])
-        for p, count in zip(s.passes, found.counts.tolist(), strict=True)
+        PassSpan(one_pass.forward_start, one_pass.backward_start, one_pass.backward_end, matrices[count][-1])
+        for one_pass, count in zip(s.passes, found.counts.tolist(), strict=True)
     )
     return uid, blocks, passes
 
@@ -297,11 +297,11 @@ class _FoundBlocks:
 
 
 def _forward_blocks(frames: SnapshotFrames, s: TrainingStructure) -> _FoundBlocks:
-    a = s.allocs
-    pos, sid = a["pos"].to_numpy(), a["sid"].to_numpy()
-    forward = np.flatnonzero(a["main"].to_numpy() & a["module"].to_numpy())
-    low = np.searchsorted(pos[forward], [p.forward_start for p in s.passes], "left").tolist()
-    high = np.searchsorted(pos[forward], [p.backward_start for p in s.passes], "left").tolist()
+    allocs = s.allocs
+    pos, sid = allocs["pos"].to_numpy(), allocs["sid"].to_numpy()
+    forward = np.flatnonzero(allocs["main"].to_numpy() & allocs["module"].to_numpy())
+    low = np.searchsorted(pos[forward], [one_pass.forward_start for one_pass in s.passes], "left").tolist()
+    high = np.searchsorted(pos[forward], [one_pass.backward_start for one_pass in s.passes], "left").tolist()
     # a training loop repeats the same forward: each distinct one is cut into blocks once
     cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
     firsts, lasts = [], []
