@@ -74,6 +74,7 @@ def test_install_targets_parser():
     assert install_targets("python -m pip install -q --upgrade pip") == ["pip"]
     assert install_targets("pip install torch (snaplab's analysis commands do not need it)") == ["torch"]
     assert install_targets('pip install ".[test]" && pytest') == [".[test]"]
+    assert install_targets('pip install -e ".[test]" && pytest') == [".[test]"]
     assert install_targets("Without ``pip install``, load it") == []
     assert distribution_name(".[test]") == "." and distribution_name("snapshot-lab[a,b]") == DISTRIBUTION
 
@@ -153,7 +154,7 @@ def test_readme_opens_with_the_commands_ci_runs():
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)[:2]
     assert blocks == [
         "pip install . && snaplab report sample_snapshots/oom_fragmentation.pickle",
-        'pip install ".[test]" && pytest',
+        'pip install -e ".[test]" && pytest',
     ]
     ci = (ROOT / ".ci" / "run").read_text()
     assert all(block in ci for block in blocks)
