@@ -373,9 +373,12 @@ def _scanned_columns(chunk: list[Any]) -> tuple[tuple[np.ndarray, ...], _Groups]
     if out is None:
         return None
     action, *ints, group, last, same = out
-    columns = (np.frombuffer(action, dtype=np.int16), *(np.frombuffer(c, dtype=np.int64) for c in ints))
-    groups = (np.frombuffer(group, dtype=np.int64), np.frombuffer(last, dtype=np.int64).tolist())
-    return columns, (*groups, np.frombuffer(same, dtype=np.bool_))
+    columns: tuple[np.ndarray, ...] = (
+        np.frombuffer(action, dtype=np.int16),
+        *(np.frombuffer(c, dtype=np.int64) for c in ints),
+    )
+    last_members: list[int] = np.frombuffer(last, dtype=np.int64).tolist()
+    return columns, (np.frombuffer(group, dtype=np.int64), last_members, np.frombuffer(same, dtype=np.bool_))
 
 
 # each entry's group code, each group's last member, and (when known) whether each entry's
