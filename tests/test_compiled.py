@@ -10,6 +10,7 @@ compared, and the irregular entries are checked to take the Python path with the
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,52 @@ def test_both_paths_give_the_same_frames_or_error(
     assert default.startswith("error: ") == (case not in (None, "an action snaplab does not know"))
     if case == "a bool device_free":
         assert "device_traces[0][4].device_free: expected an integer in [0, 2**63), got True" in default
+
+
+def _columns(chunk: list[Any]) -> dict[str, list[Any]] | str:
+    """Every column ``_TraceColumns.add`` makes of ``chunk``, or the name of the error it raised."""
+    from snapshot_lab.frames.build import _StackInterner, _TraceColumns
+
+    columns = _TraceColumns()
+    try:
+        columns.add(chunk, _StackInterner())
+    except Exception as exc:  # the same exception on both paths is what is compared
+        return type(exc).__name__
+    return {key: np.concatenate(parts).tolist() for key, parts in columns.parts.items()}
+
+
+def _random_chunk(rng: random.Random) -> list[Any]:
+    frames = [{"filename": f"{i}.py", "line": i, "name": "f"} for i in range(3)]
+    values: list[Any] = [0, 1, 7, -1, 2**62, 2**63, -(2**63), True, None, 1.5, "x", [], (1,), {}]
+    stacks: list[Any] = [None, [], frames[:1], frames[:2], frames[1:], [dict(frames[0])], tuple(frames), "ab"]
+    actions = ["alloc", "free_requested", "free_completed", "oom", "segment_map", "snapshot", "new", 5, None]
+    chunk: list[Any] = []
+    for _ in range(rng.randint(0, 12)):
+        if rng.random() < 0.03:
+            chunk.append(rng.choice([None, [], "entry", 3]))
+            continue
+        entry: dict[str, Any] = {"action": rng.choice(actions), "size": rng.choice([512, 4096, *values])}
+        for key in ("addr", "stream", "time_us", "device_free", "frames"):
+            if rng.random() < 0.7:
+                entry[key] = rng.choice(stacks if key == "frames" else [4096, 8192, *values])
+        chunk.append(entry)
+    return chunk
+
+
+@needs_scan
+def test_random_chunks_give_what_the_python_code_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded random entries (every value type a hostile file can hold, at every field): the C pass
+    and the Python code make the same columns, or raise the same error (through the fallback)."""
+    rng = random.Random(20261123)
+    fell_back = scanned = 0
+    for _ in range(3000):
+        chunk = _random_chunk(rng)
+        monkeypatch.delenv(_compiled.PURE_PYTHON_VARIABLE, raising=False)
+        compiled_columns = _columns(chunk)
+        if SCAN.scan_chunk(chunk, _ACTION_CODES, _OOM) is None:
+            fell_back += 1
+        else:
+            scanned += 1
+        monkeypatch.setenv(_compiled.PURE_PYTHON_VARIABLE, "1")
+        assert _columns(chunk) == compiled_columns
+    assert scanned > 150 and fell_back > 1500  # both paths were exercised (243 and 2,757 with this seed)
