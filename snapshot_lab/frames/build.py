@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._compiled import compiled
 from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..load import Snapshot, SourceInfo
@@ -361,7 +362,31 @@ def _stack_groups(lists: list[Any]) -> tuple[np.ndarray, list[int]]:
     return codes, (n - 1 - last_reversed).tolist()
 
 
-def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
+def _scanned_columns(chunk: list[Any]) -> tuple[tuple[np.ndarray, ...], _Groups] | None:
+    """The compiled twin of ``_python_columns`` and ``_stack_groups`` (``frames/_scan.c``): the
+    same columns and groups in one C pass, or None when it is not built or the chunk holds
+    anything irregular (the Python code then converts the chunk and names the entry at fault)."""
+    scan = compiled("snapshot_lab.frames._scan")
+    if scan is None:
+        return None
+    out = scan.scan_chunk(chunk, _ACTION_CODES, _OOM)
+    if out is None:
+        return None
+    action, *ints, group, last, same = out
+    columns: tuple[np.ndarray, ...] = (
+        np.frombuffer(action, dtype=np.int16),
+        *(np.frombuffer(c, dtype=np.int64) for c in ints),
+    )
+    last_members: list[int] = np.frombuffer(last, dtype=np.int64).tolist()
+    return columns, (np.frombuffer(group, dtype=np.int64), last_members, np.frombuffer(same, dtype=np.bool_))
+
+
+# each entry's group code, each group's last member, and (when known) whether each entry's
+# frames list equals its group's last one
+_Groups = tuple[np.ndarray, list[int], np.ndarray]
+
+
+def _stack_ids(chunk: list[Any], interner: _StackInterner, groups: _Groups | None = None) -> np.ndarray:
     """Stack id of every entry (``_MISSING`` for none), exactly, in a few C-level passes.
 
     Real pickles give every entry its own ``frames`` list but share the frame dicts. Entries are
@@ -374,12 +399,15 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """
     n = len(chunk)
     lists = list(_values(chunk, "frames", _NO_FRAMES))
-    codes, last = _stack_groups(lists)
+    codes, last = _stack_groups(lists) if groups is None else groups[:2]
     representatives = [lists[i] for i in last]
     rep_sids = [interner.intern(rep) for rep in representatives]
     sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]
-    singles = [(rep,) for rep in representatives]
-    same = np.fromiter(map(operator.contains, map(singles.__getitem__, codes.tolist()), lists), dtype=bool, count=n)
+    if groups is None:
+        singles = [(rep,) for rep in representatives]
+        same = np.fromiter(map(operator.contains, map(singles.__getitem__, codes.tolist()), lists), dtype=bool, count=n)
+    else:
+        same = groups[2]
     differ = np.flatnonzero(~same)
     if differ.size:
         rest = [lists[i] for i in differ]
@@ -431,6 +459,25 @@ class _TraceColumns:
         self.extra_actions: dict[str, int] = {}
 
     def add(self, chunk: list[Any], interner: _StackInterner) -> None:
+        scanned = _scanned_columns(chunk)
+        if scanned is None:
+            codes, size, address, stream, time, free = self._python_columns(chunk)
+            groups = None
+        else:
+            (codes, size, address, stream, time, free), groups = scanned
+        p = self.parts
+        p["action"].append(codes)
+        p["size"].append(size)
+        p["address"].append(address)
+        p["stream"].append(stream)
+        p["time"].append(time)
+        p["stack"].append(_stack_ids(chunk, interner, groups))
+        p["forward"].append(_forward_stack_ids(chunk, interner))
+        p["free"].append(free)
+        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
+
+    def _python_columns(self, chunk: list[Any]) -> tuple[np.ndarray, ...]:
+        """The action, size, address, stream, time and device_free columns, the reference way."""
         n = len(chunk)
         actions = list(map(itemgetter("action"), chunk))
         codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=n)
@@ -445,16 +492,7 @@ class _TraceColumns:
             v = chunk[i].get("device_free")
             if v is not None:
                 free[i] = check_int(v, 0, 2**63)
-        p = self.parts
-        p["action"].append(codes)
-        p["size"].append(size)
-        p["address"].append(address)
-        p["stream"].append(stream)
-        p["time"].append(time)
-        p["stack"].append(_stack_ids(chunk, interner))
-        p["forward"].append(_forward_stack_ids(chunk, interner))
-        p["free"].append(free)
-        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
+        return codes, size, address, stream, time, free
 
     def frame(self, device: int, metadata: list[str]) -> pd.DataFrame:
         col = {k: np.concatenate(v) for k, v in self.parts.items()}

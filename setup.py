@@ -1,0 +1,13 @@
+"""The optional compiled parts (C, CPython's API only). Everything else is in pyproject.toml.
+
+Each extension is optional: without a C compiler or Python's headers, ``pip install .`` still
+succeeds and snaplab runs its pure-Python code, which gives the same answers (slower).
+``snaplab --version`` says which is in use."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("snapshot_lab.frames._scan", ["snapshot_lab/frames/_scan.c"], optional=True),
+    ]
+)
