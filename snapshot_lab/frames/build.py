@@ -502,7 +502,7 @@ class _TraceColumns:
         return codes, size, address, stream, time, free
 
     def frame(self, device: int, metadata: list[str]) -> pd.DataFrame:
-        col = {k: np.concatenate(v) for k, v in self.parts.items()}
+        col = {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in self.parts.items()}
         n = col["size"].size
         categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
 
@@ -522,7 +522,8 @@ class _TraceColumns:
                 "forward_stack_id": nullable(col["forward"]),
                 "device_free_bytes": nullable(col["free"]),
                 "user_metadata": pd.Categorical.from_codes(col["metadata"], categories=metadata),  # type: ignore[call-overload]
-            }
+            },
+            copy=False,  # the columns are fresh: no copy, and no consolidation into one block
         )
 
 
@@ -589,8 +590,10 @@ class _DecodedStacks:
     def __init__(self, decoded: DecodedTraces) -> None:
         self.tuples = decoded.stacks
         n = len(self.tuples)
-        self.lengths = np.fromiter(map(len, self.tuples), dtype=np.int64, count=n)
-        self.firsts = np.fromiter((id(t[0]) if t else 0 for t in self.tuples), dtype=np.uint64, count=n)
+        lengths = np.fromiter(map(len, self.tuples), dtype=np.int64, count=n)
+        firsts = np.fromiter((id(t[0]) if t else 0 for t in self.tuples), dtype=np.uint64, count=n)
+        # one number per distinct (length, first frame): grouping a chunk is one factorize
+        self.group = pd.factorize(pd.MultiIndex.from_arrays([lengths, firsts]))[0]
         self.lists: dict[int, list[Any]] = {}
 
     def list_of(self, key: int) -> list[Any]:
@@ -603,7 +606,8 @@ class _DecodedStacks:
 def _decoded_stack_ids(keys: np.ndarray, stacks: _DecodedStacks, interner: _StackInterner) -> np.ndarray:
     """What :func:`_stack_ids` gives for a chunk whose frames lists are the stacks ``keys``: the
     same groups, representatives, comparisons and interning order, hence the same ids."""
-    codes, last = _groups_of(stacks.lengths[keys], stacks.firsts[keys])
+    codes, _ = pd.factorize(stacks.group[keys])  # numbered in order of first appearance
+    last = (len(keys) - 1 - np.unique(codes[::-1], return_index=True)[1]).tolist()
     rep_keys = keys[last]
     rep_sids = [interner.intern(stacks.list_of(k)) for k in rep_keys.tolist()]
     sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]

@@ -141,23 +141,32 @@ static int grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t width) {
     return 0;
 }
 
-static int push(VM *vm, Item it) {
+static int push_slow(VM *vm, PyObject *obj) {
     if (vm->len >= MAX_STACK || grow((void **)&vm->stack, &vm->cap, vm->len + 1, sizeof(Item)) < 0) {
-        if (it.kind == K_OBJ) {
-            Py_DECREF(it.obj);
-        }
+        Py_XDECREF(obj);
         return -1;
     }
-    vm->stack[vm->len++] = it;
     return 0;
 }
 
-static int push_obj(VM *vm, PyObject *obj) { /* steals obj; NULL fails */
+/* push one item (obj owned, for K_OBJ) */
+static inline int push4(VM *vm, PyObject *obj, int64_t val, int32_t kind, int32_t aux) {
+    if (vm->len >= vm->cap && push_slow(vm, obj) < 0) {
+        return -1;
+    }
+    Item *it = &vm->stack[vm->len++];
+    it->obj = obj;
+    it->val = val;
+    it->kind = kind;
+    it->aux = aux;
+    return 0;
+}
+
+static inline int push_obj(VM *vm, PyObject *obj) { /* steals obj; NULL fails */
     if (obj == NULL) {
         return -1;
     }
-    Item it = {obj, 0, K_OBJ, 0};
-    return push(vm, it);
+    return push4(vm, obj, 0, K_OBJ, 0);
 }
 
 static void release(Item *it) {
@@ -763,12 +772,14 @@ static int memo_get(VM *vm, uint64_t index) {
         return -1;
     }
     if (MEMO_TAG(m) == 0) {
+        if (m == vm->root) {
+            return -1; /* the root inside itself would show the stand-in for device_traces */
+        }
         Py_INCREF(m);
         return push_obj(vm, m);
     }
     if (MEMO_TAG(m) == M_DONE) {
-        Item it = {NULL, MEMO_VAL(m), K_FRAMESREF, 0};
-        return push(vm, it);
+        return push4(vm, NULL, MEMO_VAL(m), K_FRAMESREF, 0);
     }
     return -1; /* an object that exists only as columns, or a frames list not finished */
 }
@@ -803,8 +814,7 @@ static int new_list(VM *vm) {
             if (!vm->devices_made && dict_at == 0 && dict->kind == K_OBJ && dict->obj == vm->root &&
                 is_ascii(top->obj, "device_traces")) {
                 vm->devices_made = 1;
-                Item it = {NULL, 0, K_DEVICES, 0};
-                return push(vm, it);
+                return push4(vm, NULL, 0, K_DEVICES, 0);
             }
             if (dict->kind == K_ENTRY && is_ascii(top->obj, "frames")) {
                 for (int b = 0; b < N_BUILDERS; b++) {
@@ -813,8 +823,7 @@ static int new_list(VM *vm) {
                         vm->builders[b].n = 0;
                         vm->builders[b].memo_index = -1;
                         vm->builders[b].generation = ++vm->generations;
-                        Item it = {NULL, vm->generations, K_FRAMES, b};
-                        return push(vm, it);
+                        return push4(vm, NULL, vm->generations, K_FRAMES, b);
                     }
                 }
                 return -1;
@@ -827,8 +836,7 @@ static int new_list(VM *vm) {
         if (d == NULL) {
             return -1;
         }
-        Item it = {NULL, 0, K_TRACE, (int32_t)(vm->n_devices - 1)};
-        return push(vm, it);
+        return push4(vm, NULL, 0, K_TRACE, (int32_t)(vm->n_devices - 1));
     }
     return push_obj(vm, PyList_New(0));
 }
@@ -853,15 +861,21 @@ static int new_dict(VM *vm) {
         if (r < 0) {
             return -1;
         }
-        Item it = {NULL, r, K_ENTRY, trace->aux};
-        return push(vm, it);
+        return push4(vm, NULL, r, K_ENTRY, trace->aux);
     }
     return push_obj(vm, PyDict_New());
 }
 
 /* ---------- the opcodes ---------- */
 
-static uint64_t read_le(const unsigned char *s, int n) {
+static inline uint64_t read_le(const unsigned char *s, int n) {
+#if PY_LITTLE_ENDIAN
+    if (n == 4) {
+        uint32_t v32;
+        memcpy(&v32, s, 4);
+        return v32;
+    }
+#endif
     uint64_t v = 0;
     for (int i = n - 1; i >= 0; i--) {
         v = (v << 8) | s[i];
@@ -870,8 +884,7 @@ static uint64_t read_le(const unsigned char *s, int n) {
 }
 
 static int push_int(VM *vm, int64_t v) {
-    Item it = {NULL, v, K_INT, 0};
-    return push(vm, it);
+    return push4(vm, NULL, v, K_INT, 0);
 }
 
 static int load_long1(VM *vm, const unsigned char *s, int n) {

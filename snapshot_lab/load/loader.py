@@ -105,9 +105,11 @@ class Snapshot:
         # only called when ``device_traces`` was left out because the traces were decoded
         if name == "device_traces" and self.__dict__.get("decoded_traces") is not None:
             obj, source, _ = _read_object(Path(self.source.path), NullProgress(), decode=False)
-            traces = normalise(obj, source).device_traces
-            self.device_traces = traces
-            return traces
+            fresh = normalise(obj, source)
+            # every part from the same reading, so objects are shared across them as in the file
+            for part in ("segments", "device_traces", "allocator_settings", "external_annotations"):
+                setattr(self, part, getattr(fresh, part))
+            return fresh.device_traces
         raise AttributeError(name)
 
 
@@ -543,6 +545,28 @@ def _check_record_budget(path: Path, source: SourceInfo, what: str, n: int) -> N
         )
 
 
+def _checked_traces(
+    path: Path, source: SourceInfo, data: dict[str, Any], decoded: DecodedTraces | None
+) -> list[list[Any]]:
+    """``device_traces``: one list of entries per device, checked as lists (the entries are
+    checked where the frames are built); stand-in empty lists when the traces were decoded."""
+    traces = data.get("device_traces", [])
+    if traces is None:
+        traces = []
+    check_list(traces, "device_traces", "a list with one list of events per device")
+    if decoded is not None:
+        traces = [[] for _ in decoded.devices]  # stand-ins: no shared lists, checked entries
+    if len(traces) > MAX_DEVICE + 1:
+        raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
+    for d, t in enumerate(traces):
+        check_list(t, f"device_traces[{d}]", "a list of events")
+    n_entries = sum(map(len, traces)) if decoded is None else sum(t.size_of_trace for t in decoded.devices)
+    _check_record_budget(path, source, "trace entries", n_entries)
+    if len(set(map(id, traces))) != len(traces):
+        raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
+    return traces
+
+
 def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None) -> Snapshot:
     """Turn an unpickled object into a :class:`Snapshot` or raise SnapshotFormatError.
 
@@ -587,22 +611,7 @@ def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None
         del seen
         if legacy is None and any("history" in b for s in raw_segments for b in s["blocks"]):
             legacy = "2.0"
-        traces = data.get("device_traces", [])
-        if traces is None:
-            traces = []
-        check_list(traces, "device_traces", "a list with one list of events per device")
-        if len(traces) > MAX_DEVICE + 1:
-            raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
-        if decoded is not None:
-            traces = [[] for _ in decoded.devices]  # stand-ins: no shared lists, checked entries
-            if len(traces) > MAX_DEVICE + 1:
-                raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
-        for d, t in enumerate(traces):
-            check_list(t, f"device_traces[{d}]", "a list of events")
-        n_entries = sum(map(len, traces)) if decoded is None else sum(t.size_of_trace for t in decoded.devices)
-        _check_record_budget(path, source, "trace entries", n_entries)
-        if len(set(map(id, traces))) != len(traces):
-            raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
+        traces = _checked_traces(path, source, data, decoded)
         try:
             settings = normalise_settings(data.get("allocator_settings"))
         except FieldError as exc:
