@@ -633,7 +633,7 @@ def _decoded_stack_ids(keys: np.ndarray, stacks: _DecodedStacks, interner: _Stac
 def _decoded_codes(codes: np.ndarray, names: list[str], code_of: Any, dtype: type) -> np.ndarray:
     """``codes`` (into ``names``) recoded by ``code_of(name)``, called in order of each name's
     first appearance in ``codes`` (as the entry-by-entry path meets them)."""
-    lut = np.zeros(len(names), dtype=dtype)
+    lut: np.ndarray = np.zeros(len(names), dtype=dtype)
     for code in pd.unique(codes).tolist():
         lut[code] = code_of(names[code])
     return lut[codes]
