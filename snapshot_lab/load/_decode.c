@@ -1,7 +1,7 @@
 /* A pickle reader for memory snapshots that turns device_traces straight into columns: the fast
- * path of snapshot_lab/load/loader.py (decode_trace.py holds its Python side).
+ * path of snapshot_lab/load/loader.py (load/decoded.py holds its Python side).
  *
- * decode(buffer, oom_name) -> None | (root, None) | (root, (devices, stacks))
+ * decode(buffer, oom_name, release=False) -> None | (root, None) | (root, (devices, stacks))
  *
  * It runs the opcodes that torch's snapshots use (protocol 2 to 5: PROTO FRAME STOP MARK
  * EMPTY_DICT EMPTY_LIST EMPTY_TUPLE TUPLE TUPLE1-3 SETITEM(S) APPEND(S) MEMOIZE (LONG_)BINPUT
@@ -29,6 +29,10 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #define MISSING INT64_MIN
 #define MAX_STACK (1 << 24)
@@ -96,6 +100,8 @@ enum {
 
 typedef struct {
     const char *p, *end;
+    const char *start, *released; /* release: pages before `released` were given back */
+    int release;
     Item *stack;
     Py_ssize_t len, cap;
     Py_ssize_t *marks;
@@ -913,6 +919,26 @@ static int load_str(VM *vm, uint64_t size) {
     return push_obj(vm, s);
 }
 
+#define RELEASE_STEP (32 << 20)
+
+/* A mapped file's pages already read are given back (they are never read again), so the
+   file does not stay in the process's memory; only for a mapping (``release``). */
+static void release_pages(VM *vm) {
+#if (defined(__unix__) || defined(__APPLE__)) && defined(MADV_DONTNEED)
+    if (!vm->release || vm->p - vm->released < RELEASE_STEP) {
+        return;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t from = (uintptr_t)vm->released, to = ((uintptr_t)vm->p & ~(page - 1)) - page;
+    if (page > 0 && (from & (page - 1)) == 0 && to > from) {
+        madvise((void *)from, to - from, MADV_DONTNEED);
+        vm->released = (const char *)to;
+    }
+#else
+    (void)vm;
+#endif
+}
+
 #define NEED(n)                                                                                                       \
     if (vm->end - vm->p < (Py_ssize_t)(n)) return -1;
 
@@ -938,6 +964,7 @@ static int run(VM *vm) {
             uint64_t n = read_le(s, 8);
             vm->p += 8;
             rc = n > (uint64_t)(vm->end - vm->p) ? -1 : 0;
+            release_pages(vm);
             break;
         }
         case '.': /* STOP */
@@ -1211,7 +1238,8 @@ static void vm_free(VM *vm) {
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer buf;
     PyObject *oom_name;
-    if (!PyArg_ParseTuple(args, "y*U", &buf, &oom_name)) {
+    int release = 0;
+    if (!PyArg_ParseTuple(args, "y*U|p", &buf, &oom_name, &release)) {
         return NULL;
     }
     VM *vm = PyMem_Calloc(1, sizeof(VM));
@@ -1219,8 +1247,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         PyBuffer_Release(&buf);
         return PyErr_NoMemory();
     }
-    vm->p = buf.buf;
+    vm->p = vm->start = vm->released = buf.buf;
     vm->end = (const char *)buf.buf + buf.len;
+    vm->release = release;
     vm->oom_name = oom_name;
     vm->stacks = PyList_New(0);
     vm->used_lists = PySet_New(NULL);
@@ -1249,7 +1278,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(buffer, oom_name): (root, None | (devices, stacks)), or None for the Python path."},
+     "decode(buffer, oom_name, release=False): (root, None | (devices, stacks)), or None for the Python path. "
+     "release: the buffer is a read-only file mapping whose pages may be given back once read."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -85,14 +85,16 @@ def _device(parts: tuple[Any, ...]) -> DeviceTrace:
     )
 
 
-def decode_pickle(data: Any) -> tuple[Any, DecodedTraces | None] | None:
+def decode_pickle(data: Any, mapped_file: bool = False) -> tuple[Any, DecodedTraces | None] | None:
     """``(root object, decoded traces or None when the file has none)`` of a pickle held in
     ``data`` (bytes, or any buffer), or None when the compiled reader is not built, is switched
-    off, or gives up (then read the file with :func:`~snapshot_lab.load.unpickler.safe_load`)."""
+    off, or gives up (then read the file with :func:`~snapshot_lab.load.unpickler.safe_load`).
+    ``mapped_file``: ``data`` is a read-only ``mmap`` of a file, whose pages are given back to
+    the system as they are read, so the file does not add to the process's memory."""
     decoder = compiled("snapshot_lab.load._decode")
     if decoder is None:
         return None
-    out = decoder.decode(data, "oom")
+    out = decoder.decode(data, "oom", mapped_file)
     if out is None:
         return None
     root, traces = out

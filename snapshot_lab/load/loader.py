@@ -244,7 +244,7 @@ def _decode_whole(
                 return None
             # mapped before the address-space limit is set: the mapping is not what it guards
             with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
-                out = decode_pickle(mapped)
+                out = decode_pickle(mapped, mapped_file=True)
             data_size = size
         else:
             stream = open_decompressed(raw, compression)
