@@ -942,6 +942,47 @@ static void release_pages(VM *vm) {
 #define NEED(n)                                                                                                       \
     if (vm->end - vm->p < (Py_ssize_t)(n)) return -1;
 
+/* At a MARK over a frames list being built: the usual batch (MARK, memo references to frame
+   objects, APPENDS) goes straight into the list, which is what running those opcodes one by
+   one does. 1: done, up to and with the APPENDS; 0: not such a batch (nothing consumed, run
+   the opcodes one by one); -1: failure. */
+static int frames_batch(VM *vm) {
+    Builder *b = &vm->builders[vm->stack[vm->len - 1].aux];
+    const unsigned char *q = (const unsigned char *)vm->p, *end = (const unsigned char *)vm->end;
+    Py_ssize_t first = b->n;
+    for (;;) {
+        uint64_t index;
+        int width;
+        if (end - q >= 2 && q[0] == 'h') {
+            index = q[1];
+            width = 2;
+        } else if (end - q >= 5 && q[0] == 'j') {
+            index = read_le(q + 1, 4);
+            width = 5;
+        } else {
+            break;
+        }
+        PyObject *m = index < (uint64_t)vm->memo_len ? vm->memo[index] : NULL;
+        if (m == NULL || MEMO_TAG(m) != 0 || m == vm->root) {
+            break; /* q stays on it: run one by one, they give up there or do something else */
+        }
+        if (grow((void **)&b->items, &b->cap, b->n + 1, sizeof(PyObject *)) < 0) {
+            return -1;
+        }
+        Py_INCREF(m);
+        b->items[b->n++] = m;
+        q += width;
+    }
+    if (q < end && q[0] == 'e' && b->n > first) {
+        vm->p = (const char *)q + 1;
+        return 1;
+    }
+    while (b->n > first) {
+        Py_DECREF(b->items[--b->n]);
+    }
+    return 0;
+}
+
 /* run the opcodes to STOP: 0, or -1 for the Python path */
 static int run(VM *vm) {
     for (;;) {
@@ -973,6 +1014,12 @@ static int run(VM *vm) {
             }
             return 0;
         case '(': /* MARK */
+            if (vm->len > fence(vm) && vm->stack[vm->len - 1].kind == K_FRAMES) {
+                rc = frames_batch(vm);
+                if (rc != 0) {
+                    break;
+                }
+            }
             if (vm->nmarks >= MAX_MARKS ||
                 grow((void **)&vm->marks, &vm->marks_cap, vm->nmarks + 1, sizeof(Py_ssize_t)) < 0) {
                 return -1;
