@@ -272,6 +272,23 @@ def test_shared_frames_lists_and_a_missing_size(tmp_path: Path, monkeypatch: pyt
     assert "device_traces[0][2].size" in compiled
 
 
+def test_a_long_list_shared_by_every_entry_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Python path interns a shared list once (by identity); reading its frames again for
+    # every entry would cost entries x frames (here 10**8), a bomb in a few hundred kB
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "f"} for i in range(5_000)]
+    forward = [f'  File "x.py", line {i}, in f\n' for i in range(5_000)]
+    entries = [event("alloc", 4096 * i, 512, i, frames=frames, forward_frames=forward) for i in range(20_000)]
+    path = write_pickle(tmp_path / "shared.pickle", make_snapshot(traces=[entries]))
+    decoded = decode_pickle(path.read_bytes())
+    assert decoded is not None and decoded[1] is not None
+    traces = decoded[1]
+    assert len(traces.stacks) == 2 and len(traces.stacks[1]) == 5_000
+    assert set(traces.devices[0].stack.tolist()) == {1}
+    assert len({id(v) for v in traces.devices[0].forward.values()}) == 1
+    compiled, pure = _both_paths(path, monkeypatch)
+    assert compiled == pure == "ok"
+
+
 def test_device_traces_are_read_again_when_asked_for() -> None:
     snap = load_snapshot(sample_path("pending_free"))
     assert snap.decoded_traces is not None

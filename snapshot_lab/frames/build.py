@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import re
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -666,10 +667,9 @@ def _decoded_trace_columns(dev: DeviceTrace, stacks: _DecodedStacks, interner: _
         stop = min(start + _CHUNK, n)
         p["stack"].append(_decoded_stack_ids(dev.stack[start:stop], stacks, interner))
         forward = np.full(stop - start, _MISSING, dtype=np.int64)
-        for row in forward_rows:
-            if start <= row < stop:
-                sid = interner.intern_forward(dev.forward[row])
-                forward[row - start] = _MISSING if sid is None else sid
+        for row in forward_rows[bisect_left(forward_rows, start) : bisect_left(forward_rows, stop)]:
+            sid = interner.intern_forward(dev.forward[row])
+            forward[row - start] = _MISSING if sid is None else sid
         p["forward"].append(forward)
     return cols
 

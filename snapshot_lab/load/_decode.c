@@ -118,7 +118,8 @@ typedef struct {
     PyObject *stacks; /* list of tuples */
     StackSlot *slots;
     size_t slots_mask;
-    PyObject *used_lists; /* set of ids of real lists used as frames */
+    PyObject *used_lists;    /* {id: (list, stack key)} of real lists used as an entry's frames */
+    PyObject *forward_lists; /* {id: list} of the lists used as an entry's forward_frames */
     PyObject *key_objs[KEY_CACHE];
     int key_fields[KEY_CACHE];
     int key_next;
@@ -269,26 +270,54 @@ static int64_t stack_key(VM *vm, PyObject **items, Py_ssize_t n) {
     return key;
 }
 
-static int mark_used(VM *vm, PyObject *list) {
+/* The stack key of a real list used as an entry's frames, each list hashed once (a list shared
+   by many entries costs one lookup each, as in the Python path); the list is kept alive and must
+   not change after (is_used). -1 on failure. */
+static int64_t list_key(VM *vm, PyObject *list) {
     PyObject *id = PyLong_FromVoidPtr(list);
     if (id == NULL) {
         return -1;
     }
-    int rc = PySet_Add(vm->used_lists, id);
+    int64_t key = -1;
+    PyObject *known = PyDict_GetItemWithError(vm->used_lists, id);
+    if (known != NULL) {
+        key = PyLong_AsLongLong(PyTuple_GET_ITEM(known, 1));
+    } else if (!PyErr_Occurred()) {
+        key = stack_key(vm, ((PyListObject *)list)->ob_item, PyList_GET_SIZE(list));
+        PyObject *entry = key < 0 ? NULL : Py_BuildValue("(OL)", list, (long long)key);
+        if (entry == NULL || PyDict_SetItem(vm->used_lists, id, entry) < 0) {
+            key = -1;
+        }
+        Py_XDECREF(entry);
+    }
+    Py_DECREF(id);
+    return key;
+}
+
+static int mark_forward(VM *vm, PyObject *list) {
+    PyObject *id = PyLong_FromVoidPtr(list);
+    if (id == NULL) {
+        return -1;
+    }
+    int rc = PyDict_SetItem(vm->forward_lists, id, list);
     Py_DECREF(id);
     return rc;
 }
 
-/* 1 when a real list was used as an entry's frames (so it must not change), -1 on failure */
+/* 1 when a real list was used as an entry's frames or forward_frames (so it must not change
+   any more), -1 on failure */
 static int is_used(VM *vm, PyObject *list) {
-    if (PySet_GET_SIZE(vm->used_lists) == 0) {
+    if (PyDict_GET_SIZE(vm->used_lists) == 0 && PyDict_GET_SIZE(vm->forward_lists) == 0) {
         return 0;
     }
     PyObject *id = PyLong_FromVoidPtr(list);
     if (id == NULL) {
         return -1;
     }
-    int rc = PySet_Contains(vm->used_lists, id);
+    int rc = PyDict_Contains(vm->used_lists, id);
+    if (rc == 0) {
+        rc = PyDict_Contains(vm->forward_lists, id);
+    }
     Py_DECREF(id);
     return rc;
 }
@@ -459,10 +488,7 @@ static int set_frames(VM *vm, Device *d, Py_ssize_t r, Item *v) {
     } else if (v->kind == K_FRAMESREF) {
         key = v->val;
     } else if (v->kind == K_OBJ && PyList_CheckExact(v->obj)) {
-        if (mark_used(vm, v->obj) < 0) {
-            return -1;
-        }
-        key = stack_key(vm, ((PyListObject *)v->obj)->ob_item, PyList_GET_SIZE(v->obj));
+        key = list_key(vm, v->obj);
     } else {
         return -1;
     }
@@ -541,7 +567,7 @@ static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
             rc = PyDict_Contains(d->forward, row);
             rc = rc < 0 ? -1 : rc ? PyDict_DelItem(d->forward, row) : 0;
         } else if (v->kind == K_OBJ && PyList_CheckExact(v->obj)) {
-            rc = mark_used(vm, v->obj) < 0 ? -1 : PyDict_SetItem(d->forward, row, v->obj);
+            rc = mark_forward(vm, v->obj) < 0 ? -1 : PyDict_SetItem(d->forward, row, v->obj);
         } else {
             rc = -1;
         }
@@ -1200,13 +1226,11 @@ static int final_checks(VM *vm) {
             ok = frame_ok(PyTuple_GET_ITEM(t, j), k_file, k_line, k_name);
         }
     }
-    for (Py_ssize_t dv = 0; ok && dv < vm->n_devices; dv++) {
-        Py_ssize_t pos = 0;
-        PyObject *row, *lst;
-        while (ok && PyDict_Next(vm->devices[dv].forward, &pos, &row, &lst)) {
-            for (Py_ssize_t j = 0; ok && j < PyList_GET_SIZE(lst); j++) {
-                ok = PyUnicode_CheckExact(PyList_GET_ITEM(lst, j));
-            }
+    Py_ssize_t pos = 0;
+    PyObject *id, *lst;
+    while (ok && PyDict_Next(vm->forward_lists, &pos, &id, &lst)) { /* each distinct list once */
+        for (Py_ssize_t j = 0; ok && j < PyList_GET_SIZE(lst); j++) {
+            ok = PyUnicode_CheckExact(PyList_GET_ITEM(lst, j));
         }
     }
     Py_XDECREF(k_file);
@@ -1277,6 +1301,7 @@ static void vm_free(VM *vm) {
     Py_XDECREF(vm->stacks);
     PyMem_Free(vm->slots);
     Py_XDECREF(vm->used_lists);
+    Py_XDECREF(vm->forward_lists);
     for (int i = 0; i < KEY_CACHE; i++) {
         Py_XDECREF(vm->key_objs[i]);
     }
@@ -1299,10 +1324,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     vm->release = release;
     vm->oom_name = oom_name;
     vm->stacks = PyList_New(0);
-    vm->used_lists = PySet_New(NULL);
+    vm->used_lists = PyDict_New();
+    vm->forward_lists = PyDict_New();
     vm->slots = PyMem_Malloc(64 * sizeof(StackSlot));
     PyObject *out = NULL;
-    if (vm->stacks && vm->used_lists && vm->slots) {
+    if (vm->stacks && vm->used_lists && vm->forward_lists && vm->slots) {
         vm->slots_mask = 63;
         for (int i = 0; i < 64; i++) {
             vm->slots[i].key = -1;
