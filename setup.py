@@ -9,5 +9,6 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("snapshot_lab.frames._scan", ["snapshot_lab/frames/_scan.c"], optional=True),
+        Extension("snapshot_lab.load._decode", ["snapshot_lab/load/_decode.c"], optional=True),
     ]
 )

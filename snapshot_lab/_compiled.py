@@ -11,7 +11,7 @@ from types import ModuleType
 PURE_PYTHON_VARIABLE = "SNAPLAB_PURE_PYTHON"
 
 # every compiled module, by the name the code imports
-MODULES = ("snapshot_lab.frames._scan",)
+MODULES = ("snapshot_lab.frames._scan", "snapshot_lab.load._decode")
 
 
 def pure_python_forced() -> bool:
