@@ -31,8 +31,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gen_snapshot  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from snapshot_lab import _compiled  # noqa: E402
 
-def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float, int, float]:
+PURE_PYTHON = {_compiled.PURE_PYTHON_VARIABLE: "1"}
+
+
+def run_timed(
+    cmd: list[str], stdout: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[float, float, int, float]:
     """(wall seconds, peak RSS in MiB, exit code, CPU seconds) of one command in a fresh process;
     the peak and the CPU time (user + system) come from GNU time (/usr/bin/time), NaN without
     it. On a machine shared with other work the CPU time is the steadier of the two."""
@@ -41,7 +48,9 @@ def run_timed(cmd: list[str], stdout: Path | None = None) -> tuple[float, float,
         prefix = [str(gnu_time), "-f", "%M %U %S", "-o", rss.name] if gnu_time.exists() else []
         t0 = time.perf_counter()
         with open(stdout or os.devnull, "wb") as out:
-            proc = subprocess.run([*prefix, *cmd], stdout=out, stderr=subprocess.PIPE, check=False)
+            proc = subprocess.run(
+                [*prefix, *cmd], stdout=out, stderr=subprocess.PIPE, check=False, env={**os.environ, **(env or {})}
+            )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr.decode(errors="replace")[-2000:])
@@ -132,10 +141,16 @@ def bench_size(a: argparse.Namespace, n: int) -> None:
     size_mb = snap.stat().st_size / 2**20
     load_cmd = [py, "-c", f"import pickle; pickle.load(open({str(snap)!r}, 'rb'))"]
     base = run_timed(load_cmd)
-    cases = {"snaplab stats --json": run_timed([*snaplab, "stats", "--json", "-q", str(snap)])}
+    stats_cmd = [*snaplab, "stats", "--json", "-q", str(snap)]
+    cases = {"snaplab stats --json": run_timed(stats_cmd)}
+    if a.pure_python:
+        cases["snaplab stats, pure Python"] = run_timed(stats_cmd, env=PURE_PYTHON)
     if not a.stats_only:
         report = a.workdir / f"bench_{n}.html"
-        cases["snaplab report"] = run_timed([*snaplab, "report", "-q", str(snap), "-o", str(report)])
+        report_cmd = [*snaplab, "report", "-q", str(snap), "-o", str(report)]
+        cases["snaplab report"] = run_timed(report_cmd)
+        if a.pure_python:
+            cases["snaplab report, pure Python"] = run_timed(report_cmd, env=PURE_PYTHON)
         viz = a.workdir / f"bench_{n}_viz.html"
         if a.torch_python:
             viz_module = [a.torch_python, "-m", "torch.cuda._memory_viz"]
@@ -168,12 +183,15 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     ap.add_argument("--keep", action="store_true", help="keep the generated snapshots")
     ap.add_argument("--stats-only", action="store_true", help="time only pickle.load and snaplab stats")
+    ap.add_argument(
+        "--pure-python", action="store_true", help="also time each snaplab command without its C extensions"
+    )
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     compile_package()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{platform.system()} {platform.release()}"
+        f"{platform.system()} {platform.release()}; snaplab: {_compiled.describe()}"
     )
     for n in a.sizes:
         bench_size(a, n)

@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 import typer.main
 
-from . import __version__, api
+from . import __version__, _compiled, api
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR
 from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, ParameterError, SnaplabError
 from .progress import progress_bar
@@ -112,7 +112,7 @@ def _print_json(obj: Any) -> None:
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"snaplab {__version__}")
+        typer.echo(f"snaplab {__version__} ({_compiled.describe()})")
         raise typer.Exit()
 
 

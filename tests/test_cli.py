@@ -64,6 +64,8 @@ def test_help_of_every_command(cmd):
 def test_version():
     r = invoke("--version")
     assert r.exit_code == 0 and r.stdout.startswith("snaplab ")
+    # which path this installation is on: the C extensions, or the pure-Python code alone
+    assert r.stdout.rstrip().endswith(("(compiled (C))", "(pure Python (the C extensions were not built))"))
 
 
 def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:

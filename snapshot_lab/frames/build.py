@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import re
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -25,9 +26,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._compiled import compiled
 from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..load import Snapshot, SourceInfo
+from ..load.decoded import DecodedTraces, DeviceTrace
 from ..load.validate import (
     INT64_MAX,
     INT64_MIN,
@@ -353,6 +356,12 @@ def _stack_groups(lists: list[Any]) -> tuple[np.ndarray, list[int]]:
     firsts[nonempty] = np.fromiter(
         map(id, map(itemgetter(0), compress(lists, nonempty.tolist()))), dtype=np.uint64, count=int(nonempty.sum())
     )
+    return _groups_of(lengths, firsts)
+
+
+def _groups_of(lengths: np.ndarray, firsts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """The groups of :func:`_stack_groups` from each list's length and first item's identity."""
+    n = len(lengths)
     first_codes, _ = pd.factorize(firsts)
     length_codes, length_values = pd.factorize(lengths)
     codes, _ = pd.factorize(first_codes.astype(np.int64) * len(length_values) + length_codes)
@@ -361,7 +370,31 @@ def _stack_groups(lists: list[Any]) -> tuple[np.ndarray, list[int]]:
     return codes, (n - 1 - last_reversed).tolist()
 
 
-def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
+def _scanned_columns(chunk: list[Any]) -> tuple[tuple[np.ndarray, ...], _Groups] | None:
+    """The compiled twin of ``_python_columns`` and ``_stack_groups`` (``frames/_scan.c``): the
+    same columns and groups in one C pass, or None when it is not built or the chunk holds
+    anything irregular (the Python code then converts the chunk and names the entry at fault)."""
+    scan = compiled("snapshot_lab.frames._scan")
+    if scan is None:
+        return None
+    out = scan.scan_chunk(chunk, _ACTION_CODES, _OOM)
+    if out is None:
+        return None
+    action, *ints, group, last, same = out
+    columns: tuple[np.ndarray, ...] = (
+        np.frombuffer(action, dtype=np.int16),
+        *(np.frombuffer(c, dtype=np.int64) for c in ints),
+    )
+    last_members: list[int] = np.frombuffer(last, dtype=np.int64).tolist()
+    return columns, (np.frombuffer(group, dtype=np.int64), last_members, np.frombuffer(same, dtype=np.bool_))
+
+
+# each entry's group code, each group's last member, and (when known) whether each entry's
+# frames list equals its group's last one
+_Groups = tuple[np.ndarray, list[int], np.ndarray]
+
+
+def _stack_ids(chunk: list[Any], interner: _StackInterner, groups: _Groups | None = None) -> np.ndarray:
     """Stack id of every entry (``_MISSING`` for none), exactly, in a few C-level passes.
 
     Real pickles give every entry its own ``frames`` list but share the frame dicts. Entries are
@@ -374,12 +407,15 @@ def _stack_ids(chunk: list[Any], interner: _StackInterner) -> np.ndarray:
     """
     n = len(chunk)
     lists = list(_values(chunk, "frames", _NO_FRAMES))
-    codes, last = _stack_groups(lists)
+    codes, last = _stack_groups(lists) if groups is None else groups[:2]
     representatives = [lists[i] for i in last]
     rep_sids = [interner.intern(rep) for rep in representatives]
     sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]
-    singles = [(rep,) for rep in representatives]
-    same = np.fromiter(map(operator.contains, map(singles.__getitem__, codes.tolist()), lists), dtype=bool, count=n)
+    if groups is None:
+        singles = [(rep,) for rep in representatives]
+        same = np.fromiter(map(operator.contains, map(singles.__getitem__, codes.tolist()), lists), dtype=bool, count=n)
+    else:
+        same = groups[2]
     differ = np.flatnonzero(~same)
     if differ.size:
         rest = [lists[i] for i in differ]
@@ -431,6 +467,25 @@ class _TraceColumns:
         self.extra_actions: dict[str, int] = {}
 
     def add(self, chunk: list[Any], interner: _StackInterner) -> None:
+        scanned = _scanned_columns(chunk)
+        if scanned is None:
+            codes, size, address, stream, time, free = self._python_columns(chunk)
+            groups = None
+        else:
+            (codes, size, address, stream, time, free), groups = scanned
+        p = self.parts
+        p["action"].append(codes)
+        p["size"].append(size)
+        p["address"].append(address)
+        p["stream"].append(stream)
+        p["time"].append(time)
+        p["stack"].append(_stack_ids(chunk, interner, groups))
+        p["forward"].append(_forward_stack_ids(chunk, interner))
+        p["free"].append(free)
+        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
+
+    def _python_columns(self, chunk: list[Any]) -> tuple[np.ndarray, ...]:
+        """The action, size, address, stream, time and device_free columns, the reference way."""
         n = len(chunk)
         actions = list(map(itemgetter("action"), chunk))
         codes = np.fromiter(map(_ACTION_CODES.get, actions, repeat(-1)), dtype=np.int16, count=n)
@@ -445,19 +500,10 @@ class _TraceColumns:
             v = chunk[i].get("device_free")
             if v is not None:
                 free[i] = check_int(v, 0, 2**63)
-        p = self.parts
-        p["action"].append(codes)
-        p["size"].append(size)
-        p["address"].append(address)
-        p["stream"].append(stream)
-        p["time"].append(time)
-        p["stack"].append(_stack_ids(chunk, interner))
-        p["forward"].append(_forward_stack_ids(chunk, interner))
-        p["free"].append(free)
-        p["metadata"].append(_metadata_codes(chunk, interner.metadata))
+        return codes, size, address, stream, time, free
 
     def frame(self, device: int, metadata: list[str]) -> pd.DataFrame:
-        col = {k: np.concatenate(v) for k, v in self.parts.items()}
+        col = {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in self.parts.items()}
         n = col["size"].size
         categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
 
@@ -477,7 +523,8 @@ class _TraceColumns:
                 "forward_stack_id": nullable(col["forward"]),
                 "device_free_bytes": nullable(col["free"]),
                 "user_metadata": pd.Categorical.from_codes(col["metadata"], categories=metadata),  # type: ignore[call-overload]
-            }
+            },
+            copy=False,  # the columns are fresh: no copy, and no consolidation into one block
         )
 
 
@@ -536,8 +583,114 @@ def _trace_columns(tr: list[Any], interner: _StackInterner, consume: bool) -> _T
     return cols
 
 
+class _DecodedStacks:
+    """The decoder's distinct stacks as the lists the interner takes (one list object per stack
+    key, made when first needed, so each is interned once), with each one's length and the
+    identity of its first frame (what :func:`_stack_groups` groups by)."""
+
+    def __init__(self, decoded: DecodedTraces) -> None:
+        self.tuples = decoded.stacks
+        n = len(self.tuples)
+        lengths = np.fromiter(map(len, self.tuples), dtype=np.int64, count=n)
+        firsts = np.fromiter((id(t[0]) if t else 0 for t in self.tuples), dtype=np.uint64, count=n)
+        # one number per distinct (length, first frame): grouping a chunk is one factorize
+        self.group = pd.factorize(pd.MultiIndex.from_arrays([lengths, firsts]))[0]
+        self.lists: dict[int, list[Any]] = {}
+
+    def list_of(self, key: int) -> list[Any]:
+        lst = self.lists.get(key)
+        if lst is None:
+            lst = self.lists[key] = list(self.tuples[key])
+        return lst
+
+
+def _decoded_stack_ids(keys: np.ndarray, stacks: _DecodedStacks, interner: _StackInterner) -> np.ndarray:
+    """What :func:`_stack_ids` gives for a chunk whose frames lists are the stacks ``keys``: the
+    same groups, representatives, comparisons and interning order, hence the same ids."""
+    codes, _ = pd.factorize(stacks.group[keys])  # numbered in order of first appearance
+    last = (len(keys) - 1 - np.unique(codes[::-1], return_index=True)[1]).tolist()
+    rep_keys = keys[last]
+    rep_sids = [interner.intern(stacks.list_of(k)) for k in rep_keys.tolist()]
+    sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]
+    reps = rep_keys[codes]
+    same = keys == reps
+    odd = np.flatnonzero(~same)
+    if odd.size:  # different frame objects can still make equal lists (equal frame dicts)
+        pairs = list(zip(keys[odd].tolist(), reps[odd].tolist(), strict=True))
+        equal = {p for p in dict.fromkeys(pairs) if stacks.list_of(p[0]) == stacks.list_of(p[1])}
+        if equal:
+            same[odd] = [p in equal for p in pairs]
+    differ = np.flatnonzero(~same)
+    if differ.size:
+        differing = keys[differ]
+        sid_of = {}
+        for key in pd.unique(differing).tolist():
+            sid = interner.intern(stacks.list_of(key))
+            sid_of[key] = _MISSING if sid is None else sid
+        sids[differ] = np.fromiter(map(sid_of.__getitem__, differing.tolist()), dtype=np.int64, count=differ.size)
+    return sids
+
+
+def _decoded_codes(codes: np.ndarray, names: list[str], code_of: Any, dtype: type) -> np.ndarray:
+    """``codes`` (into ``names``) recoded by ``code_of(name)``, called in order of each name's
+    first appearance in ``codes`` (as the entry-by-entry path meets them)."""
+    lut: np.ndarray = np.zeros(len(names), dtype=dtype)
+    for code in pd.unique(codes).tolist():
+        lut[code] = code_of(names[code])
+    return lut[codes]
+
+
+def _decoded_trace_columns(dev: DeviceTrace, stacks: _DecodedStacks, interner: _StackInterner) -> _TraceColumns:
+    """One device's decoded trace as the same columns :meth:`_TraceColumns.add` makes, chunk by
+    chunk where the order of interning matters (stacks, then forward stacks, per chunk)."""
+    cols = _TraceColumns()
+    extra = cols.extra_actions
+
+    def action_code(name: str) -> int:
+        known = _ACTION_CODES.get(name)
+        return known if known is not None else len(KNOWN_ACTIONS) + extra.setdefault(name, len(extra))
+
+    def metadata_code(name: str) -> int:
+        return interner.metadata.setdefault(name, len(interner.metadata))
+
+    p = cols.parts
+    p["action"].append(_decoded_codes(dev.action, dev.action_names, action_code, np.int16))
+    p["metadata"].append(_decoded_codes(dev.metadata, dev.metadata_names, metadata_code, np.int32))
+    p["size"].append(dev.size)
+    p["address"].append(dev.address)
+    p["stream"].append(dev.stream)
+    p["time"].append(dev.time_us)
+    p["free"].append(dev.device_free)
+    forward_rows = sorted(dev.forward)
+    n = dev.size_of_trace
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        p["stack"].append(_decoded_stack_ids(dev.stack[start:stop], stacks, interner))
+        forward = np.full(stop - start, _MISSING, dtype=np.int64)
+        for row in forward_rows[bisect_left(forward_rows, start) : bisect_left(forward_rows, stop)]:
+            sid = interner.intern_forward(dev.forward[row])
+            forward[row - start] = _MISSING if sid is None else sid
+        p["forward"].append(forward)
+    return cols
+
+
+def _collect_decoded(decoded: DecodedTraces, interner: _StackInterner) -> list[tuple[int, _TraceColumns]]:
+    """Every device's decoded trace as columns (the decoder checked every field)."""
+    stacks = _DecodedStacks(decoded)
+    out = []
+    for device, dev in enumerate(decoded.devices):
+        if dev.size_of_trace:
+            try:
+                out.append((device, _decoded_trace_columns(dev, stacks, interner)))
+            except FieldError as exc:
+                raise exc.under(f"device_traces[{device}]") from None
+    return out
+
+
 def _collect_events(snap: Snapshot, interner: _StackInterner, consume: bool) -> list[tuple[int, _TraceColumns]]:
     """Every device's trace as checked columns."""
+    if snap.decoded_traces is not None:
+        return _collect_decoded(snap.decoded_traces, interner)
     out = []
     for device, tr in enumerate(snap.device_traces):
         if not tr:
@@ -632,7 +785,7 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         allocator_settings=snap.allocator_settings,
         devices=tuple(int(d) for d in devices),
         trace_devices=tuple(int(d) for d in sorted(used)),
-        n_trace_devices=len(snap.device_traces),
+        n_trace_devices=len(snap.device_traces if snap.decoded_traces is None else snap.decoded_traces.devices),
         stacks_kind=_stacks_kind(stack_frames),
         capture=snap.capture,
     )

@@ -12,6 +12,7 @@ import io
 import json
 import lzma
 import math
+import mmap
 import pickle
 import struct
 import threading
@@ -26,6 +27,7 @@ from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..progress import NullProgress, ProgressSink
 from .compression import open_decompressed, sniff_compression
+from .decoded import DecodedTraces, decode_pickle
 from .guard import (
     MEMORY_PER_BYTE,
     MEMORY_SLACK,
@@ -74,6 +76,9 @@ class SourceInfo:
 class Snapshot:
     """A loaded snapshot in the one internal form.
 
+    When the compiled reader decoded the traces (``decoded_traces`` is set), the entry dicts were
+    never built: ``device_traces`` is then loaded again on first access, the slow way.
+
     ``segments``: list of dicts with keys ``device, address, total_size, stream, segment_type,
     segment_pool_id (tuple), is_expandable, frames (list), forward_frames (list of str or None),
     blocks``; each block a dict with ``address, size, requested_size, state, frames,
@@ -92,6 +97,20 @@ class Snapshot:
     format_hints: list[str] = field(default_factory=list)
     legacy: str | None = None  # '1.13' or '2.0' when a legacy shape was normalised
     capture: dict[str, Any] | None = None  # the snapshot_lab.capture sidecar, when there is one
+    # the traces read straight into columns (load/_decode.c); then ``device_traces`` is read
+    # again from the file, with the Python reader, only if something asks for it
+    decoded_traces: DecodedTraces | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when ``device_traces`` was left out because the traces were decoded
+        if name == "device_traces" and self.__dict__.get("decoded_traces") is not None:
+            obj, source, _ = _read_object(Path(self.source.path), NullProgress(), decode=False)
+            fresh = normalise(obj, source)
+            # every part from the same reading, so objects are shared across them as in the file
+            for part in ("segments", "device_traces", "allocator_settings", "external_annotations"):
+                setattr(self, part, getattr(fresh, part))
+            return fresh.device_traces
+        raise AttributeError(name)
 
 
 def _pickle_protocol(head: bytes) -> int | None:
@@ -143,7 +162,11 @@ def _watch_position(raw: Any, progress: ProgressSink) -> Iterator[None]:
         t.join()
 
 
-def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
+def _read_object(
+    path: Path, progress: ProgressSink, decode: bool = True
+) -> tuple[Any, SourceInfo, DecodedTraces | None]:
+    """The unpickled (or JSON) object, where it came from, and its traces when the compiled
+    reader decoded them into columns (``decode``); else the restricted unpickler reads it."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -166,7 +189,12 @@ def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
     ceiling = size if compression is None else decompressed_ceiling(size)
     try:
         with path.open("rb") as raw:
-            return _read_stream(path, raw, size, compression, ceiling, progress)
+            fast = _decode_whole(raw, size, compression, ceiling) if decode else None
+            if fast is not None:
+                obj, traces, data_size, protocol = fast
+                return obj, SourceInfo(str(path), size, compression, "pickle", protocol, data_size), traces
+            raw.seek(0)
+            return (*_read_stream(path, raw, size, compression, ceiling, progress), None)
     except SnapshotFormatError:
         raise
     except ExpansionLimitError as exc:
@@ -199,6 +227,44 @@ def _read_object(path: Path, progress: ProgressSink) -> tuple[Any, SourceInfo]:
         if type(exc).__module__.startswith(("zstandard", "compression")):
             raise SnapshotFormatError(path, f"corrupt zstd data ({_one_line(str(exc))})") from None
         raise
+
+
+def _decode_whole(
+    raw: IO[bytes], size: int, compression: str | None, ceiling: int
+) -> tuple[Any, DecodedTraces | None, int, int | None] | None:
+    """The compiled reader's ``(object, traces, data size, protocol)`` of a pickle, or None when
+    it is not a pickle, the reader is not built, or it gives up on anything irregular (the
+    streaming reader then starts over and gives the reference result or error). A plain file is
+    mapped, not read; a compressed one is decompressed whole first (any failure there: None)."""
+    budget = MEMORY_PER_BYTE * ceiling + MEMORY_SLACK
+    try:
+        if compression is None:
+            head = raw.read(8)
+            if _pickle_protocol(head) is None:
+                return None
+            # mapped before the address-space limit is set: the mapping is not what it guards
+            with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
+                out = decode_pickle(mapped, mapped_file=True)
+            data_size = size
+        else:
+            stream = open_decompressed(raw, compression)
+            head = stream.peek(8)[:8] if hasattr(stream, "peek") else b""
+            if _pickle_protocol(head) is None:
+                return None
+            bounded = BoundedReader(stream, ceiling)
+            data = bytearray()
+            with memory_limited(budget):
+                while chunk := bounded.read(4 << 20):
+                    data += chunk
+            data_size = len(data)
+            with gc_paused(), memory_limited(budget):
+                out = decode_pickle(data)
+            del data
+    except Exception:  # whatever went wrong, the streaming reader starts over and says it exactly
+        return None
+    if out is None:
+        return None
+    return out[0], out[1], data_size, _pickle_protocol(head)
 
 
 def _read_stream(
@@ -450,13 +516,15 @@ def _normalise_annotation(a: Any) -> dict[str, Any]:
     return out
 
 
-def _format_hints(data: dict[str, Any], traces: list[list[Any]]) -> list[str]:
+def _format_hints(data: dict[str, Any], traces: list[list[Any]], decoded: DecodedTraces | None) -> list[str]:
     hints = []
     if "allocator_settings" in data:
         hints.append("allocator_settings (torch>=2.3)")
     if "external_annotations" in data:
         hints.append("external_annotations (torch>=2.5)")
-    first = next((t[0] for t in traces if t), None)
+    first: Any = next((t[0] for t in traces if t), None)
+    if decoded is not None:  # the keys of the first entry are all that is looked at
+        first = next((dict.fromkeys(t.first_keys) for t in decoded.devices if t.size_of_trace), None)
     if isinstance(first, dict):
         if "time_us" in first:
             hints.append("time_us (torch>=2.2)")
@@ -477,8 +545,33 @@ def _check_record_budget(path: Path, source: SourceInfo, what: str, n: int) -> N
         )
 
 
-def normalise(obj: Any, source: SourceInfo) -> Snapshot:
+def _checked_traces(
+    path: Path, source: SourceInfo, data: dict[str, Any], decoded: DecodedTraces | None
+) -> list[list[Any]]:
+    """``device_traces``: one list of entries per device, checked as lists (the entries are
+    checked where the frames are built); stand-in empty lists when the traces were decoded."""
+    traces = data.get("device_traces", [])
+    if traces is None:
+        traces = []
+    check_list(traces, "device_traces", "a list with one list of events per device")
+    if decoded is not None:
+        traces = [[] for _ in decoded.devices]  # stand-ins: no shared lists, checked entries
+    if len(traces) > MAX_DEVICE + 1:
+        raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
+    for d, t in enumerate(traces):
+        check_list(t, f"device_traces[{d}]", "a list of events")
+    n_entries = sum(map(len, traces)) if decoded is None else sum(t.size_of_trace for t in decoded.devices)
+    _check_record_budget(path, source, "trace entries", n_entries)
+    if len(set(map(id, traces))) != len(traces):
+        raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
+    return traces
+
+
+def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None) -> Snapshot:
     """Turn an unpickled object into a :class:`Snapshot` or raise SnapshotFormatError.
+
+    ``decoded``: the traces as the compiled reader decoded them (``obj['device_traces']`` then
+    holds an empty list that stands for them); they get the checks the entry lists get here.
 
     Segments, blocks, settings and annotations are checked here, field by field. Trace entries,
     of which there can be millions, are checked column by column where the frames are built
@@ -518,17 +611,7 @@ def normalise(obj: Any, source: SourceInfo) -> Snapshot:
         del seen
         if legacy is None and any("history" in b for s in raw_segments for b in s["blocks"]):
             legacy = "2.0"
-        traces = data.get("device_traces", [])
-        if traces is None:
-            traces = []
-        check_list(traces, "device_traces", "a list with one list of events per device")
-        if len(traces) > MAX_DEVICE + 1:
-            raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
-        for d, t in enumerate(traces):
-            check_list(t, f"device_traces[{d}]", "a list of events")
-        _check_record_budget(path, source, "trace entries", sum(map(len, traces)))
-        if len(set(map(id, traces))) != len(traces):
-            raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
+        traces = _checked_traces(path, source, data, decoded)
         try:
             settings = normalise_settings(data.get("allocator_settings"))
         except FieldError as exc:
@@ -545,15 +628,19 @@ def normalise(obj: Any, source: SourceInfo) -> Snapshot:
                     raise exc.under(f"external_annotations[{k}]") from None
     except FieldError as exc:
         raise SnapshotFormatError(path, str(exc)) from None
-    return Snapshot(
+    snap = Snapshot(
         source=source,
         segments=segments,
         device_traces=traces,
         allocator_settings=settings,
         external_annotations=annotations,
-        format_hints=_format_hints(data, traces),
+        format_hints=_format_hints(data, traces, decoded),
         legacy=legacy,
+        decoded_traces=decoded,
     )
+    if decoded is not None:
+        del snap.device_traces  # read again from the file if asked for (Snapshot.__getattr__)
+    return snap
 
 
 def _has_blocks(s: Any) -> bool:
@@ -567,7 +654,7 @@ def load_snapshot(path: str | Path, progress: ProgressSink | None = None) -> Sna
     readable snapshot, including pickles that reference Python globals.
     """
     p = Path(path)
-    obj, source = _read_object(p, progress or NullProgress())
-    snap = normalise(obj, source)
+    obj, source, traces = _read_object(p, progress or NullProgress())
+    snap = normalise(obj, source, traces)
     snap.capture = load_sidecar(p)
     return snap

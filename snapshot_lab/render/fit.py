@@ -4,6 +4,7 @@ breakdown of the step and what each lever assumes."""
 from __future__ import annotations
 
 from ..metrics.fit import FitResult, LeverOutcome
+from ..metrics.fit import workload as wl
 from ..metrics.fit.result import HEADLINE_LEVERS
 from ..units import format_bytes
 from .text import table
@@ -21,6 +22,15 @@ LEVER_PHRASES = {
 }
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
 HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
+# a forward+backward with no optimizer step in the trace, and inference (fit/workload.py's kinds)
+HEADLINE_NO_OPTIMIZER = (
+    "A forward and backward {what} need about {peak}: parameters {p}, gradients {g}, no optimizer state, "
+    "activations ≈ {a}."
+)
+HEADLINE_INFERENCE = (
+    "The recorded forwards {what} need about {peak}: parameters {p}; inputs, activations and KV cache ≈ {a} "
+    "(inference: no gradients, no optimizer state)."
+)
 NO_LIMIT = (
     "No memory limit is known: give one (--memory-limit SIZE, or memory_limit= in Python) for the largest batch "
     "that fits."
@@ -65,7 +75,12 @@ def headline(r: FitResult) -> str:
     levers = [flag for flag in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if flag[1]]
     if levers:
         what += " with " + " and ".join(lever_name for lever_name, _ in levers)
-    first = HEADLINE.format(
+    template = HEADLINE
+    if r.workload == wl.FORWARD_ONLY:
+        template = HEADLINE_INFERENCE
+    elif r.optimizer == wl.NO_OPTIMIZER:
+        template = HEADLINE_NO_OPTIMIZER
+    first = template.format(
         what=what,
         peak=format_bytes(r.peak_allocated_bytes, 1),
         p=_gib(breakdown["parameters_bytes"]),
@@ -135,7 +150,8 @@ def format_fit(r: FitResult, name: str = "") -> str:
         out += [EXTRAPOLATED, ""]
     at_batch = f"batch {_batch_words(r, r.batch)}" if r.batch is not None else f"{r.batch_scale:g}x the recorded batch"
     largest = "largest batch" + ("" if r.recorded_batch else " (x recorded)")
-    out.append(f"Levers, from {name or 'the snapshot'} (device {r.device}): the whole step at {at_batch}")
+    job = "the recorded forwards" if r.workload == wl.FORWARD_ONLY else "the whole step"
+    out.append(f"Levers, from {name or 'the snapshot'} (device {r.device}): {job} at {at_batch}")
     out.append(
         table(["lever", "peak allocated", "peak reserved", "fits", largest], [_row(r, outcome) for outcome in r.levers])
     )
@@ -155,7 +171,7 @@ def format_fit(r: FitResult, name: str = "") -> str:
                 micro=_batch_words(r, acc["micro_batch"]), steps=acc["accumulation_steps"], what=at_batch
             )
         )
-    out += ["", "The step (bytes):"]
+    out += ["", "The recorded forwards (bytes):" if r.workload == wl.FORWARD_ONLY else "The step (bytes):"]
     out += [
         f"  {key.removesuffix('_bytes').replace('_', ' ')}: {format_bytes(nbytes)}"
         for key, nbytes in r.breakdown.items()

@@ -10,11 +10,11 @@ reproduce (a value out of its range, a state the Python model handles in its own
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from ... import _compiled as compiled_parts
 from .model import UNLIMITED, AllocatorSettings, ReplayStats
 from .state import StartState
 
@@ -28,7 +28,7 @@ ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
 ALLOC_KEEP, RECORD_ADDRESS, OOM_PROBE, NOP = 4, 5, 6, 7
 RELEASE_UNLESS_SERVED, ALLOC_IF_ABSENT = 8, 9
 
-ENV_PURE_PYTHON = "SNAPLAB_PURE_PYTHON"
+ENV_PURE_PYTHON = compiled_parts.PURE_PYTHON_VARIABLE  # SNAPLAB_PURE_PYTHON, as for the other compiled parts
 
 
 # raised by the compiled engine when it cannot replay a stream exactly (the Python model will)
@@ -56,7 +56,7 @@ def available() -> bool:
 def enabled() -> bool:
     """Whether replays use the compiled engine: built, and not switched off with
     ``SNAPLAB_PURE_PYTHON=1``."""
-    return _compiled is not None and os.environ.get(ENV_PURE_PYTHON, "") not in ("1", "true", "True", "yes")
+    return _compiled is not None and not compiled_parts.pure_python_forced()
 
 
 def backend() -> str:

@@ -11,7 +11,7 @@ the forward and backward made does, except tensors the size of a parameter made 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -19,7 +19,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ..categories import CATEGORIES, CODES
 from ..categories.stacks import cache_stacks
-from ..plan.structure import TrainingStructure, tandem_repeat
+from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
 
@@ -197,7 +197,9 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, 
     free_pos = a["free_pos"].to_numpy()
     end = np.where(free_pos >= 0, free_pos.astype(np.float64), NEVER)
     codes = autocast_codes(frames)
-    fp32 = np.array([codes.get(int(x), AUTOCAST_FOLLOWS) for x in a["sid"].to_numpy()], dtype=np.int8)
+    distinct, inverse = np.unique(a["sid"].to_numpy(), return_inverse=True)
+    per_stack = np.array([codes.get(stack_id, AUTOCAST_FOLLOWS) for stack_id in distinct.tolist()], dtype=np.int8)
+    fp32 = per_stack[inverse.reshape(-1)]
     tape = make_tape(
         a["pos"].to_numpy(dtype=np.float64),
         end,
@@ -234,40 +236,114 @@ def block_spans(
     pass is on the recorded trace: a block's backward from the first of its saved tensors freed
     to the last."""
     a = s.allocs
-    pos, free_pos, sid = a["pos"].to_numpy(), a["free_pos"].to_numpy(), a["sid"].to_numpy()
-    main, module = a["main"].to_numpy(), a["module"].to_numpy()
+    pos, free_pos = a["pos"].to_numpy(), a["free_pos"].to_numpy()
+    main = a["main"].to_numpy()
     uid = np.full(len(a), -1, dtype=np.int64)
+    found = _forward_blocks(frames, s)
+    first_pos, last_pos = pos[found.first], pos[found.last]
+    # a block's allocations on the program's thread: from its first forward allocation to its last
+    rows, owner = index_ranges(np.searchsorted(pos, first_pos, "left"), np.searchsorted(pos, last_pos, "right"))
+    rows, owner = rows[main[rows]], owner[main[rows]]
+    block_uid = found.pass_index * BLOCK_UID_STRIDE + found.index
+    uid[rows] = block_uid[owner]
+    backward_start = np.array([one_pass.backward_start for one_pass in s.passes], dtype=np.int64)
+    backward_end = np.array([one_pass.backward_end for one_pass in s.passes], dtype=np.int64)
+    saved = free_pos[rows] >= backward_start[found.pass_index][owner]
+    first_free, last_free = _segment_bounds(free_pos[rows][saved], owner[saved], first_pos.size)
+    some = np.bincount(owner[saved], minlength=first_pos.size) > 0
+    start = np.where(some, first_free - 0.5, backward_start[found.pass_index].astype(np.float64))
+    end = np.where(some, last_free, backward_end[found.pass_index].astype(np.float64))
+    # a block's backward begins once the next block's is over: before the gradients its own
+    # backward makes, not at the first saved tensor it frees
+    follows = (block_uid[1:] == block_uid[:-1] + 1) & (end[1:] + 0.25 < start[:-1])
+    start[:-1][follows] = end[1:][follows] + 0.25
     p_size = s.params["size"].to_numpy()
-    blocks: list[BlockSpan] = []
-    passes: list[PassSpan] = []
-    for p in s.passes:
-        fwd = np.flatnonzero((pos >= p.forward_start) & (pos < p.backward_start) & main & module)
-        found = block_instances(frames, fwd, sid[fwd])
-        mapped = _param_blocks(s, len(found))
-        passes.append(
-            PassSpan(p.forward_start, p.backward_start, p.backward_end, int(p_size[castable & (mapped < 0)].sum()))
+    matrices = {count: _matrix_bytes(s, count, p_size, castable) for count in set(found.counts.tolist())}
+    blocks = tuple(
+        BlockSpan(*fields)
+        for fields in zip(
+            block_uid.tolist(),
+            found.index.tolist(),
+            first_pos.astype(np.float64).tolist(),
+            last_pos.astype(np.float64).tolist(),
+            start.tolist(),
+            end.tolist(),
+            [
+                matrices[count][index]
+                for count, index in zip(found.count_of.tolist(), found.index.tolist(), strict=True)
+            ],
+            strict=True,
         )
-        for j, rows in enumerate(found):
-            lo, hi = int(pos[rows[0]]), int(pos[rows[-1]])
-            mine = np.flatnonzero((pos >= lo) & (pos <= hi) & main)
-            uid[mine] = p.index * BLOCK_UID_STRIDE + j
-            saved = free_pos[mine][free_pos[mine] >= p.backward_start]
-            b0 = float(saved.min()) - 0.5 if saved.size else float(p.backward_start)
-            b1 = float(saved.max()) if saved.size else float(p.backward_end)
-            matrices = int(p_size[castable & (mapped == j)].sum())
-            blocks.append(BlockSpan(int(uid[mine[0]]), j, float(lo), float(hi), b0, b1, matrices))
-    return uid, _backward_starts(blocks), tuple(passes)
+    )
+    passes = tuple(
+        PassSpan(one_pass.forward_start, one_pass.backward_start, one_pass.backward_end, matrices[count][-1])
+        for one_pass, count in zip(s.passes, found.counts.tolist(), strict=True)
+    )
+    return uid, blocks, passes
 
 
-def _backward_starts(blocks: list[BlockSpan]) -> tuple[BlockSpan, ...]:
-    """A block's backward begins once the next block's is over: before the gradients its own
-    backward makes, not at the first saved tensor it frees."""
-    out = list(blocks)
-    for k in range(len(out) - 1):
-        this, nxt = out[k], out[k + 1]
-        if nxt.uid == this.uid + 1 and nxt.backward_end + 0.25 < this.backward_start:
-            out[k] = replace(this, backward_start=nxt.backward_end + 0.25)
-    return tuple(out)
+@dataclass(frozen=True)
+class _FoundBlocks:
+    """The block instances :func:`~.blocks.block_instances` finds in every pass's forward, in
+    pass order: per instance its pass, its index in the pass, its first and last row and how
+    many its pass has; per pass how many it has."""
+
+    pass_index: np.ndarray
+    index: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    count_of: np.ndarray
+    counts: np.ndarray
+
+
+def _forward_blocks(frames: SnapshotFrames, s: TrainingStructure) -> _FoundBlocks:
+    allocs = s.allocs
+    pos, sid = allocs["pos"].to_numpy(), allocs["sid"].to_numpy()
+    forward = np.flatnonzero(allocs["main"].to_numpy() & allocs["module"].to_numpy())
+    low = np.searchsorted(pos[forward], [one_pass.forward_start for one_pass in s.passes], "left").tolist()
+    high = np.searchsorted(pos[forward], [one_pass.backward_start for one_pass in s.passes], "left").tolist()
+    # a training loop repeats the same forward: each distinct one is cut into blocks once
+    cuts: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    firsts, lasts = [], []
+    for start, stop in zip(low, high, strict=True):
+        rows = forward[start:stop]
+        stack_ids = sid[rows]
+        key = stack_ids.tobytes()
+        if key not in cuts:
+            instances = block_instances(frames, np.arange(rows.size), stack_ids)
+            cuts[key] = (
+                np.array([members[0] for members in instances], dtype=np.int64),
+                np.array([members[-1] for members in instances], dtype=np.int64),
+            )
+        firsts.append(rows[cuts[key][0]])
+        lasts.append(rows[cuts[key][1]])
+    counts = np.array([first.size for first in firsts], dtype=np.int64)
+    pass_index = np.repeat(np.arange(counts.size), counts)
+    empty = np.zeros(0, dtype=np.int64)
+    return _FoundBlocks(
+        pass_index=pass_index,
+        index=np.arange(pass_index.size) - (np.cumsum(counts) - counts)[pass_index],
+        first=np.concatenate([empty, *firsts]),
+        last=np.concatenate([empty, *lasts]),
+        count_of=counts[pass_index],
+        counts=counts,
+    )
+
+
+def _segment_bounds(values: np.ndarray, owner: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment the smallest and the largest of its ``values``, as floats (infinite: none)."""
+    smallest, largest = np.full(count, np.inf), np.full(count, -np.inf)
+    np.minimum.at(smallest, owner, values.astype(np.float64))
+    np.maximum.at(largest, owner, values.astype(np.float64))
+    return smallest, largest
+
+
+def _matrix_bytes(s: TrainingStructure, n_blocks: int, p_size: np.ndarray, castable: np.ndarray) -> list[int]:
+    """With ``n_blocks`` blocks in the forward: per block the bytes of its parameters autocast
+    would copy, then those of the parameters outside the blocks."""
+    mapped = _param_blocks(s, n_blocks)
+    inside = [int(p_size[castable & (mapped == j)].sum()) for j in range(n_blocks)]
+    return [*inside, int(p_size[castable & (mapped < 0)].sum())]
 
 
 def _param_blocks(s: TrainingStructure, n_blocks: int) -> np.ndarray:

@@ -6,17 +6,21 @@ failure. The rest is extrapolated from it:
 
 - the forward's remaining blocks: as many as the parameters repeat (the model's layers, counted
   from the repeat in the parameters' sizes and stacks), each a copy of the last whole block the
-  forward completed;
+  forward completed, its tail included (what it makes after its last submodule, up to the next
+  block: the residual add, the block's output);
 - the layers after the blocks, when the forward did not reach them: a final norm and a linear
   head the size of the parameter matrix after the blocks (or, without one, of the embedding:
   weights tied), their output kept by the program (the logits) and a log-softmax of it saved by
   the loss;
-- the backward: in reverse, every tensor a part saved is freed after a gradient of its size has
-  been made, while the next gradient is made (two gradients of activations alive at a time),
-  and each part's parameter gradients (P in all) are made when its backward runs;
+- the backward: in reverse, a gradient the size of every tensor a part made (two alive at a time,
+  a third being made); a saved tensor is freed once its gradient is made (what an operation
+  saved of its input), or once the gradient after it is made (what a result-saving functional
+  made: a softmax, the loss's log-softmax); a block's output goes before the block's backward
+  (the next block, which saved it, is done); each part's parameter gradients (P in all) are made
+  when its backward runs;
 - the optimizer: its state (from the optimizer named in the stacks, else the one assumed) is
-  alive from the start, as in every step after the first, and its step's temporaries are made
-  after the backward.
+  made by the first step, per parameter as torch makes it (tensors its size: AdamW's two), and
+  kept; every step's temporaries are made after the backward.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .evidence import (
     autocast_codes,
     cast_param_stacks,
     kv_cache_stacks,
+    stack_innermost,
 )
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -55,8 +60,11 @@ class FitUnsupportedStep(ValueError):
     """The trace shows too little of the step to extrapolate it."""
 
 
+# functionals whose backward needs their result, which they save: what they make is freed after the
+# gradient of their input (the others' outputs are saved by the operation they feed, as its input)
+RESULT_SAVING_OPS = ("relu", "relu_", "threshold", "softmax", "log_softmax", "sigmoid", "tanh", "hardtanh", "elu")
 PASSES = 2  # the first step makes the optimizer state; the second runs with it
-GRADIENTS_ALIVE = 3  # an operation's output gradient, its input's, and one temporary of its backward
+GRADIENTS_ALIVE = 3  # a synthesized convnet block's: its output gradient, its input's, one temporary
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
     "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
@@ -122,6 +130,7 @@ class PartialForward:
     layers: int  # blocks the model has
     params: np.ndarray  # parameter rows, in order
     param_block: np.ndarray  # per parameter: its block (-1: outside)
+    tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
 
 
 def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
@@ -150,10 +159,15 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
     spans = [(int(pos[r[0]]), int(pos[r[-1]])) for r in found]
     blocks = [fwd[(pos[fwd] >= lo) & (pos[fwd] <= hi) & main[fwd]] for lo, hi in spans]
+    # what a block makes in its own forward after its last submodule (ViT's and GPT-2's
+    # residual add: the block's output, which the next block saves), up to the next block
+    nexts = [lo for lo, _ in spans[1:]]
+    tails = [fwd[(pos[fwd] > hi) & (pos[fwd] < nxt) & main[fwd]] for (_, hi), nxt in zip(spans, nexts, strict=False)]
     after = fwd[pos[fwd] > spans[-1][1]]
     # the forward ran past the blocks when something outside them followed the last one
     past = bool(np.isin(after, mod_rows).any())
     whole = tuple(blocks if past else blocks[:-1])
+    tails.append(np.zeros(0, dtype=np.int64))  # the last block's: in what follows it (after)
     pre = fwd[pos[fwd] < spans[0][0]]
     return PartialForward(
         f0,
@@ -164,6 +178,7 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         max(p_count, len(blocks)),
         params,
         param_block,
+        tuple(tails[: len(whole)]),
     )
 
 
@@ -178,6 +193,13 @@ class Extrapolated:
 class _Step:
     """Synthesize the step on a fresh time line."""
 
+    # a node makes its input's gradient while its output's is alive (and the residual stream's waits)
+    gradients_alive = 2
+    # a saved tensor goes with its gradient: its consumer saved it as an input (a linear layer's, a
+    # GELU's), and frees it once it has made its gradient; a result-saving functional's output
+    # (RESULT_SAVING_OPS, the loss's log-softmax) goes after the gradient after its own
+    frees_inputs_first = True
+
     def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
         self.s, self.pf, self.b = s, pf, _Builder()
         a = s.allocs
@@ -185,6 +207,7 @@ class _Step:
         self.sid = a["sid"].to_numpy()
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
+        self.sorted_pos = np.sort(self.pos)
         self.autocast = autocast_codes(frames)
         self.kv_cache = kv_cache_stacks(frames)
         castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
@@ -201,6 +224,9 @@ class _Step:
         self.tied_head = 0.0
         self.transients: dict[tuple[str, int], list[int]] = {}  # what each part's forward made and freed
         self.one_off = self.workspace_rows()
+        inner = stack_innermost(frames)
+        self.result_sids = set(inner.index[inner["name"].isin(RESULT_SAVING_OPS)].tolist())
+        self.result_saved: set[int] = set()  # builder rows an operation saved as its result
 
     def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
         """Recorded forward rows placed from now on: those freed in the trace keep their
@@ -226,8 +252,20 @@ class _Step:
             else:
                 cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
                 kept.append(b.add(start, NEVER, 0.0, self.size[r], cat, "forward", block, fp32))
-        b.now = t0 + float(self.pos[rows].max() - base) + 1
+                if int(self.sid[r]) in self.result_sids:
+                    self.result_saved.add(kept[-1])
+        b.now = t0 + float(self.closing(rows) - base) + 1
         return kept
+
+    def closing(self, rows: np.ndarray) -> int:
+        """Where these rows' part ends on the trace: its last allocation, or the last free of one of
+        its temporaries before the next allocation (a block's last temporary, freed by its residual
+        add, belongs to the block)."""
+        last = int(self.pos[rows].max())
+        later = self.sorted_pos[np.searchsorted(self.sorted_pos, last, "right") :]
+        following = int(later[0]) if later.size else np.iinfo(np.int64).max
+        freed = self.free_pos[rows]
+        return max(last, int(freed[(freed > last) & (freed < following)].max(initial=last)))
 
     # ------------------------------------------------------------------ forward
 
@@ -269,16 +307,31 @@ class _Step:
         self.transients = {k: v for k, v in self.transients.items() if k[0] == "block"}  # this pass's own
         self.saved.append(("pre", -1, self.copy_rows(pf.pre, "pre", -1)))
         workspace = self.workspace_rows()
-        template = pf.blocks[-1] if pf.blocks else np.zeros(0, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        template = pf.blocks[-1] if pf.blocks else none
         if len(pf.blocks) == 1:  # the first block's one-off allocations (a workspace) are not repeated
             template = template[~self.lone_rows(template)]
+        template_tail = pf.tails[-1] if pf.tails else none
         for j in range(pf.layers if pf.blocks else 0):
-            rows = pf.blocks[j] if j < len(pf.blocks) else template
+            rows, tail = (pf.blocks[j], pf.tails[j]) if j < len(pf.blocks) else (template, template_tail)
             start = self.b.now + 1
             uid = self.pass_index * BLOCK_UID_STRIDE + j
             first_pass = workspace if self.pass_index == 0 else None
-            self.saved.append(("block", j, self.copy_rows(rows, "block", uid, first_pass)))
-            self.spans.append([start, self.b.now, 0.0, 0.0])
+            made = len(self.b.rows)
+            kept = self.copy_rows(np.concatenate([rows, tail]), "block", uid, first_pass)
+            # the tail (the block's output) is saved by what follows: freed by its backward
+            tail_start = start + float(self.pos[tail[0]] - self.pos[rows[0]]) if tail.size and rows.size else NEVER
+            forward_end = self.b.now
+            if tail_start < NEVER:
+                # outside the block, as in a recorded step (the block's forward ends at its last
+                # submodule): checkpointing frees what the block saved before its output is made
+                forward_end = start + float(self.pos[rows[-1]] - self.pos[rows[0]]) + 0.25
+                for k in range(made, len(self.b.rows)):
+                    if self.b.rows[k][0] >= tail_start:
+                        self.b.rows[k] = (*self.b.rows[k][:6], -1, self.b.rows[k][7])
+            self.spans.append([start, forward_end, 0.0, 0.0])
+            self.saved.append(("block", j, [k for k in kept if self.b.rows[k][0] < tail_start]))
+            self.saved.append(("tail", j, [k for k in kept if self.b.rows[k][0] >= tail_start]))
         if len(pf.blocks) < pf.layers:
             self.notes.append(
                 f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
@@ -306,10 +359,10 @@ class _Step:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
         pb = self.pf.param_block
         inside = np.flatnonzero(pb >= 0)
-        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > inside.max(initial=pb.size)))
+        after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > (inside.max() if inside.size else pb.size)))
         mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
-        if mats.size:
-            return float(mats.sum()), False
+        if mats.size:  # the last (a position embedding may come before it)
+            return float(mats[-1]), False
         return float(self.p_size.max(initial=0)), True
 
     def head(self) -> None:
@@ -317,7 +370,7 @@ class _Step:
         pf, b = self.pf, self.b
         if not pf.blocks:
             return
-        last_block = self.saved[-1][2]
+        last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
         stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
         width = self.model_width()
         matrix, tied = self.head_matrix()
@@ -327,6 +380,7 @@ class _Step:
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
         self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
         kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
+        self.result_saved.add(kept[-1])
         b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
         self.saved.append(("post", -1, kept))
@@ -355,12 +409,19 @@ class _Step:
             uid = self.pass_index * BLOCK_UID_STRIDE + j if part == "block" else -1
             for r in sorted([*rows, *self.transients.get((part, uid), [])], key=lambda k: -b.rows[k][0]):
                 row = b.rows[r]
-                alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, row[7]))
-                while len(alive) > GRADIENTS_ALIVE:
+                # no stack says what made a gradient: bf16 treats it as it treats a recorded backward's
+                alive.append(b.add(b.tick(), NEVER, row[2], row[3], "activation", "backward", -1, AUTOCAST_FOLLOWS))
+                while len(alive) > self.gradients_alive:
                     b.set_end(alive.pop(0), b.tick())
                 if pending >= 0:  # a saved tensor goes once the gradient after its own is made
                     b.set_end(pending, b.tick())
                 pending = r if r in saved else -1
+                if self.frees_inputs_first and pending >= 0 and r not in self.result_saved:
+                    b.set_end(pending, b.tick())  # saved as its consumer's input: goes with its gradient
+                    pending = -1
+            if part == "tail" and pending >= 0:  # the next block's input goes before that block's backward
+                b.set_end(pending, b.tick())
+                pending = -1
             if part == "block" and j in spans:
                 spans[j][3] = b.now
         if pending >= 0:
@@ -377,6 +438,8 @@ class _Step:
         idx = np.arange(self.pf.param_block.size)
         inside = np.flatnonzero(self.pf.param_block >= 0)
         first, last = (int(inside.min()), int(inside.max())) if inside.size else (idx.size, idx.size)
+        if part == "tail":  # a block's own arithmetic: no parameters
+            return np.zeros(idx.size, dtype=bool)
         if part == "pre":
             return (self.pf.param_block < 0) & (idx < first)
         return (self.pf.param_block < 0) & (idx > last) if inside.size else np.zeros(idx.size, dtype=bool)
@@ -385,9 +448,13 @@ class _Step:
         """The optimizer step (its state made by the first), then zero_grad."""
         b = self.b
         t = b.tick()
-        if self.pass_index == 0 and state_ratio > 0:
+        # per parameter, tensors its size (AdamW's exp_avg and exp_avg_sq), then what is left of the ratio
+        whole, fraction = divmod(state_ratio, 1.0)
+        shares = [1.0] * int(whole) + ([fraction] if fraction > 0 else [])
+        if self.pass_index == 0:
             for n in self.p_size.tolist():
-                b.add(b.tick(), NEVER, n * state_ratio, 0.0, "optimizer_state", "step")
+                for share in shares:
+                    b.add(b.tick(), NEVER, n * share, 0.0, "optimizer_state", "step")
         if temporary_ratio > 0:
             t = b.tick()
             for n in self.p_size.tolist():
@@ -417,6 +484,13 @@ class _Step:
 class _ConvStep(_Step):
     """A convolutional network that ran out of memory inside its first block: its blocks are
     synthesized from the parameters (:mod:`.convnet`)."""
+
+    # its rows stand for more than one tensor each (a convolution's output is also the batch norm's
+    # input; the batch norm's, the in-place ReLU's result): every saved one goes after the gradient
+    # after its own, three gradients alive (ResNet-50: with the traced blocks' order its backward is
+    # lighter than the recorded one, and its checkpointing answers 170 and 331 where 162 and 299 ran)
+    gradients_alive = GRADIENTS_ALIVE
+    frees_inputs_first = False
 
     def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
         super().__init__(frames, s, pf)

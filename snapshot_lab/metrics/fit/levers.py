@@ -130,9 +130,12 @@ def _float32_gradients(tape: Tape, cast_inputs: np.ndarray) -> np.ndarray:
 
 def _matmul_inputs(tape: Tape) -> np.ndarray:
     """Float32 tensors of the forward made just before a matrix multiply's output: that layer's
-    input, which autocast casts, so the layer saves a bfloat16 copy and the float32 one goes."""
+    input, which autocast casts, so the layer saves a bfloat16 copy and the float32 one goes.
+    Tensors a sixty-fourth of the forward's largest or less do not count (a layer norm's mean
+    and deviation, made after its output, before the next layer's)."""
     fwd = np.flatnonzero(tape.phase == "forward")
     fwd = fwd[np.argsort(tape.start[fwd], kind="stable")]
+    fwd = fwd[tape.per_batch[fwd] * 64 > tape.per_batch[fwd].max(initial=0)]
     code = tape.autocast[fwd]
     before = np.zeros(len(tape), dtype=bool)
     feeds = (code[:-1] == AUTOCAST_FP32) & (code[1:] == AUTOCAST_MATMUL)

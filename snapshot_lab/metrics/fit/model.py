@@ -8,6 +8,7 @@ import numpy as np
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..plan.structure import TrainingStructure, training_structure
+from . import workload as wl
 from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
@@ -50,13 +51,22 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
         raise FitUnsupported("the trace has no stacks: record with stacks='python' (or snaplab run)")
     name, source = _optimizer(frames, optimizer)
     params, castable = param_facts(frames, s)
-    complete = bool(s.passes) and bool(s.steps)
+    work = wl.workload(frames, s)  # what the trace recorded: a step, forward+backward, inference, an OOM...
+    if work.refusal:
+        raise FitUnsupported(work.refusal)
+    if work.kind == wl.FORWARD_ONLY:
+        return wl.forward_only_evidence(frames, s, work, params, optimizer)
+    name, source = wl.step_optimizer(work, name, source, optimizer)
+    complete = work.kind in (wl.TRAINING_STEP, wl.FORWARD_BACKWARD)
     if complete:
         uid, blocks, passes = block_spans(frames, s, castable)
-        tape = recorded_tape(frames, s, True, uid)
+        ratio = OPTIMIZER_STATE_RATIO.get(name, 0.0)
+        tape = wl.with_given_optimizer(recorded_tape(frames, s, True, uid), work, s, name, ratio)
         state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
         n_blocks = len(blocks) // max(len(passes), 1)
-        notes = [f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"]
+        notes = list(wl.step_notes(work, n_blocks, name, optimizer, ratio)) or [
+            f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"
+        ]
         return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
     ex = _extrapolated(frames, s, name)
     if ex is None:
@@ -72,7 +82,7 @@ def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
     kept = ~np.isfinite(tape.end)
     by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
     by["parameter"] = max(by["parameter"], ev.parameter_bytes)
-    by["gradient"] = ev.parameter_bytes
+    by["gradient"] = ev.parameter_bytes if ev.passes else 0  # no passes: forwards only, no gradients
     for p in ev.passes[:1]:
         made = (tape.category == "gradient") & (tape.start >= p.forward_start) & (tape.start <= p.backward_end)
         by["gradient"] = int(tape.fixed[made].sum()) or ev.parameter_bytes

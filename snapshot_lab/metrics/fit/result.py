@@ -10,7 +10,9 @@ from ...frames import SnapshotFrames
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..allocator.whatif import quick_grid, settings_label
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
+from ..plan.structure import training_structure
 from . import levers as lv
+from . import workload as wl
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
@@ -92,6 +94,7 @@ class FitResult:
     # planned at the recorded batch by snaplab plan under the memory limit, least change first
     parallel_strategies: tuple[StrategyOutcome, ...] = field(default=())
     parallel_refused: dict[str, str] = field(default_factory=dict)  # label ("all": every one) -> why
+    workload: str = ""  # what the trace recorded (workload.KINDS): a training step, forward passes only...
 
     @property
     def batch(self) -> float | None:
@@ -149,6 +152,7 @@ class FitResult:
             "parallel_strategies_refused": self.parallel_refused,
             "ways_to_fit": self.ways_to_fit,
             "notes": list(self.notes),
+            "workload": self.workload,
         }
 
 
@@ -172,6 +176,8 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
 def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
     tape = ev.tape
     if checkpointing:
+        if wl.is_forward_only(ev):
+            raise FitUnsupported(wl.NO_CHECKPOINTING)
         if not ev.blocks:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
         tape = lv.checkpoint(tape, ev.blocks)
@@ -263,7 +269,7 @@ def compute_fit(
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     search = _Search(settings, limit, batch_scale, recorded_batch)
     outcomes = [
-        search.outcome(name, ASSUMPTIONS[name], build())
+        search.outcome(name, wl.assumption(ev, name, ASSUMPTIONS[name]), build())
         for name, build in lever_tapes(ev).items()
         if levers is None or name in levers
     ]
@@ -297,4 +303,5 @@ def compute_fit(
         notes=tuple(notes),
         parallel_strategies=planned,
         parallel_refused=refused,
+        workload=wl.workload(frames, training_structure(frames, dev)).kind,
     )

@@ -25,8 +25,9 @@ on an MLP stack (``tests/test_plan.py``).
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, replace
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -219,6 +220,13 @@ def tandem_repeat(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------- passes
 
 
+def _per_stack(stack_ids: np.ndarray, value_of: Callable[[int], bool]) -> np.ndarray:
+    """``value_of(stack_id)`` for every element of ``stack_ids``, called once per distinct stack."""
+    distinct, inverse = np.unique(stack_ids, return_inverse=True)
+    values = np.array([value_of(int(stack_id)) for stack_id in distinct.tolist()], dtype=bool)
+    return values[inverse.reshape(-1)] if distinct.size else np.zeros(stack_ids.size, dtype=bool)
+
+
 def _threads(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
     return thread_codes(sid, stack_threads(frames))
 
@@ -233,32 +241,46 @@ class _Scan:
     optim: np.ndarray  # optimizer step
 
 
+# the kinds of allocation that start, turn and end a pass (0: any other)
+_FORWARD, _AUTOGRAD, _STEP = 1, 2, 3
+
+
 def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
     """(forward_start, backward_start, backward_end) positions of every pass whose backward
-    was recorded."""
-    out: list[tuple[int, int, int]] = []
-    fwd = -1
-    bwd = -1
-    last_grad = -1
-    for i in range(scan.pos.size):
-        position = int(scan.pos[i])
-        if scan.main[i] and scan.module[i]:
-            if bwd >= 0:
-                # a new forward after a backward: the pass before is complete
-                out.append((fwd, bwd, last_grad))
-                fwd, bwd = position, -1
-            elif fwd < 0:
-                fwd = position
-        elif scan.grad_thread[i] and fwd >= 0:
-            if bwd < 0:
-                bwd = position
-            last_grad = position
-        elif scan.optim[i] and bwd >= 0:
-            out.append((fwd, bwd, last_grad))
-            fwd, bwd = -1, -1
-    if fwd >= 0 and bwd >= 0:
-        out.append((fwd, bwd, last_grad))
-    return out
+    was recorded.
+
+    The allocations that matter are forward ones (inside a module, on the program's thread),
+    autograd's and the optimizer's; of a run of one kind only its first (and, of autograd's, its
+    last) counts. A pass starts at the first run of forward allocations, or at the next one that
+    comes after a run of autograd's; its backward is the first run of autograd's after that, and
+    it ends where that run does (a forward or an optimizer step follows)."""
+    forward = scan.main & scan.module
+    grad = scan.grad_thread & ~forward
+    step = scan.optim & ~forward & ~grad
+    kind = np.where(forward, _FORWARD, np.where(grad, _AUTOGRAD, np.where(step, _STEP, 0)))
+    rows = np.flatnonzero(kind)
+    kinds = kind[rows]
+    run_first = np.flatnonzero(np.r_[True, kinds[1:] != kinds[:-1]]) if rows.size else rows
+    run_last = np.r_[run_first[1:], kinds.size] - 1
+    run_kind = kinds[run_first]
+    forward_runs = np.flatnonzero(run_kind == _FORWARD)
+    grad_runs = np.flatnonzero(run_kind == _AUTOGRAD)
+    if not forward_runs.size:
+        return []
+    grads_so_far = np.cumsum(run_kind == _AUTOGRAD)[forward_runs]
+    starting = forward_runs[np.r_[True, grads_so_far[1:] > grads_so_far[:-1]]]
+    following = np.searchsorted(grad_runs, starting)
+    found = following < grad_runs.size
+    starting, backward_runs = starting[found], grad_runs[following[found]]
+    first_pos, last_pos = scan.pos[rows[run_first]], scan.pos[rows[run_last]]
+    return list(
+        zip(
+            first_pos[starting].tolist(),
+            first_pos[backward_runs].tolist(),
+            last_pos[backward_runs].tolist(),
+            strict=True,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- the structure
@@ -336,7 +358,7 @@ def _scan(
     positions = np.searchsorted(base_index, lifetimes["event_index"].to_numpy())
     stack_ids = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     thread = _threads(frames, stack_ids)
-    module = np.array([info.in_module(int(stack_id)) for stack_id in stack_ids], dtype=bool)
+    module = _per_stack(stack_ids, info.in_module)
     main = thread == THREAD_CODES["main"]
     grad_thread = (thread == THREAD_CODES["autograd"]) | (thread == THREAD_CODES["none"])
     optim = codes == CODES["optimizer_state"]
@@ -352,7 +374,9 @@ def _optimizer_steps(scan: _Scan, raw: list[tuple[int, int, int]]) -> list[tuple
     forward_starts = np.array([forward for forward, _, _ in raw], dtype=np.int64)
     after = np.searchsorted(forward_starts, step_positions, side="left")
     cuts = np.flatnonzero(np.diff(after)) + 1
-    return [(int(chunk[0]), int(chunk[-1])) for chunk in np.split(step_positions, cuts)]
+    firsts = step_positions[np.r_[0, cuts]]
+    lasts = step_positions[np.r_[cuts - 1, step_positions.size - 1]]
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
 def _allocation_table(
@@ -406,7 +430,7 @@ def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
 
 def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
     """(position, requested bytes, stream) of the recorded OOMs."""
-    oom_positions = np.flatnonzero(events["action"].astype(str).to_numpy() == "oom")
+    oom_positions = np.flatnonzero((events["action"] == "oom").to_numpy(dtype=bool))
     return tuple(
         (
             int(position),
@@ -466,40 +490,41 @@ def _passes_and_blocks(
     notes: list[str],
 ) -> tuple[list[Pass], int, int, str]:
     sid = allocs["sid"].to_numpy()
-    forward_sets = _forward_sets(allocs, raw)
-    repeat = _block_repeat(sid, forward_sets, info)
-    passes: list[Pass] = []
-    counts = []
-    pass_spans = zip(raw, forward_sets, strict=True)
-    for pass_index, ((forward, backward, last_grad), forward_rows) in enumerate(pass_spans):
-        next_start = raw[pass_index + 1][0] if pass_index + 1 < len(raw) else n_positions
-        blocks = _pass_blocks(sid, forward_rows, pass_index, repeat, info)
-        counts.append(len(blocks))
-        one_pass = _make_pass(pass_index, allocs, forward, backward, last_grad, next_start, blocks)
-        passes.append(one_pass)
+    forwards = _Forwards.of(allocs, raw)
+    repeat = _block_repeat(sid, forwards.sets(), info)
+    blocks = _all_blocks(sid, forwards, repeat, info)
+    found = _pass_spans(allocs, _bounds(allocs, raw, n_positions, forwards), blocks)
+    counts = blocks.counts.tolist()
     n_blocks = max(set(counts), key=counts.count) if counts else 0
     if len(set(counts)) > 1:
         notes.append(NOTE_UNEVEN_BLOCKS.format(counts=sorted(set(counts)), n_blocks=n_blocks))
     site_frame = repeat.site_frame
     label = info.frame_label.get(site_frame, "") if site_frame >= 0 else ""
-    # data starts: after the previous pass's backward and step
-    fixed = [
-        replace(
-            training_pass,
-            data_start=passes[index - 1].backward_end if index else 0,
-            end=passes[index + 1].forward_start if index + 1 < len(passes) else n_positions,
-        )
-        for index, training_pass in enumerate(passes)
-    ]
-    _annotate(allocs, fixed)
-    return fixed, n_blocks, int(repeat.period if n_blocks else 0), label
+    passes = _passes(allocs["pos"].to_numpy(), found, blocks)
+    _annotate(allocs, found, blocks)
+    return passes, n_blocks, int(repeat.period if n_blocks else 0), label
 
 
-def _forward_sets(allocs: pd.DataFrame, raw: list[tuple[int, int, int]]) -> list[np.ndarray]:
-    """Per pass, the rows of its forward allocations on the program's thread inside modules."""
-    pos = allocs["pos"].to_numpy()
-    in_module = allocs["main"].to_numpy() & allocs["module"].to_numpy()
-    return [np.flatnonzero((pos >= forward) & (pos < backward) & in_module) for forward, backward, _ in raw]
+@dataclass(frozen=True)
+class _Forwards:
+    """Every pass's forward allocations on the program's thread inside modules: ``rows[low[k]:high[k]]``
+    for pass ``k`` (the trace's allocations are in event order, so positions grow with rows)."""
+
+    rows: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+    @classmethod
+    def of(cls, allocs: pd.DataFrame, raw: list[tuple[int, int, int]]) -> _Forwards:
+        pos = allocs["pos"].to_numpy()
+        rows = np.flatnonzero(allocs["main"].to_numpy() & allocs["module"].to_numpy())
+        spans = np.array(raw, dtype=np.int64).reshape(-1, 3)
+        low = np.searchsorted(pos[rows], spans[:, 0], "left")
+        high = np.searchsorted(pos[rows], spans[:, 1], "left")
+        return cls(rows, low, high)
+
+    def sets(self) -> list[np.ndarray]:
+        return [self.rows[low:high] for low, high in zip(self.low.tolist(), self.high.tolist(), strict=True)]
 
 
 def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackInfo) -> _BlockRepeat:
@@ -507,8 +532,14 @@ def _block_repeat(sid: np.ndarray, forward_sets: list[np.ndarray], info: StackIn
     pass makes one-off allocations, such as cuBLAS's workspace, inside its first block), and
     where the blocks are called from."""
     best = (0, 0, 0, -1)
+    # a training loop repeats the same forward: each distinct one is searched once
+    repeats: dict[bytes, tuple[int, int, int]] = {}
     for index, forward_rows in enumerate(forward_sets):
-        period, start, count = tandem_repeat(sid[forward_rows])
+        stack_ids = sid[forward_rows]
+        key = stack_ids.tobytes()
+        if key not in repeats:
+            repeats[key] = tandem_repeat(stack_ids)
+        period, start, count = repeats[key]
         covered, best_covered = count * period, best[0] * best[1]
         if covered > best_covered or (covered == best_covered and count >= best[0] and count >= 2):
             best = (count, period, start, index)
@@ -547,26 +578,6 @@ def _block_call_site(block_stack_ids: np.ndarray, info: StackInfo) -> tuple[int,
     return common
 
 
-def _pass_blocks(
-    sid: np.ndarray,
-    forward_rows: np.ndarray,
-    pass_index: int,
-    repeat: _BlockRepeat,
-    info: StackInfo,
-) -> list[np.ndarray]:
-    """The rows of each block's forward allocations in pass ``k``."""
-    if not repeat.signature.size:
-        return []
-    stack_ids = sid[forward_rows]
-    if repeat.site_depth >= 0:
-        region = _region(stack_ids, info, repeat.site_depth, repeat.site_frame)
-    elif pass_index == repeat.best_pass:
-        region = np.arange(repeat.start, repeat.start + repeat.count * repeat.period)
-    else:
-        region = np.zeros(0, dtype=np.int64)
-    return [forward_rows[block] for block in _split_blocks(stack_ids, region, repeat.signature)]
-
-
 def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
     if not paths:
         return ()
@@ -581,196 +592,380 @@ def _common_prefix(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _in_site(stack_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
+    """Per element of ``stack_ids``: made inside a module called from the blocks' call site."""
+
+    def called_there(stack_id: int) -> bool:
+        path = info.call_path.get(stack_id, ())
+        return len(path) > depth and path[depth] == frame
+
+    return _per_stack(stack_ids, called_there)
+
+
 def _region(stack_ids: np.ndarray, info: StackInfo, depth: int, frame: int) -> np.ndarray:
     """Indices of forward allocations made inside a module called from the blocks' call site."""
-    hit = [
-        len(info.call_path.get(int(stack_id), ())) > depth and info.call_path[int(stack_id)][depth] == frame
-        for stack_id in stack_ids
-    ]
-    return np.flatnonzero(np.array(hit, dtype=bool))
+    return np.flatnonzero(_in_site(stack_ids, info, depth, frame))
 
 
-def _split_blocks(
-    stack_ids: np.ndarray,
-    region: np.ndarray,
-    signature: np.ndarray,
-) -> list[np.ndarray]:
-    """Cut the region into block instances: one starts where the block's first stack follows
-    its last (or where the region starts)."""
-    if region.size == 0:
-        return []
-    first, last = int(signature[0]), int(signature[-1])
-    starts = [int(region[0])]
-    for start, stop in itertools.pairwise(region):
-        if int(stack_ids[stop]) == first and int(stack_ids[start]) == last:
-            starts.append(int(stop))
-    out = []
-    bounds = [*starts, int(region[-1]) + 1]
-    in_region = np.zeros(stack_ids.size, dtype=bool)
-    in_region[region] = True
-    for start, stop in itertools.pairwise(bounds):
-        idx = np.arange(start, stop)
-        out.append(idx[in_region[start:stop]])
+@dataclass(frozen=True)
+class _Blocks:
+    """Every block instance of every pass, in pass order: ``rows`` are the forward allocations
+    the blocks made (in order), ``block_of`` which block each is; per block its pass and its
+    first and last row; per pass how many blocks it has and the index of its first."""
+
+    rows: np.ndarray
+    block_of: np.ndarray
+    pass_of: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    counts: np.ndarray
+    first_block: np.ndarray
+
+    @property
+    def is_first(self) -> np.ndarray:
+        """Per block: the first of its pass."""
+        return np.arange(self.pass_of.size) == self.first_block[self.pass_of]
+
+
+def _all_blocks(sid: np.ndarray, forwards: _Forwards, repeat: _BlockRepeat, info: StackInfo) -> _Blocks:
+    """The block instances of every pass: the pass's region (its forward allocations made
+    inside a module called from the blocks' call site) cut where the block's first stack
+    follows its last (and where the region starts)."""
+    lengths = forwards.high - forwards.low
+    index, owner = index_ranges(forwards.low, forwards.high)
+    rows = forwards.rows[index]
+    if not repeat.signature.size:
+        region = np.zeros(rows.size, dtype=bool)
+    elif repeat.site_depth >= 0:
+        region = _in_site(sid[rows], info, repeat.site_depth, repeat.site_frame)
+    else:
+        local = np.arange(rows.size) - (np.cumsum(lengths) - lengths)[owner]
+        region = (owner == repeat.best_pass) & (local >= repeat.start)
+        region &= local < repeat.start + repeat.count * repeat.period
+    rows, owner = rows[region], owner[region]
+    stack_ids = sid[rows]
+    first_stack, last_stack = (int(repeat.signature[0]), int(repeat.signature[-1])) if rows.size else (0, 0)
+    starts = np.r_[True, owner[1:] != owner[:-1]] if rows.size else np.zeros(0, dtype=bool)
+    starts[1:] |= (stack_ids[1:] == first_stack) & (stack_ids[:-1] == last_stack)
+    first_index = np.flatnonzero(starts)
+    last_index = np.r_[first_index[1:], rows.size][: first_index.size] - 1
+    pass_of = owner[first_index]
+    counts = np.bincount(pass_of, minlength=lengths.size)
+    return _Blocks(
+        rows=rows,
+        block_of=np.cumsum(starts) - 1,
+        pass_of=pass_of,
+        first=rows[first_index],
+        last=rows[last_index],
+        counts=counts,
+        first_block=np.cumsum(counts) - counts,
+    )
+
+
+def index_ranges(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The integers ``low[k] <= i < high[k]`` of every range ``k``, concatenated, and the range
+    each comes from."""
+    lengths = np.maximum(high - low, 0)
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    offsets = np.cumsum(lengths) - lengths
+    return np.arange(owner.size) - offsets[owner] + low[owner], owner
+
+
+def _segment_max(values: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
+    """Per segment the largest of its ``values`` (-1: none)."""
+    out = np.full(count, -1, dtype=np.int64)
+    np.maximum.at(out, owner, values)
     return out
 
 
-def _make_pass(
-    index: int,
-    allocs: pd.DataFrame,
-    forward_start: int,
-    backward_start: int,
-    last_grad: int,
-    next_start: int,
-    blocks: list[np.ndarray],
-) -> Pass:
+def _segment_median(values: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
+    """Per segment the median of its ``values`` as ``np.median`` computes it (nan: none)."""
+    order = np.lexsort((values, owner))
+    ordered = values[order].astype(np.float64)
+    sizes = np.bincount(owner, minlength=count)
+    offsets = np.cumsum(sizes) - sizes
+    some = sizes > 0
+    low = offsets[some] + (sizes[some] - 1) // 2
+    high = offsets[some] + sizes[some] // 2
+    out = np.full(count, np.nan)
+    out[some] = (ordered[low] + ordered[high]) / 2
+    return out
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """Every pass's bounds, as arrays over the passes."""
+
+    forward_start: np.ndarray
+    backward_start: np.ndarray
+    backward_end: np.ndarray
+    next_start: np.ndarray  # the next pass's forward (or the trace's end)
+    output_row: np.ndarray  # the model's output: its forward's last allocation (-1: none)
+
+    def in_backward(self, free_pos: np.ndarray, passes: np.ndarray) -> np.ndarray:
+        """Per free position: within the backward of the pass given for it."""
+        return (free_pos >= self.backward_start[passes]) & (free_pos < self.backward_end[passes])
+
+
+@dataclass(frozen=True)
+class _PassSpans:
+    """Where every pass's backward parts end: its post part's and its loss's (per pass), each
+    block's (per block)."""
+
+    bounds: _Bounds
+    post_end: np.ndarray
+    loss_end: np.ndarray
+    block_end: np.ndarray
+
+
+def _bounds(allocs: pd.DataFrame, raw: list[tuple[int, int, int]], n_positions: int, forwards: _Forwards) -> _Bounds:
     pos = allocs["pos"].to_numpy()
-    free_pos = allocs["free_pos"].to_numpy()
     main = allocs["main"].to_numpy()
-    module = allocs["module"].to_numpy()
     code = allocs["code"].to_numpy()
+    spans = np.array(raw, dtype=np.int64).reshape(-1, 3)
+    forward_start, backward_start, last_grad = spans[:, 0], spans[:, 1], spans[:, 2]
+    next_start = np.r_[forward_start[1:], n_positions].astype(np.int64)
     # the backward ends where the optimizer step or the next pass begins
-    later = np.flatnonzero(
-        (pos > last_grad) & (pos < next_start) & main & ((code == CODES["optimizer_state"]) | module)
-    )
-    bwd_end = int(pos[later[0]]) if later.size else next_start
-    # the data of the next pass begins after the step: keep the backward span to the step
-    block_fwd = tuple((int(pos[block_rows[0]]), int(pos[block_rows[-1]])) for block_rows in blocks if block_rows.size)
-    fwd_rows = np.flatnonzero((pos >= forward_start) & (pos < backward_start) & main & module)
-    output_row = int(fwd_rows[-1]) if fwd_rows.size else -1
-    in_bwd = (free_pos >= backward_start) & (free_pos < bwd_end)
-    # what a block saved for backward is freed by its backward, except its output: that is the
-    # next block's input (or the loss's), freed when the backward of what consumed it is done
-    last_fwd = block_fwd[-1][1] if block_fwd else forward_start - 1
-    first_fwd = block_fwd[0][0] if block_fwd else backward_start
-    pre_rows = np.flatnonzero((pos >= forward_start) & (pos < first_fwd) & main)
-    # inputs[j]: what block j consumes
-    inputs = [pre_rows[-1:]] + [block_rows[-1:] for block_rows in blocks]
-    saved = []
-    for j, rows in enumerate(blocks):
-        mine = np.r_[rows[:-1], inputs[j]].astype(np.int64)
-        saved.append(np.sort(free_pos[mine][in_bwd[mine]]))
-    after_blocks = np.flatnonzero((pos > last_fwd) & (pos < backward_start) & in_bwd)
-    post_rows = np.r_[after_blocks, inputs[-1]].astype(np.int64)
-    post_frees = np.sort(free_pos[post_rows][in_bwd[post_rows]])
-    frees = saved
-    # a tensor freed later than most of the previous block's (the loss, a tensor kept to the
-    # end) marks no end
-    meds = [float(np.median(block_frees)) if block_frees.size else np.nan for block_frees in frees]
-
-    def last_before(frees: np.ndarray, limit: float) -> int:
-        earlier = frees[frees < limit] if not np.isnan(limit) else frees
-        return int(earlier[-1]) if earlier.size else -1
-
-    post_end = last_before(post_frees, meds[-1] if meds else np.nan)
-    post_end = max(post_end, backward_start - 1)
-    # the loss: what the program computed after the model's output, outside any module
-    out_pos = pos[fwd_rows[-1]] if fwd_rows.size else forward_start
-    loss_rows = np.flatnonzero((pos > out_pos) & (pos < backward_start) & main & ~module & in_bwd)
-    loss_end = last_before(np.sort(free_pos[loss_rows]), post_end + 1.0)
-    loss_end = min(max(loss_end, backward_start - 1), post_end)
-    # backward order: post, blocks n-1 .. 0, pre; each span ends no earlier than the one before
-    bwd_spans: list[tuple[int, int]] = [(0, 0)] * len(blocks)
-    start = post_end + 1
-    for j in range(len(blocks) - 1, -1, -1):
-        end = max(last_before(frees[j], meds[j - 1] if j >= 1 else np.nan), start - 1)
-        bwd_spans[j] = (start, end)
-        start = end + 1
-    pre = (start, bwd_end - 1)
-    return Pass(
-        index=index,
-        data_start=0,
-        forward_start=forward_start,
-        backward_start=backward_start,
-        backward_end=bwd_end,
-        block_forward=block_fwd,
-        block_backward=tuple(bwd_spans),
-        post_backward=(backward_start, post_end),
-        loss_backward_end=loss_end,
-        pre_backward=pre,
-        output_row=output_row,
-        end=next_start,
-    )
+    later = np.flatnonzero(main & ((code == CODES["optimizer_state"]) | allocs["module"].to_numpy()))
+    following = np.searchsorted(pos[later], last_grad, "right")
+    following_pos = next_start.copy()
+    found = following < later.size
+    following_pos[found] = pos[later[following[found]]]
+    backward_end = np.where(found & (following_pos < next_start), following_pos, next_start)
+    has_forward = forwards.high > forwards.low
+    output_row = np.full(len(raw), -1, dtype=np.int64)
+    output_row[has_forward] = forwards.rows[forwards.high[has_forward] - 1]
+    return _Bounds(forward_start, backward_start, backward_end, next_start, output_row)
 
 
-class _ByPosition:
-    """The allocations sorted by position once: the rows whose position lies in a range are a
-    slice of that order, found by binary search (one scan of every allocation per range made
-    :func:`_annotate` quadratic in the trace's length)."""
-
-    def __init__(self, pos: np.ndarray) -> None:
-        self.order = np.argsort(pos, kind="stable")
-        self.pos = pos[self.order]
-
-    def between(self, low: float, high: float, within: slice | None = None, high_inclusive: bool = False) -> slice:
-        """``low <= pos < high`` (``<= high`` when ``high_inclusive``), inside ``within``."""
-        start = int(np.searchsorted(self.pos, low, "left"))
-        stop = int(np.searchsorted(self.pos, high, "right" if high_inclusive else "left"))
-        if within is not None:
-            start, stop = max(start, within.start), min(stop, within.stop)
-        return slice(start, max(start, stop))
-
-    def above(self, low: float, within: slice) -> slice:
-        """``pos > low``, inside ``within``."""
-        return slice(max(int(np.searchsorted(self.pos, low, "right")), within.start), within.stop)
-
-    def rows(self, part: slice) -> np.ndarray:
-        return self.order[part]
-
-
-def _annotate(allocs: pd.DataFrame, passes: list[Pass]) -> None:
-    """Phase, part and block of every allocation of the passes."""
+def _pass_spans(allocs: pd.DataFrame, bounds: _Bounds, blocks: _Blocks) -> _PassSpans:
+    """Where, within every pass's backward, the backward of its post part, of each block and of
+    the loss end."""
+    pos = allocs["pos"].to_numpy()
     main = allocs["main"].to_numpy()
-    code = allocs["code"].to_numpy()
+    free_pos = allocs["free_pos"].to_numpy()
+    inputs = _block_inputs(pos, main, bounds, blocks)
+    medians, before_median = _saved_frees(free_pos, bounds, blocks, inputs)
+    post_end = _post_frees(pos, free_pos, bounds, blocks, inputs, medians)
+    post_end = np.maximum(post_end, bounds.backward_start - 1)
+    # the loss: what the program computed after the model's output, outside any module
+    out_pos = bounds.forward_start.copy()
+    has_output = bounds.output_row >= 0
+    out_pos[has_output] = pos[bounds.output_row[has_output]]
+    rows, owner = index_ranges(
+        np.searchsorted(pos, out_pos, "right"), np.searchsorted(pos, bounds.backward_start, "left")
+    )
+    keep = main[rows] & ~allocs["module"].to_numpy()[rows] & bounds.in_backward(free_pos[rows], owner)
+    keep &= free_pos[rows] < post_end[owner] + 1.0
+    loss_end = _segment_max(free_pos[rows[keep]], owner[keep], bounds.forward_start.size)
+    loss_end = np.minimum(np.maximum(loss_end, bounds.backward_start - 1), post_end)
+    # backward order: post, blocks n-1 .. 0, pre; each span ends no earlier than the one before
+    floor = np.maximum(before_median, post_end[blocks.pass_of])
+    block_end = pd.Series(floor[::-1]).groupby(blocks.pass_of[::-1], sort=False).cummax()
+    return _PassSpans(bounds, post_end, loss_end, block_end.to_numpy(dtype=np.int64)[::-1])
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Per block the row it consumes: the previous block's last, or for a pass's first block the
+    last allocation on the program's thread before it (``valid``: there is one); per pass what
+    its post part consumes (the last block's output, or with no blocks that same allocation)."""
+
+    block_row: np.ndarray
+    block_valid: np.ndarray
+    post_row: np.ndarray
+    post_valid: np.ndarray
+
+
+def _block_inputs(pos: np.ndarray, main: np.ndarray, bounds: _Bounds, blocks: _Blocks) -> _Inputs:
+    has_blocks = blocks.counts > 0
+    first_fwd = bounds.backward_start.copy()
+    first_fwd[has_blocks] = pos[blocks.first[blocks.first_block[has_blocks]]]
+    main_rows = np.flatnonzero(main)
+    before = np.searchsorted(pos[main_rows], first_fwd, "left") - 1
+    pre_valid = before >= 0
+    pre_last = np.full(before.size, -1, dtype=np.int64)
+    pre_last[pre_valid] = main_rows[before[pre_valid]]
+    pre_valid[pre_valid] = pos[pre_last[pre_valid]] >= bounds.forward_start[pre_valid]
+    is_first = blocks.is_first
+    previous = np.r_[-1, blocks.last][:-1].astype(np.int64)
+    post_row = pre_last.copy()
+    post_row[has_blocks] = blocks.last[blocks.first_block[has_blocks] + blocks.counts[has_blocks] - 1]
+    return _Inputs(
+        block_row=np.where(is_first, pre_last[blocks.pass_of], previous),
+        block_valid=np.where(is_first, pre_valid[blocks.pass_of], True),
+        post_row=post_row,
+        post_valid=has_blocks | pre_valid,
+    )
+
+
+def _saved_frees(
+    free_pos: np.ndarray, bounds: _Bounds, blocks: _Blocks, inputs: _Inputs
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per block the median of when, within the pass's backward, what it saved for backward is
+    freed, and the last of those before the previous block's median (a tensor freed later than
+    most of the previous block's, the loss or a tensor kept to the end, marks no end).
+
+    What a block saved for backward is freed by its backward, except its output: that is the
+    next block's input (or the loss's), freed when the backward of what consumed it is done."""
+    n_blocks = blocks.pass_of.size
+    not_last = np.r_[blocks.block_of[1:] == blocks.block_of[:-1], False][: blocks.rows.size]
+    with_input = np.flatnonzero(inputs.block_valid)
+    rows = np.r_[blocks.rows[not_last], inputs.block_row[with_input]].astype(np.int64)
+    owner = np.r_[blocks.block_of[not_last], with_input].astype(np.int64)
+    values = free_pos[rows]
+    keep = bounds.in_backward(values, blocks.pass_of[owner])
+    values, owner = values[keep], owner[keep]
+    medians = _segment_median(values, owner, n_blocks)
+    previous_median = np.r_[np.nan, medians[:-1]]
+    limit = np.where(blocks.is_first, np.nan, previous_median)[owner]
+    before = np.isnan(limit) | (values < limit)
+    return medians, _segment_max(values[before], owner[before], n_blocks)
+
+
+def _post_frees(
+    pos: np.ndarray, free_pos: np.ndarray, bounds: _Bounds, blocks: _Blocks, inputs: _Inputs, medians: np.ndarray
+) -> np.ndarray:
+    """Per pass the last free, within its backward, of what its post part saved (made after the
+    blocks' forward, and the last block's output) before the last block's median (-1: none)."""
+    n_passes = bounds.forward_start.size
+    has_blocks = blocks.counts > 0
+    last_block = blocks.first_block[has_blocks] + blocks.counts[has_blocks] - 1
+    last_fwd = bounds.forward_start - 1
+    last_fwd[has_blocks] = pos[blocks.last[last_block]]
+    rows, owner = index_ranges(
+        np.searchsorted(pos, last_fwd, "right"), np.searchsorted(pos, bounds.backward_start, "left")
+    )
+    with_input = np.flatnonzero(inputs.post_valid)
+    rows = np.r_[rows, inputs.post_row[with_input]].astype(np.int64)
+    owner = np.r_[owner, with_input].astype(np.int64)
+    values = free_pos[rows]
+    keep = bounds.in_backward(values, owner)
+    values, owner = values[keep], owner[keep]
+    limit = np.full(n_passes, np.nan)
+    limit[has_blocks] = medians[last_block]
+    before = np.isnan(limit[owner]) | (values < limit[owner])
+    return _segment_max(values[before], owner[before], n_passes)
+
+
+def _passes(pos: np.ndarray, found: _PassSpans, blocks: _Blocks) -> list[Pass]:
+    """The passes as :class:`Pass`: each block's backward starts after the one it follows (the
+    post part's for the last block), the pre part's after the first block's."""
+    bounds = found.bounds
+    is_last = np.r_[blocks.pass_of[1:] != blocks.pass_of[:-1], True][: blocks.pass_of.size]
+    follows = np.r_[found.block_end[1:], 0][: blocks.pass_of.size]
+    block_start = (np.where(is_last, found.post_end[blocks.pass_of], follows) + 1).tolist()
+    block_end = found.block_end.tolist()
+    first_pos, last_pos = pos[blocks.first].tolist(), pos[blocks.last].tolist()
+    forward_start, backward_start = bounds.forward_start.tolist(), bounds.backward_start.tolist()
+    backward_end, next_start = bounds.backward_end.tolist(), bounds.next_start.tolist()
+    post_end, loss_end, output_row = found.post_end.tolist(), found.loss_end.tolist(), bounds.output_row.tolist()
+    out = []
+    for index, (first, count) in enumerate(zip(blocks.first_block.tolist(), blocks.counts.tolist(), strict=True)):
+        mine = range(first, first + count)
+        out.append(
+            Pass(
+                index=index,
+                # data starts after the previous pass's backward and step
+                data_start=backward_end[index - 1] if index else 0,
+                forward_start=forward_start[index],
+                backward_start=backward_start[index],
+                backward_end=backward_end[index],
+                block_forward=tuple((first_pos[block], last_pos[block]) for block in mine),
+                block_backward=tuple((block_start[block], block_end[block]) for block in mine),
+                post_backward=(backward_start[index], post_end[index]),
+                loss_backward_end=loss_end[index],
+                pre_backward=((block_end[first] if count else post_end[index]) + 1, backward_end[index] - 1),
+                output_row=output_row[index],
+                end=next_start[index],
+            )
+        )
+    return out
+
+
+def _annotate(allocs: pd.DataFrame, found: _PassSpans, blocks: _Blocks) -> None:
+    """Phase, part and block of every allocation of the passes. A pass's span runs from the end
+    of the previous pass's backward to the next pass's forward: an allocation belongs to the last
+    pass whose span holds it (the step between two passes is the later's data)."""
+    pos = allocs["pos"].to_numpy()
+    main = allocs["main"].to_numpy()
+    optim = allocs["code"].to_numpy() == CODES["optimizer_state"]
     phase = allocs["phase"].to_numpy(dtype=object).copy()
+    pass_id = allocs["pass_id"].to_numpy().copy()
+    bounds = found.bounds
+    owner = np.searchsorted(np.r_[0, bounds.backward_end[:-1]], pos, "right") - 1
+    held = owner >= 0
+    owner = np.maximum(owner, 0)
+    held &= pos < bounds.next_start[owner]
+    before = held & (pos < bounds.forward_start[owner])
+    forward = held & ~before & (pos < bounds.backward_start[owner])
+    backward = held & ~before & ~forward & (pos < bounds.backward_end[owner])
+    after = held & ~before & ~forward & ~backward
+    phase[before & ~optim] = "data"
+    phase[before & optim] = "step"
+    phase[forward] = "forward"
+    phase[backward] = "backward"
+    phase[after & (optim | ~main)] = "step"
+    phase[after & ~optim & main] = "data"
+    pass_id[held] = owner[held]
     part = allocs["part"].to_numpy(dtype=object).copy()
     block = allocs["block"].to_numpy().copy()
-    pass_id = allocs["pass_id"].to_numpy().copy()
-    optim = code == CODES["optimizer_state"]
-    by_position = _ByPosition(allocs["pos"].to_numpy())
-    for one_pass in passes:
-        span = by_position.between(one_pass.data_start, one_pass.end)
-        data = by_position.rows(by_position.between(-np.inf, one_pass.forward_start, span))
-        phase[data[~optim[data]]] = "data"
-        phase[data[optim[data]]] = "step"
-        fwd = by_position.between(one_pass.forward_start, one_pass.backward_start)
-        phase[by_position.rows(fwd)] = "forward"
-        bwd = by_position.between(one_pass.backward_start, one_pass.backward_end)
-        phase[by_position.rows(bwd)] = "backward"
-        after = by_position.rows(by_position.between(one_pass.backward_end, one_pass.end))
-        phase[after[optim[after] | ~main[after]]] = "step"
-        phase[after[~optim[after] & main[after]]] = "data"
-        pass_id[by_position.rows(span)] = one_pass.index
-        if one_pass.block_forward:
-            _annotate_blocks(one_pass, by_position, fwd, bwd, part, block)
-        else:
-            part[by_position.rows(fwd)] = "pre"
-            part[by_position.rows(bwd)] = "pre"
+    plain = (forward | backward) & (blocks.counts[owner] == 0)
+    part[plain] = "pre"
+    _forward_parts(pos, np.flatnonzero(forward & ~plain), owner, blocks, part, block)
+    _backward_parts(pos, np.flatnonzero(backward & ~plain), owner, found, blocks, part, block)
     allocs["phase"] = phase
     allocs["part"] = part
     allocs["block"] = block
     allocs["pass_id"] = pass_id
 
 
-def _annotate_blocks(
-    one_pass: Pass, by_position: _ByPosition, fwd: slice, bwd: slice, part: np.ndarray, block: np.ndarray
+def _forward_parts(
+    pos: np.ndarray, rows: np.ndarray, owner: np.ndarray, blocks: _Blocks, part: np.ndarray, block: np.ndarray
 ) -> None:
-    """Part and block of the allocations of a pass with repeated blocks (``fwd`` and ``bwd``:
-    its forward's and its backward's allocations, as slices of ``by_position``)."""
-    first, last = one_pass.block_forward[0][0], one_pass.block_forward[-1][1]
-    part[by_position.rows(by_position.between(-np.inf, first, fwd))] = "pre"
-    part[by_position.rows(by_position.above(last, fwd))] = "post"
-    for j, (start_pos, last_pos) in enumerate(one_pass.block_forward):
-        end = one_pass.block_forward[j + 1][0] - 1 if j + 1 < len(one_pass.block_forward) else last_pos
-        sel = by_position.rows(by_position.between(start_pos, end, fwd, high_inclusive=True))
-        part[sel] = "block"
-        block[sel] = j
-    post_end = one_pass.post_backward[1]
-    part[by_position.rows(by_position.between(-np.inf, post_end, bwd, high_inclusive=True))] = "post"
-    for j, (start_pos, last_pos) in enumerate(one_pass.block_backward):
-        sel = by_position.rows(by_position.between(start_pos, last_pos, bwd, high_inclusive=True))
-        part[sel] = "block"
-        block[sel] = j
-    part[by_position.rows(by_position.between(one_pass.pre_backward[0], np.inf, bwd))] = "pre"
+    """Part and block of the forward allocations ``rows`` of passes with blocks: a block runs
+    from its first allocation to the next block's first (the last block to its last)."""
+    first_pos = pos[blocks.first]
+    first_block = blocks.first_block[owner[rows]]
+    last_block = first_block + blocks.counts[owner[rows]] - 1
+    at = pos[rows]
+    index = np.searchsorted(first_pos, at, "right") - 1
+    is_pre = at < first_pos[first_block]
+    is_post = at > pos[blocks.last[last_block]]
+    inside = ~is_pre & ~is_post
+    part[rows[is_pre]] = "pre"
+    part[rows[is_post]] = "post"
+    part[rows[inside]] = "block"
+    block[rows[inside]] = (index - first_block)[inside]
+
+
+def _backward_parts(
+    pos: np.ndarray,
+    rows: np.ndarray,
+    owner: np.ndarray,
+    found: _PassSpans,
+    blocks: _Blocks,
+    part: np.ndarray,
+    block: np.ndarray,
+) -> None:
+    """Part and block of the backward allocations ``rows`` of passes with blocks: the post part
+    first, then the blocks from the last to the first, then the pre part."""
+    passes = owner[rows]
+    first_block, counts = blocks.first_block[passes], blocks.counts[passes]
+    at = pos[rows]
+    # the blocks' backward ends in backward order (ascending: each ends no earlier than the one
+    # before), pass after pass
+    backward_order = 2 * blocks.first_block[blocks.pass_of] + blocks.counts[blocks.pass_of] - 1
+    ends = np.empty_like(found.block_end)
+    ends[backward_order - np.arange(blocks.pass_of.size)] = found.block_end
+    later = np.searchsorted(ends, at, "left")
+    is_post = at <= found.post_end[passes]
+    is_pre = at > found.block_end[first_block]
+    inside = ~is_post & ~is_pre
+    part[rows[is_post]] = "post"
+    part[rows[is_pre]] = "pre"
+    part[rows[inside]] = "block"
+    block[rows[inside]] = (counts - 1 - (later - first_block))[inside]
 
 
 def _params(
@@ -849,27 +1044,19 @@ def _from_ddp(
     notes.append(NOTE_RECORDED_DDP)
     if (code == CODES["gradient"]).any() or params.empty:
         return
-    sizes = set(params["size"].tolist())
     pos = allocs["pos"].to_numpy()
     free_pos = allocs["free_pos"].to_numpy().copy()
-    phase = allocs["phase"].to_numpy()
-    grad_thread = allocs["grad_thread"].to_numpy()
-    size = allocs["size"].to_numpy()
-    found = 0
-    for index, one_pass in enumerate(passes):
-        next_forward = passes[index + 1].forward_start - 1 if index + 1 < len(passes) else -1
-        sel = np.flatnonzero(
-            (phase == "backward")
-            & grad_thread
-            & (pos >= one_pass.backward_start)
-            & (pos < one_pass.backward_end)
-            & (free_pos >= 0)
-            & (free_pos < one_pass.backward_end)
-            & np.isin(size, list(sizes))
-        )
-        code[sel] = CODES["gradient"]
-        free_pos[sel] = next_forward
-        found += sel.size
+    backward_start = np.array([one_pass.backward_start for one_pass in passes], dtype=np.int64)
+    backward_end = np.array([one_pass.backward_end for one_pass in passes], dtype=np.int64)
+    next_forward = np.array([one_pass.forward_start - 1 for one_pass in passes[1:]] + [-1], dtype=np.int64)
+    rows, owner = index_ranges(np.searchsorted(pos, backward_start, "left"), np.searchsorted(pos, backward_end, "left"))
+    free = free_pos[rows]
+    keep = (allocs["phase"].to_numpy()[rows] == "backward") & allocs["grad_thread"].to_numpy()[rows]
+    keep &= (free >= 0) & (free < backward_end[owner])
+    keep &= np.isin(allocs["size"].to_numpy()[rows], params["size"].to_numpy())
+    code[rows[keep]] = CODES["gradient"]
+    free_pos[rows[keep]] = next_forward[owner[keep]]
+    found = int(keep.sum())
     allocs["code"] = code
     allocs["free_pos"] = free_pos
     notes.append(NOTE_BUCKET_VIEW.format(found=found))
@@ -894,36 +1081,62 @@ def _map_mirrors(allocs: pd.DataFrame, params: pd.DataFrame) -> None:
     if params.empty:
         return
     p_size = params["size"].to_numpy()
-    p_block = params["block"].to_numpy()
     code = allocs["code"].to_numpy()
     size = allocs["size"].to_numpy()
-    block = allocs["block"].to_numpy()
-    pass_id = allocs["pass_id"].to_numpy()
     out = allocs["param"].to_numpy().copy()
-    by_size: dict[int, np.ndarray] = {}
+    by_size: dict[int, list[int]] = {}
     for i, size_bytes in enumerate(p_size.tolist()):
-        by_size.setdefault(int(size_bytes), np.zeros(0, dtype=np.int64))
-        by_size[int(size_bytes)] = np.r_[by_size[int(size_bytes)], i]
-    # gradients: per pass, within the block the backward was in, last parameters first
-    taken: dict[int, set[int]] = {}
-    for row in np.flatnonzero(code == CODES["gradient"]).tolist():
-        cands = by_size.get(int(size[row]))
-        if cands is None:
-            continue
-        used = taken.setdefault(int(pass_id[row]), set())
-        rest = [int(candidate) for candidate in cands if int(candidate) not in used]
-        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
-        pick = same[-1] if same else (rest[-1] if rest else int(cands[-1]))
-        used.add(pick)
-        out[row] = pick
-    # optimizer state: in parameter order, cyclically
+        by_size.setdefault(int(size_bytes), []).append(i)
+    _mirror_gradients(allocs, params, by_size, out)
+    # optimizer state: in parameter order, cyclically (each pick depends on the one before)
     ptr = 0
-    for row in np.flatnonzero(code == CODES["optimizer_state"]).tolist():
-        cands = by_size.get(int(size[row]))
+    rows = np.flatnonzero(code == CODES["optimizer_state"])
+    for row, size_bytes in zip(rows.tolist(), size[rows].tolist(), strict=True):
+        cands = by_size.get(size_bytes)
         if cands is None:
             continue
-        later = cands[cands >= ptr]
-        pick = int(later[0]) if later.size else int(cands[0])
+        later = bisect.bisect_left(cands, ptr)
+        pick = cands[later] if later < len(cands) else cands[0]
         out[row] = pick
         ptr = pick
     allocs["param"] = out
+
+
+def _mirror_gradients(
+    allocs: pd.DataFrame, params: pd.DataFrame, by_size: dict[int, list[int]], out: np.ndarray
+) -> None:
+    """Per gradient, within the pass, the last parameter of its size and block not taken yet,
+    else the last of its size not taken yet, else the last of its size. Where every block's
+    gradients of a size are no more than its parameters of that size (the rule), the k-th
+    gradient of a block takes the block's k-th last parameter; the passes and sizes where
+    some are more are walked one gradient after the other."""
+    p_size = params["size"].to_numpy()
+    p_block = params["block"].to_numpy()
+    size = allocs["size"].to_numpy()
+    block = allocs["block"].to_numpy()
+    pass_id = allocs["pass_id"].to_numpy()
+    rows = np.flatnonzero(allocs["code"].to_numpy() == CODES["gradient"])
+    rows = rows[np.isin(size[rows], p_size)]
+    # one key per (size, block): parameters sorted by it (stably: in parameter order within)
+    stride = int(max(p_block.max(initial=-1), block[rows].max(initial=-1))) + 2
+    p_key = p_size.astype(np.int64) * stride + (p_block + 1)
+    order = np.argsort(p_key, kind="stable")
+    row_key = size[rows].astype(np.int64) * stride + (block[rows] + 1)
+    low = np.searchsorted(p_key[order], row_key, "left")
+    high = np.searchsorted(p_key[order], row_key, "right")
+    keys = pd.DataFrame({"pass": pass_id[rows], "size": size[rows], "block": block[rows]})
+    same_block = keys.groupby(["pass", "size", "block"], sort=False)
+    rank = same_block.cumcount().to_numpy()
+    enough = same_block["pass"].transform("size").to_numpy() <= high - low
+    regular = keys.assign(enough=enough).groupby(["pass", "size"], sort=False)["enough"].transform("all")
+    regular = regular.to_numpy(dtype=bool)
+    out[rows[regular]] = order[(high - 1 - rank)[regular]]
+    taken: dict[int, set[int]] = {}
+    for row in rows[~regular].tolist():
+        cands = by_size[int(size[row])]
+        used = taken.setdefault(int(pass_id[row]), set())
+        rest = [candidate for candidate in cands if candidate not in used]
+        same = [candidate for candidate in rest if p_block[candidate] == block[row]]
+        pick = same[-1] if same else (rest[-1] if rest else cands[-1])
+        used.add(pick)
+        out[row] = pick
