@@ -10,5 +10,9 @@ setup(
     ext_modules=[
         Extension("snapshot_lab.frames._scan", ["snapshot_lab/frames/_scan.c"], optional=True),
         Extension("snapshot_lab.load._decode", ["snapshot_lab/load/_decode.c"], optional=True),
+        # the allocator model's replay (metrics/allocator/native.py picks it or model.py)
+        Extension(
+            "snapshot_lab.metrics.allocator._replay", ["snapshot_lab/metrics/allocator/_replay.c"], optional=True
+        ),
     ]
 )

@@ -18,6 +18,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from ..history.moments import oom_moment
+from . import native
 from .model import (
     UNLIMITED,
     AllocatorSettings,
@@ -216,6 +217,67 @@ def _run_events(
     return recorded_oom_avoided, False
 
 
+class _CompiledModel:
+    """A replay the compiled engine ran, read like the Python model: its counters, its layout."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stats = native.stats_of(engine)
+
+    def layout(self, _allocated: list[Block]) -> list[list[tuple[int, bool]]]:
+        """The engine's mapped ranges (it holds its live blocks itself)."""
+        return [list(chain) for chain in self.engine.layout()]
+
+
+_Model = CachingAllocatorModel | _CompiledModel
+
+
+def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) -> tuple[list[np.ndarray], set[int]]:
+    """The program as the compiled engine's operation columns (kind, key, size, stream, event
+    index), and the release runs that are explicit empty_cache() calls whatever the state
+    (:func:`_explicit_release`); with ``explicit`` None the others are decided in the engine
+    (``RELEASE_UNLESS_SERVED``: an empty_cache() unless the allocation after it needs a release)."""
+    size = prog.size.astype(np.int64, copy=True)
+    stream = prog.stream.astype(np.int64, copy=True)
+    kind = np.full(len(prog.kind), native.NOP, dtype=np.int64)
+    for mine, theirs in ((_ALLOC, native.ALLOC_KEEP), (_FREE, native.FREE), (_SEG_NEW, native.RECORD_ADDRESS)):
+        kind[prog.kind == mine] = theirs
+    kind[prog.kind == _OOM] = native.OOM_PROBE
+    always: set[int] = set()
+    for i, (cause, target) in prog.releases.items():
+        if prog.kind[i] != _SEG_GONE:
+            continue
+        if explicit is not None:
+            is_explicit = i in explicit
+        elif cause in ("empty_cache", "oom", "flush", "allocator"):
+            is_explicit = cause == "empty_cache"
+        elif target < 0 or limit is None:
+            is_explicit = True
+        else:
+            kind[i] = native.RELEASE_UNLESS_SERVED
+            size[i], stream[i] = size[target], stream[target]
+            continue
+        if is_explicit:
+            kind[i] = native.EMPTY_CACHE
+            always.add(i)
+    columns = [kind, prog.address.astype(np.int64), size, stream, prog.index.astype(np.int64)]
+    return [native.column(c) for c in columns], always
+
+
+def _run_compiled(
+    prog: _Program, engine: Any, explicit: set[int] | None, limit: int | None
+) -> tuple[bool | None, bool, set[int]]:
+    """:func:`_run_events` in the compiled engine: whether the recorded OOM was avoided, whether
+    the replay ran out of memory, the release runs taken as explicit empty_cache() calls.
+    Raises native.Unsupported when the engine cannot replay it."""
+    ops, always = _engine_ops(prog, explicit, limit)
+    stop, avoided, decided = engine.run(*ops, None, None)
+    ran_out = stop >= 0
+    if ran_out:
+        always = {i for i in always if i < stop}
+    return avoided, ran_out, always | set(decided)
+
+
 def _replay(
     prog: _Program,
     settings: AllocatorSettings,
@@ -223,13 +285,23 @@ def _replay(
     start: StartState | None = None,
     explicit: set[int] | None = None,
     limit_is_cap: bool = True,
-) -> tuple[CachingAllocatorModel, dict[int, Block], bool | None, set[int]]:
+) -> tuple[_Model, dict[int, Block], bool | None, set[int]]:
     """Replay the program; returns the model, its live blocks by recorded address, whether the
     recorded OOM (if any) was avoided, and the release runs taken as explicit empty_cache()
-    calls (decided on the way when ``explicit`` is None: only under the recorded settings)."""
+    calls (decided on the way when ``explicit`` is None: only under the recorded settings). The
+    compiled engine runs it when it is built (:mod:`.native`)."""
+    engine = native.engine(settings, limit, limit_is_cap)
+    if engine is not None:
+        try:
+            if start is not None:
+                native.seed(engine, start)
+            avoided, _ran_out, decided = _run_compiled(prog, engine, explicit, limit)
+            return _CompiledModel(engine), {}, avoided, decided
+        except (native.Unsupported, OverflowError):
+            native.fell_back()
     model = CachingAllocatorModel(settings, limit, limit_is_cap)
     live: dict[int, Block] = seed(model, start) if start is not None else {}
-    decided: set[int] = set()
+    decided = set()
     recorded_oom_avoided, _ran_out = _run_events(prog, model, live, explicit, decided)
     return model, live, recorded_oom_avoided, decided
 
@@ -241,7 +313,7 @@ def _steady_replay(
     start: StartState,
     explicit: set[int],
     limit_is_cap: bool = True,
-) -> tuple[CachingAllocatorModel, bool | None]:
+) -> tuple[_Model, bool | None]:
     """A trace that starts mid-run, replayed under other settings from a steady state: the
     blocks alive at its start placed as ``settings`` lay them out from empty, the trace replayed
     once to fill the cache the way these settings fill it, the live blocks brought back to the
@@ -252,8 +324,14 @@ def _steady_replay(
     setting's effect on the segments made before the trace not at all (``twin_wrapped``:
     expandable segments 1.74 GiB from the recorded cache, 1.40 GiB really, 1.24 GiB from the
     steady state)."""
-    model = CachingAllocatorModel(settings, limit, limit_is_cap)
     blocks = live_at_start(start)
+    engine = native.engine(settings, limit, limit_is_cap)
+    if engine is not None:
+        try:
+            return _steady_compiled(prog, engine, blocks, explicit, limit)
+        except (native.Unsupported, OverflowError):
+            native.fell_back()
+    model = CachingAllocatorModel(settings, limit, limit_is_cap)
     try:
         placed = place_from_empty(model, blocks)
     except OutOfMemory:
@@ -277,6 +355,35 @@ def _steady_replay(
         return model, None
     avoided, _ran_out = _run_events(prog, model, live, explicit, set())
     return model, avoided
+
+
+def _steady_compiled(
+    prog: _Program, engine: Any, blocks: list[tuple[int, int, int]], explicit: set[int], limit: int | None
+) -> tuple[_Model, bool | None]:
+    """:func:`_steady_replay` in the compiled engine, step for step."""
+    columns = list(zip(*blocks, strict=True)) if blocks else [(), (), ()]
+    address, size, stream = (native.column(c) for c in columns)
+    no_index = native.column(np.full(len(blocks), -1))
+
+    def place(kind: int) -> bool:
+        """Allocate the start's blocks (``kind``: all, or those not live); False on OutOfMemory."""
+        stop, _avoided, _decided = engine.run(
+            native.column(np.full(len(blocks), kind)), address, size, stream, no_index, None, None
+        )
+        return bool(stop < 0)
+
+    if not place(native.ALLOC_KEEP):
+        return _CompiledModel(engine), None
+    engine.mark_placed()
+    avoided, ran_out, _decided = _run_compiled(prog, engine, explicit, limit)
+    if ran_out:
+        return _CompiledModel(engine), avoided
+    engine.reset_stats()
+    engine.free_unplaced()
+    if not place(native.ALLOC_IF_ABSENT):
+        return _CompiledModel(engine), None
+    avoided, _ran_out, _decided = _run_compiled(prog, engine, explicit, limit)
+    return _CompiledModel(engine), avoided
 
 
 def _recorded_layout(frames: SnapshotFrames, device: int) -> list[list[tuple[int, bool]]]:
@@ -313,7 +420,7 @@ def _describe_steady(start: StartState) -> str:
 
 
 def _scenario_result(
-    settings: AllocatorSettings, m: CachingAllocatorModel, avoided: bool | None, start: str | None = None
+    settings: AllocatorSettings, m: _Model, avoided: bool | None, start: str | None = None
 ) -> ScenarioResult:
     return ScenarioResult(
         settings=settings.describe(),
@@ -422,7 +529,8 @@ def quick_grid(base: AllocatorSettings, memory_limit: int | None, events: int = 
     """The few alternatives the report tries on the way (``snaplab whatif`` sweeps more), with
     expandable segments and no split limit too when the recording had one; one
     for traces of more than ``WHATIF_FULL_GRID_EVENTS`` events, so a huge trace stays within the
-    report's time budget (the replay runs at about 600k events per second)."""
+    report's time budget (the Python model replays about 600k events per second; the
+    compiled engine, when built, 10 to 20 times as many)."""
     if events > WHATIF_FULL_GRID_EVENTS:
         return [s for s in [replace(base, expandable_segments=True)] if s != base]
     out = [

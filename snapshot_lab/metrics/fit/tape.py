@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..allocator import native
 from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory, segment_address_space
 
 NEVER = np.inf
@@ -147,16 +148,21 @@ class TopDownAllocator(CachingAllocatorModel):
 
 def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None = None) -> Simulated:
     """Replay the tape at ``scale`` through the allocator model (under ``limit``: a
-    per-process cap, cached blocks released and the request retried before giving up)."""
-    size = tape.sizes(scale).tolist()  # Python ints: the loop below runs once per operation
+    per-process cap, cached blocks released and the request retried before giving up). The
+    compiled engine runs it when it is built (:mod:`..allocator.native`), else the Python model."""
+    sizes = tape.sizes(scale)
+    which, is_free = ordered_ops(tape)
+    made = sizes[which] > 0  # a row not made has neither its allocation nor its free
+    which, is_free = which[made], is_free[made]
+    fast = _simulate_compiled(tape, sizes, which, is_free, settings, limit)
+    if fast is not None:
+        return fast
+    size = sizes.tolist()  # Python ints: the loop below runs once per operation
     stream = tape.stream.tolist()
     model = TopDownAllocator(settings, limit, limit_is_cap=True)
     malloc, free = model.malloc, model.free
     live: dict[int, Any] = {}
-    which, is_free = ordered_ops(tape)
     for r, f in zip(which.tolist(), is_free.tolist(), strict=True):
-        if size[r] <= 0:  # not made
-            continue
         if f:
             block = live.pop(r, None)
             if block is not None:
@@ -168,3 +174,28 @@ def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int |
             return Simulated(model.stats.peak_allocated_bytes, model.stats.peak_reserved_bytes, False)
     fits = None if limit is None else True
     return Simulated(model.stats.peak_allocated_bytes, model.stats.peak_reserved_bytes, fits)
+
+
+def _simulate_compiled(
+    tape: Tape,
+    sizes: np.ndarray,
+    which: np.ndarray,
+    is_free: np.ndarray,
+    settings: AllocatorSettings,
+    limit: int | None,
+) -> Simulated | None:
+    """:func:`simulate` in the compiled engine (None: it is not in use or cannot replay this)."""
+    engine = native.engine(settings, limit, limit_is_cap=True, top_down=True)
+    if engine is None:
+        return None
+    kind = np.where(is_free, native.FREE, native.ALLOC_KEEP)
+    no_index = np.full(which.size, -1, dtype=np.int64)
+    ops = (kind, which, sizes[which], tape.stream[which], no_index)
+    try:
+        stop, _avoided, _decided = engine.run(*(native.column(c) for c in ops), None, None)
+    except (native.Unsupported, OverflowError):
+        native.fell_back()
+        return None
+    stats = native.stats_of(engine)
+    fits = False if stop >= 0 else None if limit is None else True
+    return Simulated(stats.peak_allocated_bytes, stats.peak_reserved_bytes, fits)

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from ..allocator import native
+from ..allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMemory, ReplayStats
 from ..categories import CATEGORIES
 
 ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
@@ -156,7 +157,65 @@ def replay(
 ) -> Replayed:
     """Replay through the allocator model; peak allocated (block sizes, like torch's
     ``allocated_bytes.all.peak``) and peak reserved. Under ``memory_limit`` the replay stops at
-    the first allocation the allocator could not serve."""
+    the first allocation the allocator could not serve. The compiled engine runs it when it is
+    built (:mod:`..allocator.native`), else the Python model."""
+    ran = _replay_compiled(program, settings, memory_limit, limit_is_cap)
+    if ran is None:
+        ran = _replay_python(program, settings, memory_limit, limit_is_cap)
+    block_size, levels, last, peak, peak_op, final, stats = ran
+    parts, by_cat = _at_peak(program, block_size, peak_op)
+    origins = np.asarray(program.placed[:last], dtype=np.int64)
+    return Replayed(
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=stats.peak_reserved_bytes,
+        final_allocated_bytes=final,
+        peak_op=peak_op,
+        peak_origin=program.placed[peak_op] if peak_op >= 0 else -1,
+        parts=parts,
+        by_category=by_cat,
+        cuda_malloc_calls=stats.cuda_malloc_calls,
+        oom_at=None if last == len(program) else program.origin[last],
+        levels=levels[:last],
+        origins=origins,
+    )
+
+
+# what a replay gives back: block size and allocated bytes after each operation, the number of
+# operations run (an OOM stops it), the peak and its operation, the final bytes, the counters
+_Ran = tuple[np.ndarray, np.ndarray, int, int, int, int, ReplayStats]
+
+
+def _replay_compiled(
+    program: Program, settings: AllocatorSettings, memory_limit: int | None, limit_is_cap: bool
+) -> _Ran | None:
+    """:func:`replay` in the compiled engine (None: it is not in use or cannot replay this)."""
+    engine = native.engine(settings, memory_limit, limit_is_cap)
+    if engine is None:
+        return None
+    count = len(program)
+    block_size = np.zeros(count, dtype=np.int64)
+    levels = np.zeros(count, dtype=np.int64)
+    columns = (program.kind, program.key, program.size, program.stream, np.arange(count))
+    try:
+        ops = [native.column(c) for c in columns]
+        if count and not (ops[0].min() >= ALLOC and ops[0].max() <= FREE_REQUESTED):
+            return None  # the engine names other operations with other kinds
+        stop, _avoided, _decided = engine.run(*ops, block_size, levels)
+    except (native.Unsupported, OverflowError):
+        native.fell_back()
+        return None
+    last = count if stop < 0 else stop
+    block_size[last:] = 0
+    levels[last:] = 0
+    peak = int(levels[:last].max(initial=0))
+    # the allocated bytes rise only at an allocation: the first operation at the peak is one
+    peak_op = int(np.argmax(levels[:last])) if peak > 0 else -1
+    final = int(levels[last - 1]) if last > 0 else 0
+    return block_size, levels, last, peak, peak_op, final, native.stats_of(engine)
+
+
+def _replay_python(program: Program, settings: AllocatorSettings, memory_limit: int | None, limit_is_cap: bool) -> _Ran:
+    """:func:`replay` in the Python model (the reference)."""
     model = CachingAllocatorModel(settings, memory_limit, limit_is_cap)
     live: dict[int, Any] = {}
     pending: set[int] = set()  # freed, block still held
@@ -168,7 +227,6 @@ def replay(
     malloc, free = model.malloc, model.free
     allocated = 0
     peak, peak_op = 0, -1
-    oom_at: int | None = None
     last = count
     for i in range(count):
         op_kind = kind[i]
@@ -176,7 +234,6 @@ def replay(
             try:
                 block = malloc(size[i], stream[i], i)
             except OutOfMemory:
-                oom_at = program.origin[i]
                 last = i
                 break
             old: Any = live.pop(key[i], None)
@@ -205,23 +262,8 @@ def replay(
         else:
             model.empty_cache()
         level_list[i] = allocated
-    block_size = np.array(block_sizes, dtype=np.int64)
     levels = np.array(level_list, dtype=np.int64)
-    parts, by_cat = _at_peak(program, block_size, peak_op)
-    origins = np.asarray(program.placed[:last], dtype=np.int64)
-    return Replayed(
-        peak_allocated_bytes=peak,
-        peak_reserved_bytes=model.stats.peak_reserved_bytes,
-        final_allocated_bytes=allocated,
-        peak_op=peak_op,
-        peak_origin=program.placed[peak_op] if peak_op >= 0 else -1,
-        parts=parts,
-        by_category=by_cat,
-        cuda_malloc_calls=model.stats.cuda_malloc_calls,
-        oom_at=oom_at,
-        levels=levels[:last],
-        origins=origins,
-    )
+    return np.array(block_sizes, dtype=np.int64), levels, last, peak, peak_op, allocated, model.stats
 
 
 def _at_peak(
