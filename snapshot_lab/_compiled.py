@@ -11,7 +11,7 @@ from types import ModuleType
 PURE_PYTHON_VARIABLE = "SNAPLAB_PURE_PYTHON"
 
 # every compiled module, by the name the code imports
-MODULES = ("snapshot_lab.frames._scan", "snapshot_lab.load._decode")
+MODULES = ("snapshot_lab.frames._scan", "snapshot_lab.load._decode", "snapshot_lab.metrics.allocator._replay")
 
 
 def pure_python_forced() -> bool:
