@@ -223,6 +223,12 @@ def test_inference_answer_has_no_training_parts(real_frames: Any) -> None:
         predict_step(frames, checkpointing=True)
     assert result.optimizer == wl.NO_OPTIMIZER
     assert result.to_dict()["workload"] == wl.FORWARD_ONLY == "forward passes only"
+    # no gradients to sum: gradient accumulation is not offered (it once was, as for a training step)
+    assert result.to_dict()["gradient_accumulation"] == {
+        "micro_batch": None,
+        "accumulation_steps": None,
+        "assumption": wl.INFERENCE_OPTIMIZER_SOURCE,
+    }
     at_half, _ = predict_step(frames, batch_scale=0.5)
     at_one, _ = predict_step(frames)
     # peak(k) = fixed + k * scaling while the peak stays where it is: what does not scale is

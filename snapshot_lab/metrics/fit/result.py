@@ -123,11 +123,17 @@ class FitResult:
     @property
     def accumulation(self) -> dict[str, float | int | None]:
         """Gradient accumulation: micro-batches of the largest batch that fits as recorded, as
-        many as the batch asked for needs."""
+        many as the batch asked for needs (none for forward passes only: no gradients to sum)."""
+        if self.workload == wl.FORWARD_ONLY:
+            return {"micro_batch": None, "accumulation_steps": None}
         micro = self.largest_batch.get(AS_RECORDED)
         wanted = self.batch if self.batch is not None else self.batch_scale
         steps = -(-round(wanted * 100) // round(micro * 100)) if micro else None
         return {"micro_batch": micro, "accumulation_steps": steps}
+
+    @property
+    def _accumulation_assumption(self) -> str:
+        return wl.INFERENCE_OPTIMIZER_SOURCE if self.workload == wl.FORWARD_ONLY else ASSUMPTIONS[ACCUMULATION]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,7 +152,7 @@ class FitResult:
             "optimizer_source": self.optimizer_source,
             "breakdown": self.breakdown,
             "largest_batch": self.largest_batch,
-            "gradient_accumulation": {**self.accumulation, "assumption": ASSUMPTIONS[ACCUMULATION]},
+            "gradient_accumulation": {**self.accumulation, "assumption": self._accumulation_assumption},
             "levers": [o.to_dict() for o in self.levers],
             "parallel_strategies": [p.to_dict() for p in self.parallel_strategies],
             "parallel_strategies_refused": self.parallel_refused,
