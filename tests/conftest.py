@@ -134,3 +134,23 @@ def real_frames():
         return _FRAMES_CACHE[name]
 
     return get
+
+
+_DIAGNOSIS_CACHE: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session")
+def real_diagnosis(real_frames):
+    """``(stats, diagnosis)`` of a real sample, as the report computes them (without the
+    category timelines), once per test session."""
+    from snapshot_lab.metrics import compute_stats
+    from snapshot_lab.metrics.diagnose import diagnose
+
+    def get(name: str):
+        if name not in _DIAGNOSIS_CACHE:
+            frames = real_frames(name)
+            stats = compute_stats(frames)
+            _DIAGNOSIS_CACHE[name] = (stats, diagnose(frames, stats, with_category_timelines=False))
+        return _DIAGNOSIS_CACHE[name]
+
+    return get

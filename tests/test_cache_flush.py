@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from snapshot_lab.metrics import compute_stats
 from snapshot_lab.metrics.allocator.releases import find_releases
 from snapshot_lab.metrics.allocator.whatif import analyse_whatif, infer_memory_limit, recorded_settings
-from snapshot_lab.metrics.diagnose import diagnose
 
 from .conftest import block, event, make_snapshot, sample_names, sample_truth, segment
 
@@ -22,17 +20,9 @@ MiB = 1 << 20
 FLUSHED = ("inf_flush_python", "gcretry_default_cap990")
 
 
-@pytest.fixture(scope="module")
-def diagnoses(real_frames):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            fr = real_frames(name)
-            cache[name] = diagnose(fr, compute_stats(fr), with_category_timelines=False)
-        return cache[name]
-
-    return get
+@pytest.fixture
+def diagnoses(real_diagnosis):
+    return lambda name: real_diagnosis(name)[1]
 
 
 def _successful_retries(name: str, device: int) -> int:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from snapshot_lab.metrics import compute_stats
-from snapshot_lab.metrics.diagnose import diagnose
-
 from .conftest import sample_truth
 
 GiB = 2**30
@@ -30,17 +27,9 @@ SILENT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def findings(real_frames):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            fr = real_frames(name)
-            cache[name] = diagnose(fr, compute_stats(fr), with_category_timelines=False).findings
-        return cache[name]
-
-    return get
+@pytest.fixture
+def findings(real_diagnosis):
+    return lambda name: real_diagnosis(name)[1].findings
 
 
 def _gap(findings, name):

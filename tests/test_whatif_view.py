@@ -12,8 +12,6 @@ from typer.testing import CliRunner
 
 from snapshot_lab import api
 from snapshot_lab.cli import app
-from snapshot_lab.metrics import compute_stats
-from snapshot_lab.metrics.diagnose import diagnose
 from snapshot_lab.metrics.findings import fragmentation
 from snapshot_lab.render.text import whatif_view
 
@@ -21,20 +19,6 @@ from .conftest import sample_path, sample_truth
 
 runner = CliRunner()
 GiB = 2**30
-
-
-@pytest.fixture(scope="module")
-def diagnoses(real_frames):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            fr = real_frames(name)
-            stats = compute_stats(fr)
-            cache[name] = (stats, diagnose(fr, stats, with_category_timelines=False))
-        return cache[name]
-
-    return get
 
 
 def _whatif_text(name: str) -> list[str]:
@@ -93,7 +77,7 @@ def test_gaptwin_split64_wrapped_baseline_under_its_split_limit():
 
 
 @pytest.mark.parametrize("name", ["twin_complete", "gaptwin_split64_complete"])
-def test_complete_traces_say_nothing_of_a_steady_state(name, real_frames, diagnoses):
+def test_complete_traces_say_nothing_of_a_steady_state(name, real_frames, real_diagnosis):
     """A trace that starts with the job replays every setting from empty: no mark, no baseline
     row, no sentence (the recorded row is still the first, the replay check the second line)."""
     lines = _whatif_text(name)
@@ -101,7 +85,7 @@ def test_complete_traces_say_nothing_of_a_steady_state(name, real_frames, diagno
     assert "steady" not in text and "lower bound" not in text
     assert lines[1].startswith("replay check under the recorded settings: exact; started from empty")
     assert lines[2].startswith("settings ")
-    view = whatif_view(diagnoses(name)[1].whatifs[0])
+    view = whatif_view(real_diagnosis(name)[1].whatifs[0])
     assert view["scenario_start"] == ""
     assert not any(r["steady"] or r["baseline"] for r in view["rows"])
 
@@ -120,17 +104,17 @@ def test_report_shows_how_the_rows_were_replayed(tmp_path):
     assert "steady" not in section
 
 
-def _allocator_finding(diagnoses, name):
-    (f,) = [f for f in diagnoses(name)[1].findings if f.id == "allocator-settings"]
+def _allocator_finding(real_diagnosis, name):
+    (f,) = [f for f in real_diagnosis(name)[1].findings if f.id == "allocator-settings"]
     return f
 
 
-def test_the_suggestion_on_a_mid_run_trace_is_measured_like_for_like(diagnoses):
+def test_the_suggestion_on_a_mid_run_trace_is_measured_like_for_like(real_diagnosis):
     """twin_wrapped: expandable segments really save 0.34 GiB (the twins recorded whole: 1.74 ->
     1.40); against the recorded settings from the same steady state (1.65 GiB) the replay says
     0.41, against the recorded cache 0.49 (what the finding said before)."""
-    f = _allocator_finding(diagnoses, "twin_wrapped")
-    w = diagnoses("twin_wrapped")[1].whatifs[0]
+    f = _allocator_finding(real_diagnosis, "twin_wrapped")
+    w = real_diagnosis("twin_wrapped")[1].whatifs[0]
     assert w.steady_baseline is not None
     baseline = w.steady_baseline.peak_reserved_bytes
     predicted = f.evidence["predicted_peak_reserved_bytes"]
@@ -151,12 +135,12 @@ def test_the_suggestion_on_a_mid_run_trace_is_measured_like_for_like(diagnoses):
     ("name", "twin"),
     [("gaptwin_split64_wrapped", "gaptwin_split64"), ("gaptwin_split128_wrapped", "gaptwin_split128")],
 )
-def test_under_a_split_limit_the_recorded_peak_stays_the_baseline(diagnoses, name, twin):
+def test_under_a_split_limit_the_recorded_peak_stays_the_baseline(real_diagnosis, name, twin):
     """The case that breaks "always the steady baseline": under max_split_size_mb the baseline is
     a lower bound (3.26 / 3.05 GiB for 5.09 / 5.17 really), and measured against it the saving of
     dropping the limit would be 1.20 / 0.99 GiB; against the recorded peak it is the real one
     (the complete twins: 5.09 -> 2.06 and 5.17 -> 2.06 GiB) within 1%."""
-    f = _allocator_finding(diagnoses, name)
+    f = _allocator_finding(real_diagnosis, name)
     assert f.evidence["saving_measured_against"] == "recorded peak"
     assert "steady state" not in f.title
     true_saving = _peak(f"{twin}_complete") - _peak("gaptwin_expandable_complete")
@@ -165,8 +149,8 @@ def test_under_a_split_limit_the_recorded_peak_stays_the_baseline(diagnoses, nam
     assert baseline - f.evidence["predicted_peak_reserved_bytes"] < 0.5 * true_saving
 
 
-def test_complete_traces_findings_carry_no_steady_keys(diagnoses):
-    f = _allocator_finding(diagnoses, "gaptwin_split64_complete")
+def test_complete_traces_findings_carry_no_steady_keys(real_diagnosis):
+    f = _allocator_finding(real_diagnosis, "gaptwin_split64_complete")
     assert "steady_baseline_peak_reserved_bytes" not in f.evidence and "saving_measured_against" not in f.evidence
 
 
@@ -183,11 +167,11 @@ GAP_RUNS = [
 
 
 @pytest.mark.parametrize("name", GAP_RUNS)
-def test_high_fragmentation_defers_to_reserved_gap(diagnoses, name):
+def test_high_fragmentation_defers_to_reserved_gap(real_diagnosis, name):
     """Where reserved-gap fires, high-fragmentation at the peak would say the same gap: the same
     peak reserved, the same peak in use, the same bytes (none of these runs has stranded holes at
     the dump), so only reserved-gap, which names the cause and the replayed settings, says it."""
-    stats, dg = diagnoses(name)
+    stats, dg = real_diagnosis(name)
     ids = [f.id for f in dg.findings]
     assert "reserved-gap" in ids and "high-fragmentation" not in ids
     (gap,) = [f for f in dg.findings if f.id == "reserved-gap"]
@@ -198,8 +182,8 @@ def test_high_fragmentation_defers_to_reserved_gap(diagnoses, name):
     assert would.evidence["peak_requested_bytes"] == gap.evidence["peak_requested_bytes"]
 
 
-def test_high_fragmentation_still_fires_below_the_gap(diagnoses):
+def test_high_fragmentation_still_fires_below_the_gap(real_diagnosis):
     """whatif_default_capA: 2.90 GiB reserved for 1.88 (1.5x), under reserved-gap's 2x: the
     fragmentation finding stays."""
-    ids = [f.id for f in diagnoses("whatif_default_capA")[1].findings]
+    ids = [f.id for f in real_diagnosis("whatif_default_capA")[1].findings]
     assert "high-fragmentation" in ids and "reserved-gap" not in ids
