@@ -356,18 +356,16 @@ def _stack_groups(lists: list[Any]) -> tuple[np.ndarray, list[int]]:
     firsts[nonempty] = np.fromiter(
         map(id, map(itemgetter(0), compress(lists, nonempty.tolist()))), dtype=np.uint64, count=int(nonempty.sum())
     )
-    return _groups_of(lengths, firsts)
-
-
-def _groups_of(lengths: np.ndarray, firsts: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """The groups of :func:`_stack_groups` from each list's length and first item's identity."""
-    n = len(lengths)
     first_codes, _ = pd.factorize(firsts)
     length_codes, length_values = pd.factorize(lengths)
     codes, _ = pd.factorize(first_codes.astype(np.int64) * len(length_values) + length_codes)
-    # np.unique of the reversed codes (0, 1, ... all present) finds each group's last member
-    last_reversed = np.unique(codes[::-1], return_index=True)[1]
-    return codes, (n - 1 - last_reversed).tolist()
+    return codes, _last_members(codes)
+
+
+def _last_members(codes: np.ndarray) -> list[int]:
+    """The position of each group's last member, for group codes numbered 0, 1, ... in order of
+    first appearance (np.unique of the reversed codes finds them)."""
+    return (len(codes) - 1 - np.unique(codes[::-1], return_index=True)[1]).tolist()
 
 
 def _scanned_columns(chunk: list[Any]) -> tuple[tuple[np.ndarray, ...], _Groups] | None:
@@ -608,7 +606,7 @@ def _decoded_stack_ids(keys: np.ndarray, stacks: _DecodedStacks, interner: _Stac
     """What :func:`_stack_ids` gives for a chunk whose frames lists are the stacks ``keys``: the
     same groups, representatives, comparisons and interning order, hence the same ids."""
     codes, _ = pd.factorize(stacks.group[keys])  # numbered in order of first appearance
-    last = (len(keys) - 1 - np.unique(codes[::-1], return_index=True)[1]).tolist()
+    last = _last_members(codes)
     rep_keys = keys[last]
     rep_sids = [interner.intern(stacks.list_of(k)) for k in rep_keys.tolist()]
     sids = np.array([_MISSING if sid is None else sid for sid in rep_sids], dtype=np.int64)[codes]
