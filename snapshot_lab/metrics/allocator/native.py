@@ -60,7 +60,8 @@ def enabled() -> bool:
 
 
 def backend() -> str:
-    """``compiled`` or ``pure-python``: the allocator replay in use, for ``snaplab --version``."""
+    """``compiled`` or ``pure-python``: the allocator replay in use (``snaplab --version`` says it
+    for every compiled part, through :func:`snapshot_lab._compiled.describe`)."""
     return "compiled" if enabled() else "pure-python"
 
 
