@@ -6,7 +6,11 @@ Two families, each trained from a fresh model for every measurement:
   fp32 weights, AdamW;
 - ``resnet50``: torchvision's ResNet-50 at 224x224, 1000 classes, SGD with momentum;
 - ``vit``: torchvision's ViT-B/16 at 224x224 (an encoder; dropout 0), AdamW: recorded after the
-  fit model was written, as a family it was never tuned on (hold-out).
+  fit model was written, as a family it was never tuned on (hold-out);
+- ``llama``: a Llama from a Hugging Face config (8 layers, d=1024, SwiGLU 2816, 16 heads with 8
+  key/value heads, RMSNorm, rotary, untied head, vocab 32000, 512 tokens), fp32 weights, AdamW;
+- ``convnext``: torchvision's ConvNeXt-Tiny at 224x224 (stochastic depth 0), AdamW. These two were
+  recorded after every fit rule was written (hold-outs of a later session).
 
 Levers: ``plain``, ``ckpt`` (activation checkpointing of every repeated block), ``bf16`` (autocast),
 ``ckpt+bf16``. For every lever and batch size (a list spanning 16x) the peak allocated and reserved
@@ -38,7 +42,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "resnet50": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
     "vit": {"batches": [4, 8, 16, 32, 64], "complete": 8, "oom": 128, "search_max": 256},
+    "llama": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
+    "convnext": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
 }
+LLAMA_TOKENS = 512
 
 
 def build(family: str, lever: str):
@@ -60,6 +67,22 @@ def build(family: str, lever: str):
 
         model = torchvision.models.resnet50().to("cuda").train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
+                          tie_word_embeddings=False, attention_dropout=0.0)
+        model = LlamaForCausalLM(cfg).to("cuda")
+        if "ckpt" in lever:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif family == "convnext":
+        import torchvision
+
+        model = torchvision.models.convnext_tiny(stochastic_depth_prob=0.0).to("cuda").train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         import torchvision
 
@@ -92,17 +115,31 @@ def vit_forward(model, x, ckpt: bool):
     return model.heads(enc.ln(x)[:, 0])
 
 
+def convnext_forward(model, x, ckpt: bool):
+    """torchvision's ConvNeXt.forward, with each CNBlock checkpointed when asked."""
+    from torch.utils.checkpoint import checkpoint
+
+    for stage in model.features:
+        if ckpt and type(stage[0]).__name__ == "CNBlock":
+            for block in stage:
+                x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = stage(x)
+    return model.classifier(model.avgpool(x))
+
+
 def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     import torch
 
-    if family == "gpt2":
-        ids = torch.randint(0, 8192, (batch, 1024), generator=gen).to("cuda")
+    if family in ("gpt2", "llama"):
+        vocab, tokens = (8192, 1024) if family == "gpt2" else (32000, LLAMA_TOKENS)
+        ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = model(input_ids=ids, labels=ids).loss
     else:
         x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
         y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
-        forward = resnet_forward if family == "resnet50" else vit_forward
+        forward = {"resnet50": resnet_forward, "vit": vit_forward, "convnext": convnext_forward}[family]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = torch.nn.functional.cross_entropy(forward(model, x, "ckpt" in lever), y)
     loss.backward()
