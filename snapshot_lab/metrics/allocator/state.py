@@ -38,6 +38,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from ...frames.schema import BLOCKS_SCHEMA, SEGMENTS_SCHEMA, conform, empty_frame
+from .._memo import memo
 from ..history.lifetimes import device_lifetimes
 from .model import SMALL_BUFFER, SMALL_SIZE, AllocatorSettings, Block, CachingAllocatorModel, round_size
 
@@ -152,23 +153,35 @@ def _undo_segment_events(segments: list[SeedSegment], ev: pd.DataFrame) -> list[
 
 
 def start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings) -> StartState:
-    """The allocator's state just before the trace's first event (see the module docstring)."""
+    """The allocator's state just before the trace's first event (see the module docstring).
+    Computed once per frames, device and settings (the what-if and the training structure both
+    need it): callers read it and never change it."""
+    return memo(frames, ("start_state", device, settings), lambda: _start_state(frames, device, settings))
+
+
+def _start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings) -> StartState:
     ev = frames.events[frames.events["device"] == device]
     segments = _undo_segment_events(_dump_segments(frames, device), ev)
     lt = device_lifetimes(frames, device)
-    surviving = set(lt.loc[lt["free_index"].isna(), "address"].astype("int64").tolist())
+    surviving = lt.loc[lt["free_index"].isna(), "address"].to_numpy(dtype=np.int64)
     blk = frames.blocks[(frames.blocks["device"] == device) & (frames.blocks["state"] != "inactive")]
-    live: dict[int, int] = {
-        int(a): int(n) for a, n in zip(blk["address"], blk["size_bytes"], strict=True) if int(a) not in surviving
-    }
-    matched = set(lt["free_index"].dropna().astype("int64").tolist())
+    blk_addr = blk["address"].to_numpy(dtype=np.int64)
+    keep = ~np.isin(blk_addr, surviving)
+    blk_size = blk["size_bytes"].to_numpy(dtype=np.int64)
+    live: dict[int, int] = dict(zip(blk_addr[keep].tolist(), blk_size[keep].tolist(), strict=True))
+    matched = lt["free_index"].dropna().to_numpy(dtype=np.int64)
     frees = ev[(ev["action"] == "free_completed") & ev["address"].notna()]
-    orphan = frees[~frees["event_index"].isin(matched)]
+    orphan = frees[~np.isin(frees["event_index"].to_numpy(dtype=np.int64), matched)]
     freed_at: dict[int, int] = {}  # blocks of the start state the trace frees: address -> free's event_index
-    for a, n, i in zip(orphan["address"].astype("int64"), orphan["size_bytes"], orphan["event_index"], strict=True):
-        if int(a) not in live:
-            live[int(a)] = round_size(int(n), settings)
-            freed_at[int(a)] = int(i)
+    for a, n, i in zip(
+        orphan["address"].to_numpy(dtype=np.int64).tolist(),
+        orphan["size_bytes"].to_numpy(dtype=np.int64).tolist(),
+        orphan["event_index"].to_numpy(dtype=np.int64).tolist(),
+        strict=True,
+    ):
+        if a not in live:
+            live[a] = round_size(n, settings)
+            freed_at[a] = i
     starts = [s.address for s in segments]
     unplaced = 0
     for a, n in live.items():
@@ -204,10 +217,10 @@ def _restore_unsplit_remainders(
             n = seg.live[a]
             slack = SMALL_SIZE if n < settings.max_split_size else settings.max_non_split_rounding - 1
             following = taken[k + 1] if k + 1 < len(taken) else seg.address + seg.size
-            lo, hi = bisect.bisect_left(addrs, a + n), bisect.bisect_right(addrs, a + n + slack)
-            before_free = [(t, x) for t, x in zip(when[lo:hi], addrs[lo:hi], strict=True) if t < freed_at[a]]
-            if before_free:
-                end = int(min(before_free)[1])
+            lo, hi = np.searchsorted(addrs, a + n, "left"), np.searchsorted(addrs, a + n + slack, "right")
+            earlier = np.flatnonzero(when[lo:hi] < freed_at[a])
+            if earlier.size:  # the first allocation in the window, before the block's free
+                end = int(addrs[lo + earlier[np.argmin(when[lo:hi][earlier])]])
                 if a + n < end <= following:
                     seg.live[a] = end - a
 
