@@ -203,26 +203,29 @@ def _restore_unsplit_remainders(
     ``max_non_split_rounding`` for a request >= ``max_split_size``). While it is live, the free
     block after it starts at its real end, and allocations take free blocks from their start:
     so the trace's first allocation in that window, before the block's free, is at its end."""
-    allocs = ev[(ev["action"] == "alloc") & ev["address"].notna()]
-    order = np.argsort(allocs["address"].to_numpy(dtype=np.int64), kind="stable")
-    addrs = allocs["address"].to_numpy(dtype=np.int64)[order]
-    when = allocs["event_index"].to_numpy(dtype=np.int64)[order]
+    windows = []  # (segment, block address, rounded size, slack, where the next live block starts)
     for seg in segments:
         if seg.small or seg.expandable:
             continue  # the small pool and expandable segments split every remainder >= 512 B
         taken = sorted(seg.live)
         for k, a in enumerate(taken):
-            if a not in freed_at:
-                continue
-            n = seg.live[a]
-            slack = SMALL_SIZE if n < settings.max_split_size else settings.max_non_split_rounding - 1
-            following = taken[k + 1] if k + 1 < len(taken) else seg.address + seg.size
-            lo, hi = np.searchsorted(addrs, a + n, "left"), np.searchsorted(addrs, a + n + slack, "right")
-            earlier = np.flatnonzero(when[lo:hi] < freed_at[a])
-            if earlier.size:  # the first allocation in the window, before the block's free
-                end = int(addrs[lo + earlier[np.argmin(when[lo:hi][earlier])]])
-                if a + n < end <= following:
-                    seg.live[a] = end - a
+            if a in freed_at:
+                n = seg.live[a]
+                slack = SMALL_SIZE if n < settings.max_split_size else settings.max_non_split_rounding - 1
+                windows.append((seg, a, n, slack, taken[k + 1] if k + 1 < len(taken) else seg.address + seg.size))
+    if not windows:
+        return
+    allocs = ev[(ev["action"] == "alloc") & ev["address"].notna()]
+    order = np.argsort(allocs["address"].to_numpy(dtype=np.int64), kind="stable")
+    addrs = allocs["address"].to_numpy(dtype=np.int64)[order]
+    when = allocs["event_index"].to_numpy(dtype=np.int64)[order]
+    for seg, a, n, slack, following in windows:
+        lo, hi = np.searchsorted(addrs, a + n, "left"), np.searchsorted(addrs, a + n + slack, "right")
+        earlier = np.flatnonzero(when[lo:hi] < freed_at[a])
+        if earlier.size:  # the first allocation in the window, before the block's free
+            end = int(addrs[lo + earlier[np.argmin(when[lo:hi][earlier])]])
+            if a + n < end <= following:
+                seg.live[a] = end - a
 
 
 def seed(model: CachingAllocatorModel, state: StartState) -> dict[int, Block]:
