@@ -133,6 +133,34 @@ class PartialForward:
     tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
 
 
+def parameter_repeat(keys: np.ndarray, reach: int = 8) -> tuple[int, int, int]:
+    """:func:`~..plan.structure.tandem_repeat` of the parameters' keys, the period also sought
+    among the distances from a key to its next ``reach`` occurrences, not only the next one: a
+    Llama layer makes every size at least twice (q and o, k and v, its three MLP matrices, its
+    two norms), so no key's next occurrence is a layer away and the best repeat was its MLP's
+    three matrices (3 layers of 8)."""
+    period, start, count = tandem_repeat(keys)
+    order = np.argsort(keys, kind="stable")
+    candidates: set[int] = set()
+    for ahead in range(2, reach + 1):
+        same = keys[order][ahead:] == keys[order][:-ahead]
+        candidates.update(int(gap) for gap in np.unique((order[ahead:] - order[:-ahead])[same]))
+    best = (count * period, -period, start, count)
+    for candidate in sorted(gap for gap in candidates if 0 < gap <= keys.size // 2):
+        equal = keys[:-candidate] == keys[candidate:]
+        padded = np.r_[False, equal, False]
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        if not edges.size:
+            continue
+        longest = int(np.argmax(edges[1::2] - edges[::2]))
+        run, run_start = int(edges[1::2][longest] - edges[::2][longest]), int(edges[::2][longest])
+        run_count = (run + candidate) // candidate
+        key = (run_count * candidate, -candidate, run_start, run_count)
+        if run_count >= 2 and key > best:
+            best = key
+    return (-best[1], best[2], best[3]) if best[0] else (0, 0, 0)
+
+
 def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
     """The first forward as far as the trace goes (None: no forward in it)."""
     a = s.allocs
@@ -150,7 +178,7 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
     mod_rows = fwd[main[fwd] & module[fwd]]
     found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])
     keys = a["size"].to_numpy()[params] * PARAM_KEY + a["sid"].to_numpy()[params]
-    p_period, p_start, p_count = tandem_repeat(keys)
+    p_period, p_start, p_count = parameter_repeat(keys)
     param_block = np.full(params.size, -1, dtype=np.int64)
     if p_count >= 2:
         for j in range(p_count):
