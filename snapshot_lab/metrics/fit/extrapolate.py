@@ -66,9 +66,9 @@ RESULT_SAVING_OPS = ("relu", "relu_", "threshold", "softmax", "log_softmax", "si
 PASSES = 2  # the first step makes the optimizer state; the second runs with it
 GRADIENTS_ALIVE = 3  # a synthesized convnet block's: its output gradient, its input's, one temporary
 HEAD_ASSUMED = (
-    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
-    "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
-    "its log-softmax"
+    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} reading "
+    "{reads}, making {ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a "
+    "cross-entropy loss that saves its log-softmax"
 )
 
 
@@ -383,6 +383,11 @@ class _Step:
         sizes, counts = np.unique(vectors, return_counts=True)
         return float(sizes[np.argmax(counts)])
 
+    def _first_block_param(self) -> int:
+        """How many parameters come before the first block's (the embeddings)."""
+        inside = np.flatnonzero(self.pf.param_block >= 0)
+        return int(inside[0]) if inside.size else 0
+
     def head_matrix(self) -> tuple[float, bool]:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
         pb = self.pf.param_block
@@ -399,10 +404,17 @@ class _Step:
         if not pf.blocks:
             return
         last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
-        stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
+        # a block's first output: a norm of its input; a norm's per-token statistics (RMSNorm's
+        # variance, Llama's first saved tensor) are a sixty-fourth of the block's largest or less
+        sizes = [b.rows[row][3] for row in last_block]
+        stream = next((size for size in sizes if size * 64 > max(sizes)), 0.0)
         width = self.model_width()
         matrix, tied = self.head_matrix()
-        logits = stream * matrix * 4 / width**2 if width else 0.0
+        # a language model's head predicts a token per position (its matrix the embedding's size, or
+        # the embedding itself); a classifier's reads one pooled vector per sample (ViT's class
+        # token): its logits are a token's worth of the stream or less, taken as none
+        per_token = tied or bool(np.isin(matrix, self.p_size[self.pf.param_block < 0][: self._first_block_param()]))
+        logits = stream * matrix * 4 / width**2 if width and per_token else 0.0
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
@@ -414,7 +426,9 @@ class _Step:
         self.saved.append(("post", -1, kept))
         self.notes.append(
             HEAD_ASSUMED.format(
-                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes", ratio=logits / max(stream, 1)
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes",
+                ratio=logits / max(stream, 1),
+                reads="every token's output" if per_token else "one pooled vector per sample",
             )
         )
 
