@@ -5,13 +5,15 @@ What the trace shows is kept: the model's construction, the input, the forward u
 failure. The rest is extrapolated from it:
 
 - the forward's remaining blocks: as many as the parameters repeat (the model's layers, counted
-  from the repeat in the parameters' sizes and stacks), each a copy of the last whole block the
-  forward completed, its tail included (what it makes after its last submodule, up to the next
-  block: the residual add, the block's output);
+  from the repeat in the parameters' sizes and stacks, :func:`parameter_repeat`), each a copy
+  of the last whole block the forward completed, its tail included (what it makes after its
+  last submodule, up to the next block: the residual add, the block's output);
 - the layers after the blocks, when the forward did not reach them: a final norm and a linear
   head the size of the parameter matrix after the blocks (or, without one, of the embedding:
   weights tied), their output kept by the program (the logits) and a log-softmax of it saved by
-  the loss;
+  the loss; the logits are per token (vocabulary / width times the stream the last block's
+  first norm makes) for a language model's head (tied, or the size of an embedding before the
+  blocks), none for a classifier's, which reads one pooled vector per sample;
 - the backward: in reverse, a gradient the size of every tensor a part made (two alive at a time,
   a third being made); a saved tensor is freed once its gradient is made (what an operation
   saved of its input), or once the gradient after it is made (what a result-saving functional
