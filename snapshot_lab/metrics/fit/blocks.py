@@ -5,48 +5,74 @@ shapes) are called one after the other from one call site (``x = block(x)``, a `
 loop). Among the call sites on the forward allocations' stacks, the one whose calls cover the
 most allocations in at least two instances is taken; an instance begins where the first call
 inside the block (its first layer) comes round again.
+
+A block whose allocations are all made under one call of its own (torchvision's ConvNeXt
+``CNBlock``: ``self.layer_scale * self.block(input)``) shows the same first call inside it all
+along. Only when no call site repeats by that rule, an instance begins where the whole rest of
+the first allocation's call chain (the call sites and the modules they call, down to the layer
+that allocates) comes round again, and the site with the most instances is taken (a stage that
+also comes round, stem and downsampling layers included, has fewer).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from ...frames import SnapshotFrames
-from ..plan.structure import stack_info
+from ..plan.structure import StackInfo, stack_info
 
 
-def _instances(inner: list[int]) -> list[int]:
+def _instances(inner: Sequence[Hashable]) -> list[int]:
     """Indexes (into the site's rows) where an instance begins."""
     first = inner[0]
     return [i for i, f in enumerate(inner) if f == first and (i == 0 or inner[i - 1] != first)]
 
 
-def block_instances(frames: SnapshotFrames, rows: np.ndarray, sids: np.ndarray) -> list[np.ndarray]:
-    """The forward's repeated blocks: per instance, the subset of ``rows`` (allocation rows of
-    one forward, in order; ``sids`` their stacks) it made. Empty when nothing repeats."""
-    info = stack_info(frames)
+def _sites(
+    info: StackInfo, sids: np.ndarray, whole_chain: bool
+) -> tuple[dict[tuple[int, int], list[int]], dict[tuple[int, int], list[Hashable]]]:
+    """Per call site (depth, frame): the rows made under it and, per row, what is inside the
+    site: the next call site, or (``whole_chain``) every call site and called module below it."""
     by_site: dict[tuple[int, int], list[int]] = defaultdict(list)
-    inner_of: dict[tuple[int, int], list[int]] = defaultdict(list)
+    inner_of: dict[tuple[int, int], list[Hashable]] = defaultdict(list)
     for i, sid in enumerate(sids.tolist()):
         path = info.call_path.get(int(sid), ())
+        callee = info.callee.get(int(sid), ())
         for depth in range(len(path) - 1):
             key = (depth, path[depth])
             by_site[key].append(i)
-            inner_of[key].append(path[depth + 1])
+            inner_of[key].append((path[depth + 1 :], callee[depth + 1 :]) if whole_chain else path[depth + 1])
+    return by_site, inner_of
+
+
+def _best_site(
+    by_site: dict[tuple[int, int], list[int]], inner_of: dict[tuple[int, int], list[Hashable]], whole_chain: bool
+) -> tuple[int, int] | None:
     best: tuple[int, int, int] = (0, 0, 0)
     best_key = None
     for key, idx in by_site.items():
         starts = _instances(inner_of[key])
         if len(starts) < 2:
             continue
-        score = (len(idx), len(starts), key[0])
+        score = (len(starts), len(idx), key[0]) if whole_chain else (len(idx), len(starts), key[0])
         if score > best:
             best, best_key = score, key
-    if best_key is None:
-        return []
-    members = np.array(by_site[best_key])
-    starts = [*_instances(inner_of[best_key]), members.size]
-    return [rows[members[a:b]] for a, b in itertools.pairwise(starts)]
+    return best_key
+
+
+def block_instances(frames: SnapshotFrames, rows: np.ndarray, sids: np.ndarray) -> list[np.ndarray]:
+    """The forward's repeated blocks: per instance, the subset of ``rows`` (allocation rows of
+    one forward, in order; ``sids`` their stacks) it made. Empty when nothing repeats."""
+    info = stack_info(frames)
+    for whole_chain in (False, True):
+        by_site, inner_of = _sites(info, sids, whole_chain)
+        best_key = _best_site(by_site, inner_of, whole_chain)
+        if best_key is not None:
+            members = np.array(by_site[best_key])
+            starts = [*_instances(inner_of[best_key]), members.size]
+            return [rows[members[a:b]] for a, b in itertools.pairwise(starts)]
+    return []

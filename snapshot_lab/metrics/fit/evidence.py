@@ -171,7 +171,11 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     in_pass = np.isin(phase, ["data", "forward", "backward"])
     cache = np.isin(sid, list(cache_stacks(frames)))
     kept = complete & (a["free_pos"].to_numpy() < 0) & (phase != "data")
-    param_sized = (phase == "backward") & np.isin(size, s.params["size"].to_numpy())
+    # a weight's gradient before it is accumulated (GPT-2's tied embedding) does not scale; a size
+    # the forward also made as an activation is the gradient of one (Llama's logits at batch 2 x
+    # 512 tokens are its 32000 x 1024 head's size)
+    made_by_forward = size[(phase == "forward") & ~model_state & ~cache & ~kept]
+    param_sized = (phase == "backward") & np.isin(size, s.params["size"].to_numpy()) & ~np.isin(size, made_by_forward)
     scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized
     out = np.where(model_state, cat, np.where(scales, np.where(phase == "data", "input", "activation"), "workspace"))
     out = np.where(scales & np.isin(sid, list(kv_cache_stacks(frames))), KV_CACHE, out)

@@ -5,13 +5,15 @@ What the trace shows is kept: the model's construction, the input, the forward u
 failure. The rest is extrapolated from it:
 
 - the forward's remaining blocks: as many as the parameters repeat (the model's layers, counted
-  from the repeat in the parameters' sizes and stacks), each a copy of the last whole block the
-  forward completed, its tail included (what it makes after its last submodule, up to the next
-  block: the residual add, the block's output);
+  from the repeat in the parameters' sizes and stacks, :func:`parameter_repeat`), each a copy
+  of the last whole block the forward completed, its tail included (what it makes after its
+  last submodule, up to the next block: the residual add, the block's output);
 - the layers after the blocks, when the forward did not reach them: a final norm and a linear
   head the size of the parameter matrix after the blocks (or, without one, of the embedding:
   weights tied), their output kept by the program (the logits) and a log-softmax of it saved by
-  the loss;
+  the loss; the logits are per token (vocabulary / width times the stream the last block's
+  first norm makes) for a language model's head (tied, or the size of an embedding before the
+  blocks), none for a classifier's, which reads one pooled vector per sample;
 - the backward: in reverse, a gradient the size of every tensor a part made (two alive at a time,
   a third being made); a saved tensor is freed once its gradient is made (what an operation
   saved of its input), or once the gradient after it is made (what a result-saving functional
@@ -66,9 +68,9 @@ RESULT_SAVING_OPS = ("relu", "relu_", "threshold", "softmax", "log_softmax", "si
 PASSES = 2  # the first step makes the optimizer state; the second runs with it
 GRADIENTS_ALIVE = 3  # a synthesized convnet block's: its output gradient, its input's, one temporary
 HEAD_ASSUMED = (
-    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} making "
-    "{ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a cross-entropy loss that saves "
-    "its log-softmax"
+    "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} reading "
+    "{reads}, making {ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a "
+    "cross-entropy loss that saves its log-softmax"
 )
 
 
@@ -133,6 +135,34 @@ class PartialForward:
     tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
 
 
+def parameter_repeat(keys: np.ndarray, reach: int = 8) -> tuple[int, int, int]:
+    """:func:`~..plan.structure.tandem_repeat` of the parameters' keys, the period also sought
+    among the distances from a key to its next ``reach`` occurrences, not only the next one: a
+    Llama layer makes every size at least twice (q and o, k and v, its three MLP matrices, its
+    two norms), so no key's next occurrence is a layer away and the best repeat was its MLP's
+    three matrices (3 layers of 8)."""
+    period, start, count = tandem_repeat(keys)
+    order = np.argsort(keys, kind="stable")
+    candidates: set[int] = set()
+    for ahead in range(2, reach + 1):
+        same = keys[order][ahead:] == keys[order][:-ahead]
+        candidates.update(int(gap) for gap in np.unique((order[ahead:] - order[:-ahead])[same]))
+    best = (count * period, -period, start, count)
+    for candidate in sorted(gap for gap in candidates if 0 < gap <= keys.size // 2):
+        equal = keys[:-candidate] == keys[candidate:]
+        padded = np.r_[False, equal, False]
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        if not edges.size:
+            continue
+        longest = int(np.argmax(edges[1::2] - edges[::2]))
+        run, run_start = int(edges[1::2][longest] - edges[::2][longest]), int(edges[::2][longest])
+        run_count = (run + candidate) // candidate
+        key = (run_count * candidate, -candidate, run_start, run_count)
+        if run_count >= 2 and key > best:
+            best = key
+    return (-best[1], best[2], best[3]) if best[0] else (0, 0, 0)
+
+
 def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:
     """The first forward as far as the trace goes (None: no forward in it)."""
     a = s.allocs
@@ -150,7 +180,7 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
     mod_rows = fwd[main[fwd] & module[fwd]]
     found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])
     keys = a["size"].to_numpy()[params] * PARAM_KEY + a["sid"].to_numpy()[params]
-    p_period, p_start, p_count = tandem_repeat(keys)
+    p_period, p_start, p_count = parameter_repeat(keys)
     param_block = np.full(params.size, -1, dtype=np.int64)
     if p_count >= 2:
         for j in range(p_count):
@@ -355,6 +385,11 @@ class _Step:
         sizes, counts = np.unique(vectors, return_counts=True)
         return float(sizes[np.argmax(counts)])
 
+    def _first_block_param(self) -> int:
+        """How many parameters come before the first block's (the embeddings)."""
+        inside = np.flatnonzero(self.pf.param_block >= 0)
+        return int(inside[0]) if inside.size else 0
+
     def head_matrix(self) -> tuple[float, bool]:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
         pb = self.pf.param_block
@@ -371,10 +406,17 @@ class _Step:
         if not pf.blocks:
             return
         last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
-        stream = b.rows[last_block[0]][3] if last_block else 0.0  # a block's first output: a norm of its input
+        # a block's first output: a norm of its input; a norm's per-token statistics (RMSNorm's
+        # variance, Llama's first saved tensor) are a sixty-fourth of the block's largest or less
+        sizes = [b.rows[row][3] for row in last_block]
+        stream = next((size for size in sizes if size * 64 > max(sizes)), 0.0)
         width = self.model_width()
         matrix, tied = self.head_matrix()
-        logits = stream * matrix * 4 / width**2 if width else 0.0
+        # a language model's head predicts a token per position (its matrix the embedding's size, or
+        # the embedding itself); a classifier's reads one pooled vector per sample (ViT's class
+        # token): its logits are a token's worth of the stream or less, taken as none
+        per_token = tied or bool(np.isin(matrix, self.p_size[self.pf.param_block < 0][: self._first_block_param()]))
+        logits = stream * matrix * 4 / width**2 if width and per_token else 0.0
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
@@ -386,7 +428,9 @@ class _Step:
         self.saved.append(("post", -1, kept))
         self.notes.append(
             HEAD_ASSUMED.format(
-                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes", ratio=logits / max(stream, 1)
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes",
+                ratio=logits / max(stream, 1),
+                reads="every token's output" if per_token else "one pooled vector per sample",
             )
         )
 

@@ -1,0 +1,150 @@
+"""snaplab fit on two families recorded after every fit rule was written: a Llama from a Hugging
+Face config (8 layers, d=1024, GQA 16/8 heads, RMSNorm, SwiGLU 2816, untied head, vocab 32000, 512
+tokens, fp32, AdamW) and torchvision's ConvNeXt-Tiny (AdamW), both recorded on the H100 by
+``sample_snapshots/workloads_fit.py`` (families ``llama`` and ``convnext`` of
+``sample_snapshots/fit_truth.json``).
+
+They were hold-outs: run against the rules as they stood, each broke one. Those rules were then
+changed (so for what follows they are no longer unseen), each change checked on GPT-2, ResNet-50
+and ViT as well:
+
+- ConvNeXt: no repeated block at all (checkpointing refused). A block instance began where the
+  first call inside the block-calling loop came round again; a CNBlock makes everything under one
+  call (``self.layer_scale * self.block(input)``), so the whole stage was one instance. Now, when
+  no call site repeats by that rule, the whole rest of the call chain is compared (``fit/blocks.py``).
+- Llama complete (batch 2): the head's backward did not scale. At 2 x 512 tokens the logits'
+  gradient is the size of the 32000 x 1024 head, and backward tensors of a parameter's size were
+  all taken as weight gradients; a size the forward also made as an activation now scales
+  (``row_categories``). Checkpointing at 16 went from -17.9% to +1.3%.
+- Llama OOM (batch 32): 3 layers counted from the parameters where there are 8 (every size
+  recurs within a Llama layer, so the period was never among the distances to a size's next
+  occurrence), and logits of 1/1024 of theirs (the stream the head reads was taken as the last
+  block's first saved tensor: RMSNorm's per-token variance). Plain at 16 went from -56.6% to +3.0%.
+
+Still outside the bounds, marked xfail with the numbers (``OUTSIDE``): ConvNeXt under checkpointing
+from the complete snapshot (the recomputed block overlaps the previous block's depthwise
+convolution backward: too high), and ConvNeXt's OOM, which ran out inside its first block, whose
+layers (a depthwise convolution, a layer norm, two linear layers, a layer scale) the convolution
+reader of ``fit/convnet.py`` (convolutions each followed by a batch norm) does not cover.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snapshot_lab.metrics.fit import compute_fit, predict_step
+
+from .conftest import SAMPLES
+
+FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
+CAP = 6 << 30
+LEVERS = {"plain": (False, False), "ckpt": (True, False), "bf16": (False, True), "ckpt+bf16": (True, True)}
+OUR_NAMES = {"plain": "as recorded", "ckpt": "checkpointing", "bf16": "bf16", "ckpt+bf16": "checkpointing+bf16"}
+SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part of the step never reached, bound)
+    "fit_llama_b2_complete_python": ("llama", 2, None, 0.10),
+    "fit_llama_b32_oom_python": ("llama", 32, "adamw", 0.15),
+    "fit_convnext_b16_complete_python": ("convnext", 16, None, 0.10),
+    "fit_convnext_b512_oom_python": ("convnext", 512, "adamw", 0.15),
+}
+_CKPT_OVERLAP = "the recomputed CNBlock overlaps the previous block's depthwise convolution backward"
+_NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
+# (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
+OUTSIDE = {
+    ("fit_convnext_b16_complete_python", "ckpt", 8): f"+10.9%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt", 16): f"+27.0%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt", 32): f"+31.4%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt", 64): f"+35.4%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt", 128): f"+38.1%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt+bf16", 32): f"+16.0%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt+bf16", 64): f"+16.5%: {_CKPT_OVERLAP}",
+    ("fit_convnext_b16_complete_python", "ckpt+bf16", 128): f"+16.9%: {_CKPT_OVERLAP}",
+    **{
+        ("fit_convnext_b512_oom_python", lever, batch): f"FitUnsupported: {_NO_READER}"
+        for lever in LEVERS
+        for batch in (8, 16, 32, 64, 128, None)
+    },
+}
+
+
+def _cases() -> list[tuple[str, str, int]]:
+    return [
+        (name, lever, int(batch))
+        for name, (family, _, _, _) in SNAPSHOTS.items()
+        for lever in LEVERS
+        for batch, measured in FAMILIES[family]["levers"][lever]["uncapped"].items()
+        if measured["ok"]
+    ]
+
+
+def _predict(frames, name: str, **kwargs):
+    try:
+        return predict_step(frames, **kwargs)
+    except ValueError as error:  # FitUnsupported
+        if (name, "plain", None) in OUTSIDE:
+            pytest.xfail(f"{type(error).__name__}: {error}")
+        raise
+
+
+@pytest.mark.parametrize(("name", "lever", "batch"), _cases())
+def test_whole_step_peak_allocated_on_families_recorded_after_the_rules(real_frames, name, lever, batch):
+    family, recorded, optimizer, bound = SNAPSHOTS[name]
+    ckpt, bf16 = LEVERS[lever]
+    extra = {"optimizer": optimizer} if optimizer else {}
+    frames = real_frames(name)
+    allocated, _ = _predict(frames, name, batch_scale=batch / recorded, checkpointing=ckpt, bf16=bf16, **extra)
+    measured = FAMILIES[family]["levers"][lever]["uncapped"][str(batch)]["peak_allocated_bytes"]
+    error = allocated / measured - 1
+    if abs(error) > bound and (name, lever, batch) in OUTSIDE:
+        pytest.xfail(f"predicted {allocated}, measured {measured} ({error:+.1%}); {OUTSIDE[name, lever, batch]}")
+    assert abs(error) <= bound, (allocated, measured, f"{error:+.1%}")
+
+
+@pytest.fixture(scope="module")
+def under_the_cap(real_frames):
+    out = {}
+    for name, (_, recorded, optimizer, _) in SNAPSHOTS.items():
+        try:
+            out[name] = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer)
+        except ValueError as error:  # FitUnsupported: kept for the test to report
+            out[name] = error
+    return out
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+@pytest.mark.parametrize("name", list(SNAPSHOTS))
+def test_largest_batch_under_the_cap_near_the_real_runs(under_the_cap, name, lever):
+    """Within 40% (or one batch), as for the three families the rules were built and checked on."""
+    family = SNAPSHOTS[name][0]
+    measured = FAMILIES[family]["levers"][lever]["largest_batch_under_cap"]
+    fit = under_the_cap[name]
+    if isinstance(fit, ValueError):
+        assert (name, lever, None) in OUTSIDE, fit
+        pytest.xfail(f"{type(fit).__name__}: {fit} (real largest batch {measured})")
+    predicted = fit.largest_batch[OUR_NAMES[lever]]
+    assert predicted is not None
+    assert abs(predicted - measured) <= max(1, 0.4 * measured), (predicted, measured)
+
+
+def test_every_convnext_block_is_found(real_frames):
+    """ConvNeXt-Tiny's 3 + 3 + 9 + 3 CNBlocks, in each of the two recorded passes: the rule that
+    an instance begins where the first call inside the block comes round again found none (every
+    CNBlock calls ``self.block`` from one line), and checkpointing was refused."""
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    ev = step_evidence(real_frames("fit_convnext_b16_complete_python"), 0, None)
+    assert ev.n_blocks == 18
+    assert [b.index for b in ev.blocks] == [*range(18), *range(18)]
+
+
+def test_the_llama_oom_counts_its_eight_layers_and_its_head_from_the_parameters(real_frames):
+    """8 layers (3 before: the MLP's three equal matrices were the longest repeat the next
+    occurrence of a size showed), and logits 32000 / 1024 = 31.25 times the residual stream per
+    token (0.0 before: the stream was read from RMSNorm's per-token variance)."""
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    ev = step_evidence(real_frames("fit_llama_b32_oom_python"), 0, "adamw")
+    assert sorted({b.index for b in ev.blocks}) == list(range(8))
+    assert "(8 repeated blocks, counted from the parameters; 2 ran)" in ev.notes[0]
+    assert "making 31.2x the residual stream" in ev.notes[-1]
