@@ -260,7 +260,18 @@ def block_spans(
     # a block's backward begins once the next block's is over: before the gradients its own
     # backward makes, not at the first saved tensor it frees
     follows = (block_uid[1:] == block_uid[:-1] + 1) & (end[1:] + 0.25 < start[:-1])
+    own_start = start.copy()
     start[:-1][follows] = end[1:][follows] + 0.25
+    # nor before the backward of what ran between it and the next block is over (its output, which
+    # the next block saved; ConvNeXt's downsampling layers): the latest free of what they made
+    same_pass = found.pass_index[1:] == found.pass_index[:-1]
+    lo, hi = np.searchsorted(pos, last_pos[:-1], "right"), np.searchsorted(pos, first_pos[1:], "left")
+    limit = backward_end[found.pass_index[:-1]]
+    for i in np.flatnonzero(same_pass & (hi > lo)).tolist():
+        frees = free_pos[lo[i] : hi[i]][main[lo[i] : hi[i]]]
+        frees = frees[(frees < limit[i]) & (frees >= backward_start[found.pass_index[i]])]
+        if frees.size:
+            start[i] = max(start[i], min(float(frees.max()) + 0.25, own_start[i]))
     p_size = s.params["size"].to_numpy()
     matrices = {count: _matrix_bytes(s, count, p_size, castable) for count in set(found.counts.tolist())}
     blocks = tuple(
