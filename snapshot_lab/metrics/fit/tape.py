@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .._memo import memo
 from ..allocator import native
 from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory, segment_address_space
 
@@ -100,7 +101,12 @@ def empty_tape() -> Tape:
 
 def ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     """Row of every operation (allocations, then frees) and whether it is a free, in order:
-    by position, an allocation before a free at the same position."""
+    by position, an allocation before a free at the same position. The order does not depend on
+    the batch: it is sorted once per tape (a lever's search replays one tape many times)."""
+    return memo(tape, "ordered_ops", lambda: _ordered_ops(tape))
+
+
+def _ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     rows = np.arange(len(tape))
     freed = np.isfinite(tape.end)
     pos = np.r_[tape.start, tape.end[freed]]
