@@ -48,54 +48,79 @@ def _rows_by_block(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     return tape.block[candidates][order], candidates[order]
 
 
+def _block_rows(tape: Tape, blocks: tuple[BlockSpan, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The forward rows of every block with two or more (:func:`_rows_by_block`), block after
+    block in the order of ``blocks``: the rows, and per row the index of its block."""
+    uids, grouped = _rows_by_block(tape)
+    wanted = np.array([b.uid for b in blocks], dtype=np.int64)
+    lo, hi = np.searchsorted(uids, wanted, "left"), np.searchsorted(uids, wanted, "right")
+    used = np.flatnonzero(hi - lo >= 2)
+    count = (hi - lo)[used]
+    first = np.repeat(lo[used] - (np.cumsum(count) - count), count)
+    return grouped[first + np.arange(int(count.sum()))], np.repeat(used, count)
+
+
+def _first_freed(block_of: np.ndarray, end: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """Per block, the position (into the rows) of its candidate row freed first (the earliest
+    row among equals)."""
+    at = np.flatnonzero(candidate)
+    order = np.lexsort((at, end[at], block_of[at]))
+    ranked = at[order]
+    return ranked[np.r_[True, block_of[ranked][1:] != block_of[ranked][:-1]]] if ranked.size else ranked
+
+
 def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     """Activation checkpointing of every repeated block. transformers turns its KV cache off
-    under gradient checkpointing: the cache's copies of keys and values are not made."""
+    under gradient checkpointing: the cache's copies of keys and values are not made.
+
+    The block's output (the next block's input, which the checkpoint keeps) is the first of its
+    saved tensors the backward frees: in the next block's backward, or by its own first operation
+    (an in-place ReLU saves its result); in that case the re-run forward makes it again (the
+    backward unpacks the re-run's tensors: ResNet's bottlenecks), else the re-run stops before it
+    (GPT-2's residual add saves nothing). Every block at once, as array operations."""
     tape = tape.scaled(tape.category == KV_CACHE, 0.0)
     end = tape.end.copy()
-    added: list[Tape] = []
-    uids, grouped = _rows_by_block(tape)
-    for b in blocks:
-        rows = grouped[np.searchsorted(uids, b.uid, "left") : np.searchsorted(uids, b.uid, "right")]
-        if rows.size < 2:
-            continue
-        # the block's output (the next block's input, which the checkpoint keeps) is the first
-        # of its saved tensors the backward frees: in the next block's backward, or by its own
-        # first operation (an in-place ReLU saves its result); in that case the re-run forward
-        # makes it again (the backward unpacks the re-run's tensors: ResNet's bottlenecks), else
-        # the re-run stops before it (GPT-2's residual add saves nothing)
-        kept = tape.end[rows] > b.forward_end
-        output = rows[kept][np.argmin(tape.end[rows][kept])] if kept.any() else -1
-        saved = rows[(tape.end[rows] > b.forward_end) & (rows != output)]
-        end[saved] = b.forward_end + 0.5
-        if output >= 0 and tape.end[output] < b.backward_start:
-            rows = rows[rows != output]
-        span = max(b.forward_end - b.forward_start, 1.0)
-        offset = (tape.start[rows] - b.forward_start) / span * RECOMPUTE_WINDOW
-        start = b.backward_start - 0.5 + offset
-        is_saved = tape.end[rows] > b.forward_end
-        life = np.where(
-            is_saved,
-            tape.end[rows],
-            start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW,
-        )
-        added.append(
-            make_tape(
-                start,
-                np.maximum(life, start + 1e-6),
-                tape.fixed[rows],
-                tape.per_batch[rows],
-                "activation",
-                tape.stream[rows],
-                "backward",
-                b.uid,
-                tape.autocast[rows],
-            )
-        )
+    rows, block_of = _block_rows(tape, blocks)
+    f_start, f_end, b_start = (
+        np.array([getattr(b, f) for b in blocks], dtype=np.float64).reshape(-1)
+        for f in ("forward_start", "forward_end", "backward_start")
+    )
+    row_end = tape.end[rows]
+    kept = row_end > f_end[block_of]
+    output = _first_freed(block_of, row_end, kept)
+    is_output = np.zeros(rows.size, dtype=bool)
+    is_output[output] = True
+    saved = kept & ~is_output
+    end[rows[saved]] = f_end[block_of[saved]] + 0.5
+    rerun = np.ones(rows.size, dtype=bool)
+    rerun[output[row_end[output] < b_start[block_of[output]]]] = False
+    rows, block_of = rows[rerun], block_of[rerun]
+    span = np.maximum(f_end[block_of] - f_start[block_of], 1.0)
+    offset = (tape.start[rows] - f_start[block_of]) / span * RECOMPUTE_WINDOW
+    start = b_start[block_of] - 0.5 + offset
+    life = np.where(
+        tape.end[rows] > f_end[block_of],
+        tape.end[rows],
+        start + np.minimum(tape.end[rows] - tape.start[rows], span) / span * RECOMPUTE_WINDOW,
+    )
     out = Tape(
         tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
     )
-    return out.with_rows(*added)
+    if not rows.size:
+        return out
+    uid = np.array([b.uid for b in blocks], dtype=np.int64)[block_of]
+    recomputed = make_tape(
+        start,
+        np.maximum(life, start + 1e-6),
+        tape.fixed[rows],
+        tape.per_batch[rows],
+        "activation",
+        tape.stream[rows],
+        "backward",
+        uid,
+        tape.autocast[rows],
+    )
+    return out.with_rows(recomputed)
 
 
 def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
