@@ -84,3 +84,20 @@ def test_the_json_keeps_its_top_level_answer():
     assert out["parallel_strategies"][0]["label"] == "ZeRO-1 (optimizer state sharded) over 2 GPUs"
     assert out["parallel_strategies_refused"] == {}
     assert out["ways_to_fit"][-1]["kind"] == "parallel strategy"
+
+
+def test_zero1_is_not_proposed_where_the_trace_has_no_optimizer_state(real_frames, gpt2):
+    """ZeRO-1 shards the optimizer state only. A forward and backward without an optimizer step
+    (``bench_fwdbwd_python``, a benchmark loop) has none: ZeRO-1 there would be planned as the
+    job unchanged and listed as a way to fit, so it is refused with the reason; ZeRO-2 (the
+    gradients too) is still planned. A training step (GPT-2's) keeps it: the simpler rule (always
+    propose it) is what the benchmark breaks."""
+    r = compute_fit(real_frames("bench_fwdbwd_python"), memory_limit=1 << 30)
+    assert r.workload == "forward and backward"
+    assert "zero1" not in {p.strategy for p in r.parallel_strategies}
+    assert {p.strategy for p in r.parallel_strategies} >= {"zero2", "zero3"}
+    reasons = {label: why for label, why in r.parallel_refused.items() if label.startswith("ZeRO-1")}
+    assert len(reasons) == 3 and all(
+        why.startswith("not applicable: the trace has no optimizer step") for why in reasons.values()
+    )
+    assert "zero1" in {p.strategy for p in gpt2.parallel_strategies}

@@ -21,6 +21,11 @@ NO_WHOLE_STEP = (
     "plan replays a recorded whole iteration and this trace ends in the first forward: record a whole step "
     "(at a smaller batch, or without the cap) to plan the parallel strategies"
 )
+ZERO1_ANY = "ZeRO-1 (optimizer state sharded), over any number of GPUs"
+NO_OPTIMIZER_STATE = (
+    "not applicable: the trace has no optimizer step, so there is no optimizer state to shard "
+    "(ZeRO-2 and ZeRO-3 also shard the gradients and parameters)"
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ def parallel_strategies(
     for n in WORLD_SIZES[:1] if long else WORLD_SIZES:
         for key in CHANGE_ORDER[:-1] if long else CHANGE_ORDER:
             strategy = _STRATEGIES[key](n)
+            if key == "zero1" and not structure.steps:
+                refused[ZERO1_ANY] = NO_OPTIMIZER_STATE
+                continue
             try:
                 p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
             except (PlanUnsupported, ValueError) as exc:
