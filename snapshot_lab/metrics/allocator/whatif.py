@@ -127,15 +127,31 @@ class _Program:
     releases: dict[int, tuple[str, int]]
 
 
+_KIND_OF_ACTION = {
+    "alloc": _ALLOC,
+    "free_completed": _FREE,
+    "segment_alloc": _SEG_NEW,
+    "segment_map": _SEG_NEW,
+    "segment_free": _SEG_GONE,
+    "segment_unmap": _SEG_GONE,
+    "oom": _OOM,
+}
+
+
+def _kinds(action: pd.Series) -> np.ndarray:
+    """The program's kind of every event, looked up once per category (the action column is
+    categorical: its codes index a table, no string is compared per event)."""
+    if not isinstance(action.dtype, pd.CategoricalDtype):
+        action = action.astype("category")
+    table = np.array(
+        [_KIND_OF_ACTION.get(str(name), _OTHER) for name in action.cat.categories] + [_OTHER], dtype=np.int8
+    )
+    return table[action.cat.codes.to_numpy()]  # code -1 (missing): the table's last entry
+
+
 def _program(frames: SnapshotFrames, device: int) -> _Program:
     ev = frames.events[frames.events["device"] == device]
-    action = ev["action"].astype(str).to_numpy()
-    kind = np.full(len(ev), _OTHER, dtype=np.int8)
-    kind[action == "alloc"] = _ALLOC
-    kind[action == "free_completed"] = _FREE
-    kind[np.isin(action, ["segment_alloc", "segment_map"])] = _SEG_NEW
-    kind[np.isin(action, ["segment_free", "segment_unmap"])] = _SEG_GONE
-    kind[action == "oom"] = _OOM
+    kind = _kinds(ev["action"])
     releases: dict[int, tuple[str, int]] = {}
     n = len(kind)
     for r in find_releases(frames, device):
