@@ -123,8 +123,10 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     return out.with_rows(recomputed)
 
 
-def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
-    """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32."""
+def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> Tape:
+    """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32.
+    A block's weight copies live from its forward to its backward; with the block checkpointed
+    (``checkpointed``) they are not kept: freed after its forward, made again by the re-run."""
     made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
     cast_inputs = _matmul_inputs(tape)
     half = made & (tape.autocast != AUTOCAST_FP32)
@@ -133,7 +135,10 @@ def bf16_autocast(tape: Tape, ev: StepEvidence) -> Tape:
     out = tape.scaled(half, 0.5)
     copies = []
     for b in ev.blocks:
-        if b.matrix_bytes:
+        if b.matrix_bytes and checkpointed:
+            copies.append((b.forward_start - 0.25, b.forward_end + 0.25, b.matrix_bytes / 2))
+            copies.append((b.backward_start - 0.75, b.backward_end + 0.25, b.matrix_bytes / 2))
+        elif b.matrix_bytes:
             copies.append((b.forward_start - 0.25, b.backward_end + 0.25, b.matrix_bytes / 2))
     for p in ev.passes:
         if p.outside_matrix_bytes:

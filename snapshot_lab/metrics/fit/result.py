@@ -170,7 +170,7 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
         out["checkpointing"] = lambda: lv.checkpoint(t, ev.blocks)
     out["bf16"] = lambda: lv.bf16_autocast(t, ev)
     if ev.blocks:
-        out["checkpointing+bf16"] = lambda: lv.bf16_autocast(lv.checkpoint(t, ev.blocks), ev)
+        out["checkpointing+bf16"] = lambda: lv.bf16_autocast(lv.checkpoint(t, ev.blocks), ev, checkpointed=True)
     for name in OPTIMIZER_SWAPS:
         if name != ev.optimizer and lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
             out[name] = lambda name=name: lv.swap_optimizer(t, ev, name)  # type: ignore[misc]
@@ -187,7 +187,7 @@ def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
         if not ev.blocks:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
         tape = lv.checkpoint(tape, ev.blocks)
-    return lv.bf16_autocast(tape, ev) if bf16 else tape
+    return lv.bf16_autocast(tape, ev, checkpointed=checkpointing) if bf16 else tape
 
 
 def predict_step(
