@@ -539,11 +539,38 @@ static int32_t split_after(Engine *m, int32_t bi, int64_t n) {
 }
 
 /* _try_merge(dst, src): src joins dst when both are free and equally mapped */
+static int join_blocks(Engine *m, int32_t di, int32_t si);
+
 static int try_merge(Engine *m, int32_t di, int32_t si, Pool *p) {
     if (si < 0) return 0;
     Block *d = BLK(di), *s = BLK(si);
     if (s->allocated || d->mapped != s->mapped) return 0;
     if ((s->mapped ? pool_remove(m, p, si) : remove_unmapped(m, p, si)) < 0) return -1;
+    return join_blocks(m, di, si);
+}
+
+/* free_block's merges: try_merge, where the mapped neighbour's place among the pool's keys is
+ * left for the freed block (*hole; a place left by the neighbour before is taken out first) */
+static int merge_into_freed(Engine *m, int32_t di, int32_t si, Pool *p, Py_ssize_t *hole) {
+    if (si < 0) return 0;
+    Block *d = BLK(di), *s = BLK(si);
+    if (s->allocated || d->mapped != s->mapped) return 0;
+    if (!s->mapped) return try_merge(m, di, si, p);
+    if (*hole >= 0) {
+        array_delete_at(&p->keys, *hole);
+        *hole = -1;
+    }
+    Py_ssize_t pos = lower_bound(m, &p->keys, s->stream, s->key_size, s->key_addr);
+    if (s->in_pool != 1 || pos >= p->keys.len || p->keys.key[pos].idx != si)
+        return unsupported("a block removed from a pool it is not in");
+    s->in_pool = 0;
+    *hole = pos;
+    return join_blocks(m, di, si);
+}
+
+/* src joins dst (both free, equally mapped, src out of its pool) */
+static int join_blocks(Engine *m, int32_t di, int32_t si) {
+    Block *d = BLK(di), *s = BLK(si);
     if (d->prev == si) {
         d->addr = s->addr;
         d->prev = s->prev;
@@ -826,8 +853,9 @@ static int64_t expandable_size(Engine *m, Block *b) {
     return b->size + (b->next >= 0 && !BLK(b->next)->mapped ? BLK(b->next)->size : 0);
 }
 
-/* _get_free_block: *out -1 when none serves */
-static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out) {
+/* _get_free_block: *out -1 when none serves, else the block, left in the pool at *at (the caller
+ * takes it out: engine_malloc, with what a split leaves of it in the same move) */
+static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out, Py_ssize_t *at) {
     *out = -1;
     if (m->gc) p->gc_calls++;
     IdxArray *keys = &p->keys;
@@ -853,9 +881,60 @@ static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int3
     } else if (b->size >= size + m->max_non_split_rounding) {
         return 0;
     }
-    array_delete_at(keys, i);
-    b->in_pool = 0;
     *out = bi;
+    *at = i;
+    return 0;
+}
+
+/* the free block at position `at` of the pool's keys leaves it, and block ri (the rest of it
+ * after a split: same stream, smaller, so its key sorts below) enters: pool.remove then
+ * pool.insert, in one move of the keys between the two positions */
+static int pool_swap_for_rest(Engine *m, Pool *p, Py_ssize_t at, int32_t ri) {
+    IdxArray *a = &p->keys;
+    Block *r = BLK(ri);
+    Py_ssize_t lo = 0, hi = at; /* bisect_left over the keys below `at` */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (cmp_key(&a->key[mid], r->stream, r->size, r->addr) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < at && cmp_key(&a->key[lo], r->stream, r->size, r->addr) == 0)
+        return unsupported("two free blocks with the same (stream, size, address)");
+    memmove(a->key + lo + 1, a->key + lo, (size_t)(at - lo) * sizeof(Key));
+    a->key[lo].stream = r->stream;
+    a->key[lo].size = r->size;
+    a->key[lo].addr = r->addr;
+    a->key[lo].idx = ri;
+    r->key_size = r->size;
+    r->key_addr = r->addr;
+    r->in_pool = 1;
+    r->gc_base = p->gc_calls;
+    return 0;
+}
+
+/* the key at position `hole` of the pool's keys (a neighbour merged into block bi, whose key is
+ * above it: same stream, larger) leaves it and bi enters: pool.remove then pool.insert, in one
+ * move of the keys between the two positions */
+static int pool_swap_for_merged(Engine *m, Pool *p, Py_ssize_t hole, int32_t bi) {
+    IdxArray *a = &p->keys;
+    Block *b = BLK(bi);
+    Py_ssize_t lo = hole + 1, hi = a->len; /* bisect_left over the keys above the hole */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (cmp_key(&a->key[mid], b->stream, b->size, b->addr) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < a->len && cmp_key(&a->key[lo], b->stream, b->size, b->addr) == 0)
+        return unsupported("two free blocks with the same (stream, size, address)");
+    memmove(a->key + hole, a->key + hole + 1, (size_t)(lo - hole - 1) * sizeof(Key));
+    a->key[lo - 1].stream = b->stream;
+    a->key[lo - 1].size = b->size;
+    a->key[lo - 1].addr = b->addr;
+    a->key[lo - 1].idx = bi;
+    b->key_size = b->size;
+    b->key_addr = b->addr;
+    b->in_pool = 1;
+    b->gc_base = p->gc_calls;
     return 0;
 }
 
@@ -901,8 +980,10 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     int64_t size = round_size(m, orig_size);
     Pool *p = size <= SMALL_SIZE ? &m->small : &m->large;
     int32_t bi;
-    if (get_free_block(m, p, size, stream, &bi) < 0) return -1;
+    Py_ssize_t at = -1; /* where the free block that serves it is in the pool */
+    if (get_free_block(m, p, size, stream, &bi, &at) < 0) return -1;
     if (bi < 0) {
+        at = -1;
         int rc = new_block_for(m, p, size, stream, event_index, &bi);
         if (rc) return rc;
     }
@@ -913,9 +994,13 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     else split = (m->ms_unlimited || size < m->max_split_size) && remaining > SMALL_SIZE;
     if (split) {
         int32_t ri = split_after(m, bi, size);
-        if (ri < 0 || pool_insert(m, p, ri) < 0) return -1;
+        if (ri < 0) return -1;
+        if ((at >= 0 ? pool_swap_for_rest(m, p, at, ri) : pool_insert(m, p, ri)) < 0) return -1;
+    } else if (at >= 0) {
+        array_delete_at(&p->keys, at);
     }
     b = BLK(bi);
+    if (at >= 0) b->in_pool = 0;
     b->allocated = 1;
     if (add_checked(m->allocated, b->size, &m->allocated) < 0) return -1;
     if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
@@ -928,9 +1013,10 @@ static int engine_free(Engine *m, int32_t bi) {
     b->allocated = 0;
     m->allocated -= b->size;
     Pool *p = pool_of(m, b->small);
-    if (try_merge(m, bi, BLK(bi)->prev, p) < 0) return -1;
-    if (try_merge(m, bi, BLK(bi)->next, p) < 0) return -1;
-    return pool_insert(m, p, bi);
+    Py_ssize_t hole = -1;
+    if (merge_into_freed(m, bi, BLK(bi)->prev, p, &hole) < 0) return -1;
+    if (merge_into_freed(m, bi, BLK(bi)->next, p, &hole) < 0) return -1;
+    return hole >= 0 ? pool_swap_for_merged(m, p, hole, bi) : pool_insert(m, p, bi);
 }
 
 /* needs_release: 1 when a malloc now would make the allocator give memory back first */
