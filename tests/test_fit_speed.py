@@ -127,3 +127,64 @@ def test_each_engine_replays_a_tape_once(monkeypatch):
     python = simulate(tape, 1.0, AllocatorSettings())
     assert python is not fast and python == fast
     assert fast.peak_allocated_bytes == 3 * (3 << 20)
+
+
+def _doubled(value, limit: int) -> int:
+    """The search the boundary replaced: doubling, then bisection."""
+    from snapshot_lab.metrics.fit.search import MAX_UNITS
+
+    lo, hi = 1, 2
+    while hi < MAX_UNITS and value(hi) <= limit:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if value(mid) <= limit else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_boundary_search_finds_what_doubling_found(seed):
+    """The interpolating search answers as doubling and bisection did for any growing peak:
+    straight lines, steps, curves, and limits past MAX_UNITS (capped below it as before)."""
+    from snapshot_lab.metrics.fit.search import MAX_UNITS, _boundary
+
+    rng = np.random.default_rng(seed)
+    base, slope = int(rng.integers(0, 10**9)), int(rng.integers(1, 10**7))
+    step, square = int(rng.integers(1, 50)), int(rng.integers(0, 1000))
+    shapes = [
+        lambda n: base + slope * n,
+        lambda n: base + slope * (n // step) * step,
+        lambda n: base + slope * n + n * n * square,
+    ]
+    for value in shapes:
+        for limit in (value(1), value(1) + 1, value(int(rng.integers(2, 5000))), value(MAX_UNITS) + 5):
+            got = _boundary(value, value(1), limit)
+            assert got == _doubled(value, limit)
+            assert 1 <= got < MAX_UNITS
+
+
+def test_a_tape_whose_peak_can_shrink_with_the_batch_is_not_taken_as_growing():
+    """A size that shrinks with the batch (made-up) is searched by doubling, not by the boundary."""
+    from snapshot_lab.metrics.fit.search import PeakCurve
+
+    def tape(per_batch: list[float]) -> Tape:
+        two = np.array([0.0, 1.0])
+        return Tape(
+            start=two,
+            end=np.array([NEVER, NEVER]),
+            fixed=np.array([100.0, 5000.0]),
+            per_batch=np.array(per_batch),
+            category=np.array(["activation"] * 2, dtype=object),
+            stream=np.zeros(2, dtype=np.int64),
+            phase=np.array(["forward"] * 2, dtype=object),
+            block=np.full(2, -1, dtype=np.int64),
+            autocast=np.zeros(2, dtype=np.int8),
+        )
+
+    assert PeakCurve(tape([512.0, 0.0])).monotone is True
+    shrinking = PeakCurve(tape([512.0, -1.0]))
+    assert shrinking.monotone is False
+    # sizes round up to 512-byte blocks: 100 + 512 n takes n + 1 of them, 5000 - n ten
+    assert shrinking.peak(1.0) == 1024 + 5120
+    assert shrinking.largest(1, 6 * 512) == 0
+    assert shrinking.largest(1, 512 * 5 + 5120) == 4
