@@ -59,12 +59,12 @@ typedef struct {
 
 typedef struct {
     int64_t stream, size, addr; /* size 0 in the unmapped pools */
+    int32_t idx;                /* the block */
 } Key;
 
-/* a pool's sorted blocks: their indexes, and beside them their keys (searched without touching
- * the blocks) */
+/* a pool's sorted blocks: their keys, each with its block's index (searched without touching
+ * the blocks, moved with one copy) */
 typedef struct {
-    int32_t *idx;
     Key *key;
     Py_ssize_t len, cap;
 } IdxArray;
@@ -304,25 +304,17 @@ static Py_ssize_t lower_bound(Engine *m, IdxArray *a, int64_t stream, int64_t si
 }
 
 static int array_insert_at(IdxArray *a, Py_ssize_t pos, int32_t v, int64_t stream, int64_t size, int64_t addr) {
-    if (a->len + 1 > a->cap) {
-        Py_ssize_t cap = a->cap;
-        if (reserve_items((void **)&a->idx, &cap, a->len + 1, sizeof(int32_t)) < 0) return -1;
-        cap = a->cap;
-        if (reserve_items((void **)&a->key, &cap, a->len + 1, sizeof(Key)) < 0) return -1;
-        a->cap = cap;
-    }
-    memmove(a->idx + pos + 1, a->idx + pos, (size_t)(a->len - pos) * sizeof(int32_t));
+    if (reserve_items((void **)&a->key, &a->cap, a->len + 1, sizeof(Key)) < 0) return -1;
     memmove(a->key + pos + 1, a->key + pos, (size_t)(a->len - pos) * sizeof(Key));
-    a->idx[pos] = v;
     a->key[pos].stream = stream;
     a->key[pos].size = size;
     a->key[pos].addr = addr;
+    a->key[pos].idx = v;
     a->len++;
     return 0;
 }
 
 static void array_delete_at(IdxArray *a, Py_ssize_t pos) {
-    memmove(a->idx + pos, a->idx + pos + 1, (size_t)(a->len - pos - 1) * sizeof(int32_t));
     memmove(a->key + pos, a->key + pos + 1, (size_t)(a->len - pos - 1) * sizeof(Key));
     a->len--;
 }
@@ -347,7 +339,7 @@ static int pool_insert(Engine *m, Pool *p, int32_t i) {
 static int pool_remove(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
     Py_ssize_t pos = lower_bound(m, &p->keys, b->stream, b->key_size, b->key_addr);
-    if (b->in_pool != 1 || pos >= p->keys.len || p->keys.idx[pos] != i)
+    if (b->in_pool != 1 || pos >= p->keys.len || p->keys.key[pos].idx != i)
         return unsupported("a block removed from a pool it is not in");
     array_delete_at(&p->keys, pos);
     b->in_pool = 0;
@@ -384,7 +376,7 @@ static int insert_unmapped(Engine *m, Pool *p, int32_t i) {
 static int remove_unmapped(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
     Py_ssize_t pos = unmapped_lower_bound(m, &p->unmapped, b->stream, b->addr);
-    if (b->in_pool != 2 || b->key_addr != b->addr || pos >= p->unmapped.len || p->unmapped.idx[pos] != i)
+    if (b->in_pool != 2 || b->key_addr != b->addr || pos >= p->unmapped.len || p->unmapped.key[pos].idx != i)
         return unsupported("an unmapped block removed from a pool it is not in");
     array_delete_at(&p->unmapped, pos);
     b->in_pool = 0;
@@ -547,11 +539,38 @@ static int32_t split_after(Engine *m, int32_t bi, int64_t n) {
 }
 
 /* _try_merge(dst, src): src joins dst when both are free and equally mapped */
+static int join_blocks(Engine *m, int32_t di, int32_t si);
+
 static int try_merge(Engine *m, int32_t di, int32_t si, Pool *p) {
     if (si < 0) return 0;
     Block *d = BLK(di), *s = BLK(si);
     if (s->allocated || d->mapped != s->mapped) return 0;
     if ((s->mapped ? pool_remove(m, p, si) : remove_unmapped(m, p, si)) < 0) return -1;
+    return join_blocks(m, di, si);
+}
+
+/* free_block's merges: try_merge, where the mapped neighbour's place among the pool's keys is
+ * left for the freed block (*hole; a place left by the neighbour before is taken out first) */
+static int merge_into_freed(Engine *m, int32_t di, int32_t si, Pool *p, Py_ssize_t *hole) {
+    if (si < 0) return 0;
+    Block *d = BLK(di), *s = BLK(si);
+    if (s->allocated || d->mapped != s->mapped) return 0;
+    if (!s->mapped) return try_merge(m, di, si, p);
+    if (*hole >= 0) {
+        array_delete_at(&p->keys, *hole);
+        *hole = -1;
+    }
+    Py_ssize_t pos = lower_bound(m, &p->keys, s->stream, s->key_size, s->key_addr);
+    if (s->in_pool != 1 || pos >= p->keys.len || p->keys.key[pos].idx != si)
+        return unsupported("a block removed from a pool it is not in");
+    s->in_pool = 0;
+    *hole = pos;
+    return join_blocks(m, di, si);
+}
+
+/* src joins dst (both free, equally mapped, src out of its pool) */
+static int join_blocks(Engine *m, int32_t di, int32_t si) {
+    Block *d = BLK(di), *s = BLK(si);
     if (d->prev == si) {
         d->addr = s->addr;
         d->prev = s->prev;
@@ -612,7 +631,7 @@ static int unmap_block(Engine *m, int32_t bi, Pool *p) {
 static int32_t *snapshot(IdxArray *a) {
     int32_t *copy = PyMem_Malloc((size_t)(a->len ? a->len : 1) * sizeof(int32_t));
     if (!copy) { PyErr_NoMemory(); return NULL; }
-    if (a->len) memcpy(copy, a->idx, (size_t)a->len * sizeof(int32_t));
+    for (Py_ssize_t j = 0; j < a->len; j++) copy[j] = a->key[j].idx;
     return copy;
 }
 
@@ -669,7 +688,7 @@ static int garbage_collect(Engine *m) {
     Pool *p = &m->large;
     int64_t total_age = 0, count = 0;
     for (Py_ssize_t j = 0; j < p->keys.len; j++) {
-        Block *b = BLK(p->keys.idx[j]);
+        Block *b = BLK(p->keys.key[j].idx);
         if (!IS_SPLIT(b)) {
             if (add_checked(total_age, p->gc_calls - b->gc_base, &total_age) < 0) return -1;
             count++;
@@ -715,12 +734,12 @@ static int release_available_cached_blocks(Engine *m, Pool *p, int64_t size, int
     int64_t ms = m->max_split_size;
     int64_t want = size > ms ? size : ms;
     Py_ssize_t i = lower_bound(m, &p->keys, stream, want, -1);
-    if (i == p->keys.len || BLK(p->keys.idx[i])->stream != stream || IS_EXP(BLK(p->keys.idx[i]))) {
+    if (i == p->keys.len || BLK(p->keys.key[i].idx)->stream != stream || IS_EXP(BLK(p->keys.key[i].idx))) {
         if (i == 0) return 0;
         int64_t released = 0;
         i -= 1;
         while (released < want && i >= 0) {
-            int32_t bi = p->keys.idx[i];
+            int32_t bi = p->keys.key[i].idx;
             Block *b = BLK(bi);
             if (b->size < ms || b->stream != stream) break;
             if (!IS_EXP(b)) {
@@ -732,7 +751,7 @@ static int release_available_cached_blocks(Engine *m, Pool *p, int64_t size, int
         }
         return released >= want;
     }
-    if (release_block(m, p->keys.idx[i], p) < 0) return -1;
+    if (release_block(m, p->keys.key[i].idx, p) < 0) return -1;
     return 1;
 }
 
@@ -760,8 +779,8 @@ static int allocatable(Engine *m, int32_t i) { return i >= 0 && !BLK(i)->allocat
 /* _find_expandable_block (-1: error) */
 static int32_t find_expandable_block(Engine *m, Pool *p, int64_t size, int64_t stream) {
     Py_ssize_t i = unmapped_lower_bound(m, &p->unmapped, stream, -1);
-    for (; i < p->unmapped.len && BLK(p->unmapped.idx[i])->stream == stream; i++) {
-        int32_t c = p->unmapped.idx[i];
+    for (; i < p->unmapped.len && BLK(p->unmapped.key[i].idx)->stream == stream; i++) {
+        int32_t c = p->unmapped.key[i].idx;
         if (allocatable(m, BLK(c)->prev)) c = BLK(c)->prev;
         int64_t have = 0;
         int32_t cur = c;
@@ -834,18 +853,19 @@ static int64_t expandable_size(Engine *m, Block *b) {
     return b->size + (b->next >= 0 && !BLK(b->next)->mapped ? BLK(b->next)->size : 0);
 }
 
-/* _get_free_block: *out -1 when none serves */
-static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out) {
+/* _get_free_block: *out -1 when none serves, else the block, left in the pool at *at (the caller
+ * takes it out: engine_malloc, with what a split leaves of it in the same move) */
+static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out, Py_ssize_t *at) {
     *out = -1;
     if (m->gc) p->gc_calls++;
     IdxArray *keys = &p->keys;
     Py_ssize_t i = lower_bound(m, keys, stream, size, -1);
     if (i == keys->len || keys->key[i].stream != stream) return 0;
-    int32_t bi = keys->idx[i];
+    int32_t bi = keys->key[i].idx;
     if (m->expandable && IS_EXP(BLK(bi))) {
         Py_ssize_t j = i + 1;
-        while (j < keys->len && BLK(keys->idx[j])->stream == stream) {
-            int32_t ni = keys->idx[j];
+        while (j < keys->len && BLK(keys->key[j].idx)->stream == stream) {
+            int32_t ni = keys->key[j].idx;
             if (expandable_size(m, BLK(ni)) < expandable_size(m, BLK(bi))) {
                 bi = ni;
                 i = j;
@@ -861,9 +881,60 @@ static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int3
     } else if (b->size >= size + m->max_non_split_rounding) {
         return 0;
     }
-    array_delete_at(keys, i);
-    b->in_pool = 0;
     *out = bi;
+    *at = i;
+    return 0;
+}
+
+/* the free block at position `at` of the pool's keys leaves it, and block ri (the rest of it
+ * after a split: same stream, smaller, so its key sorts below) enters: pool.remove then
+ * pool.insert, in one move of the keys between the two positions */
+static int pool_swap_for_rest(Engine *m, Pool *p, Py_ssize_t at, int32_t ri) {
+    IdxArray *a = &p->keys;
+    Block *r = BLK(ri);
+    Py_ssize_t lo = 0, hi = at; /* bisect_left over the keys below `at` */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (cmp_key(&a->key[mid], r->stream, r->size, r->addr) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < at && cmp_key(&a->key[lo], r->stream, r->size, r->addr) == 0)
+        return unsupported("two free blocks with the same (stream, size, address)");
+    memmove(a->key + lo + 1, a->key + lo, (size_t)(at - lo) * sizeof(Key));
+    a->key[lo].stream = r->stream;
+    a->key[lo].size = r->size;
+    a->key[lo].addr = r->addr;
+    a->key[lo].idx = ri;
+    r->key_size = r->size;
+    r->key_addr = r->addr;
+    r->in_pool = 1;
+    r->gc_base = p->gc_calls;
+    return 0;
+}
+
+/* the key at position `hole` of the pool's keys (a neighbour merged into block bi, whose key is
+ * above it: same stream, larger) leaves it and bi enters: pool.remove then pool.insert, in one
+ * move of the keys between the two positions */
+static int pool_swap_for_merged(Engine *m, Pool *p, Py_ssize_t hole, int32_t bi) {
+    IdxArray *a = &p->keys;
+    Block *b = BLK(bi);
+    Py_ssize_t lo = hole + 1, hi = a->len; /* bisect_left over the keys above the hole */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (cmp_key(&a->key[mid], b->stream, b->size, b->addr) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < a->len && cmp_key(&a->key[lo], b->stream, b->size, b->addr) == 0)
+        return unsupported("two free blocks with the same (stream, size, address)");
+    memmove(a->key + hole, a->key + hole + 1, (size_t)(lo - hole - 1) * sizeof(Key));
+    a->key[lo - 1].stream = b->stream;
+    a->key[lo - 1].size = b->size;
+    a->key[lo - 1].addr = b->addr;
+    a->key[lo - 1].idx = bi;
+    b->key_size = b->size;
+    b->key_addr = b->addr;
+    b->in_pool = 1;
+    b->gc_base = p->gc_calls;
     return 0;
 }
 
@@ -909,8 +980,10 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     int64_t size = round_size(m, orig_size);
     Pool *p = size <= SMALL_SIZE ? &m->small : &m->large;
     int32_t bi;
-    if (get_free_block(m, p, size, stream, &bi) < 0) return -1;
+    Py_ssize_t at = -1; /* where the free block that serves it is in the pool */
+    if (get_free_block(m, p, size, stream, &bi, &at) < 0) return -1;
     if (bi < 0) {
+        at = -1;
         int rc = new_block_for(m, p, size, stream, event_index, &bi);
         if (rc) return rc;
     }
@@ -921,9 +994,13 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     else split = (m->ms_unlimited || size < m->max_split_size) && remaining > SMALL_SIZE;
     if (split) {
         int32_t ri = split_after(m, bi, size);
-        if (ri < 0 || pool_insert(m, p, ri) < 0) return -1;
+        if (ri < 0) return -1;
+        if ((at >= 0 ? pool_swap_for_rest(m, p, at, ri) : pool_insert(m, p, ri)) < 0) return -1;
+    } else if (at >= 0) {
+        array_delete_at(&p->keys, at);
     }
     b = BLK(bi);
+    if (at >= 0) b->in_pool = 0;
     b->allocated = 1;
     if (add_checked(m->allocated, b->size, &m->allocated) < 0) return -1;
     if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
@@ -936,9 +1013,10 @@ static int engine_free(Engine *m, int32_t bi) {
     b->allocated = 0;
     m->allocated -= b->size;
     Pool *p = pool_of(m, b->small);
-    if (try_merge(m, bi, BLK(bi)->prev, p) < 0) return -1;
-    if (try_merge(m, bi, BLK(bi)->next, p) < 0) return -1;
-    return pool_insert(m, p, bi);
+    Py_ssize_t hole = -1;
+    if (merge_into_freed(m, bi, BLK(bi)->prev, p, &hole) < 0) return -1;
+    if (merge_into_freed(m, bi, BLK(bi)->next, p, &hole) < 0) return -1;
+    return hole >= 0 ? pool_swap_for_merged(m, p, hole, bi) : pool_insert(m, p, bi);
 }
 
 /* needs_release: 1 when a malloc now would make the allocator give memory back first */
@@ -947,8 +1025,8 @@ static int needs_release(Engine *m, int64_t orig_size, int64_t stream) {
     int64_t size = round_size(m, orig_size);
     Pool *p = size <= SMALL_SIZE ? &m->small : &m->large;
     Py_ssize_t i = lower_bound(m, &p->keys, stream, size, -1);
-    if (i < p->keys.len && BLK(p->keys.idx[i])->stream == stream) {
-        Block *b = BLK(p->keys.idx[i]);
+    if (i < p->keys.len && BLK(p->keys.key[i].idx)->stream == stream) {
+        Block *b = BLK(p->keys.key[i].idx);
         int below = m->ms_unlimited || size < m->max_split_size;
         int fits = !(below && !m->ms_unlimited && b->size >= m->max_split_size) &&
                    !(!below && b->size >= size + m->max_non_split_rounding);
@@ -957,7 +1035,7 @@ static int needs_release(Engine *m, int64_t orig_size, int64_t stream) {
     if (m->gc) {
         if (m->reserved > (int64_t)(m->gc_threshold * (double)m->limit)) {
             for (Py_ssize_t j = 0; j < m->large.keys.len; j++)
-                if (!IS_SPLIT(BLK(m->large.keys.idx[j]))) return 1;
+                if (!IS_SPLIT(BLK(m->large.keys.key[j].idx))) return 1;
         }
     }
     int64_t need = m->expandable ? size : allocation_size(size), total;
@@ -984,7 +1062,6 @@ static void engine_dealloc(Engine *m) {
     PyMem_Free(m->free_slots);
     IdxArray *arrays[4] = {&m->small.keys, &m->small.unmapped, &m->large.keys, &m->large.unmapped};
     for (int i = 0; i < 4; i++) {
-        PyMem_Free(arrays[i]->idx);
         PyMem_Free(arrays[i]->key);
     }
     PyMem_Free(m->live.e);
@@ -1215,6 +1292,89 @@ fail:
     return NULL;
 }
 
+/* a contiguous buffer of n one-byte flags (numpy bool or uint8) */
+static int get_flags(PyObject *o, Py_buffer *view, Py_ssize_t n, const char *name) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@' || *f == '|') f++;
+    if (view->itemsize != 1 || (strcmp(f, "?") != 0 && strcmp(f, "B") != 0) || view->len != n) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous bool array of %zd items", name, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* run_tape(which, is_free, size, stream) -> stop: fit's step (tape.py's simulate). Operation i
+ * allocates row which[i] (is_free[i] false) or frees it; row r asks size[r] bytes on stream[r],
+ * and a row of size 0 or less is not made (neither of its operations runs). What each row holds
+ * is kept in an array by row, not in the engine's table of keys: OP_ALLOC_KEEP and OP_FREE with
+ * the row as key, without the plan's level, and without a gather of every column per operation.
+ * stop: the operation where an allocation ran out of memory (-1: none). */
+static PyObject *engine_run_tape(Engine *m, PyObject *args) {
+    PyObject *objs[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3])) return NULL;
+    if (!m->blocks) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine not initialised");
+        return NULL;
+    }
+    Column cols[4];
+    memset(cols, 0, sizeof cols);
+    Py_buffer flags;
+    int have_flags = 0;
+    int32_t *live = NULL;
+    Py_ssize_t n_ops = -1, n_rows = -1, stop = -1;
+    if (get_column(objs[0], &cols[0], &n_ops, 0, "which") < 0) goto fail;
+    if (get_column(objs[2], &cols[2], &n_rows, 0, "size") < 0) goto fail;
+    if (get_column(objs[3], &cols[3], &n_rows, 0, "stream") < 0) goto fail;
+    if (!cols[0].data || !cols[2].data || !cols[3].data) {
+        PyErr_SetString(PyExc_TypeError, "which, size and stream are required");
+        goto fail;
+    }
+    if (get_flags(objs[1], &flags, n_ops, "is_free") < 0) goto fail;
+    have_flags = 1;
+    live = PyMem_Malloc((size_t)(n_rows ? n_rows : 1) * sizeof(int32_t));
+    if (!live) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t r = 0; r < n_rows; r++) live[r] = -1;
+    const int64_t *which = cols[0].data, *size = cols[2].data, *stream = cols[3].data;
+    const uint8_t *is_free = (const uint8_t *)flags.buf;
+    for (Py_ssize_t i = 0; i < n_ops; i++) {
+        int64_t r = which[i];
+        if (r < 0 || r >= n_rows) {
+            PyErr_Format(PyExc_ValueError, "operation %zd names row %lld of %zd", i, (long long)r, n_rows);
+            goto fail;
+        }
+        if (size[r] <= 0) continue;
+        int32_t bi;
+        if (is_free[i]) {
+            bi = live[r];
+            if (bi < 0) continue;
+            live[r] = -1;
+            if (engine_free(m, bi) < 0) goto fail;
+            continue;
+        }
+        int rc = engine_malloc(m, size[r], stream[r], -1, &bi);
+        if (rc < 0) goto fail;
+        if (rc == 1) {
+            stop = i;
+            break;
+        }
+        live[r] = bi;
+    }
+    PyMem_Free(live);
+    PyBuffer_Release(&flags);
+    release_columns(cols, 4);
+    return PyLong_FromSsize_t(stop);
+fail:
+    PyMem_Free(live);
+    if (have_flags) PyBuffer_Release(&flags);
+    release_columns(cols, 4);
+    return NULL;
+}
+
 /* stats() -> (reserved, peak_reserved, allocated, peak_allocated, cuda_malloc_calls,
  *             cuda_free_calls, alloc_retries, [(event index, size) of each OOM], level) */
 static PyObject *engine_stats(Engine *m, PyObject *Py_UNUSED(ignored)) {
@@ -1362,8 +1522,8 @@ static PyObject *engine_layout(Engine *m, PyObject *Py_UNUSED(ignored)) {
     Py_ssize_t k = 0;
     for (size_t j = 0; j < m->live.cap; j++)
         if (m->live.e[j].state == 1 && m->live.e[j].value >= 0) seen[k++] = (int32_t)m->live.e[j].value;
-    for (Py_ssize_t j = 0; j < m->small.keys.len; j++) seen[k++] = m->small.keys.idx[j];
-    for (Py_ssize_t j = 0; j < m->large.keys.len; j++) seen[k++] = m->large.keys.idx[j];
+    for (Py_ssize_t j = 0; j < m->small.keys.len; j++) seen[k++] = m->small.keys.key[j].idx;
+    for (Py_ssize_t j = 0; j < m->large.keys.len; j++) seen[k++] = m->large.keys.key[j].idx;
     for (Py_ssize_t j = 0; j < k; j++) {
         Block *b = BLK(seen[j]);
         if (!b->mapped || (b->prev >= 0 && BLK(b->prev)->mapped)) continue;
@@ -1393,6 +1553,7 @@ fail:
 
 static PyMethodDef engine_methods[] = {
     {"run", (PyCFunction)engine_run, METH_VARARGS, "Replay a stream of operations (see the C source)."},
+    {"run_tape", (PyCFunction)engine_run_tape, METH_VARARGS, "Replay fit's step, by row (see the C source)."},
     {"stats", (PyCFunction)engine_stats, METH_NOARGS, "The counters."},
     {"reset_stats", (PyCFunction)engine_reset_stats, METH_NOARGS, "Start a measured pass."},
     {"mark_placed", (PyCFunction)engine_mark_placed, METH_NOARGS, "Remember the live blocks."},

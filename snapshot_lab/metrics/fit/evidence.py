@@ -11,12 +11,14 @@ the forward and backward made does, except tensors the size of a parameter made 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
+from .._memo import memo
 from ..categories import CATEGORIES, CODES
 from ..categories.stacks import cache_stacks
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
@@ -159,27 +161,64 @@ def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
     return None
 
 
+def phase_column(s: TrainingStructure) -> tuple[np.ndarray, Callable[..., np.ndarray]]:
+    """Every recorded allocation's phase (an object array), and the test of whether it is one of
+    some phases, on the phase's code (computed once per structure)."""
+    return memo(s.allocs, "fit.phases", lambda: _phases(s.allocs["phase"]))
+
+
+def _phases(column: pd.Series) -> tuple[np.ndarray, Callable[..., np.ndarray]]:
+    codes, distinct = pd.factorize(column)
+    if codes.size and codes.min() < 0:  # a missing phase: the strings themselves are compared
+        phase = column.to_numpy(dtype=object)
+        return phase, lambda *wanted: np.isin(phase, list(wanted))
+    names = [str(name) for name in distinct]
+    return np.array(names, dtype=object)[codes], lambda *wanted: np.isin(
+        codes, [names.index(w) for w in wanted if w in names]
+    )
+
+
 def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool) -> tuple[np.ndarray, np.ndarray]:
     """Tape category of every recorded allocation and whether it scales with the batch."""
     a = s.allocs
     code = a["code"].to_numpy()
-    phase = a["phase"].to_numpy(dtype=object)
+    _, is_phase = phase_column(s)
     size = a["size"].to_numpy()
     sid = a["sid"].to_numpy()
-    cat = np.array(CATEGORIES, dtype=object)[np.clip(code, 0, len(CATEGORIES) - 1)]
     model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
-    in_pass = np.isin(phase, ["data", "forward", "backward"])
+    data = is_phase("data")
+    in_pass = is_phase("data", "forward", "backward")
     cache = np.isin(sid, list(cache_stacks(frames)))
-    kept = complete & (a["free_pos"].to_numpy() < 0) & (phase != "data")
+    kept = complete & (a["free_pos"].to_numpy() < 0) & ~data
     # a weight's gradient before it is accumulated (GPT-2's tied embedding) does not scale; a size
     # the forward also made as an activation is the gradient of one (Llama's logits at batch 2 x
     # 512 tokens are its 32000 x 1024 head's size)
-    made_by_forward = size[(phase == "forward") & ~model_state & ~cache & ~kept]
-    param_sized = (phase == "backward") & np.isin(size, s.params["size"].to_numpy()) & ~np.isin(size, made_by_forward)
+    made_by_forward = size[is_phase("forward") & ~model_state & ~cache & ~kept]
+    param_sized = is_phase("backward") & np.isin(size, s.params["size"].to_numpy())
+    param_sized[param_sized] = ~np.isin(size[param_sized], made_by_forward)
     scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized
-    out = np.where(model_state, cat, np.where(scales, np.where(phase == "data", "input", "activation"), "workspace"))
-    out = np.where(scales & np.isin(sid, list(kv_cache_stacks(frames))), KV_CACHE, out)
-    return out.astype(object), scales
+    # by position in NAMES: the recorded category of model state, else what the row is
+    names = np.array([*CATEGORIES, "input", "activation", "workspace", KV_CACHE], dtype=object)
+    made = np.where(scales, np.where(data, len(CATEGORIES), len(CATEGORIES) + 1), len(CATEGORIES) + 2)
+    which = np.where(model_state, np.clip(code, 0, len(CATEGORIES) - 1), made)
+    which[scales & np.isin(sid, list(kv_cache_stacks(frames)))] = len(CATEGORIES) + 3
+    return names[which], scales
+
+
+def _stack_codes(sid: np.ndarray, codes: dict[int, int]) -> np.ndarray:
+    """Per allocation its stack's autocast code (AUTOCAST_FOLLOWS for a stack without one)."""
+    if not sid.size:
+        return np.zeros(0, dtype=np.int8)
+    low, high = int(sid.min()), int(sid.max())
+    if high - low > 4 * sid.size + (1 << 16):  # sparse ids: one code per distinct stack
+        distinct, inverse = np.unique(sid, return_inverse=True)
+        per_stack = np.array([codes.get(stack_id, AUTOCAST_FOLLOWS) for stack_id in distinct.tolist()], dtype=np.int8)
+        return per_stack[inverse.reshape(-1)]
+    table = np.full(high - low + 1, AUTOCAST_FOLLOWS, dtype=np.int8)
+    for stack_id, code in codes.items():
+        if low <= stack_id <= high:
+            table[stack_id - low] = code
+    return table[sid - low]
 
 
 def param_facts(frames: SnapshotFrames, s: TrainingStructure) -> tuple[int, np.ndarray]:
@@ -200,10 +239,7 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, 
     size = a["size"].to_numpy(dtype=np.float64)
     free_pos = a["free_pos"].to_numpy()
     end = np.where(free_pos >= 0, free_pos.astype(np.float64), NEVER)
-    codes = autocast_codes(frames)
-    distinct, inverse = np.unique(a["sid"].to_numpy(), return_inverse=True)
-    per_stack = np.array([codes.get(stack_id, AUTOCAST_FOLLOWS) for stack_id in distinct.tolist()], dtype=np.int8)
-    fp32 = per_stack[inverse.reshape(-1)]
+    fp32 = _stack_codes(a["sid"].to_numpy(), autocast_codes(frames))
     tape = make_tape(
         a["pos"].to_numpy(dtype=np.float64),
         end,
@@ -211,7 +247,7 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, 
         np.where(scales, size, 0.0),
         cat,
         a["stream"].to_numpy(dtype=np.int64),
-        a["phase"].to_numpy(dtype=object),
+        phase_column(s)[0],
         uid,
         fp32,
     )

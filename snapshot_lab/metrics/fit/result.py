@@ -166,11 +166,18 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
     """Every lever that makes sense for this step, as a way to build its tape."""
     t = ev.tape
     out: dict[str, Callable[[], Tape]] = {AS_RECORDED: lambda: t}
+    checkpointed: list[Tape] = []  # built once for both levers that checkpoint
+
+    def checkpoint() -> Tape:
+        if not checkpointed:
+            checkpointed.append(lv.checkpoint(t, ev.blocks))
+        return checkpointed[0]
+
     if ev.blocks:
-        out["checkpointing"] = lambda: lv.checkpoint(t, ev.blocks)
+        out["checkpointing"] = checkpoint
     out["bf16"] = lambda: lv.bf16_autocast(t, ev)
     if ev.blocks:
-        out["checkpointing+bf16"] = lambda: lv.bf16_autocast(lv.checkpoint(t, ev.blocks), ev, checkpointed=True)
+        out["checkpointing+bf16"] = lambda: lv.bf16_autocast(checkpoint(), ev, checkpointed=True)
     for name in OPTIMIZER_SWAPS:
         if name != ev.optimizer and lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
             out[name] = lambda name=name: lv.swap_optimizer(t, ev, name)  # type: ignore[misc]

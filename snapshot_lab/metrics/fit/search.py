@@ -24,30 +24,79 @@ class PeakCurve:
     def __post_init__(self) -> None:
         self.which, self.is_free = ordered_ops(self.tape)
         self.sign = np.where(self.is_free, -1, 1)
+        # both parts of every operation's size, in operation order (one gather, not one per batch)
+        self.fixed = self.tape.fixed[self.which]
+        self.per_batch = self.tape.per_batch[self.which]
+        # every size grows with the batch, and with it the peak: the largest batch is a boundary
+        self.monotone = bool((self.tape.per_batch >= 0).all())
 
     def peak(self, scale: float) -> int:
         if not len(self.tape):
             return 0
-        size = self.tape.sizes(scale)
+        size = np.maximum(np.ceil(self.fixed + self.per_batch * scale), 0).astype(np.int64)  # Tape.sizes
         rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
-        return int(np.cumsum(self.sign * rounded[self.which]).max(initial=0))
+        return int(np.cumsum(self.sign * rounded).max(initial=0))
+
+    def largest(self, units: int, limit: int) -> int:
+        """The largest batch, in ``units`` per recorded batch, whose peak allocated is within
+        ``limit`` (0: not even one unit; below MAX_UNITS). Every size grows with the batch, so the
+        peak does, and the answer is the one boundary; it is found by interpolating between the
+        peaks on either side (a few evaluations, where doubling and bisection take about twenty),
+        bisecting where that stops closing in."""
+        first = self.peak(1 / units)
+        if first > limit:
+            return 0
+        if not self.monotone:
+            return self._doubling(units, limit)
+        return _boundary(lambda n: self.peak(n / units), first, limit)
+
+    def _doubling(self, units: int, limit: int) -> int:
+        """:meth:`largest` for a peak that need not grow with the batch: doubling, then bisection."""
+        lo, hi = 1, 2
+        while hi < MAX_UNITS and self.peak(hi / units) <= limit:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # allocated: lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak(mid / units) <= limit else (lo, mid)
+        return lo
+
+
+def _boundary(value: Callable[[int], int], first: int, limit: int) -> int:
+    """The largest n below MAX_UNITS with ``value(n) <= limit``, for a ``value`` that grows with
+    n and is within the limit at 1 (``first``). MAX_UNITS counts as over the limit, as in the
+    doubling search. Each guess is where the line through the nearest values on either side (or,
+    with none above yet, through the last two below) meets the limit; bisection when the bracket
+    did not halve in two guesses."""
+    lo, at_lo = 1, first
+    hi, at_hi = MAX_UNITS, None  # at_hi None: MAX_UNITS itself, never evaluated
+    before, at_before = 0, None
+    widths = [hi - lo]
+    while hi - lo > 1:
+        if len(widths) > 2 and widths[-1] * 2 > widths[-3]:  # not halved in two guesses
+            guess = (lo + hi) // 2
+        elif at_hi is not None:
+            guess = lo + (limit - at_lo) * (hi - lo) // (at_hi - at_lo)
+        elif at_before is not None and at_lo > at_before:  # past the line's crossing: a bracket sooner
+            guess = lo + 2 * (limit - at_lo) * (lo - before) // (at_lo - at_before) + 1
+        else:
+            guess = 2 * lo
+        guess = min(max(guess, lo + 1), hi - 1)
+        got = value(guess)
+        if got <= limit:
+            before, at_before, lo, at_lo = lo, at_lo, guess, got
+        else:
+            hi, at_hi = guess, got
+        widths.append(hi - lo)
+    return lo
 
 
 def largest_batch(tape: Tape, units: int, settings: AllocatorSettings, limit: int) -> int:
     """The largest batch, in ``units`` per recorded batch, whose step runs under ``limit``
-    (0: not even one unit). Monotone in the batch: bisection on the allocated peak (a bound),
+    (0: not even one unit). Monotone in the batch: the allocated peak's boundary (a bound),
     then, down from that bound, replays through the allocator (none for a tape longer than
     ``LONG_TAPE_ROWS``: the bound stands)."""
-    curve = PeakCurve(tape)
-    if curve.peak(1 / units) > limit:
-        return 0
-    lo, hi = 1, 2
-    while hi < MAX_UNITS and curve.peak(hi / units) <= limit:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # allocated: lo fits, hi does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if curve.peak(mid / units) <= limit else (lo, mid)
-    if len(tape) > LONG_TAPE_ROWS:
+    lo = PeakCurve(tape).largest(units, limit)
+    if lo == 0 or len(tape) > LONG_TAPE_ROWS:
         return lo
     return _down_from(lo, lambda n: bool(simulate(tape, n / units, settings, limit).fits))
 

@@ -101,19 +101,27 @@ def empty_tape() -> Tape:
 
 def ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     """Row of every operation (allocations, then frees) and whether it is a free, in order:
-    by position, an allocation before a free at the same position. The order does not depend on
-    the batch: it is sorted once per tape (a lever's search replays one tape many times)."""
-    return memo(tape, "ordered_ops", lambda: _ordered_ops(tape))
+    by position, an allocation before a free at the same position, rows in order among equals.
+    The order does not depend on the batch: it is sorted once per tape (a lever's search replays
+    one tape many times), and once for tapes that share their positions (a lever that only
+    rescales sizes keeps the arrays of the tape it rewrites)."""
+    return memo(tape, "ordered_ops", lambda: _shared_order(tape.start, tape.end))
 
 
-def _ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
-    rows = np.arange(len(tape))
-    freed = np.isfinite(tape.end)
-    pos = np.r_[tape.start, tape.end[freed]]
-    kind = np.r_[np.zeros(len(tape), dtype=np.int64), np.ones(int(freed.sum()), dtype=np.int64)]
-    which = np.r_[rows, rows[freed]]
-    order = np.lexsort((kind, pos))
-    return which[order], kind[order].astype(bool)
+def _shared_order(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_ordered_ops`, kept with the ``end`` array for every tape made with the same two
+    arrays (the ``start`` kept beside it tells an array that took a dead one's identity)."""
+    kept_start, order = memo(end, ("ordered_ops", id(start)), lambda: (start, _ordered_ops(start, end)))
+    return order if kept_start is start else _ordered_ops(start, end)
+
+
+def _ordered_ops(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = start.size
+    freed = np.flatnonzero(np.isfinite(end))
+    pos = np.concatenate([start, end[freed]])
+    which = np.concatenate([np.arange(rows, dtype=np.int64), freed.astype(np.int64)])
+    order = np.argsort(pos, kind="stable")  # allocations first: an allocation before a free at one position
+    return which[order], order >= rows
 
 
 def peak_allocated(tape: Tape, scale: float) -> int:
@@ -155,14 +163,21 @@ class TopDownAllocator(CachingAllocatorModel):
 def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None = None) -> Simulated:
     """Replay the tape at ``scale`` through the allocator model (under ``limit``: a
     per-process cap, cached blocks released and the request retried before giving up). The
-    compiled engine runs it when it is built (:mod:`..allocator.native`), else the Python model."""
+    compiled engine runs it when it is built (:mod:`..allocator.native`), else the Python model.
+    Replayed once per tape, batch, settings, limit and engine (the step asked for is often a
+    lever's)."""
+    key = ("simulate", scale, settings, limit, native.enabled())
+    return memo(tape, key, lambda: _simulate(tape, scale, settings, limit))
+
+
+def _simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None) -> Simulated:
     sizes = tape.sizes(scale)
     which, is_free = ordered_ops(tape)
-    made = sizes[which] > 0  # a row not made has neither its allocation nor its free
-    which, is_free = which[made], is_free[made]
     fast = _simulate_compiled(tape, sizes, which, is_free, settings, limit)
     if fast is not None:
         return fast
+    made = sizes[which] > 0  # a row not made has neither its allocation nor its free
+    which, is_free = which[made], is_free[made]
     size = sizes.tolist()  # Python ints: the loop below runs once per operation
     stream = tape.stream.tolist()
     model = TopDownAllocator(settings, limit, limit_is_cap=True)
@@ -190,15 +205,13 @@ def _simulate_compiled(
     settings: AllocatorSettings,
     limit: int | None,
 ) -> Simulated | None:
-    """:func:`simulate` in the compiled engine (None: it is not in use or cannot replay this)."""
+    """:func:`simulate` in the compiled engine, which takes the tape by row (None: it is not in
+    use or cannot replay this)."""
     engine = native.engine(settings, limit, limit_is_cap=True, top_down=True)
     if engine is None:
         return None
-    kind = np.where(is_free, native.FREE, native.ALLOC_KEEP)
-    no_index = np.full(which.size, -1, dtype=np.int64)
-    ops = (kind, which, sizes[which], tape.stream[which], no_index)
     try:
-        stop, _avoided, _decided = engine.run(*(native.column(c) for c in ops), None, None)
+        stop = engine.run_tape(which, is_free, sizes, native.column(tape.stream))
     except (native.Unsupported, OverflowError):
         native.fell_back()
         return None
