@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
+from .aside import Aside
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -139,7 +140,8 @@ def report(
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
     """
-    from .report import REPORT_FORMATS, build_report  # matplotlib and jinja2 load only when a report is made
+    # matplotlib and jinja2 load only when a report is made
+    from .report import REPORT_FORMATS, build_report, fit_summary
 
     if format not in REPORT_FORMATS:
         raise ParameterError(
@@ -147,8 +149,9 @@ def report(
         )
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     frames = load_frames(snapshot, progress=progress)
+    fit_answer = Aside(lambda: fit_summary(frames))  # needed last, depends on nothing else: beside the rest
     (progress or NullProgress()).stage("Computing statistics")
-    write_atomic(out, build_report(frames, compute_stats(frames), progress, format=format))
+    write_atomic(out, build_report(frames, compute_stats(frames), progress, fit_answer, format=format))
     return notebook.ReportFile(out)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from . import __version__
+from .aside import Aside
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
 from .metrics.allocator.whatif import WhatIf
@@ -629,12 +630,13 @@ def build_report(
     frames: SnapshotFrames,
     stats: SnapshotStats,
     progress: ProgressSink | None = None,
-    fit_answer: FitSummary | None = None,
+    fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
     format: str = "html",
 ) -> str | bytes:
     """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
     Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
-    ``fit_answer`` (what ``snaplab fit`` concluded) leads the levers when given."""
+    ``fit_answer`` (what ``snaplab fit`` concluded, or the :class:`Aside` computing it) leads the
+    levers when given."""
     if format not in REPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
     if fit_answer is None:
@@ -675,7 +677,7 @@ def build_report_context(
     frames: SnapshotFrames,
     stats: SnapshotStats,
     progress: ProgressSink | None = None,
-    fit_answer: FitSummary | None = None,
+    fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
 ) -> ReportContext:
     """Everything every format of the report shows, computed once."""
     progress = progress or NullProgress()
@@ -698,6 +700,8 @@ def build_report_context(
             )
         )
     _would_it_fit(frames, stats, sections)
+    if isinstance(fit_answer, Aside):
+        fit_answer = fit_answer.result()
     first = _first_screen(stats, findings, sections, fit_answer)
     payload = _payload(frames, sections)
     progress.stage("Rendering")
