@@ -10,7 +10,13 @@ Two families, each trained from a fresh model for every measurement:
 - ``llama``: a Llama from a Hugging Face config (8 layers, d=1024, SwiGLU 2816, 16 heads with 8
   key/value heads, RMSNorm, rotary, untied head, vocab 32000, 512 tokens), fp32 weights, AdamW;
 - ``convnext``: torchvision's ConvNeXt-Tiny at 224x224 (stochastic depth 0), AdamW. These two were
-  recorded after every fit rule was written (hold-outs of a later session).
+  recorded after every fit rule was written (hold-outs of a later session);
+- ``bert``: BERT-base for masked language modelling from a Hugging Face config (12 layers, d=768,
+  vocab 30522, 512 tokens, dropout 0), AdamW: a hold-out recorded after the ``.to("cuda")`` weight
+  copy rule, before any rule was checked against it.
+
+Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
+with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
 
 Levers: ``plain``, ``ckpt`` (activation checkpointing of every repeated block), ``bf16`` (autocast),
 ``ckpt+bf16``. For every lever and batch size (a list spanning 16x) the peak allocated and reserved
@@ -44,8 +50,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "vit": {"batches": [4, 8, 16, 32, 64], "complete": 8, "oom": 128, "search_max": 256},
     "llama": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
     "convnext": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    "bert": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
 }
 LLAMA_TOKENS = 512
+TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512)}  # vocabulary, tokens
 
 
 def build(family: str, lever: str):
@@ -74,6 +82,15 @@ def build(family: str, lever: str):
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
                           tie_word_embeddings=False, attention_dropout=0.0)
         model = LlamaForCausalLM(cfg).to("cuda")
+        if "ckpt" in lever:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif family == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = BertForMaskedLM(cfg).to("cuda")
         if "ckpt" in lever:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -131,8 +148,8 @@ def convnext_forward(model, x, ckpt: bool):
 def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     import torch
 
-    if family in ("gpt2", "llama"):
-        vocab, tokens = (8192, 1024) if family == "gpt2" else (32000, LLAMA_TOKENS)
+    if family in TOKENS:
+        vocab, tokens = TOKENS[family]
         ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = model(input_ids=ids, labels=ids).loss
@@ -212,12 +229,13 @@ for _family in FAMILIES:
         H.workload(f"fittable_{_family}_{_lever}", f"fit_{_family}")(lambda f=_family, v=_lever: table_job(f, v))
 
 
-def _snapshot_run(family: str, batch: int, capped: bool) -> None:
+def _snapshot_run(family: str, batch: int, capped: bool, lever: str = "plain") -> None:
     import torch
 
-    name = f"fit_{family}_b{batch}_" + ("oom_python" if capped else "complete_python")
+    tag = "" if lever == "plain" else lever.replace("+", "_") + "_"
+    name = f"fit_{family}_b{batch}_{tag}" + ("oom_python" if capped else "complete_python")
     info: dict[str, Any] = {"kind": "fit-oom-first-forward" if capped else "fit-complete", "family": family,
-                            "lever": "plain", "batch": batch, "stacks": "python",
+                            "lever": lever, "batch": batch, "stacks": "python",
                             "cap_bytes": CAP_BYTES if capped else None}
     if capped:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -233,11 +251,11 @@ def _snapshot_run(family: str, batch: int, capped: bool) -> None:
 
         torch._C._cuda_attach_out_of_memory_observer(on_oom)
     H.record(stacks="python")
-    model, opt = build(family, "plain")
+    model, opt = build(family, lever)
     gen = torch.Generator().manual_seed(batch)
     try:
         for _ in range(2):
-            step(family, "plain", model, opt, batch, gen)
+            step(family, lever, model, opt, batch, gen)
     except torch.OutOfMemoryError as exc:
         info["oom"] = str(exc)[:300]
         print(name, "OOM as planned" if capped else "UNEXPECTED OOM", flush=True)
@@ -255,6 +273,10 @@ for _family, _cfg in FAMILIES.items():
         lambda f=_family, b=_cfg["complete"]: _snapshot_run(f, b, False))
     H.workload(f"fit_{_family}_b{_cfg['oom']}_oom_python", f"fit_{_family}")(
         lambda f=_family, b=_cfg["oom"]: _snapshot_run(f, b, True))
+    for _lever in LEVERS[1:]:
+        H.workload(f"fit_{_family}_b{_cfg['complete']}_{_lever.replace('+', '_')}_complete_python",
+                   "fit_bert" if _family == "bert" else "fitlever")(
+            lambda f=_family, b=_cfg["complete"], v=_lever: _snapshot_run(f, b, False, v))
 
 
 if __name__ == "__main__":
