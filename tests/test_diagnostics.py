@@ -160,6 +160,18 @@ EXPECTED = {
     "fit_llama_b32_oom_python": {"oom-capacity"},
     "fit_convnext_b16_complete_python": set(),
     "fit_convnext_b512_oom_python": {"oom-capacity"},
+    # BERT (hold-out of 2026-11-24): its OOM left 67.75 MiB free in holes of 17.75 MiB for a 48 MiB
+    # request, but no setting the replay tried serves it (the step needs 10.6 GiB under 6): capacity,
+    # where "fragmentation" was said before the replay was asked (the only sample that changed)
+    "fit_bert_b2_complete_python": set(),
+    "fit_bert_b32_oom_python": {"oom-capacity"},
+    # the lever recordings: the complete ones again under bf16, checkpointing and both
+    **{
+        f"fit_{family}_{lever}_complete_python": set()
+        for family in ("gpt2_b4", "resnet50_b16", "vit_b8", "llama_b2", "convnext_b16", "bert_b2")
+        for lever in ("ckpt", "bf16", "ckpt_bf16")
+        if family != "bert_b2" or lever == "bf16"  # BERT's checkpointed recordings crashed in torch
+    },
     # issue #19's frameworks, inference, mid-run and benchmark recordings (workloads_frameworks.py):
     # those whose recording started after the model (or wrapped) say so, and nothing else
     **{

@@ -64,9 +64,31 @@ def _assumption(whatif: WhatIf | None) -> str:
     return prefix + "no allocator setting the replay tried would have served the failing request."
 
 
+def _replay_refutes_fragmentation(whatif: WhatIf | None) -> bool:
+    """The replay under the cap ran and no setting it tried served the failing request: the free
+    holes were enough for this request, not for the job (BERT's first forward under 6 GiB: 48 MiB
+    asked with 67.75 MiB free in holes of 17.75 MiB, and a step that needs 10.6 GiB)."""
+    return (
+        whatif is not None
+        and whatif.memory_limit_bytes is not None
+        and len(whatif.scenarios) > 1
+        and not _serving_settings(whatif)
+    )
+
+
+def _capacity_reason(oom: OomAnalysis) -> str:
+    if oom.cause != "fragmentation":
+        return "Fragmentation is not the cause: too little memory was free even counting every cached hole. "
+    return (
+        f"Fragmentation did not decide it: {format_bytes(oom.free_in_reserved_bytes)} was free in reserved memory "
+        f"(in holes no larger than {format_bytes(oom.largest_free_block_bytes)}), but no allocator setting the "
+        "replay tried would have served the request, so the job needs more memory than it had. "
+    )
+
+
 def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | None) -> Finding:
     moment = "" if oom.snapshot_at_oom else f" (explained from the allocator's state at the OOM: {oom.moment})"
-    if oom.cause == "fragmentation":
+    if oom.cause == "fragmentation" and not _replay_refutes_fragmentation(whatif):
         split_hint = ""
         split_mb = _split_size_hint(oom.requested_bytes)
         # max_split_size only protects blocks at least that large: advise it only when such
@@ -102,8 +124,8 @@ def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | N
             f"requested with {format_bytes(oom.allocated_bytes)} already allocated)" + moment
         ),
         advice=(
-            "Fragmentation is not the cause: too little memory was free even counting every cached hole. "
-            "Reduce what is live at the peak: a smaller batch or sequence length, activation checkpointing, "
+            _capacity_reason(oom)
+            + "Reduce what is live at the peak: a smaller batch or sequence length, activation checkpointing, "
             "bf16/fp16 autocast, sharding optimizer state and gradients (FSDP/ZeRO), or freeing tensors "
             "kept across iterations (see the top allocation sites)." + _assumption(whatif)
         ),
