@@ -132,14 +132,8 @@ def test_whole_step_from_a_complete_recording_within_10_percent(real_frames, fam
     recorded = COMPLETE[family][1]
     ckpt, bf16 = LEVERS[lever]
     allocated, _ = predict_step(real_frames(name), batch_scale=batch / recorded, checkpointing=ckpt, bf16=bf16)
-    measured = TRUTH["families"][family]["levers"][lever]["uncapped"][str(batch)]["peak_allocated_bytes"]
+    measured = TRUTH["families"][family]["levers"][lever]["uncapped"][str(batch)]["peak_process_bytes"]
     assert abs(allocated / measured - 1) <= 0.10
-
-
-# the uncapped batch-8 runs of ResNet-50 were the first of their process: their peak holds the
-# library workspaces (cuBLAS's, made by the head the trace never reached; about 68 MB, the
-# difference with the capped batch-8 try), which the extrapolation cannot see
-WORKSPACES_UNSEEN = {("resnet50", "ckpt", 8), ("resnet50", "ckpt+bf16", 8)}
 
 
 @pytest.mark.parametrize(("family", "name", "lever", "batch"), _cases(OOM))
@@ -150,12 +144,7 @@ def test_whole_step_from_an_oom_in_the_first_forward_within_15_percent(real_fram
     allocated, _ = predict_step(
         frames, batch_scale=batch / recorded, checkpointing=ckpt, bf16=bf16, optimizer=optimizer
     )
-    measured = TRUTH["families"][family]["levers"][lever]["uncapped"][str(batch)]["peak_allocated_bytes"]
-    if (family, lever, batch) in WORKSPACES_UNSEEN:
-        without = TRUTH["families"][family]["levers"][lever]["cap_tries"][str(batch)]["peak_allocated_bytes"]
-        assert abs(allocated / without - 1) <= 0.15
-        if abs(allocated / measured - 1) > 0.15:  # today -11.3% and -13.7%
-            pytest.xfail(f"{allocated / measured - 1:+.1%} against the first run of the process (its workspaces)")
+    measured = TRUTH["families"][family]["levers"][lever]["uncapped"][str(batch)]["peak_process_bytes"]
     assert abs(allocated / measured - 1) <= 0.15
 
 
@@ -196,6 +185,9 @@ EXACT = {  # (snapshot, lever) the model gets exactly right today
     ("fit_gpt2_b32_oom_python", "plain"),
     # bf16 casts the layer norms' outputs, not their statistics, for the linear layers: 4 -> 5
     ("fit_gpt2_b4_complete_python", "bf16"),
+    # the bfloat16 copies of every weight matrix, which no creation stack named (ResNet-50's bf16
+    # recording shows them): 135 -> 134
+    ("fit_resnet50_b16_complete_python", "bf16"),
 }
 
 
@@ -205,7 +197,7 @@ def test_largest_batch_under_the_cap_exactly(under_the_cap, name, lever):
     family, r = under_the_cap[name]
     measured = TRUTH["families"][family]["levers"][lever]["largest_batch_under_cap"]
     predicted = r.largest_batch[OUR_NAMES[lever]]
-    if (name, lever) not in EXACT:
+    if (name, lever) not in EXACT and predicted != measured:
         pytest.xfail(f"predicted {predicted}, measured {measured}: the allocator under the cap is not exact yet")
     assert predicted == measured
 

@@ -149,6 +149,23 @@ def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
     return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
 
 
+def autocast_copied(frames: SnapshotFrames, sid: np.ndarray, sizes: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """Per parameter (creation stack ``sid``, bytes ``sizes``, whether it is a matrix), whether
+    autocast makes a bfloat16 copy of it for the forward: a matrix a Linear or a convolution made.
+    A model moved with ``.to("cuda")`` makes every parameter in ``Module._apply``, so no stack
+    names the module: then every matrix is copied, but the first when the last has its size (an
+    embedding with an untied head of its shape, Llama's: looked up, not multiplied). The bf16
+    recordings of every fit family show the copies (GPT-2's tied embedding, copied for its head)."""
+    named = np.isin(sid, list(cast_param_stacks(frames)))
+    if named.any():
+        return named & matrix
+    copied = matrix.copy()
+    mats = np.flatnonzero(matrix)
+    if mats.size >= 2 and sizes[mats[0]] == sizes[mats[-1]]:
+        copied[mats[0]] = False
+    return copied
+
+
 def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
     """The optimizer whose source file appears on the stacks (None: none did)."""
     if frames.stack_frames.empty:
@@ -227,7 +244,7 @@ def param_facts(frames: SnapshotFrames, s: TrainingStructure) -> tuple[int, np.n
     rows = s.params["row"].to_numpy()
     sid = s.allocs["sid"].to_numpy()[rows]
     older = sum(n for n, c, _ in s.untracked if c == "parameter")
-    castable = np.isin(sid, list(cast_param_stacks(frames))) & s.params["matrix"].to_numpy(dtype=bool)
+    castable = autocast_copied(frames, sid, sizes, s.params["matrix"].to_numpy(dtype=bool))
     return int(sizes.sum()) + int(older), castable
 
 

@@ -45,7 +45,7 @@ from .evidence import (
     BlockSpan,
     PassSpan,
     autocast_codes,
-    cast_param_stacks,
+    autocast_copied,
     kv_cache_stacks,
     stack_innermost,
 )
@@ -240,10 +240,9 @@ class _Step:
         self.sorted_pos = np.sort(self.pos)
         self.autocast = autocast_codes(frames)
         self.kv_cache = kv_cache_stacks(frames)
-        castable = np.isin(self.sid[pf.params], list(cast_param_stacks(frames)))
         self.p_size = self.size[pf.params]
         largest = self.p_size.max(initial=0)
-        self.castable = castable & (self.p_size * 64 >= largest)
+        self.castable = autocast_copied(frames, self.sid[pf.params], self.p_size, self.p_size * 64 >= largest)
         self.notes: list[str] = []
         self.saved: list[tuple[str, int, list[int]]] = []  # (part, block, rows of the builder), forward order
         self.spans: list[list[float]] = []
@@ -395,6 +394,18 @@ class _Step:
         pb = self.pf.param_block
         inside = np.flatnonzero(pb >= 0)
         after = np.flatnonzero((pb < 0) & (np.arange(pb.size) > (inside.max() if inside.size else pb.size)))
+        embeddings = self.p_size[pb < 0][: self._first_block_param()]
+        width = self.model_width()
+        if after.size and width:
+            # a decoder tied to the embedding with a bias of its own (BERT's masked-LM head, after a
+            # transform as wide as the blocks): a vector after the blocks wider than the model has
+            # one value per row of an embedding (4- or 2-byte values, as the width's); ViT's class
+            # token, as wide as the model, matches its patch embedding that way and is no bias
+            sizes = self.p_size[after]
+            for rows in sizes[(sizes > width) & (sizes * 64 < self.p_size.max(initial=0))][::-1]:
+                tied_to = embeddings[np.isin(embeddings, [rows * width / 4, rows * width / 2])]
+                if tied_to.size:
+                    return float(tied_to[0]), True
         mats = self.p_size[after][self.p_size[after] * 64 >= self.p_size.max(initial=0)]
         if mats.size:  # the last (a position embedding may come before it)
             return float(mats[-1]), False
@@ -519,8 +530,10 @@ class _Step:
             matrices = int(self.p_size[self.castable & (pb == j)].sum())
             uid = self.pass_index * BLOCK_UID_STRIDE + j
             self.block_spans.append(BlockSpan(uid, j, sp[0], sp[1], sp[2], sp[3], matrices))
-        outside = int(self.p_size[self.castable & (pb < 0)].sum() + self.tied_head)
-        self.pass_spans.append(PassSpan(forward_start, backward_start, self.b.now, outside))
+        outside = self.p_size[self.castable & (pb < 0)]
+        # a tied head's copy, unless its embedding is copied already (no creation stack named it)
+        outside_bytes = int(outside.sum() + (0.0 if np.isin(self.tied_head, outside) else self.tied_head))
+        self.pass_spans.append(PassSpan(forward_start, backward_start, self.b.now, outside_bytes))
         self.step(state_ratio, temporary_ratio)
         self.pass_index += 1
 
