@@ -65,14 +65,9 @@ _CKPT_OVERLAP = "the recomputed CNBlock overlaps the previous block's depthwise 
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
-    ("fit_convnext_b16_complete_python", "ckpt", 8): f"+10.9%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt", 16): f"+27.0%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt", 32): f"+31.4%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt", 64): f"+35.4%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt", 128): f"+38.1%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt+bf16", 32): f"+16.0%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt+bf16", 64): f"+16.5%: {_CKPT_OVERLAP}",
-    ("fit_convnext_b16_complete_python", "ckpt+bf16", 128): f"+16.9%: {_CKPT_OVERLAP}",
+    # against the process's whole peak (cuBLAS workspaces included; the tables of earlier sessions
+    # left them out, so these read a few points higher against them)
+    ("fit_convnext_b16_complete_python", "ckpt", 128): f"+10.5%: {_CKPT_OVERLAP}",
     **{
         ("fit_convnext_b512_oom_python", lever, batch): f"FitUnsupported: {_NO_READER}"
         for lever in LEVERS
