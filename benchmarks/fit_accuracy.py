@@ -1,0 +1,100 @@
+"""docs/fit.md's tables of ``snaplab fit`` against the real runs, printed as Markdown.
+
+For every family of ``sample_snapshots/fit_truth.json`` and each of its two recordings (a
+complete step, an OOM in the first forward), the error of the predicted whole-step peak
+allocated (against the process's whole peak, cuBLAS workspaces included) and reserved, lowest
+to highest over the five measured batches, per lever; then the largest batch under the 6 GiB
+cap, predicted / real::
+
+    python benchmarks/fit_accuracy.py > /tmp/fit_tables.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from snapshot_lab import api  # noqa: E402
+from snapshot_lab.metrics.fit import compute_fit, predict_step  # noqa: E402
+
+SAMPLES = ROOT / "sample_snapshots"
+LEVERS = {"plain": (False, False), "ckpt": (True, False), "bf16": (False, True), "ckpt+bf16": (True, True)}
+OURS = {"plain": "as recorded", "ckpt": "checkpointing", "bf16": "bf16", "ckpt+bf16": "checkpointing+bf16"}
+# family -> (label, complete snapshot, its batch, OOM snapshot, its batch, optimizer of the OOM's step)
+RECORDINGS = {
+    "gpt2": ("GPT-2", "fit_gpt2_b4_complete_python", 4, "fit_gpt2_b32_oom_python", 32, "adamw"),
+    "resnet50": (
+        "ResNet-50",
+        "fit_resnet50_b16_complete_python",
+        16,
+        "fit_resnet50_b512_oom_python",
+        512,
+        "sgd-momentum",
+    ),
+    "vit": ("ViT-B/16", "fit_vit_b8_complete_python", 8, "fit_vit_b128_oom_python", 128, "adamw"),
+    "llama": ("Llama", "fit_llama_b2_complete_python", 2, "fit_llama_b32_oom_python", 32, "adamw"),
+    "convnext": ("ConvNeXt-Tiny", "fit_convnext_b16_complete_python", 16, "fit_convnext_b512_oom_python", 512, "adamw"),
+    "bert": ("BERT-base MLM", "fit_bert_b2_complete_python", 2, "fit_bert_b32_oom_python", 32, "adamw"),
+}
+
+
+def _span(errors: list[float]) -> str:
+    if not errors:
+        return "—"
+    lo, hi = min(errors), max(errors)
+    return f"{lo:+.1%} to {hi:+.1%}".replace("-", "−")
+
+
+def _row(frames, levers: dict, recorded: int, optimizer: str | None) -> tuple[list[str], list[str]]:
+    allocated, reserved = [], []
+    extra = {"optimizer": optimizer} if optimizer else {}
+    for lever, (ckpt, bf16) in LEVERS.items():
+        a_err, r_err = [], []
+        for batch, run in levers[lever]["uncapped"].items():
+            if not run["ok"]:
+                continue
+            a, r = predict_step(frames, batch_scale=int(batch) / recorded, checkpointing=ckpt, bf16=bf16, **extra)
+            a_err.append(a / run["peak_process_bytes"] - 1)
+            r_err.append(r / run["peak_reserved_bytes"] - 1)
+        allocated.append(_span(a_err))
+        reserved.append(_span(r_err))
+    return allocated, reserved
+
+
+def main() -> None:
+    truth = json.loads((SAMPLES / "fit_truth.json").read_text())
+    cap = truth["cap_bytes"]
+    header = "as recorded | checkpointing | bf16 | checkpointing + bf16 |"
+    peaks = [f"| from | | {header}", "| --- | --- | --- | --- | --- | --- |"]
+    largest = [f"| from | {header}", "| --- | --- | --- | --- | --- |"]
+    for family, (label, complete, c_batch, oom, o_batch, optimizer) in RECORDINGS.items():
+        levers = truth["families"][family]["levers"]
+        for name, recorded, opt, kind in ((complete, c_batch, None, "complete"), (oom, o_batch, optimizer, "OOM")):
+            frames = api.load_frames(SAMPLES / f"{name}.pickle.xz")
+            title = f"{label}, batch {recorded}, {kind}"
+            try:
+                allocated, reserved = _row(frames, levers, recorded, opt)
+                fit = compute_fit(frames, memory_limit=cap, recorded_batch=recorded, optimizer=opt)
+            except ValueError as error:  # FitUnsupported
+                peaks.append(f"| {title} | refused | {type(error).__name__} | | | |")
+                largest.append(f"| {title} | refused | | | |")
+                continue
+            peaks.append(f"| {title} | allocated | " + " | ".join(allocated) + " |")
+            peaks.append("| | reserved | " + " | ".join(reserved) + " |")
+            cells = []
+            for lever in LEVERS:
+                got, real = fit.largest_batch[OURS[lever]], levers[lever]["largest_batch_under_cap"]
+                cell = f"{got:g} / {real}"
+                cells.append(f"**{cell}**" if got == real else cell)
+            largest.append(f"| {title} | " + " | ".join(cells) + " |")
+    print("\n".join(peaks))
+    print()
+    print("\n".join(largest))
+
+
+if __name__ == "__main__":
+    main()
