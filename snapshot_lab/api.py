@@ -41,7 +41,7 @@ from .metrics.comparison.compare import (
     rank_rows,
     summarize,
 )
-from .metrics.diagnose import Diagnosis, diagnose
+from .metrics.diagnose import Diagnosis, device_whatifs, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
 from .metrics.parallel.pipeline import PipelineSkew
 from .progress import NullProgress, ProgressSink
@@ -149,9 +149,13 @@ def report(
         )
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     frames = load_frames(snapshot, progress=progress)
-    fit_answer = Aside(lambda: fit_summary(frames))  # needed last, depends on nothing else: beside the rest
+    # fit's answer is needed last and the what-if replays only by the findings: each computed
+    # beside the rest, in a forked child (aside.py), where the machine has a CPU to spare
+    fit_answer = Aside(lambda: fit_summary(frames))
     (progress or NullProgress()).stage("Computing statistics")
-    write_atomic(out, build_report(frames, compute_stats(frames), progress, fit_answer, format=format))
+    stats_ = compute_stats(frames)
+    whatifs = Aside(lambda: device_whatifs(frames, stats_))
+    write_atomic(out, build_report(frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result))
     return notebook.ReportFile(out)
 
 

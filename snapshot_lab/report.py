@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -632,16 +633,18 @@ def build_report(
     progress: ProgressSink | None = None,
     fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
     format: str = "html",
+    whatifs: Callable[[], dict[int, WhatIf]] | None = None,
 ) -> str | bytes:
     """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
     Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
     ``fit_answer`` (what ``snaplab fit`` concluded, or the :class:`Aside` computing it) leads the
-    levers when given."""
+    levers when given; ``whatifs``, the what-if replays when they are computed elsewhere
+    (:func:`~snapshot_lab.metrics.diagnose.diagnose`)."""
     if format not in REPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
     if fit_answer is None:
         fit_answer = fit_summary(frames)
-    ctx = build_report_context(frames, stats, progress, fit_answer)
+    ctx = build_report_context(frames, stats, progress, fit_answer, whatifs)
     if format == "md":
         return render_markdown(ctx)
     if format == "png":
@@ -678,11 +681,12 @@ def build_report_context(
     stats: SnapshotStats,
     progress: ProgressSink | None = None,
     fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
+    whatifs: Callable[[], dict[int, WhatIf]] | None = None,
 ) -> ReportContext:
     """Everything every format of the report shows, computed once."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
-    diagnosis = diagnose(frames, stats)
+    diagnosis = diagnose(frames, stats, whatifs=whatifs)
     timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
     sections = []

@@ -3,6 +3,7 @@ the report: timelines, categories, leak suspects and the findings drawn from the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -27,21 +28,40 @@ class Diagnosis:
     whatifs: dict[int, WhatIf]
 
 
-def diagnose(frames: SnapshotFrames, stats: SnapshotStats, with_category_timelines: bool = True) -> Diagnosis:
-    timelines: dict[int, Timeline | None] = {}
+def diagnose(
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    with_category_timelines: bool = True,
+    whatifs: Callable[[], dict[int, WhatIf]] | None = None,
+) -> Diagnosis:
+    """Timelines, categories, leaks, the what-if and the findings of every device; ``whatifs``
+    gives :func:`device_whatifs`'s answer when it was computed elsewhere (the report computes it
+    beside the rest), and is asked for only when the findings need it."""
     categories: dict[int, CategoryBreakdown] = {}
     leaks: dict[int, LeakAnalysis] = {}
     lifetimes: dict[int, pd.DataFrame] = {}
-    for dev, d in stats.devices.items():
+    timelines = device_timelines(frames, stats)
+    for dev in stats.devices:
         lifetimes[dev] = device_lifetimes(frames, dev)
-        timelines[dev] = device_timeline(
-            frames, dev, d.torch_stats["requested_bytes.all.current"], d.torch_stats["reserved_bytes.all.current"]
-        )
         categories[dev] = compute_categories(frames, dev, with_timeline=with_category_timelines)
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
-    whatifs = _whatifs(frames, stats, timelines)
-    findings = compute_findings(stats, frames, timelines, categories, leaks, whatifs)
-    return Diagnosis(timelines, categories, leaks, findings, lifetimes, whatifs)
+    replays = whatifs() if whatifs is not None else _whatifs(frames, stats, timelines)
+    findings = compute_findings(stats, frames, timelines, categories, leaks, replays)
+    return Diagnosis(timelines, categories, leaks, findings, lifetimes, replays)
+
+
+def device_timelines(frames: SnapshotFrames, stats: SnapshotStats) -> dict[int, Timeline | None]:
+    return {
+        dev: device_timeline(
+            frames, dev, d.torch_stats["requested_bytes.all.current"], d.torch_stats["reserved_bytes.all.current"]
+        )
+        for dev, d in stats.devices.items()
+    }
+
+
+def device_whatifs(frames: SnapshotFrames, stats: SnapshotStats) -> dict[int, WhatIf]:
+    """The what-if replays :func:`diagnose` makes, on their own."""
+    return _whatifs(frames, stats, device_timelines(frames, stats))
 
 
 def _whatifs(frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> dict[int, WhatIf]:
