@@ -168,3 +168,35 @@ def test_the_bert_oom_reads_its_tied_decoder_from_the_bias_after_the_blocks(real
     assert "a linear head tied to the embedding reading every token's output, making 39.7x" in bert.notes[-1]
     vit = step_evidence(real_frames("fit_vit_b128_oom_python"), 0, "adamw")
     assert "of 3,072,000 bytes reading one pooled vector per sample" in vit.notes[-1]
+
+
+def _alive_at_forward_end(tape, category):
+    """Bytes of ``category`` alive when the first pass's forward ends (recorded batch)."""
+    first_backward = tape.start[tape.phase == "backward"].min()
+    forward = (tape.phase == "forward") & (tape.start < first_backward)
+    t = tape.start[forward].max()
+    alive = (tape.start <= t) & (tape.end > t) & (tape.category == category)
+    return int(tape.sizes(1.0)[alive].sum())
+
+
+def test_bf16_weight_copies_and_kv_cache_as_the_bf16_recordings_show(real_frames):
+    """From GPT-2's float32 recording, the bf16 lever makes a bfloat16 copy of every weight
+    matrix (12 blocks' 4 matrices and the tied embedding, for the head), none before the copies
+    rule (no creation stack names a module in a model moved with ``.to("cuda")``). It also copies
+    the position table (1.5 MiB), which the recording does not (it is added, not multiplied): no
+    rule yet tells it from ViT's patch convolution, which is copied. And it halves the KV cache's
+    copies of keys and values, as the bf16 recording at the same batch keeps them (144 MiB where
+    float32 kept 288; kept whole before)."""
+    from snapshot_lab.metrics.fit import levers as lv
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    ev = step_evidence(real_frames("fit_gpt2_b4_complete_python"), 0)
+    predicted = lv.bf16_autocast(ev.tape, ev)
+    block_matrices = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) * 4
+    position_table = 1024 * 768 * 4
+    copies = (block_matrices + 8192 * 768 * 4 + position_table) // 2
+    assert _alive_at_forward_end(predicted, "autocast_copy") == copies
+    real = step_evidence(real_frames("fit_gpt2_b4_bf16_complete_python"), 0).tape
+    assert _alive_at_forward_end(ev.tape, "kv_cache") == 288 << 20
+    assert _alive_at_forward_end(real, "kv_cache") == 144 << 20
+    assert _alive_at_forward_end(predicted, "kv_cache") == 144 << 20
