@@ -200,3 +200,25 @@ def test_bf16_weight_copies_and_kv_cache_as_the_bf16_recordings_show(real_frames
     assert _alive_at_forward_end(ev.tape, "kv_cache") == 288 << 20
     assert _alive_at_forward_end(real, "kv_cache") == 144 << 20
     assert _alive_at_forward_end(predicted, "kv_cache") == 144 << 20
+
+
+def test_bf16_drops_the_probabilities_of_the_float32_attention_kernel(real_frames, under_the_cap):
+    """Llama's float32 attention (grouped-query: SDPA's math kernel) keeps each layer's attention
+    probabilities; under bf16 flash attention runs and keeps none (its bf16 recording). The lever
+    drops what the attention call made beyond anything the block's linear layers made: Llama's
+    largest batch with bf16 is 8 where 8 ran, from both recordings (7 when the probabilities were
+    halved). ViT breaks the simpler rule "the attention's largest tensor when four times its next"
+    (its next is a 0.08 MiB log-sum-exp, so its output was dropped: bf16 from within 3% to -5%);
+    GPT-2's, BERT's and ViT's attention keep no probabilities in float32 and nothing is dropped."""
+    from snapshot_lab.metrics.fit import levers as lv
+    from snapshot_lab.metrics.fit.model import step_evidence
+
+    for name in ("fit_llama_b2_complete_python", "fit_llama_b32_oom_python"):
+        real = FAMILIES["llama"]["levers"]["bf16"]["largest_batch_under_cap"]
+        assert under_the_cap[name].largest_batch["bf16"] == real
+    llama = step_evidence(real_frames("fit_llama_b2_complete_python"), 0).tape
+    dropped = lv._math_kernel_probabilities(llama)
+    assert dropped.sum() == 32  # the scores and their softmax, per layer (8), per recorded step (2)
+    assert set(llama.per_batch[dropped].tolist()) == {32 << 20}
+    for name in ("fit_gpt2_b4_complete_python", "fit_bert_b2_complete_python", "fit_vit_b8_complete_python"):
+        assert not lv._math_kernel_probabilities(step_evidence(real_frames(name), 0).tape).any(), name

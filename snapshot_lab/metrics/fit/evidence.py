@@ -109,7 +109,7 @@ def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
     )
 
 
-AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL = 0, 1, 2
+AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, AUTOCAST_ATTENTION = 0, 1, 2, 3
 _MATMUL_FILES = r"torch/nn/modules/(?:linear|conv)\.py$|transformers/pytorch_utils\.py$"
 _ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
 
@@ -117,14 +117,21 @@ _ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
 def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
     """Per stack, what autocast makes of the tensors made there: float32 (a functional on its
     float32 list, or arithmetic written in the model's own code, where a float32 operand such
-    as the residual stream wins), bfloat16 out of a matrix multiply (Linear, convolution,
-    attention), or the dtype of the input (torch's other modules: norms, ReLU, pooling)."""
+    as the residual stream wins), bfloat16 out of a matrix multiply (Linear, convolution) or an
+    attention call (its own code: what a float32 kernel kept there may not be made at all under
+    bf16, :func:`~snapshot_lab.metrics.fit.levers.bf16_autocast`), or the dtype of the input
+    (torch's other modules: norms, ReLU, pooling)."""
     inner = stack_innermost(frames)
     fn, name = inner["filename"], inner["name"]
     fp32 = fn.str.endswith(_FUNCTIONAL) & name.isin(AUTOCAST_FP32_OPS)
     in_torch = fn.str.contains(r"(?:^|/)torch/(?:nn|autograd|utils|_tensor|functional|_jit)", regex=True)
-    matmul = fn.str.contains(_MATMUL_FILES, regex=True) | name.str.contains(_ATTENTION_NAMES, regex=True)
-    code = np.where(matmul, AUTOCAST_MATMUL, np.where(fp32 | ~in_torch, AUTOCAST_FP32, AUTOCAST_FOLLOWS))
+    attention = name.str.contains(_ATTENTION_NAMES, regex=True) & ~fn.str.contains(_MATMUL_FILES, regex=True)
+    matmul = fn.str.contains(_MATMUL_FILES, regex=True)
+    code = np.where(
+        attention,
+        AUTOCAST_ATTENTION,
+        np.where(matmul, AUTOCAST_MATMUL, np.where(fp32 | ~in_torch, AUTOCAST_FP32, AUTOCAST_FOLLOWS)),
+    )
     return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
 

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evidence import AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, KV_CACHE, BlockSpan, StepEvidence
+from .evidence import (
+    AUTOCAST_ATTENTION,
+    AUTOCAST_FOLLOWS,
+    AUTOCAST_FP32,
+    AUTOCAST_MATMUL,
+    KV_CACHE,
+    BlockSpan,
+    StepEvidence,
+)
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -135,7 +143,7 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     # bf16 recording keeps 144 MiB of them at batch 4 where float32 kept 288)
     half |= made & (tape.category == KV_CACHE)
     half &= ~_float32_gradients(tape, cast_inputs)
-    out = tape.scaled(half, 0.5)
+    out = tape.scaled(half, 0.5).scaled(_math_kernel_probabilities(tape), 0.0)
     copies = []
     for b in ev.blocks:
         if b.matrix_bytes and checkpointed:
@@ -149,6 +157,28 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     if copies:
         arr = np.array(copies, dtype=np.float64)
         out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
+    return out
+
+
+def _math_kernel_probabilities(tape: Tape) -> np.ndarray:
+    """What a float32 attention kept that flash attention, which bf16 autocast runs, does not
+    make: per block, what the attention call made that is larger than anything the block's
+    linear layers made (the probabilities of SDPA's math kernel, batch x heads x tokens squared;
+    a kernel without them makes nothing larger than its output, batch x tokens x width, which a
+    feed-forward layer's output exceeds). Llama's float32 recording (grouped-query attention: the
+    math kernel) keeps 32 MiB of them per layer at batch 2 and its bf16 recording none. A simpler
+    rule, the attention's largest tensor when four times its next, dropped ViT's output (its next
+    is the 0.08 MiB log-sum-exp): its bf16 went from within 3% to -5%."""
+    forward = (tape.phase == "forward") & (tape.per_batch > 0) & (tape.block >= 0)
+    attention = np.flatnonzero(forward & (tape.autocast == AUTOCAST_ATTENTION))
+    out = np.zeros(len(tape), dtype=bool)
+    if not attention.size:
+        return out
+    matmul = np.flatnonzero(forward & (tape.autocast == AUTOCAST_MATMUL))
+    largest = np.full(int(tape.block.max()) + 1, np.inf)  # per block: its linear layers' largest
+    largest[np.unique(tape.block[matmul])] = -np.inf
+    np.maximum.at(largest, tape.block[matmul], tape.per_batch[matmul])
+    out[attention[tape.per_batch[attention] > largest[tape.block[attention]]]] = True
     return out
 
 
@@ -171,7 +201,7 @@ def _matmul_inputs(tape: Tape) -> np.ndarray:
     fwd = fwd[tape.per_batch[fwd] * 64 > tape.per_batch[fwd].max(initial=0)]
     code = tape.autocast[fwd]
     before = np.zeros(len(tape), dtype=bool)
-    feeds = (code[:-1] == AUTOCAST_FP32) & (code[1:] == AUTOCAST_MATMUL)
+    feeds = (code[:-1] == AUTOCAST_FP32) & np.isin(code[1:], [AUTOCAST_MATMUL, AUTOCAST_ATTENTION])
     before[fwd[:-1][feeds]] = True
     return before
 
