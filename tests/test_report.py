@@ -215,6 +215,17 @@ def _answer(html: str) -> str:
     return html[start : html.index("</section>", start)]
 
 
+def test_first_screen_says_capacity_where_the_replay_finds_no_setting_that_serves(tmp_path):
+    """BERT's first forward under a 6 GiB cap: 67.75 MiB free in holes of 17.75 MiB for a 48 MiB
+    request, and no allocator setting the replay tried serves it (the step needs 16 GiB). The
+    first screen says capacity, as the finding does; it said "Fragmentation" before."""
+    html = api.report(sample_path("fit_bert_b32_oom_python"), output=tmp_path / "bert.html").read_text()
+    a = _answer(html)
+    assert "Capacity: 67.75 MiB was free in reserved memory, in holes no larger than 17.75 MiB" in a
+    assert "Fragmentation:" not in a
+    assert "oom-capacity" in html and "oom-fragmentation" not in html
+
+
 def test_first_screen_answers_an_oom(reports):
     import hashlib
 

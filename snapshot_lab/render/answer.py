@@ -93,8 +93,16 @@ def made_of(comp: Composition) -> list[tuple[str, str]]:
     return lines
 
 
-def oom_cause(o: OomAnalysis) -> str:
-    """The OOM in plain words: fragmentation or capacity, with the numbers that decide it."""
+def oom_cause(o: OomAnalysis, finding_id: str = "") -> str:
+    """The OOM in plain words: fragmentation or capacity, with the numbers that decide it;
+    ``finding_id``: the device's OOM finding, which says capacity where the replay under the cap
+    found no setting that serves the request, however the free memory was split."""
+    if o.cause == "fragmentation" and finding_id == "oom-capacity":
+        return (
+            f"Capacity: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, in holes no larger "
+            f"than {format_bytes(o.largest_free_block_bytes)}, but no allocator setting the replay tried would "
+            "have served the request: the job needs more memory than it had."
+        )
     if o.cause == "fragmentation":
         return (
             f"Fragmentation: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, but the "
@@ -114,10 +122,11 @@ def verdict(
     if ooms:
         dev, oom = next(iter(ooms.items()))
         where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
+        said = next((f.id for f in findings if f.id.startswith("oom-") and f.device == dev), "")
         return (
             "critical",
             f"Out of memory{where}: a request of {format_bytes(oom.requested_bytes)} could not be served.",
-            oom_cause(oom),
+            oom_cause(oom, said),
         )
     ranked = sorted(findings, key=lambda finding: SEVERITY_ORDER.get(finding.severity, 9))
     worst = ranked[0] if ranked else None
