@@ -77,6 +77,26 @@ def _first_freed(block_of: np.ndarray, end: np.ndarray, candidate: np.ndarray) -
     return ranked[np.r_[True, block_of[ranked][1:] != block_of[ranked][:-1]]] if ranked.size else ranked
 
 
+def _output_outside(tape: Tape, f_end: np.ndarray, b_start: np.ndarray) -> np.ndarray:
+    """Per block, whether the first forward tensor made after its span belongs to no block and
+    lives to the block's backward: the block's output, made by its own forward after its last
+    submodule call, which the next block saves (ConvNeXt's CNBlock). Then what the block kept
+    inside its span is all saved for its own backward, recomputed under checkpointing."""
+    forward = np.flatnonzero(tape.phase == "forward")
+    forward = forward[np.argsort(tape.start[forward], kind="stable")]
+    after = np.searchsorted(tape.start[forward], f_end, "right")
+    found = after < forward.size
+    row = forward[np.minimum(after, forward.size - 1)]
+    made_before_backward = tape.start[row] < b_start  # not the next pass's first tensor
+    return (
+        found
+        & made_before_backward
+        & (tape.block[row] < 0)
+        & (tape.end[row] >= b_start - 1.0)
+        & (tape.per_batch[row] > 0)
+    )
+
+
 def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     """Activation checkpointing of every repeated block. transformers turns its KV cache off
     under gradient checkpointing: the cache's copies of keys and values are not made.
@@ -95,7 +115,10 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     )
     row_end = tape.end[rows]
     kept = row_end > f_end[block_of]
-    output = _first_freed(block_of, row_end, kept)
+    # a block whose output is made after its last submodule, outside its span (ConvNeXt's
+    # ``layer_scale * ...``, then ``+= input``), keeps none of its own tensors for the next block
+    kept_inside = kept & ~_output_outside(tape, f_end, b_start)[block_of]
+    output = _first_freed(block_of, row_end, kept_inside)
     is_output = np.zeros(rows.size, dtype=bool)
     is_output[output] = True
     saved = kept & ~is_output
