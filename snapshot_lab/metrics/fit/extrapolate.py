@@ -326,15 +326,22 @@ class _Step:
             return out
         first = self.pf.blocks[0]
         out[first[self.lone_rows(first)]] = True
+        kept_first = first[self.free_pos[first] < 0]
         if len(self.pf.blocks) >= 2:
-            second = self.pf.blocks[1]
-            kept_first = first[self.free_pos[first] < 0]
-            later = self.size[second[self.free_pos[second] < 0]].tolist()
+            later = self.size[self.pf.blocks[1][self.free_pos[self.pf.blocks[1]] < 0]].tolist()
             for r in kept_first.tolist():
                 if self.size[r] in later:
                     later.remove(self.size[r])
                 else:
                     out[r] = True
+            return out
+        # one block ran (GPT-2's OOM): against what ran of the second, as far as it got, a size
+        # the second never kept (its counts are partial: the failure cut them short)
+        done = np.concatenate([first, *self.pf.tails[:1]])
+        partial = np.flatnonzero(self.pos > self.pos[done].max())
+        again = self.size[partial[self.free_pos[partial] < 0]]
+        compared = kept_first[: again.size]
+        out[compared[~np.isin(self.size[compared], again)]] = True
         return out
 
     def backward_workspace(self) -> float:
@@ -358,7 +365,7 @@ class _Step:
         none = np.zeros(0, dtype=np.int64)
         template = pf.blocks[-1] if pf.blocks else none
         if len(pf.blocks) == 1:  # the first block's one-off allocations (a workspace) are not repeated
-            template = template[~self.lone_rows(template)]
+            template = template[~self.lone_rows(template) & ~self.one_off[template]]
         template_tail = pf.tails[-1] if pf.tails else none
         for j in range(pf.layers if pf.blocks else 0):
             rows, tail = (pf.blocks[j], pf.tails[j]) if j < len(pf.blocks) else (template, template_tail)
