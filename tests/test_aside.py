@@ -106,5 +106,5 @@ def test_the_report_is_the_same_with_the_fit_beside_it_or_not(tmp_path, monkeypa
     monkeypatch.setenv(aside.JOBS_VARIABLE, "1")
     here = api.report(sample, output=tmp_path / "here.html")
     text = Path(beside).read_text()
-    assert "A whole step at the recorded batch needs about 38.5 GiB" in text
+    assert "A whole step at the recorded batch needs about 38.2 GiB" in text
     assert text == Path(here).read_text()
