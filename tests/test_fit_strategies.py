@@ -100,3 +100,19 @@ def test_zero1_is_not_proposed_where_the_trace_has_no_optimizer_state(real_frame
     assert list(reasons) == ["ZeRO-1 (optimizer state sharded), over any number of GPUs"]
     assert next(iter(reasons.values())).startswith("not applicable: the trace has no optimizer step")
     assert "zero1" in {p.strategy for p in gpt2.parallel_strategies}
+
+
+@pytest.mark.parametrize(
+    "name, limit, recorded_batch",
+    [("deep_inference_python", 2 << 30, None), ("fit_resnet50_b16_complete_python", CAP, 16)],
+)
+def test_nothing_is_listed_to_change_where_the_job_fits_as_recorded(real_frames, name, limit, recorded_batch):
+    """Forward passes at 526 MiB under 2 GiB, and ResNet-50's step at batch 16 under 6 GiB (its
+    largest is 69), fit as recorded: every allocator setting and lever fits too, and listing them
+    as "what makes it fit" told the user to change a job that needs no change. GPT-2's step, which
+    does not fit (above), keeps its list."""
+    r = compute_fit(real_frames(name), memory_limit=limit, recorded_batch=recorded_batch)
+    assert r.levers[0].lever == "as recorded" and r.levers[0].fits is True
+    assert [o.lever for o in r.levers if o.fits][1:]  # the other levers fit as well
+    assert r.ways_to_fit == []
+    assert "What makes it fit" not in format_fit(r)

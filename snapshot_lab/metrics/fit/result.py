@@ -108,7 +108,10 @@ class FitResult:
     def ways_to_fit(self) -> list[dict[str, str]]:
         """What makes the step fit, least change to the job first: the allocator's settings (no
         code changed), then the levers (at the batch asked for), then more GPUs (at the recorded
-        batch: per strategy, the fewest GPUs that fit)."""
+        batch: per strategy, the fewest GPUs that fit). None where the job fits as recorded at the
+        batch asked for: there is nothing to change."""
+        if any(o.lever == AS_RECORDED and o.fits for o in self.levers):
+            return []
         confs = [o for o in self.levers if o.assumption.startswith(ALLOCATOR_PREFIX)]
         levers = [o for o in self.levers if o not in confs and o.lever != AS_RECORDED]
         out = [{"kind": "allocator settings", "label": o.lever} for o in confs if o.fits]
