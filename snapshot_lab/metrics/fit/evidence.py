@@ -91,6 +91,7 @@ class StepEvidence:
     blocks: tuple[BlockSpan, ...]
     passes: tuple[PassSpan, ...]
     notes: tuple[str, ...]
+    half_precision: bool = False  # the parameters are fp16/bf16 already (precision.py): bf16 autocast halves nothing
 
 
 def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:

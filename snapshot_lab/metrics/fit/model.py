@@ -3,6 +3,8 @@ its first forward."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ...frames import SnapshotFrames
@@ -12,6 +14,7 @@ from . import workload as wl
 from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
+from .precision import half_precision_parameters
 from .search import PeakCurve
 
 ASSUMED_OPTIMIZER = "adamw"
@@ -33,7 +36,16 @@ def _extrapolated(frames: SnapshotFrames, s: TrainingStructure, name: str) -> Ex
 
 def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = None) -> StepEvidence:
     """What the trace shows of one training step on ``device`` (computed once per optimizer)."""
-    return memo(frames, ("fit.evidence", device, optimizer), lambda: _evidence(frames, device, optimizer))
+    return memo(frames, ("fit.evidence", device, optimizer), lambda: _with_precision(frames, device, optimizer))
+
+
+def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
+    ev = _evidence(frames, device, optimizer)
+    half, note = half_precision_parameters(frames, ev.tape)
+    if not half:
+        return ev
+    notes = tuple(wl.FORWARD_ONLY_HALF_LEVERS_NOTE if n == wl.FORWARD_ONLY_LEVERS_NOTE else n for n in ev.notes)
+    return replace(ev, half_precision=True, notes=(*notes, note))
 
 
 def _optimizer(frames: SnapshotFrames, given: str | None) -> tuple[str, str]:

@@ -15,6 +15,7 @@ from . import levers as lv
 from . import workload as wl
 from .evidence import StepEvidence
 from .model import FitUnsupported, recorded_batch_bytes, step_evidence
+from .precision import NO_BF16
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
 from .strategies import StrategyOutcome, parallel_strategies
 from .tape import Tape, simulate
@@ -178,8 +179,9 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
 
     if ev.blocks:
         out["checkpointing"] = checkpoint
-    out["bf16"] = lambda: lv.bf16_autocast(t, ev)
-    if ev.blocks:
+    if not ev.half_precision:
+        out["bf16"] = lambda: lv.bf16_autocast(t, ev)
+    if ev.blocks and not ev.half_precision:
         out["checkpointing+bf16"] = lambda: lv.bf16_autocast(checkpoint(), ev, checkpointed=True)
     for name in OPTIMIZER_SWAPS:
         if name != ev.optimizer and lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
@@ -197,6 +199,8 @@ def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
         if not ev.blocks:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
         tape = lv.checkpoint(tape, ev.blocks)
+    if bf16 and ev.half_precision:
+        raise FitUnsupported(NO_BF16)
     return lv.bf16_autocast(tape, ev, checkpointed=checkpointing) if bf16 else tape
 
 

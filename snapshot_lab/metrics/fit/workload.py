@@ -73,6 +73,7 @@ FORWARD_ONLY_LEVERS_NOTE = (
     "backward that never runs), optimizer choice and optimizer offload (there is no optimizer state); bf16 autocast "
     "and the batch remain"
 )
+FORWARD_ONLY_HALF_LEVERS_NOTE = FORWARD_ONLY_LEVERS_NOTE.replace("; bf16 autocast and the batch remain", "")
 FORWARD_ONLY_OOM_NOTE = (
     "the trace ends in an out-of-memory error after {forwards} forward call(s) (a request of {request:,} bytes that "
     "could not be served): the request is kept in the job, as the next allocation it needed"
