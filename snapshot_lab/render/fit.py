@@ -72,6 +72,8 @@ def headline(r: FitResult) -> str:
         if per is not None
         else (f"{_amount(breakdown.get('activations_at_recorded_batch_bytes', 0))} at the recorded batch")
     )
+    if r.workload == wl.FORWARD_ONLY and breakdown.get("kv_cache_at_peak_bytes"):
+        acts += f", the KV cache {_amount(breakdown['kv_cache_at_peak_bytes'])} of it at the peak"
     levers = [flag for flag in (("bf16 autocast", r.bf16), ("checkpointing", r.checkpointing)) if flag[1]]
     if levers:
         what += " with " + " and ".join(lever_name for lever_name, _ in levers)

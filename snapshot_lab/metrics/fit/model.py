@@ -11,7 +11,7 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..plan.structure import TrainingStructure, training_structure
 from . import workload as wl
-from .evidence import StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
+from .evidence import KV_CACHE, StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 from .precision import half_precision_parameters
@@ -89,7 +89,8 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
 def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
     """The breakdown: model state; what the batch adds to the step's peak (the peak at twice the
     recorded batch minus the peak at it: activations saved for the backward and the backward's
-    own, at the recorded batch); workspaces."""
+    own, at the recorded batch); workspaces; the KV cache alive at the peak (part of the
+    activations)."""
     tape = ev.tape
     kept = ~np.isfinite(tape.end)
     by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
@@ -101,4 +102,5 @@ def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
     curve = PeakCurve(tape)
     by["activations"] = max(curve.peak(2.0) - curve.peak(1.0), 0)
     by["workspaces"] = int(tape.fixed[(tape.category == "workspace") & kept].sum())
+    by["kv_cache"] = curve.alive_at_peak(1.0, tape.category == KV_CACHE)
     return by

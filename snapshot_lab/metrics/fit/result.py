@@ -256,6 +256,8 @@ def _breakdown(ev: StepEvidence, recorded_batch: int | None) -> dict[str, int]:
             acts // recorded_batch if recorded_batch else acts
         ),
         "workspaces_bytes": by["workspaces"],
+        # part of the activations: a transformers KV cache's keys and values alive at the peak
+        **({"kv_cache_at_peak_bytes": by["kv_cache"]} if by["kv_cache"] else {}),
     }
 
 

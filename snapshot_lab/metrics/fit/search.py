@@ -37,6 +37,18 @@ class PeakCurve:
         rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
         return int(np.cumsum(self.sign * rounded).max(initial=0))
 
+    def alive_at_peak(self, scale: float, rows: np.ndarray) -> int:
+        """Bytes of the tensors in ``rows`` (a mask) alive at the peak allocated at ``scale``."""
+        if not len(self.tape) or not rows.any():
+            return 0
+        size = np.maximum(np.ceil(self.fixed + self.per_batch * scale), 0).astype(np.int64)
+        rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
+        upto = int(np.cumsum(self.sign * rounded).argmax()) + 1
+        which, freeing = self.which[:upto], self.is_free[:upto]
+        alive = np.zeros(len(self.tape), dtype=np.int8)
+        np.add.at(alive, which, np.where(freeing, -1, 1))
+        return int(self.tape.sizes(scale)[(alive > 0) & rows].sum())
+
     def largest(self, units: int, limit: int) -> int:
         """The largest batch, in ``units`` per recorded batch, whose peak allocated is within
         ``limit`` (0: not even one unit; below MAX_UNITS). Every size grows with the batch, so the
