@@ -247,6 +247,36 @@ def _leak_view(frames: SnapshotFrames, leaks: LeakAnalysis) -> dict[str, Any]:
     }
 
 
+class _Figures:
+    """The sections' figures, drawn and encoded together in one forked child (:class:`Aside`)
+    while the report computes the rest, and set on their sections when :meth:`resolve` collects
+    them: the same bytes as drawn here (issue #23: matplotlib's drawing was a quarter of a
+    1M-entry report's wall time, with a CPU idle; one child, as a child per figure made five
+    processes share two CPUs and the parent's own work slower)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[DeviceSection, str, Callable[[], str]]] = []
+        self._started: list[tuple[list[tuple[DeviceSection, str]], Aside[list[str]]]] = []
+
+    def later(self, section: DeviceSection, field: str, draw: Callable[[], str]) -> None:
+        """Draw this figure into ``section.field`` with the others (once started)."""
+        self._pending.append((section, field, draw))
+
+    def start(self) -> None:
+        """Draw what was asked so far, beside the rest."""
+        draws = [draw for _, _, draw in self._pending]
+        if draws:
+            self._started.append(([(sec, f) for sec, f, _ in self._pending], Aside(lambda: [d() for d in draws])))
+        self._pending = []
+
+    def resolve(self) -> None:
+        self.start()
+        for fields, job in self._started:
+            for (section, field), value in zip(fields, job.result(), strict=True):
+                setattr(section, field, value)
+        self._started.clear()
+
+
 def _device_section(
     frames: SnapshotFrames,
     stats: SnapshotStats,
@@ -255,21 +285,24 @@ def _device_section(
     cats: CategoryBreakdown,
     leaks: LeakAnalysis,
     lifetimes: pd.DataFrame,
-    whatif: WhatIf | None = None,
+    whatif: WhatIf | None,
+    figures: _Figures,
 ) -> DeviceSection:
-    """One device's section: what the dump shows, the moment of its OOM, then what the trace shows."""
+    """One device's section: what the dump shows, the moment of its OOM, then what the trace
+    shows (its figures, once ``figures`` resolves)."""
     device_stats = stats.devices[dev]
     moment = oom_moment(frames, dev) if device_stats.oom is not None else None
     at_oom = moment if moment is not None and not moment.at_dump else None
-    section = _dump_section(frames, device_stats, dev, timeline, cats, leaks, whatif, at_oom)
+    section = _dump_section(frames, device_stats, dev, timeline, cats, leaks, whatif, at_oom, figures)
     if stats.parallel and stats.parallel.get("strategies"):
         section.parallel = str(stats.parallel["description"])
     if at_oom is not None:
         _show_oom_moment(section, frames, at_oom)
     if timeline is None:
+        figures.start()
         _without_trace(section, frames, stats, dev, cats)
     else:
-        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes)
+        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes, figures)
     return section
 
 
@@ -282,6 +315,7 @@ def _dump_section(
     leaks: LeakAnalysis,
     whatif: WhatIf | None,
     at_oom: Moment | None,
+    figures: _Figures,
 ) -> DeviceSection:
     """The counters, layout, histogram, sites and categories (of the OOM's moment where the
     snapshot was dumped after the stack unwound)."""
@@ -302,8 +336,8 @@ def _dump_section(
         cards=_cards(device_stats, timeline),
         counter_rows=_counter_rows(device_stats.torch_stats),
         fragmentation_rows=_fragmentation_rows(device_stats),
-        histogram_svg=figure_svg(plot_free_histogram(histogram_frag, oom_req)),
-        layout_png=figure_png_data_uri(plot_block_layout(layouts)),
+        histogram_svg="",
+        layout_png="",
         layout_note=layout_note,
         live_sites=_site_views(
             frames, live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
@@ -315,6 +349,9 @@ def _dump_section(
         whatif=_whatif_view(whatif),
         kv_cache_note=_kv_cache_note(device_stats.kv_cache_growth),
     )
+    figures.later(section, "histogram_svg", lambda: figure_svg(plot_free_histogram(histogram_frag, oom_req)))
+    figures.later(section, "layout_png", lambda: figure_png_data_uri(plot_block_layout(layouts)))
+    figures.start()
     section.layout_data = layout_data(layouts)
     return section
 
@@ -367,12 +404,19 @@ def _trace_views(
     timeline: Timeline,
     cats: CategoryBreakdown,
     lifetimes: pd.DataFrame,
+    figures: _Figures,
 ) -> None:
     """The timeline, the explorer and what was alive at the peak."""
-    section.timeline_png = figure_png_data_uri(plot_timeline(timeline))
+    figures.later(section, "timeline_png", lambda: figure_png_data_uri(plot_timeline(timeline)))
+    by_time = cats.timeline
+    if by_time is not None and len(by_time) == timeline.n_events:
+        figures.later(
+            section,
+            "category_png",
+            lambda: figure_png_data_uri(plot_category_timeline(by_time, timeline.x, timeline.x_label)),
+        )
+    figures.start()
     section.exploration = explore(frames, timeline)
-    if cats.timeline is not None and len(cats.timeline) == timeline.n_events:
-        section.category_png = figure_png_data_uri(plot_category_timeline(cats.timeline, timeline.x, timeline.x_label))
     section.timeline_notes = _timeline_notes(timeline)
     alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
@@ -690,6 +734,7 @@ def build_report_context(
     timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
     sections = []
+    figures = _Figures()
     for dev in stats.devices:
         sections.append(
             _device_section(
@@ -701,6 +746,7 @@ def build_report_context(
                 diagnosis.leaks[dev],
                 diagnosis.lifetimes[dev],
                 diagnosis.whatifs.get(dev),
+                figures,
             )
         )
     _would_it_fit(frames, stats, sections)
@@ -708,6 +754,7 @@ def build_report_context(
         fit_answer = fit_answer.result()
     first = _first_screen(stats, findings, sections, fit_answer)
     payload = _payload(frames, sections)
+    figures.resolve()
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],

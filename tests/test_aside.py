@@ -108,3 +108,24 @@ def test_the_report_is_the_same_with_the_fit_beside_it_or_not(tmp_path, monkeypa
     text = Path(beside).read_text()
     assert "A whole step at the recorded batch needs about 38.2 GiB" in text
     assert text == Path(here).read_text()
+
+
+@forks
+def test_the_report_figures_are_drawn_in_one_child_and_set_on_their_sections():
+    """report.py's figures: those asked for before a start are drawn together in one child (a
+    child per figure made five processes share two CPUs), then set in order on their sections."""
+    from types import SimpleNamespace
+
+    from snapshot_lab.report import _Figures
+
+    parent = os.getpid()
+    first, second = SimpleNamespace(histogram_svg="", layout_png=""), SimpleNamespace(timeline_png="")
+    figures = _Figures()
+    figures.later(first, "histogram_svg", lambda: f"histogram {os.getpid()}")  # type: ignore[arg-type]
+    figures.later(first, "layout_png", lambda: f"layout {os.getpid()}")  # type: ignore[arg-type]
+    figures.start()
+    figures.later(second, "timeline_png", lambda: f"timeline {os.getpid()}")  # type: ignore[arg-type]
+    figures.resolve()  # starts what is pending, then waits for both children
+    one = first.histogram_svg.split()[1]
+    assert first.layout_png == f"layout {one}" and int(one) != parent
+    assert second.timeline_png.startswith("timeline ") and second.timeline_png.split()[1] not in (one, str(parent))
