@@ -7,6 +7,7 @@ to highest over the five measured batches, per lever; then the largest batch und
 cap, predicted / real::
 
     python benchmarks/fit_accuracy.py > /tmp/fit_tables.md
+    python benchmarks/fit_accuracy.py t5 effnet   # some families only
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ RECORDINGS = {
     "llama": ("Llama", "fit_llama_b2_complete_python", 2, "fit_llama_b32_oom_python", 32, "adamw"),
     "convnext": ("ConvNeXt-Tiny", "fit_convnext_b16_complete_python", 16, "fit_convnext_b512_oom_python", 512, "adamw"),
     "bert": ("BERT-base MLM", "fit_bert_b2_complete_python", 2, "fit_bert_b32_oom_python", 32, "adamw"),
+    "effnet": (
+        "EfficientNet-B0",
+        "fit_effnet_b16_complete_python",
+        16,
+        "fit_effnet_b256_oom_python",
+        256,
+        "sgd-momentum",
+    ),
+    "t5": ("T5 (6+6 layers)", "fit_t5_b4_complete_python", 4, "fit_t5_b64_oom_python", 64, "adamw"),
 }
 
 
@@ -71,7 +81,10 @@ def main() -> None:
     header = "as recorded | checkpointing | bf16 | checkpointing + bf16 |"
     peaks = [f"| from | | {header}", "| --- | --- | --- | --- | --- | --- |"]
     largest = [f"| from | {header}", "| --- | --- | --- | --- | --- |"]
+    only = set(sys.argv[1:])  # families to print (all when none is named)
     for family, (label, complete, c_batch, oom, o_batch, optimizer) in RECORDINGS.items():
+        if only and family not in only:
+            continue
         levers = truth["families"][family]["levers"]
         for name, recorded, opt, kind in ((complete, c_batch, None, "complete"), (oom, o_batch, optimizer, "OOM")):
             frames = api.load_frames(SAMPLES / f"{name}.pickle.xz")

@@ -13,7 +13,12 @@ Two families, each trained from a fresh model for every measurement:
   recorded after every fit rule was written (hold-outs of a later session);
 - ``bert``: BERT-base for masked language modelling from a Hugging Face config (12 layers, d=768,
   vocab 30522, 512 tokens, dropout 0), AdamW: a hold-out recorded after the ``.to("cuda")`` weight
-  copy rule, before any rule was checked against it.
+  copy rule, before any rule was checked against it;
+- ``effnet``: torchvision's EfficientNet-B0 at 224x224 (stochastic depth 0; depthwise
+  convolutions, squeeze-and-excitation, SiLU), SGD with momentum; and ``t5``: T5 from a Hugging
+  Face config (an encoder-decoder: 6 + 6 layers, d=512, d_ff 2048, 8 heads, vocab 32128, 512 input
+  and 128 target tokens, dropout 0), AdamW. Both recorded on 2026-11-26 after every rule, as
+  hold-outs of two designs no family had (two kinds of repeated block in one model, for T5).
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +57,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
     "convnext": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
     "bert": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
+    "effnet": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 256, "search_max": 1024},
+    "t5": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
 }
+NEW_FAMILIES = ("effnet", "t5")  # their lever snapshots go in their own group
 LLAMA_TOKENS = 512
-TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512)}  # vocabulary, tokens
+TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512)}
+T5_TARGET_TOKENS = 128
+
+
+def _transformers_model(model, lever: str):
+    """A Hugging Face model in training, checkpointed (non-reentrant) when asked, with AdamW."""
+    import torch
+
+    if "ckpt" in lever:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def build(family: str, lever: str):
@@ -65,11 +85,7 @@ def build(family: str, lever: str):
 
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = GPT2LMHeadModel(cfg).to("cuda")
-        if "ckpt" in lever:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda"), lever)
     elif family == "resnet50":
         import torchvision
 
@@ -81,20 +97,23 @@ def build(family: str, lever: str):
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
                           tie_word_embeddings=False, attention_dropout=0.0)
-        model = LlamaForCausalLM(cfg).to("cuda")
-        if "ckpt" in lever:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda"), lever)
     elif family == "bert":
         from transformers import BertConfig, BertForMaskedLM
 
         cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        model = BertForMaskedLM(cfg).to("cuda")
-        if "ckpt" in lever:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = _transformers_model(BertForMaskedLM(cfg).to("cuda"), lever)
+    elif family == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(d_model=512, d_ff=2048, d_kv=64, num_layers=6, num_decoder_layers=6, num_heads=8,
+                       vocab_size=32128, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        model, opt = _transformers_model(T5ForConditionalGeneration(cfg).to("cuda"), lever)
+    elif family == "effnet":
+        import torchvision
+
+        model = torchvision.models.efficientnet_b0(stochastic_depth_prob=0.0).to("cuda").train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif family == "convnext":
         import torchvision
 
@@ -132,17 +151,20 @@ def vit_forward(model, x, ckpt: bool):
     return model.heads(enc.ln(x)[:, 0])
 
 
-def convnext_forward(model, x, ckpt: bool):
-    """torchvision's ConvNeXt.forward, with each CNBlock checkpointed when asked."""
+def staged_forward(model, x, ckpt: bool, block: str, flatten: bool):
+    """torchvision's ConvNeXt.forward (``block="CNBlock"``) and EfficientNet.forward (``"MBConv"``,
+    whose pooled features are flattened before the classifier): ``features`` stage by stage, with
+    each block of the stages made of ``block`` checkpointed when asked."""
     from torch.utils.checkpoint import checkpoint
 
     for stage in model.features:
-        if ckpt and type(stage[0]).__name__ == "CNBlock":
-            for block in stage:
-                x = checkpoint(block, x, use_reentrant=False)
+        if ckpt and type(stage[0]).__name__ == block:
+            for each in stage:
+                x = checkpoint(each, x, use_reentrant=False)
         else:
             x = stage(x)
-    return model.classifier(model.avgpool(x))
+    pooled = model.avgpool(x)
+    return model.classifier(pooled.flatten(1) if flatten else pooled)
 
 
 def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
@@ -151,12 +173,15 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     if family in TOKENS:
         vocab, tokens = TOKENS[family]
         ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to("cuda")
+        labels = ids[:, :T5_TARGET_TOKENS].contiguous() if family == "t5" else ids
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=labels).loss
     else:
         x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
         y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
-        forward = {"resnet50": resnet_forward, "vit": vit_forward, "convnext": convnext_forward}[family]
+        forward = {"resnet50": resnet_forward, "vit": vit_forward,
+                   "convnext": partial(staged_forward, block="CNBlock", flatten=False),
+                   "effnet": partial(staged_forward, block="MBConv", flatten=True)}[family]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = torch.nn.functional.cross_entropy(forward(model, x, "ckpt" in lever), y)
     loss.backward()
@@ -280,7 +305,7 @@ for _family, _cfg in FAMILIES.items():
         lambda f=_family, b=_cfg["oom"]: _snapshot_run(f, b, True))
     for _lever in LEVERS[1:]:
         H.workload(f"fit_{_family}_b{_cfg['complete']}_{_lever.replace('+', '_')}_complete_python",
-                   "fit_bert" if _family == "bert" else "fitlever")(
+                   "fit_bert" if _family == "bert" else f"fit_{_family}" if _family in NEW_FAMILIES else "fitlever")(
             lambda f=_family, b=_cfg["complete"], v=_lever: _snapshot_run(f, b, False, v))
 
 

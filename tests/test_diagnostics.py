@@ -165,6 +165,13 @@ EXPECTED = {
     # where "fragmentation" was said before the replay was asked (the only sample that changed)
     "fit_bert_b2_complete_python": set(),
     "fit_bert_b32_oom_python": {"oom-capacity"},
+    # EfficientNet-B0 and T5 (hold-outs of 2026-11-26): far more than the cap to allocate
+    "fit_effnet_b16_complete_python": set(),
+    "fit_effnet_b256_oom_python": {"oom-capacity"},
+    "fit_t5_b4_complete_python": set(),
+    "fit_t5_b64_oom_python": {"oom-capacity"},
+    **{f"fit_{family}_{lever}_complete_python": set() for family in ("effnet_b16", "t5_b4") for lever in ("bf16",)},
+    **{f"fit_t5_b4_{lever}_complete_python": set() for lever in ("ckpt", "ckpt_bf16")},
     # the lever recordings: the complete ones again under bf16, checkpointing and both
     **{
         f"fit_{family}_{lever}_complete_python": set()

@@ -43,6 +43,16 @@ the lever kept 55.1). Still outside the bounds, marked xfail with the numbers (`
 ConvNeXt's OOM, which ran out inside its first block, whose
 layers (a depthwise convolution, a layer norm, two linear layers, a layer scale) the convolution
 reader of ``fit/convnet.py`` (convolutions each followed by a batch norm) does not cover.
+
+Two more, recorded on 2026-11-26 with every rule above untouched: torchvision's EfficientNet-B0
+(depthwise convolutions, squeeze-and-excitation, SiLU; SGD with momentum; family ``effnet``) and
+T5 from a Hugging Face config (an encoder-decoder, 6 + 6 layers, d=512, 512 input and 128 target
+tokens, AdamW; family ``t5``). Their complete snapshots were within the bounds as they came except
+T5 under bf16 (xfail, ``OUTSIDE``). Their OOMs broke the extrapolation: it copied the blocks the
+forward ran as many times as the longest run of alike blocks in the parameters, T5's decoder's
+5 where its encoder ran, EfficientNet's 3 in its sixth stage where its first stage ran: -37% and
+-72..+600%, and largest batches of 42 (22 ran) and 351 (69 ran). Such a model is now refused
+with the reason (``one_stack``), not answered wrongly.
 """
 
 from __future__ import annotations
@@ -66,10 +76,20 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_convnext_b512_oom_python": ("convnext", 512, "adamw", 0.15),
     "fit_bert_b2_complete_python": ("bert", 2, None, 0.10),
     "fit_bert_b32_oom_python": ("bert", 32, "adamw", 0.15),
+    "fit_effnet_b16_complete_python": ("effnet", 16, None, 0.10),
+    "fit_t5_b4_complete_python": ("t5", 4, None, 0.10),
 }
+# refused, with the reason (their numbers before, in the module's docstring)
+TWO_STACKS = {"fit_t5_b64_oom_python": (56, 5, 10, 13), "fit_effnet_b256_oom_python": (259, 3, 35, 22)}
+_T5_BF16 = (
+    "T5's own code casts autocast's outputs back to float32 (its feed-forward to the output layer's weight "
+    "dtype, its attention scores plus a float32 position bias), which the float32 recording cannot show: "
+    "bf16 saves 3% at batch 16, not 31%"
+)
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
+    **{("fit_t5_b4_complete_python", "bf16", batch): _T5_BF16 for batch in (4, 8, 16, None)},
     **{
         ("fit_convnext_b512_oom_python", lever, batch): f"FitUnsupported: {_NO_READER}"
         for lever in LEVERS
@@ -134,7 +154,25 @@ def test_largest_batch_under_the_cap_near_the_real_runs(under_the_cap, name, lev
         pytest.xfail(f"{type(fit).__name__}: {fit} (real largest batch {measured})")
     predicted = fit.largest_batch[OUR_NAMES[lever]]
     assert predicted is not None
+    if abs(predicted - measured) > max(1, 0.4 * measured) and (name, lever, None) in OUTSIDE:
+        pytest.xfail(f"predicted {predicted:g}, real {measured}: {OUTSIDE[name, lever, None]}")
     assert abs(predicted - measured) <= max(1, 0.4 * measured), (predicted, measured)
+
+
+@pytest.mark.parametrize("name", list(TWO_STACKS))
+def test_an_oom_of_a_model_with_more_than_one_stack_of_blocks_is_refused(real_frames, name):
+    """T5's encoder before its decoder's blocks, EfficientNet's stages of differing blocks: the
+    blocks the forward ran are not the ones the rest of the model repeats, and copying them gave
+    -37% and +600% (module docstring). GPT-2's, ViT's, Llama's and BERT's OOMs (1 to 7 parameters
+    before their blocks, 2 to 6 after) are still answered (the tests above)."""
+    from snapshot_lab.metrics.fit.extrapolate import MORE_THAN_ONE_STACK
+    from snapshot_lab.metrics.fit.model import FitUnsupported
+
+    before, count, after, period = TWO_STACKS[name]
+    reason = MORE_THAN_ONE_STACK.format(before=before, count=count, after=after, period=period)
+    with pytest.raises(FitUnsupported) as refused:
+        predict_step(real_frames(name), optimizer="adamw")
+    assert str(refused.value) == reason
 
 
 def test_every_convnext_block_is_found(real_frames):

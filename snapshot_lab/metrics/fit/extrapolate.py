@@ -57,6 +57,31 @@ NO_WHOLE_BLOCK = (
     "rest of the model from (record at a smaller batch, or under a larger limit, so that one block completes)"
 )
 
+MORE_THAN_ONE_STACK = (
+    "the model's parameters are more than one stack of repeated blocks between an embedding and a head: {before} "
+    "parameters before its {count} repeated blocks and {after} after, where one block has {period} (a second stack, "
+    "such as an encoder-decoder's, or stages of differing blocks, such as EfficientNet's): what the blocks the forward "
+    "did not reach make cannot be copied from the ones it ran (record at a smaller batch, or under a larger limit, so "
+    "that one whole step completes)"
+)
+
+
+def one_stack(pf: PartialForward) -> str:
+    """ "" where the parameters are one run of repeated blocks between a few before (embeddings) and
+    after (a final norm, a head), each fewer than a block's; else why the rest of the model cannot
+    be extrapolated. GPT-2, ViT, Llama and BERT have 1 to 7 before and 2 to 6 after, a block 9 to 16;
+    T5 has its encoder's 56 before its decoder's blocks, EfficientNet-B0 259 before its longest run
+    of alike blocks and 35 after: copying the blocks they ran gave -37% and +600% (their OOMs)."""
+    in_blocks = np.flatnonzero(pf.param_block >= 0)
+    if not in_blocks.size:
+        return ""
+    period = int((pf.param_block == 0).sum())
+    before, after = int(in_blocks[0]), int(pf.param_block.size - 1 - in_blocks[-1])
+    if max(before, after) <= period:
+        return ""
+    count = int(pf.param_block.max()) + 1
+    return MORE_THAN_ONE_STACK.format(before=before, after=after, count=count, period=period)
+
 
 class FitUnsupportedStep(ValueError):
     """The trace shows too little of the step to extrapolate it."""
@@ -654,6 +679,8 @@ def extrapolate_step(
     pf = partial_forward(frames, s)
     if pf is None:
         return None
+    if pf.blocks and (why := one_stack(pf)):
+        raise FitUnsupportedStep(why)
     step: _Step | None = _Step(frames, s, pf) if pf.blocks else _conv_step(frames, s, pf)
     if step is None:
         raise FitUnsupportedStep(NO_WHOLE_BLOCK)
