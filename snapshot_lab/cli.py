@@ -605,8 +605,22 @@ def fit(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. The process ends with ``os._exit`` once its output is flushed:
+    the interpreter's teardown frees every object a large snapshot made, one by one, for nothing
+    (0.14 s of a 1M-entry report; issue #23). Every file was closed by then, every child joined."""
+    try:
+        app()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if done.code is not None and not isinstance(done.code, int):
+            print(done.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head): nothing more to say
+            code = code or 1
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -40,14 +40,6 @@ from .metrics.stats.fragmentation import compute_fragmentation
 from .metrics.stats.layout import select_layout
 from .metrics.stats.summary import DeviceStats
 from .module_tags import parent_fqn
-from .plots.categories import plot_category_timeline
-from .plots.common import figure_png_bytes, figure_png_data_uri, figure_svg
-from .plots.compare import plot_device_comparison
-from .plots.composition import plot_composition
-from .plots.first_screen import plot_first_screen
-from .plots.histogram import plot_free_histogram
-from .plots.layout import plot_block_layout
-from .plots.timeline import plot_timeline
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
@@ -247,6 +239,14 @@ def _leak_view(frames: SnapshotFrames, leaks: LeakAnalysis) -> dict[str, Any]:
     }
 
 
+def _drawn() -> Any:
+    """:mod:`.plots.drawn`, imported where a figure is drawn (matplotlib with it): a report whose
+    figures are drawn in forked children never imports matplotlib here."""
+    from .plots import drawn
+
+    return drawn
+
+
 class _Figures:
     """The sections' figures, drawn and encoded together in one forked child (:class:`Aside`)
     while the report computes the rest, and set on their sections when :meth:`resolve` collects
@@ -299,8 +299,7 @@ def _device_section(
     if at_oom is not None:
         _show_oom_moment(section, frames, at_oom)
     if timeline is None:
-        figures.start()
-        _without_trace(section, frames, stats, dev, cats)
+        _without_trace(section, frames, stats, dev, cats, figures)
     else:
         _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes, figures)
     return section
@@ -349,8 +348,8 @@ def _dump_section(
         whatif=_whatif_view(whatif),
         kv_cache_note=_kv_cache_note(device_stats.kv_cache_growth),
     )
-    figures.later(section, "histogram_svg", lambda: figure_svg(plot_free_histogram(histogram_frag, oom_req)))
-    figures.later(section, "layout_png", lambda: figure_png_data_uri(plot_block_layout(layouts)))
+    figures.later(section, "histogram_svg", lambda: _drawn().histogram_svg(histogram_frag, oom_req))
+    figures.later(section, "layout_png", lambda: _drawn().layout_png(layouts))
     figures.start()
     section.layout_data = layout_data(layouts)
     return section
@@ -368,12 +367,27 @@ def _show_oom_moment(section: DeviceSection, frames: SnapshotFrames, moment: Mom
     section.oom_sites = _site_views(frames, live_sites(moment.blocks, snapshot_sites(frames), MAX_SITES))
 
 
+def _chart(section: DeviceSection, figures: _Figures) -> None:
+    """The first screen's chart of what the section's composition is made of, drawn with the
+    section's figures."""
+    comp = section.composition
+    if comp is not None:
+        figures.later(section, "composition_svg", lambda: _drawn().composition_svg(comp))
+    figures.start()
+
+
 def _without_trace(
-    section: DeviceSection, frames: SnapshotFrames, stats: SnapshotStats, dev: int, cats: CategoryBreakdown
+    section: DeviceSection,
+    frames: SnapshotFrames,
+    stats: SnapshotStats,
+    dev: int,
+    cats: CategoryBreakdown,
+    figures: _Figures,
 ) -> None:
     blk = frames.blocks[frames.blocks["device"] == dev]
     dump_sites = live_sites(blk, snapshot_sites(frames), MAX_SITES, categorize(frames).block_category[blk.index])
     section.composition = compose("dump", pd.Series(cats.live_bytes), dump_sites)
+    _chart(section, figures)
     section.timeline_missing = (
         "No timeline: this snapshot was recorded with enabled='state' (no event history)."
         if stats.recording.mode == "state"
@@ -406,18 +420,12 @@ def _trace_views(
     lifetimes: pd.DataFrame,
     figures: _Figures,
 ) -> None:
-    """The timeline, the explorer and what was alive at the peak."""
-    figures.later(section, "timeline_png", lambda: figure_png_data_uri(plot_timeline(timeline)))
+    """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
+    the explorer's data)."""
+    figures.later(section, "timeline_png", lambda: _drawn().timeline_png(timeline))
     by_time = cats.timeline
     if by_time is not None and len(by_time) == timeline.n_events:
-        figures.later(
-            section,
-            "category_png",
-            lambda: figure_png_data_uri(plot_category_timeline(by_time, timeline.x, timeline.x_label)),
-        )
-    figures.start()
-    section.exploration = explore(frames, timeline)
-    section.timeline_notes = _timeline_notes(timeline)
+        figures.later(section, "category_png", lambda: _drawn().category_png(by_time, timeline.x, timeline.x_label))
     alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
@@ -432,6 +440,9 @@ def _trace_views(
         else alive["size_bytes"].groupby(alive_cats).sum()
     )
     section.composition = compose("peak", by_category, peak_sites, device_stats.modules, timeline.peak_index)
+    _chart(section, figures)
+    section.exploration = explore(frames, timeline)
+    section.timeline_notes = _timeline_notes(timeline)
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(timeline.peak_requested_bytes)} requested, event "
         f"{timeline.peak_index:,}), by requested bytes."
@@ -702,12 +713,12 @@ def _first_screen_png(ctx: ReportContext) -> bytes:
     if source is not None and source.size_bytes:
         provenance += f", {format_bytes(source.size_bytes)}, sha256 {source.sha256_prefix}…"
     if first is None:
-        return figure_png_bytes(plot_first_screen(provenance, "ok", ctx.headline, "", [], [], None))
+        return _drawn().first_screen_png(provenance, "ok", ctx.headline, "", [], [], None)
     comp = next((section.composition for section in ctx.devices if section.composition is not None), None)
     levers = [
         (lever.title + (f" (at stake: {lever.stake})" if lever.stake else ""), lever.detail) for lever in first.levers
     ]
-    fig = plot_first_screen(
+    return _drawn().first_screen_png(  # type: ignore[no-any-return]
         provenance,
         first.status,
         first.verdict,
@@ -717,7 +728,6 @@ def _first_screen_png(ctx: ReportContext) -> bytes:
         comp,
         first.made_of_title,
     )
-    return figure_png_bytes(fig)
 
 
 def build_report_context(
@@ -752,9 +762,9 @@ def build_report_context(
     _would_it_fit(frames, stats, sections)
     if isinstance(fit_answer, Aside):
         fit_answer = fit_answer.result()
-    first = _first_screen(stats, findings, sections, fit_answer)
     payload = _payload(frames, sections)
-    figures.resolve()
+    figures.resolve()  # the first screen's chart is one of them
+    first = _first_screen(stats, findings, sections, fit_answer)
     progress.stage("Rendering")
     ctx = ReportContext(
         file_name=str(frames.info.source.path).replace("\\", "/").split("/")[-1],
@@ -785,7 +795,7 @@ def build_report_context(
                 }
             )
         ctx.compare_rows = rows
-        ctx.compare_svg = figure_svg(plot_device_comparison(pd.DataFrame(rows)))
+        ctx.compare_svg = _drawn().device_comparison_svg(pd.DataFrame(rows))
     return ctx
 
 
@@ -854,7 +864,7 @@ def _first_screen(
         made_of=made_of(comp),
         made_of_title=f"{format_bytes(comp.total_bytes)} requested {where}{dev}",
         levers=levers(findings, plans, fit),
-        chart_svg=figure_svg(plot_composition(comp)),
+        chart_svg=main.composition_svg or _drawn().composition_svg(comp),
         others=[
             f"Device {section.device}: {format_bytes(section.composition.total_bytes)} {where}; "
             + made_of(section.composition)[0][1]

@@ -151,6 +151,15 @@ def test_console_script_subprocess(tmp_path):
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+def test_the_console_script_keeps_its_exit_codes_and_output_with_its_quick_exit():
+    """main() ends the process with os._exit once stdout and stderr are flushed (no interpreter
+    teardown): a usage error still exits 2 with its message, and help arrives whole."""
+    usage = subprocess.run([*_console_script(), "no-such-command"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "No such command" in usage.stderr
+    helped = subprocess.run([*_console_script(), "report", "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--output" in helped.stdout and helped.stdout.rstrip().endswith("╯")
+
+
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "snapshot_lab", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "snaplab" in r.stdout

@@ -83,6 +83,7 @@ class DeviceSection:
     layout_data: list[dict[str, Any]] = field(default_factory=list)
     # what the peak (or, with no trace, the dump) was made of
     composition: Composition | None = None
+    composition_svg: str = ""  # its chart, for the first screen (drawn with the section's figures)
     kv_cache_note: str = ""  # inference: the KV cache's growth per decode step
 
 
