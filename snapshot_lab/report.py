@@ -40,6 +40,7 @@ from .metrics.stats.fragmentation import compute_fragmentation
 from .metrics.stats.layout import select_layout
 from .metrics.stats.summary import DeviceStats
 from .module_tags import parent_fqn
+from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
@@ -422,10 +423,11 @@ def _trace_views(
 ) -> None:
     """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
     the explorer's data)."""
-    figures.later(section, "timeline_png", lambda: _drawn().timeline_png(timeline))
-    by_time = cats.timeline
-    if by_time is not None and len(by_time) == timeline.n_events:
-        figures.later(section, "category_png", lambda: _drawn().category_png(by_time, timeline.x, timeline.x_label))
+    view = timeline_view(timeline)
+    figures.later(section, "timeline_png", lambda: _drawn().timeline_png(view))
+    if cats.timeline is not None and len(cats.timeline) == timeline.n_events:
+        stacked = category_view(cats.timeline, timeline.x, timeline.x_label)
+        figures.later(section, "category_png", lambda: _drawn().category_png(stacked))
     alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)

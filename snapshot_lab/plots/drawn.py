@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from .categories import plot_category_timeline
@@ -19,6 +18,7 @@ from .first_screen import plot_first_screen
 from .histogram import plot_free_histogram
 from .layout import plot_block_layout
 from .timeline import plot_timeline
+from .views import CategoryView, TimelineView
 
 
 def histogram_svg(pools: Any, oom_request_bytes: int | None) -> str:
@@ -29,12 +29,12 @@ def layout_png(layouts: Any) -> str:
     return figure_png_data_uri(plot_block_layout(layouts))
 
 
-def timeline_png(timeline: Any) -> str:
-    return figure_png_data_uri(plot_timeline(timeline))
+def timeline_png(view: TimelineView) -> str:
+    return figure_png_data_uri(plot_timeline(view))
 
 
-def category_png(levels: pd.DataFrame, x: np.ndarray, x_label: str) -> str:
-    return figure_png_data_uri(plot_category_timeline(levels, x, x_label))
+def category_png(view: CategoryView) -> str:
+    return figure_png_data_uri(plot_category_timeline(view))
 
 
 def composition_svg(comp: Any) -> str:
