@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
-from .aside import Aside
+from .aside import Aside, Worker
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -140,14 +140,27 @@ def report(
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
     """
-    # matplotlib and jinja2 load only when a report is made
-    from .report import REPORT_FORMATS, build_report, fit_summary
+    # matplotlib and jinja2 load only when a report is made; matplotlib by the worker that draws
+    # the figures, started first, so that it imports it while the snapshot is read
+    from .report import DRAWN, REPORT_FORMATS
 
     if format not in REPORT_FORMATS:
         raise ParameterError(
             "format", "{format} must be one of {choices}, not {got!r}", choices=", ".join(REPORT_FORMATS), got=format
         )
     out = Path(output) if output is not None else default_report_path(snapshot, format)
+    drawer = Worker(DRAWN)
+    try:
+        write_atomic(out, _report_content(snapshot, progress, format, drawer))
+    finally:
+        drawer.close()
+    return notebook.ReportFile(out)
+
+
+def _report_content(snapshot: str | Path, progress: ProgressSink | None, format: str, drawer: Worker) -> str | bytes:
+    """What :func:`report` writes, the figures drawn by ``drawer``."""
+    from .report import build_report, fit_summary
+
     frames = load_frames(snapshot, progress=progress)
     # fit's answer is needed last and the what-if replays only by the findings: each computed
     # beside the rest, in a forked child (aside.py), where the machine has a CPU to spare
@@ -155,8 +168,7 @@ def report(
     (progress or NullProgress()).stage("Computing statistics")
     stats_ = compute_stats(frames)
     whatifs = Aside(lambda: device_whatifs(frames, stats_))
-    write_atomic(out, build_report(frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result))
-    return notebook.ReportFile(out)
+    return build_report(frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result, drawer=drawer)
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:

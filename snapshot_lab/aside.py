@@ -14,8 +14,10 @@ error is raised by this process, as it would have been without the child.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -113,3 +115,122 @@ def _run_child(fn: Callable[[], Any], send: Connection) -> None:
             send.send((False, None))
     finally:
         send.close()
+
+
+class Worker:
+    """A forked child, started now, that imports ``module`` while this process goes on (the
+    report's figures: matplotlib, imported while the snapshot is read), then runs
+    ``module.<name>(*args)`` for each :meth:`submit`, in order. A thread here collects what it
+    sends back, so it never waits for this process to read. Where no child can be had, or it
+    fails at a job (raises, dies, sends what does not unpickle), the job is computed here at
+    :meth:`result`: the same value either way, and an error raised here."""
+
+    def __init__(self, module: str) -> None:
+        self._module = module
+        self._jobs: list[tuple[str, tuple[Any, ...]]] = []
+        self._sent: dict[int, tuple[bool, Any]] = {}
+        self._arrived = threading.Condition()
+        self._child: Any = None
+        self._to_child: Connection | None = None
+        self._reader: threading.Thread | None = None
+        if may_fork():
+            self._start()
+
+    @property
+    def forked(self) -> bool:
+        return self._child is not None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("fork")
+        jobs_in, jobs_out = ctx.Pipe(duplex=False)
+        results_in, results_out = ctx.Pipe(duplex=False)
+        child = ctx.Process(
+            target=_serve, args=(self._module, jobs_in, results_out, (jobs_out, results_in)), daemon=True
+        )
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                child.start()
+        except OSError:
+            for end in (jobs_in, jobs_out, results_in, results_out):
+                end.close()
+            return
+        jobs_in.close()
+        results_out.close()
+        self._child, self._to_child = child, jobs_out
+        self._reader = threading.Thread(target=self._read, args=(results_in,), daemon=True)
+        self._reader.start()
+
+    def _read(self, results: Connection) -> None:
+        """The reader thread: every (job, sent, value) the child sends, until it closes its end."""
+        try:
+            while True:
+                job, sent, value = results.recv()
+                with self._arrived:
+                    self._sent[job] = (bool(sent), value)
+                    self._arrived.notify_all()
+        except Exception:  # the child closed its end, died, or sent what does not unpickle
+            pass
+        finally:
+            results.close()
+            with self._arrived:
+                self._reader = None
+                self._arrived.notify_all()
+
+    def submit(self, name: str, *args: Any) -> int:
+        """Ask for ``module.<name>(*args)``; returns the job for :meth:`result`."""
+        job = len(self._jobs)
+        self._jobs.append((name, args))
+        if self._to_child is not None:
+            try:
+                self._to_child.send((job, name, args))
+            except Exception:  # the child is gone, or the arguments do not pickle
+                self._to_child.close()
+                self._to_child = None
+        return job
+
+    def result(self, job: int) -> Any:
+        """The value of a job: the child's when it sent one, else computed here."""
+        with self._arrived:
+            while job not in self._sent and self._reader is not None and self._to_child is not None:
+                self._arrived.wait()
+            sent, value = self._sent.pop(job, (False, None))
+        if sent:
+            return value
+        name, args = self._jobs[job]
+        return getattr(importlib.import_module(self._module), name)(*args)
+
+    def close(self) -> None:
+        """Let the child go (it ends when its job pipe closes)."""
+        if self._to_child is not None:
+            self._to_child.close()
+            self._to_child = None
+        if self._child is not None:
+            self._child.join(timeout=5)
+
+
+def _serve(module: str, jobs: Connection, results: Connection, parents: tuple[Connection, ...]) -> None:
+    """The worker's whole life: import, then answer every job until the pipe closes; nothing it
+    does reaches stderr, and a job that fails is sent back as not done. It first closes its copies
+    of the parent's ends (``parents``): its own write end would keep it waiting for jobs forever."""
+    for end in parents:
+        end.close()
+    try:
+        target: Any = importlib.import_module(module)
+    except BaseException:
+        target = None
+    while True:
+        try:
+            job, name, args = jobs.recv()
+        except BaseException:  # the parent closed its end: no more jobs
+            break
+        try:
+            message: tuple[int, bool, Any] = (job, True, getattr(target, name)(*args))
+        except BaseException:
+            message = (job, False, None)
+        try:
+            results.send(message)
+        except BaseException:  # the value does not pickle
+            with contextlib.suppress(BaseException):
+                results.send((job, False, None))
+    results.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from . import __version__
-from .aside import Aside
+from .aside import Aside, Worker
 from .frames import SnapshotFrames
 from .metrics import SnapshotStats
 from .metrics.allocator.whatif import WhatIf
@@ -248,34 +248,28 @@ def _drawn() -> Any:
     return drawn
 
 
+DRAWN = "snapshot_lab.plots.drawn"  # the module that draws the figures (matplotlib with it)
+
+
 class _Figures:
-    """The sections' figures, drawn and encoded together in one forked child (:class:`Aside`)
-    while the report computes the rest, and set on their sections when :meth:`resolve` collects
-    them: the same bytes as drawn here (issue #23: matplotlib's drawing was a quarter of a
-    1M-entry report's wall time, with a CPU idle; one child, as a child per figure made five
-    processes share two CPUs and the parent's own work slower)."""
+    """The sections' figures, each asked of a :class:`~.aside.Worker` (a process that imported
+    matplotlib while the snapshot was read: :func:`~snapshot_lab.api.report` starts it first) as
+    soon as what it draws is known, and set on its section when :meth:`resolve` collects them:
+    the same bytes as drawn here (issue #23: matplotlib's import and drawing were a third of a
+    1M-entry report's wall time, with a CPU idle)."""
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[DeviceSection, str, Callable[[], str]]] = []
-        self._started: list[tuple[list[tuple[DeviceSection, str]], Aside[list[str]]]] = []
+    def __init__(self, worker: Worker | None = None) -> None:
+        self._worker = worker or Worker(DRAWN)
+        self._asked: list[tuple[DeviceSection, str, int]] = []
 
-    def later(self, section: DeviceSection, field: str, draw: Callable[[], str]) -> None:
-        """Draw this figure into ``section.field`` with the others (once started)."""
-        self._pending.append((section, field, draw))
-
-    def start(self) -> None:
-        """Draw what was asked so far, beside the rest."""
-        draws = [draw for _, _, draw in self._pending]
-        if draws:
-            self._started.append(([(sec, f) for sec, f, _ in self._pending], Aside(lambda: [d() for d in draws])))
-        self._pending = []
+    def later(self, section: DeviceSection, field: str, *args: Any) -> None:
+        """``section.field`` is what :mod:`.plots.drawn`'s function of that name draws of ``args``."""
+        self._asked.append((section, field, self._worker.submit(field, *args)))
 
     def resolve(self) -> None:
-        self.start()
-        for fields, job in self._started:
-            for (section, field), value in zip(fields, job.result(), strict=True):
-                setattr(section, field, value)
-        self._started.clear()
+        for section, field, job in self._asked:
+            setattr(section, field, self._worker.result(job))
+        self._asked.clear()
 
 
 def _device_section(
@@ -349,9 +343,8 @@ def _dump_section(
         whatif=_whatif_view(whatif),
         kv_cache_note=_kv_cache_note(device_stats.kv_cache_growth),
     )
-    figures.later(section, "histogram_svg", lambda: _drawn().histogram_svg(histogram_frag, oom_req))
-    figures.later(section, "layout_png", lambda: _drawn().layout_png(layouts))
-    figures.start()
+    figures.later(section, "histogram_svg", histogram_frag, oom_req)
+    figures.later(section, "layout_png", layouts)
     section.layout_data = layout_data(layouts)
     return section
 
@@ -369,12 +362,10 @@ def _show_oom_moment(section: DeviceSection, frames: SnapshotFrames, moment: Mom
 
 
 def _chart(section: DeviceSection, figures: _Figures) -> None:
-    """The first screen's chart of what the section's composition is made of, drawn with the
-    section's figures."""
-    comp = section.composition
-    if comp is not None:
-        figures.later(section, "composition_svg", lambda: _drawn().composition_svg(comp))
-    figures.start()
+    """The first screen's chart of what the section's composition is made of, drawn as the
+    section's figures are."""
+    if section.composition is not None:
+        figures.later(section, "composition_svg", section.composition)
 
 
 def _without_trace(
@@ -423,11 +414,9 @@ def _trace_views(
 ) -> None:
     """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
     the explorer's data)."""
-    view = timeline_view(timeline)
-    figures.later(section, "timeline_png", lambda: _drawn().timeline_png(view))
+    figures.later(section, "timeline_png", timeline_view(timeline))
     if cats.timeline is not None and len(cats.timeline) == timeline.n_events:
-        stacked = category_view(cats.timeline, timeline.x, timeline.x_label)
-        figures.later(section, "category_png", lambda: _drawn().category_png(stacked))
+        figures.later(section, "category_png", category_view(cats.timeline, timeline.x, timeline.x_label))
     alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
@@ -691,17 +680,19 @@ def build_report(
     fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
     format: str = "html",
     whatifs: Callable[[], dict[int, WhatIf]] | None = None,
+    drawer: Worker | None = None,
 ) -> str | bytes:
     """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
     Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
     ``fit_answer`` (what ``snaplab fit`` concluded, or the :class:`Aside` computing it) leads the
     levers when given; ``whatifs``, the what-if replays when they are computed elsewhere
-    (:func:`~snapshot_lab.metrics.diagnose.diagnose`)."""
+    (:func:`~snapshot_lab.metrics.diagnose.diagnose`); ``drawer``, the worker that draws the
+    figures (:data:`DRAWN`), started before the snapshot was read (else one is started here)."""
     if format not in REPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
     if fit_answer is None:
         fit_answer = fit_summary(frames)
-    ctx = build_report_context(frames, stats, progress, fit_answer, whatifs)
+    ctx = build_report_context(frames, stats, progress, fit_answer, whatifs, drawer)
     if format == "md":
         return render_markdown(ctx)
     if format == "png":
@@ -738,15 +729,16 @@ def build_report_context(
     progress: ProgressSink | None = None,
     fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
     whatifs: Callable[[], dict[int, WhatIf]] | None = None,
+    drawer: Worker | None = None,
 ) -> ReportContext:
-    """Everything every format of the report shows, computed once."""
+    """Everything every format of the report shows, computed once (the figures by ``drawer``)."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
     diagnosis = diagnose(frames, stats, whatifs=whatifs)
     timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
     sections = []
-    figures = _Figures()
+    figures = _Figures(drawer)
     for dev in stats.devices:
         sections.append(
             _device_section(

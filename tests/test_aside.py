@@ -111,21 +111,51 @@ def test_the_report_is_the_same_with_the_fit_beside_it_or_not(tmp_path, monkeypa
 
 
 @forks
-def test_the_report_figures_are_drawn_in_one_child_and_set_on_their_sections():
-    """report.py's figures: those asked for before a start are drawn together in one child (a
-    child per figure made five processes share two CPUs), then set in order on their sections."""
+def test_a_worker_answers_its_jobs_in_its_own_process_in_order():
+    parent = os.getpid()
+    worker = aside.Worker("os")
+    assert worker.forked
+    jobs = [worker.submit("getpid"), worker.submit("getcwd"), worker.submit("getpid")]
+    child = worker.result(jobs[0])
+    assert child != parent and worker.result(jobs[2]) == child
+    assert worker.result(jobs[1]) == os.getcwd()
+    worker.close()
+    assert not worker._child.is_alive()  # it ended when its job pipe closed
+
+
+@forks
+def test_a_job_that_fails_in_the_worker_is_computed_here_and_raises_here():
+    worker = aside.Worker("math")
+    bad, good = worker.submit("sqrt", -1.0), worker.submit("sqrt", 16.0)
+    with pytest.raises(ValueError, match="math domain error"):
+        worker.result(bad)
+    assert worker.result(good) == 4.0
+    worker.close()
+
+
+def test_without_a_second_process_the_worker_computes_here(monkeypatch):
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "1")
+    worker = aside.Worker("os")
+    assert not worker.forked
+    assert worker.result(worker.submit("getpid")) == os.getpid()
+    worker.close()
+
+
+@forks
+def test_the_report_figures_are_drawn_by_the_worker_and_set_on_their_sections():
+    """report.py's figures: each asked of the worker as soon as it is known, set in order on its
+    section at resolve (here the worker's module is ``os``, its "figure" the process it ran in)."""
     from types import SimpleNamespace
 
     from snapshot_lab.report import _Figures
 
-    parent = os.getpid()
-    first, second = SimpleNamespace(histogram_svg="", layout_png=""), SimpleNamespace(timeline_png="")
-    figures = _Figures()
-    figures.later(first, "histogram_svg", lambda: f"histogram {os.getpid()}")  # type: ignore[arg-type]
-    figures.later(first, "layout_png", lambda: f"layout {os.getpid()}")  # type: ignore[arg-type]
-    figures.start()
-    figures.later(second, "timeline_png", lambda: f"timeline {os.getpid()}")  # type: ignore[arg-type]
-    figures.resolve()  # starts what is pending, then waits for both children
-    one = first.histogram_svg.split()[1]
-    assert first.layout_png == f"layout {one}" and int(one) != parent
-    assert second.timeline_png.startswith("timeline ") and second.timeline_png.split()[1] not in (one, str(parent))
+    first, second = SimpleNamespace(getpid=""), SimpleNamespace(getpid="", getcwd="")
+    worker = aside.Worker("os")
+    figures = _Figures(worker)
+    figures.later(first, "getpid")  # type: ignore[arg-type]
+    figures.later(second, "getcwd")  # type: ignore[arg-type]
+    figures.later(second, "getpid")  # type: ignore[arg-type]
+    figures.resolve()
+    worker.close()
+    assert first.getpid == second.getpid != os.getpid()
+    assert second.getcwd == os.getcwd()
