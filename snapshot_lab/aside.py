@@ -45,6 +45,20 @@ def may_fork() -> bool:
     return "fork" in mp.get_all_start_methods() and cpus() > 1
 
 
+def _started(target: Callable[..., None], args: tuple[Any, ...]) -> Any:
+    """A daemon child forked to run ``target(*args)``, started; None where it could not be."""
+    child = mp.get_context("fork").Process(target=target, args=args, daemon=True)
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork in a threaded process (a progress bar's refresh
+            # thread, a worker's reader): the child only computes and writes to its pipe
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child.start()
+    except OSError:
+        return None
+    return child
+
+
 class Aside(Generic[T]):
     """``fn()``, computed in a forked child from now on, or here at :meth:`result`."""
 
@@ -63,20 +77,12 @@ class Aside(Generic[T]):
         return self._child is not None
 
     def _start(self) -> None:
-        ctx = mp.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_run_child, args=(self._fn, send), daemon=True)
-        try:
-            with warnings.catch_warnings():
-                # Python 3.12+ warns about fork in a threaded process (a progress bar's refresh
-                # thread): the child only computes and writes to its pipe, it takes no lock
-                warnings.simplefilter("ignore", DeprecationWarning)
-                child.start()
-        except OSError:
-            receive.close()
-            send.close()
-            return
+        receive, send = mp.get_context("fork").Pipe(duplex=False)
+        child = _started(_run_child, (self._fn, send))
         send.close()
+        if child is None:
+            receive.close()
+            return
         self._child, self._conn = child, receive
 
     def result(self) -> T:
@@ -141,22 +147,15 @@ class Worker:
         return self._child is not None
 
     def _start(self) -> None:
-        ctx = mp.get_context("fork")
-        jobs_in, jobs_out = ctx.Pipe(duplex=False)
-        results_in, results_out = ctx.Pipe(duplex=False)
-        child = ctx.Process(
-            target=_serve, args=(self._module, jobs_in, results_out, (jobs_out, results_in)), daemon=True
-        )
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                child.start()
-        except OSError:
-            for end in (jobs_in, jobs_out, results_in, results_out):
-                end.close()
-            return
+        jobs_in, jobs_out = mp.get_context("fork").Pipe(duplex=False)
+        results_in, results_out = mp.get_context("fork").Pipe(duplex=False)
+        child = _started(_serve, (self._module, jobs_in, results_out, (jobs_out, results_in)))
         jobs_in.close()
         results_out.close()
+        if child is None:
+            jobs_out.close()
+            results_in.close()
+            return
         self._child, self._to_child = child, jobs_out
         self._reader = threading.Thread(target=self._read, args=(results_in,), daemon=True)
         self._reader.start()
