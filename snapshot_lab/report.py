@@ -31,7 +31,7 @@ from .metrics.categories.kv_cache import KvCacheGrowth
 from .metrics.diagnose import diagnose
 from .metrics.explore import explore
 from .metrics.fit import compute_fit
-from .metrics.fit.model import FitUnsupported
+from .metrics.fit.model import FitUnsupported, FitUnsupportedOom
 from .metrics.fit.result import HEADLINE_LEVERS
 from .metrics.history.moments import Moment, oom_moment
 from .metrics.history.timeline import Timeline
@@ -658,11 +658,16 @@ FIT_HOW = (
 )
 
 
+FIT_REFUSED = "What would make it fit: snaplab fit cannot size the whole step from this trace"
+
+
 def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
     """``snaplab fit``'s answer for the first screen, under the limit the run ran out of (else the
     device's capacity); None when the trace shows no step to build on."""
     try:
         result = compute_fit(frames, levers=HEADLINE_LEVERS)
+    except FitUnsupportedOom as why:
+        return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), refused=True)
     except (FitUnsupported, ValueError):
         return None
     return FitSummary(verdict=fit_headline(result), steps=(*map(_sentence, result.notes), FIT_HOW))

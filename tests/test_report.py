@@ -269,6 +269,26 @@ def test_fit_answer_leads_the_levers():
     assert a.index("Fits on one GPU with expandable segments") < a.index("Out of memory caused by fragmentation")
 
 
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("fit_t5_b64_oom_python", "more than one stack of repeated blocks"),  # T5: encoder and decoder
+        ("fit_convnext_b512_oom_python", "before its first repeated block completed"),  # out inside block 1
+    ],
+)
+def test_an_oom_fit_cannot_size_says_why_after_the_other_advice(name, reason):
+    """An OOM in the first forward is the ticket fit answers; where it cannot (fit/extrapolate.py
+    refuses), the report says so and why, last, instead of nothing. GPT-2's OOM leads with fit's
+    answer (test_aside)."""
+    from snapshot_lab.api import compute_stats, load_frames
+    from snapshot_lab.report import FIT_REFUSED, build_report
+
+    frames = load_frames(sample_path(name))
+    a = _answer(build_report(frames, compute_stats(frames)))
+    assert a.index("the job needed more than the device had") < a.index(FIT_REFUSED)
+    assert reason in a[a.index(FIT_REFUSED) :]
+
+
 def test_evidence_reads_as_words_with_units(reports):
     from snapshot_lab.render.evidence import evidence_label, evidence_rows, evidence_value
 

@@ -25,6 +25,7 @@ class FitSummary:
     verdict: str
     steps: tuple[str, ...] = ()  # the changes it takes, in order
     saved_bytes: int | None = None
+    refused: bool = False  # fit could not size the step (verdict and steps say why): listed last
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def levers(
 ) -> list[Lever]:
     """What to change, best first."""
     out: list[Lever] = []
-    if fit is not None:
+    if fit is not None and not fit.refused:
         out.append(
             Lever(fit.verdict, " ".join(fit.steps), format_bytes(fit.saved_bytes) if fit.saved_bytes else "", "fit")
         )
@@ -184,7 +185,10 @@ def levers(
                         source="plan",
                     )
                 )
-    return out[:limit]
+    out = out[:limit]
+    if fit is not None and fit.refused:
+        out.append(Lever(fit.verdict, " ".join(fit.steps), source="fit"))
+    return out
 
 
 __all__ = ["FirstScreen", "FitSummary", "Lever", "SourceFile", "levers", "made_of", "oom_cause", "verdict"]

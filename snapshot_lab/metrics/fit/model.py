@@ -27,11 +27,16 @@ class FitUnsupported(ValueError):
     """The trace shows no training step to build on."""
 
 
+class FitUnsupportedOom(FitUnsupported):
+    """The trace ran out of memory in its first forward, but the rest of the step cannot be
+    extrapolated from what it shows (the report says why, beside its other advice)."""
+
+
 def _extrapolated(frames: SnapshotFrames, s: TrainingStructure, name: str) -> Extrapolated | None:
     try:
         return extrapolate_step(frames, s, OPTIMIZER_STATE_RATIO.get(name, 2.0), STEP_TEMPORARY_RATIO.get(name, 0.0))
     except FitUnsupportedStep as exc:
-        raise FitUnsupported(str(exc)) from None
+        raise FitUnsupportedOom(str(exc)) from None
 
 
 def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = None) -> StepEvidence:
