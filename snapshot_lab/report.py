@@ -667,10 +667,12 @@ def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
     try:
         result = compute_fit(frames, levers=HEADLINE_LEVERS)
     except FitUnsupportedOom as why:
-        return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), refused=True)
+        return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), last=True)
     except (FitUnsupported, ValueError):
         return None
-    return FitSummary(verdict=fit_headline(result), steps=(*map(_sentence, result.notes), FIT_HOW))
+    steps = (*map(_sentence, result.notes), FIT_HOW)
+    # a request no step made, larger than the limit: the OOM finding's advice comes first
+    return FitSummary(verdict=fit_headline(result), steps=steps, last=result.oom_request_over_limit is not None)
 
 
 def _sentence(note: str) -> str:

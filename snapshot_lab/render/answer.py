@@ -25,7 +25,9 @@ class FitSummary:
     verdict: str
     steps: tuple[str, ...] = ()  # the changes it takes, in order
     saved_bytes: int | None = None
-    refused: bool = False  # fit could not size the step (verdict and steps say why): listed last
+    # listed after the findings' advice: fit could not size the step, or the request that failed
+    # is not the step's (verdict and steps say which)
+    last: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def levers(
 ) -> list[Lever]:
     """What to change, best first."""
     out: list[Lever] = []
-    if fit is not None and not fit.refused:
+    if fit is not None and not fit.last:
         out.append(
             Lever(fit.verdict, " ".join(fit.steps), format_bytes(fit.saved_bytes) if fit.saved_bytes else "", "fit")
         )
@@ -186,7 +188,7 @@ def levers(
                     )
                 )
     out = out[:limit]
-    if fit is not None and fit.refused:
+    if fit is not None and fit.last:
         out.append(Lever(fit.verdict, " ".join(fit.steps), source="fit"))
     return out
 

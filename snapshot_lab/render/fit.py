@@ -58,8 +58,23 @@ def _batch_words(result: FitResult, batch: float | None) -> str:
     return f"{batch:g}x the recorded batch"
 
 
+OOM_OVER_LIMIT = (
+    "The run ran out of memory on a request of {request}, alone more than the {limit} it had: no batch size or "
+    "lever makes that fit, and no recorded step made it (change the code that asked for it: the error's stack). "
+)
+
+
 def headline(r: FitResult) -> str:
-    """The answer in one or two sentences."""
+    """The answer in one or two sentences (three, where the request that failed is none of the step's)."""
+    if r.oom_request_over_limit is not None and r.memory_limit_bytes is not None:
+        over = OOM_OVER_LIMIT.format(
+            request=format_bytes(r.oom_request_over_limit, 1), limit=format_bytes(r.memory_limit_bytes, 1)
+        )
+        return over + _step_headline(r)
+    return _step_headline(r)
+
+
+def _step_headline(r: FitResult) -> str:
     breakdown = r.breakdown
     what = (
         f"at batch {_batch_words(r, r.batch)}"

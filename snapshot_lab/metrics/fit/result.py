@@ -96,6 +96,9 @@ class FitResult:
     parallel_strategies: tuple[StrategyOutcome, ...] = field(default=())
     parallel_refused: dict[str, str] = field(default_factory=dict)  # label ("all": every one) -> why
     workload: str = ""  # what the trace recorded (workload.KINDS): a training step, forward passes only...
+    # the request the recorded run ran out of memory on, where it alone is larger than the memory
+    # limit: no batch or lever makes it fit, and no recorded step made it (None: no such request)
+    oom_request_over_limit: int | None = None
 
     @property
     def batch(self) -> float | None:
@@ -163,6 +166,7 @@ class FitResult:
             "ways_to_fit": self.ways_to_fit,
             "notes": list(self.notes),
             "workload": self.workload,
+            "oom_request_over_limit_bytes": self.oom_request_over_limit,
         }
 
 
@@ -245,6 +249,13 @@ class _Search:
         return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
 
 
+OOM_OVER_LIMIT_NOTE = (
+    "the recorded run ran out of memory on a request of {request:,} bytes, alone more than the memory limit "
+    "({limit:,} bytes): no batch size or lever makes it fit and no recorded step made it; it is the code that asked "
+    "for it (the out-of-memory error's stack) that must change"
+)
+
+
 def _breakdown(ev: StepEvidence, recorded_batch: int | None) -> dict[str, int]:
     by = recorded_batch_bytes(ev)
     acts = by.pop("activations")
@@ -303,6 +314,10 @@ def compute_fit(
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
         notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
+    work = wl.workload(frames, training_structure(frames, dev))
+    over = work.oom_request if limit is not None and work.oom_request is not None and work.oom_request > limit else None
+    if over is not None:
+        notes.append(OOM_OVER_LIMIT_NOTE.format(request=over, limit=limit))
     planned: tuple[StrategyOutcome, ...] = ()
     refused: dict[str, str] = {}
     if limit is not None and (parallel if parallel is not None else memory_limit is not None):
@@ -325,5 +340,6 @@ def compute_fit(
         notes=tuple(notes),
         parallel_strategies=planned,
         parallel_refused=refused,
-        workload=wl.workload(frames, training_structure(frames, dev)).kind,
+        workload=work.kind,
+        oom_request_over_limit=over,
     )
