@@ -878,12 +878,17 @@ def _first_screen(
 
 def _would_it_fit(frames: SnapshotFrames, stats: SnapshotStats, sections: list[DeviceSection]) -> None:
     """For a device that ran out of memory: the plans of the layouts that shard or split the
-    model (issue #15), when the trace holds a whole iteration."""
+    model (issue #15), when the trace holds a whole iteration; none where the request alone is
+    more than the process could hold on the device (what it reserved and what the device had
+    free): every GPU of a layout has as much memory, and no layout serves it."""
     from .metrics.plan import PlanUnsupported, would_it_fit
     from .render.plan import plan_view
 
     for section in sections:
-        if stats.devices[section.device].oom is None:
+        oom = stats.devices[section.device].oom
+        if oom is None:
+            continue
+        if oom.device_free_bytes is not None and oom.requested_bytes > oom.reserved_bytes + oom.device_free_bytes:
             continue
         try:
             section.would_it_fit = [

@@ -25,6 +25,8 @@ def test_a_request_larger_than_the_limit_is_named_and_not_sized_as_the_step(real
     html = build_report(frames, compute_stats(frames))
     assert isinstance(html, str)
     assert html.index("the job needed more than the device had") < html.index("The run ran out of memory on a request")
+    # nor does a parallel layout serve it (every GPU has as much memory): no plan is offered
+    assert "fits with" not in html and "pipeline, 2 stages" not in html
 
 
 def test_a_request_the_batch_explains_is_not_named(real_frames):
