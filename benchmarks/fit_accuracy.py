@@ -49,6 +49,14 @@ RECORDINGS = {
         "sgd-momentum",
     ),
     "t5": ("T5 (6+6 layers)", "fit_t5_b4_complete_python", 4, "fit_t5_b64_oom_python", 64, "adamw"),
+    "llamabf16": (
+        "Llama, bf16 parameters",
+        "fit_llamabf16_b2_complete_python",
+        2,
+        "fit_llamabf16_b64_oom_python",
+        64,
+        "adamw",
+    ),
 }
 
 

@@ -18,7 +18,9 @@ Two families, each trained from a fresh model for every measurement:
   convolutions, squeeze-and-excitation, SiLU), SGD with momentum; and ``t5``: T5 from a Hugging
   Face config (an encoder-decoder: 6 + 6 layers, d=512, d_ff 2048, 8 heads, vocab 32128, 512 input
   and 128 target tokens, dropout 0), AdamW. Both recorded on 2026-11-26 after every rule, as
-  hold-outs of two designs no family had (two kinds of repeated block in one model, for T5).
+  hold-outs of two designs no family had (two kinds of repeated block in one model, for T5);
+- ``llamabf16``: the ``llama`` family with bfloat16 parameters and AdamW state (pure bf16
+  training), recorded on 2026-11-26: is the precision read right, and the rest unchanged?
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
@@ -59,10 +61,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bert": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
     "effnet": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 256, "search_max": 1024},
     "t5": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
+    "llamabf16": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 64, "search_max": 256},
 }
-NEW_FAMILIES = ("effnet", "t5")  # their lever snapshots go in their own group
+NEW_FAMILIES = ("effnet", "t5", "llamabf16")  # their lever snapshots go in their own group
 LLAMA_TOKENS = 512
-TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512)}
+TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
+          "llamabf16": (32000, LLAMA_TOKENS)}
 T5_TARGET_TOKENS = 128
 
 
@@ -91,13 +95,16 @@ def build(family: str, lever: str):
 
         model = torchvision.models.resnet50().to("cuda").train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    elif family == "llama":
+    elif family in ("llama", "llamabf16"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
                           tie_word_embeddings=False, attention_dropout=0.0)
-        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda"), lever)
+        # llamabf16: the same model with bfloat16 parameters (and so AdamW state), as LLM
+        # fine-tuning often runs: the bf16 lever has nothing to halve
+        dtype = torch.bfloat16 if family == "llamabf16" else torch.float32
+        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda", dtype=dtype), lever)
     elif family == "bert":
         from transformers import BertConfig, BertForMaskedLM
 

@@ -172,6 +172,10 @@ EXPECTED = {
     "fit_t5_b64_oom_python": {"oom-capacity"},
     **{f"fit_{family}_{lever}_complete_python": set() for family in ("effnet_b16", "t5_b4") for lever in ("bf16",)},
     **{f"fit_t5_b4_{lever}_complete_python": set() for lever in ("ckpt", "ckpt_bf16")},
+    # Llama with bfloat16 parameters (2026-11-26)
+    "fit_llamabf16_b2_complete_python": set(),
+    "fit_llamabf16_b64_oom_python": {"oom-capacity"},
+    **{f"fit_llamabf16_b2_{lever}_complete_python": set() for lever in ("ckpt", "bf16", "ckpt_bf16")},
     # the lever recordings: the complete ones again under bf16, checkpointing and both
     **{
         f"fit_{family}_{lever}_complete_python": set()

@@ -53,6 +53,12 @@ forward ran as many times as the longest run of alike blocks in the parameters, 
 5 where its encoder ran, EfficientNet's 3 in its sixth stage where its first stage ran: -37% and
 -72..+600%, and largest batches of 42 (22 ran) and 351 (69 ran). Such a model is now refused
 with the reason (``one_stack``), not answered wrongly.
+
+A third of that day, the Llama family again with bfloat16 parameters and AdamW state (pure bf16
+training, family ``llamabf16``), found two gaps, both xfail with their numbers here and left open:
+the parameters' precision is not read with grouped-query attention (``_BF16_PARAMS``), and the
+step extrapolated from its OOM is far too large (``_BF16_OOM``). Its complete recording is
+otherwise within 3.1%, its largest batches 12 / 12 and 23 / 23 exact.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_bert_b32_oom_python": ("bert", 32, "adamw", 0.15),
     "fit_effnet_b16_complete_python": ("effnet", 16, None, 0.10),
     "fit_t5_b4_complete_python": ("t5", 4, None, 0.10),
+    "fit_llamabf16_b2_complete_python": ("llamabf16", 2, None, 0.10),
+    "fit_llamabf16_b64_oom_python": ("llamabf16", 64, "adamw", 0.15),
 }
 # refused, with the reason (their numbers before, in the module's docstring)
 TWO_STACKS = {"fit_t5_b64_oom_python": (56, 5, 10, 13), "fit_effnet_b256_oom_python": (259, 3, 35, 22)}
@@ -88,8 +96,19 @@ _T5_BF16 = (
 )
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
+_BF16_PARAMS = (
+    "the parameters are bfloat16 already, but with grouped-query attention (k and v half as wide) the 4-byte "
+    "square matches as many parameters as the 2-byte one and precision.py keeps the bf16 lever: it halves what "
+    "is half already"
+)
+_BF16_OOM = (
+    "the step extrapolated from a bfloat16 model's OOM grows about 60% too fast per sample (forward 4.9 against "
+    "3.8 GiB at batch 16, backward 4.0 against 2.0): the head and the blocks' copies are sized as float32's"
+)
 OUTSIDE = {
     **{("fit_t5_b4_complete_python", "bf16", batch): _T5_BF16 for batch in (4, 8, 16, None)},
+    ("fit_llamabf16_b2_complete_python", "bf16", 16): _BF16_PARAMS,
+    **{("fit_llamabf16_b64_oom_python", lever, batch): _BF16_OOM for lever in LEVERS for batch in (2, 4, 8, 16, None)},
     **{
         ("fit_convnext_b512_oom_python", lever, batch): f"FitUnsupported: {_NO_READER}"
         for lever in LEVERS
