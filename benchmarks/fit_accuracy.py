@@ -21,8 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 from snapshot_lab import api  # noqa: E402
 from snapshot_lab.metrics.fit import compute_fit, predict_step  # noqa: E402
+from snapshot_lab.metrics.fit.model import step_evidence  # noqa: E402
 
 SAMPLES = ROOT / "sample_snapshots"
+NOT_APPLICABLE = "n/a (half precision)"
 LEVERS = {"plain": (False, False), "ckpt": (True, False), "bf16": (False, True), "ckpt+bf16": (True, True)}
 OURS = {"plain": "as recorded", "ckpt": "checkpointing", "bf16": "bf16", "ckpt+bf16": "checkpointing+bf16"}
 # family -> (label, complete snapshot, its batch, OOM snapshot, its batch, optimizer of the OOM's step)
@@ -57,6 +59,14 @@ RECORDINGS = {
         64,
         "adamw",
     ),
+    "gpt2bf16": (
+        "GPT-2, bf16 parameters",
+        "fit_gpt2bf16_b4_complete_python",
+        4,
+        "fit_gpt2bf16_b64_oom_python",
+        64,
+        "adamw",
+    ),
 }
 
 
@@ -72,6 +82,10 @@ def _row(frames, levers: dict, recorded: int, optimizer: str | None) -> tuple[li
     extra = {"optimizer": optimizer} if optimizer else {}
     for lever, (ckpt, bf16) in LEVERS.items():
         a_err, r_err = [], []
+        if bf16 and step_evidence(frames, 0, optimizer).half_precision:  # no such lever: nothing to halve
+            allocated.append(NOT_APPLICABLE)
+            reserved.append(NOT_APPLICABLE)
+            continue
         for batch, run in levers[lever]["uncapped"].items():
             if not run["ok"]:
                 continue
@@ -108,7 +122,10 @@ def main() -> None:
             peaks.append("| | reserved | " + " | ".join(reserved) + " |")
             cells = []
             for lever in LEVERS:
-                got, real = fit.largest_batch[OURS[lever]], levers[lever]["largest_batch_under_cap"]
+                got, real = fit.largest_batch.get(OURS[lever]), levers[lever]["largest_batch_under_cap"]
+                if got is None:
+                    cells.append(NOT_APPLICABLE)
+                    continue
                 cell = f"{got:g} / {real}"
                 cells.append(f"**{cell}**" if got == real else cell)
             largest.append(f"| {title} | " + " | ".join(cells) + " |")

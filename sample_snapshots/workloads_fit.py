@@ -21,6 +21,8 @@ Two families, each trained from a fresh model for every measurement:
   hold-outs of two designs no family had (two kinds of repeated block in one model, for T5);
 - ``llamabf16``: the ``llama`` family with bfloat16 parameters and AdamW state (pure bf16
   training), recorded on 2026-11-26: is the precision read right, and the rest unchanged?
+- ``gpt2bf16``: the ``gpt2`` family with bfloat16 parameters, recorded after the rules that
+  ``llamabf16`` broke were rewritten (a layer norm, no float32 upcast: their hold-out).
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
@@ -62,11 +64,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "effnet": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 256, "search_max": 1024},
     "t5": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
     "llamabf16": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 64, "search_max": 256},
+    "gpt2bf16": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
 }
-NEW_FAMILIES = ("effnet", "t5", "llamabf16")  # their lever snapshots go in their own group
+NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16")  # their lever snapshots go in their own group
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
-          "llamabf16": (32000, LLAMA_TOKENS)}
+          "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024)}
 T5_TARGET_TOKENS = 128
 
 
@@ -84,12 +87,13 @@ def build(family: str, lever: str):
     import torch
 
     torch.manual_seed(0)
-    if family == "gpt2":
+    if family in ("gpt2", "gpt2bf16"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda"), lever)
+        dtype = torch.bfloat16 if family == "gpt2bf16" else torch.float32
+        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever)
     elif family == "resnet50":
         import torchvision
 

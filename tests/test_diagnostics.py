@@ -176,6 +176,9 @@ EXPECTED = {
     "fit_llamabf16_b2_complete_python": set(),
     "fit_llamabf16_b64_oom_python": {"oom-capacity"},
     **{f"fit_llamabf16_b2_{lever}_complete_python": set() for lever in ("ckpt", "bf16", "ckpt_bf16")},
+    "fit_gpt2bf16_b4_complete_python": set(),
+    "fit_gpt2bf16_b64_oom_python": {"oom-capacity"},
+    **{f"fit_gpt2bf16_b4_{lever}_complete_python": set() for lever in ("ckpt", "bf16", "ckpt_bf16")},
     # the lever recordings: the complete ones again under bf16, checkpointing and both
     **{
         f"fit_{family}_{lever}_complete_python": set()

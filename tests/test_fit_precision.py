@@ -65,3 +65,48 @@ def test_a_float32_model_keeps_its_bf16_lever(real_frames, name):
     # bf16 is modelled: it changes the peak (down, or up where its weight copies weigh more than
     # what it halves: the MLP in a CUDA graph, 173.0 -> 176.2 MB)
     assert autocast != plain
+
+
+@pytest.mark.parametrize("name", ["fit_llamabf16_b2_complete_python", "fit_llamabf16_b64_oom_python"])
+def test_half_precision_read_from_a_norms_float32_copy_where_sizes_cannot_tell(real_frames, name):
+    """Llama with bfloat16 parameters and grouped-query attention: k and v half as wide, so its
+    vectors match the 4-byte square (17) nearly as often as the 2-byte one (19), and a float32
+    model half as wide would have these sizes. Every block first makes RMSNorm's float32 copy of
+    its bfloat16 input, twice the block's output: from the complete recording, and from the OOM
+    (its extrapolated blocks copy the recorded ones)."""
+    from snapshot_lab.metrics.fit.precision import UPCAST_RATIO, first_to_last
+
+    ev = step_evidence(real_frames(name), 0, "adamw")
+    assert tuple(square_matches(ev.tape).values()) == (19, 17)
+    assert first_to_last(ev.tape, ev.blocks) == [UPCAST_RATIO] * 16
+    assert ev.half_precision
+    assert any("a norm's float32 copy of its half-precision input" in n for n in ev.notes)
+
+
+@pytest.mark.parametrize(
+    ("name", "ratios"), [("fit_llama_b2_complete_python", {1.0}), ("fit_bert_b2_complete_python", {768.0})]
+)
+def test_a_float32_block_does_not_start_at_twice_its_output(real_frames, name, ratios):
+    """The same Llama in float32 (the norm's first tensor, its square, is as large as the output)
+    and BERT, whose blocks end on a small tensor: "the first tensor is larger than the last" would
+    take BERT for half precision."""
+    from snapshot_lab.metrics.fit.precision import first_to_last
+
+    ev = step_evidence(real_frames(name), 0)
+    assert set(first_to_last(ev.tape, ev.blocks)) == ratios
+    assert not ev.half_precision
+
+
+def test_an_oom_that_reached_no_linear_layer_still_reads_its_precision(real_frames):
+    """GPT-2 with bfloat16 parameters, out of memory in its first forward: its matrix multiplies
+    are transformers' Conv1D and the head was never reached, so no stack is torch's Linear. "Linear
+    layers outnumber convolutions" turned the sizes rule off there (74 two-byte matches, none at 4
+    bytes); now only more convolutions than linear layers does (ResNet-18, above)."""
+    from snapshot_lab.metrics.fit.evidence import stack_innermost
+
+    frames = real_frames("fit_gpt2bf16_b64_oom_python")
+    files = stack_innermost(frames)["filename"]
+    assert files.str.endswith("torch/nn/modules/linear.py").sum() == 0
+    ev = step_evidence(frames, 0, "adamw")
+    assert tuple(square_matches(ev.tape).values()) == (74, 0)
+    assert ev.half_precision

@@ -49,6 +49,7 @@ from .evidence import (
     kv_cache_stacks,
     stack_innermost,
 )
+from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
@@ -440,6 +441,13 @@ class _Step:
         inside = np.flatnonzero(self.pf.param_block >= 0)
         return int(inside[0]) if inside.size else 0
 
+    def upcast(self) -> float:
+        """2 where every whole block the forward ran first made a tensor twice its last (a norm's
+        float32 copy of a half-precision stream: fit/precision.py), else 1."""
+        size = self.s.allocs["size"].to_numpy()
+        ratios = {size[rows[0]] / size[rows[-1]] for rows in self.pf.blocks if rows.size and size[rows[-1]]}
+        return UPCAST_RATIO if ratios == {UPCAST_RATIO} else 1.0
+
     def head_matrix(self) -> tuple[float, bool]:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""
         pb = self.pf.param_block
@@ -478,14 +486,23 @@ class _Step:
         # the embedding itself); a classifier's reads one pooled vector per sample (ViT's class
         # token): its logits are a token's worth of the stream or less, taken as none
         per_token = tied or bool(np.isin(matrix, self.p_size[self.pf.param_block < 0][: self._first_block_param()]))
-        logits = stream * matrix * 4 / width**2 if width and per_token else 0.0
+        # a half-precision model's norm may save a float32 copy of the stream, twice its size: the
+        # tokens are counted from the stream itself (fit/precision.py)
+        upcast = self.upcast()
+        logits = stream / upcast * matrix * 4 / width**2 if width and per_token else 0.0
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
+        # a half-precision head's output, half the float32 logits the loss casts it to (a float32
+        # model's cast makes nothing)
+        half = upcast > 1 or sizes_say_half(sizes_matches(self.p_size))
+        own = b.add(b.tick(), NEVER, 0.0, logits / 2, "activation", "forward") if half and logits else None
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
         self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
         kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
         self.result_saved.add(kept[-1])
         b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
+        if own is not None:
+            b.set_end(own, b.tick())
         b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
         self.saved.append(("post", -1, kept))
         self.notes.append(

@@ -46,7 +46,7 @@ def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = N
 
 def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
     ev = _evidence(frames, device, optimizer)
-    half, note = half_precision_parameters(frames, ev.tape)
+    half, note = half_precision_parameters(frames, ev.tape, ev.blocks)
     if not half:
         return ev
     notes = tuple(wl.FORWARD_ONLY_HALF_LEVERS_NOTE if n == wl.FORWARD_ONLY_LEVERS_NOTE else n for n in ev.notes)

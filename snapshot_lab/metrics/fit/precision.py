@@ -12,24 +12,36 @@ so the rule asks for more than chance gives:
 - more than four times as many as four-byte ones (a float32 GPT-2's position table, 1024 x 512,
   matches by chance; FSDP's shards of a float32 transformer, halved along their first dimension,
   match 148 times against 82);
-- matrix multiplies made by Linear layers rather than convolutions (a float32 ResNet's 1x1
-  convolutions from C to 2C channels match 60 times against none).
+- no more convolutions than linear layers among the stacks (a float32 ResNet's 1x1
+  convolutions from C to 2C channels match 60 times against none; transformers' ``Conv1D`` of
+  GPT-2 is a linear layer, and an OOM before the head may show no matrix multiply at all).
 
-Where it holds, bf16 autocast makes nothing smaller (what it would halve is 2 bytes an element
-already), so ``fit`` leaves the lever out and says why.
+Sizes alone cannot always tell: with grouped-query attention (k and v half as wide), a bfloat16
+Llama's vectors match the 4-byte square as often as the 2-byte one, and a float32 model half as
+wide would have the same sizes. A second rule reads an operation only a half-precision model
+makes: a norm that computes in float32 (RMSNorm, as transformers writes it) first casts its
+half-precision input up, a tensor twice the block's output; in float32 that cast makes nothing,
+and the first tensor is as large as the output (the same Llama in float32), or a layer norm's
+output, or a convolution's. Every recorded block's first tensor must be exactly twice its last
+(BERT's last is a small tensor, 768 times smaller; a simpler "the first is larger than the last"
+takes it for half precision).
+
+Where either holds, bf16 autocast makes nothing smaller (what it would halve is 2 bytes an
+element already), so ``fit`` leaves the lever out and says why.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
 from ...frames import SnapshotFrames
-from .evidence import stack_innermost
+from .evidence import BlockSpan, stack_innermost
 from .tape import Tape
 
-LINEAR_FILE = "torch/nn/modules/linear.py"
+LINEAR_FILES = ("torch/nn/modules/linear.py", "transformers/pytorch_utils.py")
 CONV_FILE = "torch/nn/modules/conv.py"
 MIN_MATCHES = 4  # two-byte matches needed at least
 MARGIN = 4  # and more than this many times the four-byte ones
@@ -38,22 +50,53 @@ HALF_PRECISION_NOTE = (
     "the parameters are half precision already ({matches} width-sized vectors whose square at 2 bytes an element is a "
     "parameter's size, {others} at 4 bytes): bf16 autocast left out, it makes nothing smaller"
 )
+UPCAST_NOTE = (
+    "the parameters are half precision already (every block of the step, {blocks} in all, first makes a tensor "
+    "twice its output: a norm's float32 copy of its half-precision input): bf16 autocast left out, it makes "
+    "nothing smaller"
+)
+UPCAST_RATIO = 2.0  # a float32 copy of a 2-byte stream
 NO_BF16 = "bf16 autocast is not applicable: the parameters are half precision already, it makes nothing smaller"
 
 
 def square_matches(tape: Tape) -> dict[int, int]:
     """Per element size (2, 4): how many parameters are vectors ``v`` with a parameter of ``v * v / e`` bytes."""
-    sizes = tape.fixed[tape.category == "parameter"].astype(np.int64).tolist()
-    counts = Counter(sizes)
+    return sizes_matches(tape.fixed[tape.category == "parameter"])
+
+
+def sizes_matches(parameter_sizes: np.ndarray) -> dict[int, int]:
+    """:func:`square_matches` of the parameters' sizes."""
+    counts = Counter(parameter_sizes.astype(np.int64).tolist())
     return {e: sum(n for v, n in counts.items() if (v * v) % e == 0 and (v * v) // e in counts) for e in (2, 4)}
 
 
-def half_precision_parameters(frames: SnapshotFrames, tape: Tape) -> tuple[bool, str]:
+def sizes_say_half(matches: dict[int, int]) -> bool:
+    """The sizes rule: enough two-byte matches, and far more than four-byte ones."""
+    return matches[2] >= MIN_MATCHES and matches[2] > MARGIN * matches[4]
+
+
+def first_to_last(tape: Tape, blocks: Sequence[BlockSpan]) -> list[float]:
+    """Per recorded block, the size of the first tensor its forward makes over the last's."""
+    sizes = tape.sizes(1.0)
+    forward = np.flatnonzero(tape.phase == "forward")
+    forward = forward[np.argsort(tape.start[forward], kind="stable")]
+    out = []
+    for span in blocks:
+        rows = forward[(tape.start[forward] >= span.forward_start) & (tape.start[forward] <= span.forward_end)]
+        if rows.size and sizes[rows[-1]]:
+            out.append(float(sizes[rows[0]] / sizes[rows[-1]]))
+    return out
+
+
+def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequence[BlockSpan] = ()) -> tuple[bool, str]:
     """Whether the parameters are half precision, and the note that says so ("" when not)."""
-    matches = square_matches(tape)
-    if matches[2] < MIN_MATCHES or matches[2] <= MARGIN * matches[4]:
-        return False, ""
     files = stack_innermost(frames)["filename"]
-    if files.str.endswith(LINEAR_FILE).sum() <= files.str.endswith(CONV_FILE).sum():
+    if files.str.endswith(CONV_FILE).sum() > files.str.endswith(LINEAR_FILES).sum():
         return False, ""
-    return True, HALF_PRECISION_NOTE.format(matches=matches[2], others=matches[4])
+    matches = square_matches(tape)
+    if sizes_say_half(matches):
+        return True, HALF_PRECISION_NOTE.format(matches=matches[2], others=matches[4])
+    ratios = first_to_last(tape, blocks)
+    if ratios and all(r == UPCAST_RATIO for r in ratios):
+        return True, UPCAST_NOTE.format(blocks=len(ratios))
+    return False, ""
