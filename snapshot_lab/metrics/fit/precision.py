@@ -76,16 +76,19 @@ def sizes_say_half(matches: dict[int, int]) -> bool:
 
 
 def first_to_last(tape: Tape, blocks: Sequence[BlockSpan]) -> list[float]:
-    """Per recorded block, the size of the first tensor its forward makes over the last's."""
+    """Per recorded block, the size of the first tensor its forward makes over the last's (one
+    search for all blocks: a 1M-entry trace has thousands)."""
+    if not blocks:
+        return []
     sizes = tape.sizes(1.0)
     forward = np.flatnonzero(tape.phase == "forward")
     forward = forward[np.argsort(tape.start[forward], kind="stable")]
-    out = []
-    for span in blocks:
-        rows = forward[(tape.start[forward] >= span.forward_start) & (tape.start[forward] <= span.forward_end)]
-        if rows.size and sizes[rows[-1]]:
-            out.append(float(sizes[rows[0]] / sizes[rows[-1]]))
-    return out
+    starts = tape.start[forward]
+    lo = np.searchsorted(starts, [span.forward_start for span in blocks], side="left")
+    hi = np.searchsorted(starts, [span.forward_end for span in blocks], side="right") - 1
+    made = (hi >= lo) & (hi >= 0)
+    first, last = sizes[forward[lo[made]]], sizes[forward[hi[made]]]
+    return [float(a / b) for a, b in zip(first, last, strict=True) if b]
 
 
 def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequence[BlockSpan] = ()) -> tuple[bool, str]:
