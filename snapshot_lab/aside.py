@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -107,9 +108,18 @@ class Aside(Generic[T]):
         return bool(sent), value
 
 
+def _silenced() -> None:
+    """A child's standard streams go to the null device, as new objects: a thread of the parent
+    (a progress bar's refresh) may have held the old ones' locks when it forked, and a warning
+    the child prints (matplotlib building its font cache) would wait on them forever."""
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the child's until it exits)
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+
+
 def _run_child(fn: Callable[[], Any], send: Connection) -> None:
     """The child's whole life: nothing it does reaches stderr; any failure sends (False, None)
     and the parent computes the value again, raising the error itself."""
+    _silenced()
     try:
         message: tuple[bool, Any] = (True, fn())
     except BaseException:
@@ -212,6 +222,7 @@ def _serve(module: str, jobs: Connection, results: Connection, parents: tuple[Co
     """The worker's whole life: import, then answer every job until the pipe closes; nothing it
     does reaches stderr, and a job that fails is sent back as not done. It first closes its copies
     of the parent's ends (``parents``): its own write end would keep it waiting for jobs forever."""
+    _silenced()
     for end in parents:
         end.close()
     try:

@@ -159,3 +159,42 @@ def test_the_report_figures_are_drawn_by_the_worker_and_set_on_their_sections():
     worker.close()
     assert first.getpid == second.getpid != os.getpid()
     assert second.getcwd == os.getcwd()
+
+
+@forks
+def test_a_child_never_waits_on_the_parents_streams(monkeypatch):
+    """A child prints nothing through the streams it inherited: a parent thread (a progress bar's
+    refresh) may have held their locks at the fork, and a warning the child printed (matplotlib
+    building its font cache) would wait for them forever. Here the parent's stderr blocks every
+    write; the child's goes to the null device."""
+    import sys
+
+    held = threading.Lock()
+    held.acquire()
+
+    class Stuck:
+        def write(self, text: str) -> int:
+            held.acquire()  # as a lock held at the fork: never released in the child
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stuck())
+
+    def noisy() -> int:
+        print("Matplotlib is building the font cache; this may take a moment.", file=sys.stderr)
+        return os.getpid()
+
+    job = Aside(noisy)
+    assert job.forked
+    assert job._conn is not None and job._conn.poll(30)  # it answered (before: it waited forever)
+    assert job.result() != os.getpid()
+    worker = aside.Worker("warnings")  # its warning is printed to stderr
+    answer = worker.submit("warn", "from the worker")
+    waited: list[object] = []
+    reader = threading.Thread(target=lambda: waited.append(worker.result(answer)), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert waited == [None]  # it answered (before: it waited on the parent's stderr forever)
+    worker.close()
