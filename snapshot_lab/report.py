@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -240,15 +241,13 @@ def _leak_view(frames: SnapshotFrames, leaks: LeakAnalysis) -> dict[str, Any]:
     }
 
 
-def _drawn() -> Any:
-    """:mod:`.plots.drawn`, imported where a figure is drawn (matplotlib with it): a report whose
-    figures are drawn in forked children never imports matplotlib here."""
-    from .plots import drawn
-
-    return drawn
-
-
 DRAWN = "snapshot_lab.plots.drawn"  # the module that draws the figures (matplotlib with it)
+
+
+def _drawn() -> Any:
+    """:data:`DRAWN`, imported where a figure is drawn (matplotlib with it): a report whose
+    figures are drawn by the worker never imports matplotlib here."""
+    return importlib.import_module(DRAWN)
 
 
 class _Figures:
@@ -259,6 +258,7 @@ class _Figures:
     1M-entry report's wall time, with a CPU idle)."""
 
     def __init__(self, worker: Worker | None = None) -> None:
+        self._own = worker is None  # started here, so let go here once its figures are in
         self._worker = worker or Worker(DRAWN)
         self._asked: list[tuple[DeviceSection, str, int]] = []
 
@@ -270,6 +270,8 @@ class _Figures:
         for section, field, job in self._asked:
             setattr(section, field, self._worker.result(job))
         self._asked.clear()
+        if self._own:
+            self._worker.close()
 
 
 def _device_section(
@@ -865,7 +867,7 @@ def _first_screen(
         made_of=made_of(comp),
         made_of_title=f"{format_bytes(comp.total_bytes)} requested {where}{dev}",
         levers=levers(findings, plans, fit),
-        chart_svg=main.composition_svg or _drawn().composition_svg(comp),
+        chart_svg=main.composition_svg,  # drawn with its section's figures (_chart)
         others=[
             f"Device {section.device}: {format_bytes(section.composition.total_bytes)} {where}; "
             + made_of(section.composition)[0][1]

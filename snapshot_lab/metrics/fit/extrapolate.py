@@ -49,7 +49,7 @@ from .evidence import (
     kv_cache_stacks,
     stack_innermost,
 )
-from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half
+from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
 from .tape import NEVER, Tape, empty_tape, make_tape
 
 PARAM_KEY = 1_000_003
@@ -445,8 +445,8 @@ class _Step:
         """2 where every whole block the forward ran first made a tensor twice its last (a norm's
         float32 copy of a half-precision stream: fit/precision.py), else 1."""
         size = self.s.allocs["size"].to_numpy()
-        ratios = {size[rows[0]] / size[rows[-1]] for rows in self.pf.blocks if rows.size and size[rows[-1]]}
-        return UPCAST_RATIO if ratios == {UPCAST_RATIO} else 1.0
+        ratios = [size[rows[0]] / size[rows[-1]] for rows in self.pf.blocks if rows.size and size[rows[-1]]]
+        return UPCAST_RATIO if upcasts(ratios) else 1.0
 
     def head_matrix(self) -> tuple[float, bool]:
         """The linear head's weight: the matrix after the blocks, or (none) the embedding's, tied."""

@@ -33,7 +33,7 @@ element already), so ``fit`` leaves the lever out and says why.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -91,6 +91,12 @@ def first_to_last(tape: Tape, blocks: Sequence[BlockSpan]) -> list[float]:
     return [float(a / b) for a, b in zip(first, last, strict=True) if b]
 
 
+def upcasts(ratios: Iterable[float]) -> bool:
+    """Whether blocks with these first-to-last sizes (:func:`first_to_last`) are a half-precision
+    model's: every one exactly :data:`UPCAST_RATIO`, and at least one."""
+    return set(ratios) == {UPCAST_RATIO}
+
+
 def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequence[BlockSpan] = ()) -> tuple[bool, str]:
     """Whether the parameters are half precision, and the note that says so ("" when not)."""
     files = stack_innermost(frames)["filename"]
@@ -100,6 +106,6 @@ def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequen
     if sizes_say_half(matches):
         return True, HALF_PRECISION_NOTE.format(matches=matches[2], others=matches[4])
     ratios = first_to_last(tape, blocks)
-    if ratios and all(r == UPCAST_RATIO for r in ratios):
+    if upcasts(ratios):
         return True, UPCAST_NOTE.format(blocks=len(ratios))
     return False, ""

@@ -30,20 +30,22 @@ class PeakCurve:
         # every size grows with the batch, and with it the peak: the largest batch is a boundary
         self.monotone = bool((self.tape.per_batch >= 0).all())
 
+    def _allocated(self, scale: float) -> np.ndarray:
+        """Bytes allocated after each operation at ``scale`` (sizes rounded as the allocator does)."""
+        size = np.maximum(np.ceil(self.fixed + self.per_batch * scale), 0).astype(np.int64)  # Tape.sizes
+        rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
+        return np.cumsum(self.sign * rounded)
+
     def peak(self, scale: float) -> int:
         if not len(self.tape):
             return 0
-        size = np.maximum(np.ceil(self.fixed + self.per_batch * scale), 0).astype(np.int64)  # Tape.sizes
-        rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
-        return int(np.cumsum(self.sign * rounded).max(initial=0))
+        return int(self._allocated(scale).max(initial=0))
 
     def alive_at_peak(self, scale: float, rows: np.ndarray) -> int:
         """Bytes of the tensors in ``rows`` (a mask) alive at the peak allocated at ``scale``."""
         if not len(self.tape) or not rows.any():
             return 0
-        size = np.maximum(np.ceil(self.fixed + self.per_batch * scale), 0).astype(np.int64)
-        rounded = np.where(size > 0, -(-size // MIN_BLOCK) * MIN_BLOCK, 0)
-        upto = int(np.cumsum(self.sign * rounded).argmax()) + 1
+        upto = int(self._allocated(scale).argmax()) + 1
         which, freeing = self.which[:upto], self.is_free[:upto]
         alive = np.zeros(len(self.tape), dtype=np.int8)
         np.add.at(alive, which, np.where(freeing, -1, 1))
