@@ -91,7 +91,8 @@ class StepEvidence:
     blocks: tuple[BlockSpan, ...]
     passes: tuple[PassSpan, ...]
     notes: tuple[str, ...]
-    half_precision: bool = False  # the parameters are fp16/bf16 already (precision.py): bf16 autocast halves nothing
+    # the step computes in fp16/bf16 already, its parameters or autocast (precision.py): bf16 autocast halves nothing
+    half_precision: bool = False
 
 
 def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:

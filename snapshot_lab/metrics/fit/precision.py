@@ -26,6 +26,11 @@ output, or a convolution's. Every recorded block's first tensor must be exactly 
 (BERT's last is a small tensor, 768 times smaller; a simpler "the first is larger than the last"
 takes it for half precision).
 
+That second rule also holds for a float32 model recorded under bf16 autocast (GPT-2's, Llama's
+and ViT's bf16 recordings, a mid-run GPT-2 under autocast): its blocks end on a half-precision
+tensor. There too the recorded step already computes in half precision, and a bf16 lever would
+apply autocast twice, so its note says either.
+
 Where either holds, bf16 autocast makes nothing smaller (what it would halve is 2 bytes an
 element already), so ``fit`` leaves the lever out and says why.
 """
@@ -51,12 +56,15 @@ HALF_PRECISION_NOTE = (
     "parameter's size, {others} at 4 bytes): bf16 autocast left out, it makes nothing smaller"
 )
 UPCAST_NOTE = (
-    "the parameters are half precision already (every block of the step, {blocks} in all, first makes a tensor "
-    "twice its output: a norm's float32 copy of its half-precision input): bf16 autocast left out, it makes "
-    "nothing smaller"
+    "the recorded step computes in half precision already (every block of the step, {blocks} in all, first makes a "
+    "tensor twice its output: a float32 tensor beside half-precision ones; half-precision parameters, or bf16 "
+    "autocast already on): bf16 autocast left out, it makes nothing smaller"
 )
 UPCAST_RATIO = 2.0  # a float32 copy of a 2-byte stream
-NO_BF16 = "bf16 autocast is not applicable: the parameters are half precision already, it makes nothing smaller"
+NO_BF16 = (
+    "bf16 autocast is not applicable: the recorded step computes in half precision already (its parameters, or "
+    "autocast), it makes nothing smaller"
+)
 
 
 def square_matches(tape: Tape) -> dict[int, int]:
