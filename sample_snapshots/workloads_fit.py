@@ -320,6 +320,94 @@ for _family, _cfg in FAMILIES.items():
             lambda f=_family, b=_cfg["complete"], v=_lever: _snapshot_run(f, b, False, v))
 
 
+
+# 2026-11-26 (later): two questions the tables above cannot answer.
+# 1. Precision of convolutional networks (group fit_precision): half-precision parameters read
+#    from the sizes of convolutions and their batch norms, tested on ResNet-50 and EfficientNet-B0
+#    in float16 inference, a ResNet-18 trained with bfloat16 parameters, and float32 controls.
+# 2. What a capped run does at its largest batch (group fit_boundary): the job at the largest
+#    batch that ran under the cap and at one more, recorded, with every out-of-memory error the
+#    observer saw (cuDNN catches one on a convolution's workspace and tries another algorithm).
+PRECISION_RUNS = {
+    "fit_resnet50_fp16_inference_b64_python": ("resnet50", "float16", "inference", 64),
+    "fit_effnet_fp16_inference_b64_python": ("efficientnet_b0", "float16", "inference", 64),
+    "fit_resnet18bf16_b32_complete_python": ("resnet18", "bfloat16", "train", 32),
+    "fit_resnet50_fp32_inference_b64_python": ("resnet50", "float32", "inference", 64),
+    "fit_effnet_fp32_inference_b64_python": ("efficientnet_b0", "float32", "inference", 64),
+}
+BOUNDARY_RUNS = {
+    "resnet50": ("ckpt", (162, 163)),
+    "convnext": ("ckpt", (194, 195)),
+    "gpt2": ("ckpt", (27, 28)),
+    "vit": ("ckpt", (232, 233)),
+}
+
+
+def _precision_run(name: str, arch: str, dtype_name: str, mode: str, batch: int) -> None:
+    import torch
+    import torchvision
+
+    dtype = getattr(torch, dtype_name)
+    H.record(stacks="python")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)().to("cuda", dtype=dtype)
+    gen = torch.Generator().manual_seed(batch)
+    info: dict[str, Any] = {"kind": f"fit-precision-{mode}", "arch": arch, "parameter_dtype": dtype_name,
+                            "batch": batch, "stacks": "python",
+                            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    if mode == "inference":
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda", dtype=dtype)
+                model(x).argmax(1)
+        info["forwards"] = 3
+    else:
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda", dtype=dtype)
+            y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
+            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        info.update(steps_done=2, optimizer="SGD")
+    torch.cuda.synchronize()
+    H.dump(name, info)
+
+
+def _boundary_run(family: str, lever: str, batch: int) -> None:
+    import torch
+
+    name = f"fit_{family}_b{batch}_{lever.replace('+', '_')}_capped_python"
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    seen: list[list[int]] = []
+    torch._C._cuda_attach_out_of_memory_observer(
+        lambda device, alloc, device_alloc, device_free: seen.append([int(alloc), int(device_alloc), int(device_free)]))
+    H.record(stacks="python")
+    model, opt = build(family, lever)
+    gen = torch.Generator().manual_seed(batch)
+    info: dict[str, Any] = {"kind": "fit-capped-boundary", "family": family, "lever": lever, "batch": batch,
+                            "stacks": "python", "cap_bytes": CAP_BYTES, "steps_done": 0}
+    try:
+        for _ in range(2):
+            step(family, lever, model, opt, batch, gen)
+            info["steps_done"] += 1
+    except torch.OutOfMemoryError as exc:
+        info["oom"] = str(exc)[:300]
+    torch.cuda.synchronize()
+    info["oom_observed"] = seen  # (request, device allocated, device free) of every OOM, caught or not
+    H.dump(name, info)
+
+
+for _name, _run in PRECISION_RUNS.items():
+    H.workload(_name, "fit_precision")(lambda n=_name, r=_run: _precision_run(n, *r))
+for _family, (_lever, _batches) in BOUNDARY_RUNS.items():
+    for _batch in _batches:
+        H.workload(f"fit_{_family}_b{_batch}_{_lever}_capped_python", "fit_boundary")(
+            lambda f=_family, v=_lever, b=_batch: _boundary_run(f, v, b))
+
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are
     H.main()
