@@ -179,6 +179,27 @@ EXPECTED = {
     "fit_gpt2bf16_b4_complete_python": set(),
     "fit_gpt2bf16_b64_oom_python": {"oom-capacity"},
     **{f"fit_gpt2bf16_b4_{lever}_complete_python": set() for lever in ("ckpt", "bf16", "ckpt_bf16")},
+    # capped runs at the largest batch with checkpointing and one more (2026-11-26, later): ResNet-50's
+    # cuDNN convolutions caught 37 and 84 OOMs on their workspaces and went on (history/ooms.py)
+    "fit_resnet50_b162_ckpt_capped_python": {"oom-recovered"},
+    "fit_resnet50_b163_ckpt_capped_python": {"oom-capacity", "oom-recovered"},
+    "fit_gpt2_b27_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_gpt2_b28_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_convnext_b194_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_convnext_b195_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_vit_b232_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_vit_b233_ckpt_capped_python": {"oom-capacity"},
+    # convolutional networks in half precision and their float32 twins (fit/precision.py)
+    **{
+        name: set()
+        for name in (
+            "fit_resnet50_fp16_inference_b64_python",
+            "fit_effnet_fp16_inference_b64_python",
+            "fit_resnet18bf16_b32_complete_python",
+            "fit_resnet50_fp32_inference_b64_python",
+            "fit_effnet_fp32_inference_b64_python",
+        )
+    },
     # the lever recordings: the complete ones again under bf16, checkpointing and both
     **{
         f"fit_{family}_{lever}_complete_python": set()
@@ -217,6 +238,7 @@ EXPECTED = {
 SITUATIONS = {
     "oom-fragmentation",
     "oom-capacity",
+    "oom-recovered",
     "leak-suspect",
     "ddp-bucket-duplicate-grads",
     "empty-cache-churn",

@@ -77,6 +77,9 @@ TRAINING_KINDS = {
     "transformer-ring-wrapped",
     "whatif",
     "whatif-gc",  # training steps; the capped ones run out of memory after their first whole step
+    # a capped run at its largest batch and one more: at least one whole step, then maybe an OOM
+    "fit-capped-boundary",
+    "fit-precision-train",
 }
 # a backward ran and the truth names no optimizer and no optimizer state (no "optimizer" key, or
 # "optimizer": null for the benchmark): forward and backward without an optimizer step
@@ -90,7 +93,14 @@ FORWARD_BACKWARD_KINDS = {
 }
 # no backward: generation, inference batches, one forward ("no backward, no optimizer"), and
 # train_oom.py's loop of forwards that keeps every output until the cap
-FORWARD_ONLY_KINDS = {"inference", "inference-kv-cache", "inference-allocator-flush", "one-forward", "capture-oom"}
+FORWARD_ONLY_KINDS = {
+    "inference",
+    "inference-kv-cache",
+    "inference-allocator-flush",
+    "one-forward",
+    "capture-oom",
+    "fit-precision-inference",
+}
 OOM_IN_FORWARD_KINDS = {"fit-oom-first-forward"}
 # a training job dumped after a forward of a step whose start the trace does not hold; OOMs
 # provoked by raw allocations outside any model; a record_stream test; a trace without stacks
@@ -118,6 +128,8 @@ def expected_kind(truth: dict[str, Any]) -> str:
 
 def truth_has_oom(truth: dict[str, Any]) -> bool:
     work = truth["workload"]
+    if work["kind"] == "fit-capped-boundary":  # its observer also saw the OOMs cuDNN caught: "oom" ended it
+        return "oom" in work
     return bool(work.get("oom_observed") or work.get("oom") or (work.get("expect") or {}).get("oom"))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from ..metrics.attribution.composition import Composition, Part
 from ..metrics.findings import Finding
 from ..metrics.findings.base import SEVERITY_ORDER
+from ..metrics.findings.recovered_oom import FINDING_ID as RECOVERED_ID
 from ..metrics.stats.oom import OomAnalysis
 from ..units import format_bytes, format_percent
 
@@ -117,6 +118,9 @@ def oom_cause(o: OomAnalysis, finding_id: str = "") -> str:
     )
 
 
+OOM_CAUSES = ("oom-fragmentation", "oom-capacity")  # the findings that explain the OOM that ended the job
+
+
 def verdict(
     ooms: dict[int, OomAnalysis], findings: list[Finding], peak: str, with_history: bool = True
 ) -> tuple[str, str, str]:
@@ -125,7 +129,7 @@ def verdict(
     if ooms:
         dev, oom = next(iter(ooms.items()))
         where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
-        said = next((f.id for f in findings if f.id.startswith("oom-") and f.device == dev), "")
+        said = next((f.id for f in findings if f.id in OOM_CAUSES and f.device == dev), "")
         return (
             "critical",
             f"Out of memory{where}: a request of {format_bytes(oom.requested_bytes)} could not be served.",
@@ -134,7 +138,9 @@ def verdict(
     ranked = sorted(findings, key=lambda finding: SEVERITY_ORDER.get(finding.severity, 9))
     worst = ranked[0] if ranked else None
     if worst is not None and worst.severity in ("critical", "warning"):
-        return worst.severity, f"No out-of-memory error, but: {worst.title}.", worst.advice.split(". ")[0] + "."
+        # out-of-memory errors the job went on from say so themselves: "no out-of-memory error" would be false
+        but = "" if worst.id == RECOVERED_ID else "No out-of-memory error, but: "
+        return worst.severity, f"{but}{worst.title}.", worst.advice.split(". ")[0] + "."
     if not with_history:
         return (
             "ok",

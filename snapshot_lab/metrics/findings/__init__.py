@@ -36,6 +36,7 @@ from . import (
     oom,
     pipeline,
     recording,
+    recovered_oom,
     reserved_gap,
     streams,
     tensor_parallel,
@@ -44,6 +45,7 @@ from .base import SEVERITY_ORDER, Finding, FindingContext, FleetContext
 
 RULES: list[Callable[[FindingContext], list[Finding]]] = [
     oom.find,
+    recovered_oom.find,
     allocator.find,
     ddp.find,
     fsdp.find,

@@ -17,6 +17,7 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..allocator.model import recorded_settings
 from ..allocator.state import follow, followed_tables
+from .ooms import fatal
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def dump_moment(frames: SnapshotFrames, device: int) -> Moment:
 
 
 def last_oom_index(frames: SnapshotFrames, device: int) -> int | None:
+    """The device's out-of-memory error that ended the job (None: none did, :mod:`.ooms`)."""
     events = frames.events
-    ooms = events.loc[(events["device"] == device) & (events["action"] == "oom"), "event_index"]
+    ooms = fatal(events[events["device"] == device])["event_index"]
     return int(ooms.iloc[-1]) if len(ooms) else None
 
 

@@ -37,6 +37,7 @@ from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
 from ..history.lifetimes import device_lifetimes
+from ..history.ooms import recovered
 from .messages import (
     MISSING_ITERATION,
     MISSING_STACKS,
@@ -429,8 +430,9 @@ def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
 
 
 def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
-    """(position, requested bytes, stream) of the recorded OOMs."""
-    oom_positions = np.flatnonzero((events["action"] == "oom").to_numpy(dtype=bool))
+    """(position, requested bytes, stream) of the recorded OOMs that ended the job (not those it
+    went on from: :mod:`..history.ooms`)."""
+    oom_positions = np.flatnonzero((events["action"] == "oom").to_numpy(dtype=bool) & ~recovered(events))
     return tuple(
         (
             int(position),

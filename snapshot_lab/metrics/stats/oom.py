@@ -20,6 +20,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from ..history.moments import dumped_at, last_oom_index, oom_moment
+from ..history.ooms import fatal
 
 SMALL_REQUEST_MAX_BYTES = 1024 * 1024  # kSmallSize: requests up to this go to the small pool
 
@@ -39,9 +40,10 @@ class OomAnalysis:
     allocated_bytes: int
     cause: str  # 'fragmentation' or 'capacity'
     snapshot_at_oom: bool
-    oom_count: int
+    oom_count: int  # every oom entry of the device, those it went on from included
     stack_id: int | None
     moment: str = "the snapshot as dumped"  # where the layout behind this explanation comes from
+    recovered_count: int = 0  # oom entries the job went on from (caught: :mod:`..history.ooms`)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -54,12 +56,14 @@ def _opt_int(v: object) -> int | None:
 def analyse_oom(
     segments: pd.DataFrame, blocks: pd.DataFrame, events: pd.DataFrame, moment: str = "the snapshot as dumped"
 ) -> OomAnalysis | None:
-    """Analysis of the last ``oom`` entry of the given events (None when there is none), from
+    """Analysis of the ``oom`` entry that ended the job (the last one with no allocation after
+    it, :mod:`..history.ooms`; None when there is none), from
     the layout ``segments``/``blocks`` (which should be the one at that OOM)."""
     ooms = events[events["action"] == "oom"]
-    if ooms.empty:
+    ended = fatal(events)
+    if ended.empty:
         return None
-    last = ooms.iloc[-1]
+    last = ended.iloc[-1]
     device = int(last["device"])
     request = int(last["size_bytes"])
     stream = int(last["stream"])
@@ -93,6 +97,7 @@ def analyse_oom(
         cause=cause,
         snapshot_at_oom=at_oom,
         oom_count=len(ooms),
+        recovered_count=len(ooms) - len(ended),
         stack_id=_opt_int(last["stack_id"]),
         moment=moment,
     )
