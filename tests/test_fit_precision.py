@@ -125,3 +125,42 @@ def test_a_float32_model_recorded_under_autocast_is_said_to_compute_in_half_prec
     assert ev.half_precision
     note = next(n for n in ev.notes if "half precision already" in n)
     assert note.startswith("the recorded step computes in half precision already") and "autocast already on" in note
+
+
+# convolutional networks (precision.conv_norm_matches), recorded on 2026-11-26 (later) with the rule
+# written: name: (parameter dtype, convolution matches at 2 bytes, at 4 bytes)
+CONVNETS = {
+    "fit_resnet50_fp16_inference_b64_python": ("float16", 48, 3),
+    "fit_effnet_fp16_inference_b64_python": ("float16", 32, 0),  # depthwise convolutions, squeeze-excitation
+    "fit_resnet18bf16_b32_complete_python": ("bfloat16", 16, 3),  # a training step
+    "fit_resnet50_fp32_inference_b64_python": ("float32", 0, 48),
+    "fit_effnet_fp32_inference_b64_python": ("float32", 0, 32),
+    "fit_resnet50_b16_complete_python": ("float32", 0, 48),
+    # ResNet-18 in float32, whose 1x1 convolutions match the sizes rule 60 times (FULL above)
+    "cnn_clean": ("float32", 0, 16),
+}
+
+
+@pytest.mark.parametrize("name", CONVNETS)
+def test_a_convolutional_networks_precision_is_read_from_its_convolutions(real_frames, name):
+    """Before this rule, every CNN kept its bf16 lever: an fp16 ResNet-50's inference was told bf16
+    brings it down, where its real run computes in half precision already. The sizes rule cannot
+    serve (ResNet-18 in float32 matches it 60 times against none)."""
+    from snapshot_lab.metrics.fit.precision import CONV_HALF_NOTE, conv_norm_matches
+
+    dtype, two, four = CONVNETS[name]
+    truth = sample_truth(name)["workload"]
+    assert truth.get("parameter_dtype", "float32") == dtype
+    frames = real_frames(name)
+    ev = step_evidence(frames, 0)
+    assert tuple(conv_norm_matches(ev.tape.fixed[ev.tape.category == "parameter"]).values()) == (two, four)
+    assert ev.half_precision is (dtype != "float32")
+    r = compute_fit(frames, memory_limit=6 << 30)
+    bf16 = [o.lever for o in r.levers if "bf16" in o.lever]
+    if dtype == "float32":
+        assert bf16
+        return
+    assert bf16 == []
+    assert any(n == CONV_HALF_NOTE.format(matches=two, others=four) for n in r.notes)
+    with pytest.raises(FitUnsupported, match=re.escape(NO_BF16)):
+        predict_step(frames, bf16=True)
