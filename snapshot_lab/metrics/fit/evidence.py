@@ -93,6 +93,8 @@ class StepEvidence:
     notes: tuple[str, ...]
     # the step computes in fp16/bf16 already, its parameters or autocast (precision.py): bf16 autocast halves nothing
     half_precision: bool = False
+    # the recorded step checkpoints its activations already: checkpointing it again is no lever
+    checkpointed: bool = False
 
 
 def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
@@ -185,6 +187,22 @@ def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
         if files.str.contains(pattern, regex=False).any():
             return name
     return None
+
+
+# the files that make a checkpointed forward: torch's (its own, transformers' gradient
+# checkpointing, FSDP's checkpoint_wrapper and Lightning's all call it) and DeepSpeed's
+CHECKPOINT_FILES = ("/torch/utils/checkpoint.py", "/deepspeed/runtime/activation_checkpointing/")
+
+
+def checkpointing_in_stacks(frames: SnapshotFrames) -> bool:
+    """Whether the recorded job checkpoints activations: a checkpointing function on the stacks
+    (its forward, or the forward it re-runs in the backward). In the samples, exactly the 20
+    recorded with checkpointing: torch.utils.checkpoint called directly (ResNet-50, ConvNeXt,
+    ViT) or by transformers (GPT-2, Llama, T5), with Python or C++ stacks."""
+    if frames.stack_frames.empty:
+        return False
+    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    return any(files.str.contains(pattern, regex=False).any() for pattern in CHECKPOINT_FILES)
 
 
 def phase_column(s: TrainingStructure) -> tuple[np.ndarray, Callable[..., np.ndarray]]:

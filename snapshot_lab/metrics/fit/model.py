@@ -11,7 +11,15 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..plan.structure import TrainingStructure, training_structure
 from . import workload as wl
-from .evidence import KV_CACHE, StepEvidence, block_spans, optimizer_in_stacks, param_facts, recorded_tape
+from .evidence import (
+    KV_CACHE,
+    StepEvidence,
+    block_spans,
+    checkpointing_in_stacks,
+    optimizer_in_stacks,
+    param_facts,
+    recorded_tape,
+)
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 from .precision import half_precision_parameters
@@ -21,6 +29,16 @@ ASSUMED_OPTIMIZER = "adamw"
 OPTIMIZER_NAMED = "named in the stacks"
 OPTIMIZER_GIVEN = "given"
 OPTIMIZER_ASSUMED = "assumed: the step never ran and the stacks name no optimizer; give optimizer to change it"
+
+
+CHECKPOINTED_NOTE = (
+    "the recorded step checkpoints its activations already (a checkpointing function on the stacks): activation "
+    "checkpointing left out, it is what was recorded"
+)
+NO_CHECKPOINTING_AGAIN = (
+    "checkpointing is not applicable: the recorded step checkpoints its activations already (a checkpointing "
+    "function on the stacks)"
+)
 
 
 class FitUnsupported(ValueError):
@@ -45,7 +63,10 @@ def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = N
 
 
 def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
+    """The evidence, with what the recorded step does already: half precision, checkpointing."""
     ev = _evidence(frames, device, optimizer)
+    if ev.passes and checkpointing_in_stacks(frames):
+        ev = replace(ev, checkpointed=True, notes=(*ev.notes, CHECKPOINTED_NOTE))
     half, note = half_precision_parameters(frames, ev.tape, ev.blocks)
     if not half:
         return ev

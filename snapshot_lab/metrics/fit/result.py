@@ -14,7 +14,7 @@ from ..plan.structure import training_structure
 from . import levers as lv
 from . import workload as wl
 from .evidence import StepEvidence
-from .model import FitUnsupported, recorded_batch_bytes, step_evidence
+from .model import NO_CHECKPOINTING_AGAIN, FitUnsupported, recorded_batch_bytes, step_evidence
 from .precision import NO_BF16
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
 from .strategies import StrategyOutcome, parallel_strategies
@@ -181,11 +181,12 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
             checkpointed.append(lv.checkpoint(t, ev.blocks))
         return checkpointed[0]
 
-    if ev.blocks:
+    can_checkpoint = bool(ev.blocks) and not ev.checkpointed
+    if can_checkpoint:
         out["checkpointing"] = checkpoint
     if not ev.half_precision:
         out["bf16"] = lambda: lv.bf16_autocast(t, ev)
-    if ev.blocks and not ev.half_precision:
+    if can_checkpoint and not ev.half_precision:
         out["checkpointing+bf16"] = lambda: lv.bf16_autocast(checkpoint(), ev, checkpointed=True)
     for name in OPTIMIZER_SWAPS:
         if name != ev.optimizer and lv.OPTIMIZER_STATE_RATIO.get(ev.optimizer, 0.0) > 0:
@@ -202,6 +203,8 @@ def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
             raise FitUnsupported(wl.NO_CHECKPOINTING)
         if not ev.blocks:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
+        if ev.checkpointed:
+            raise FitUnsupported(NO_CHECKPOINTING_AGAIN)
         tape = lv.checkpoint(tape, ev.blocks)
     if bf16 and ev.half_precision:
         raise FitUnsupported(NO_BF16)
@@ -244,7 +247,8 @@ class _Search:
         if self.limit is not None:
             fits = at.peak_reserved_bytes <= self.limit or bool(simulate(tape, self.batch_scale, st, self.limit).fits)
             units = self.recorded_batch or FRACTION_STEPS
-            best = largest_batch(tape, units, st, self.limit)
+            asked = int(self.batch_scale * units + 1e-9) if fits else 0  # it runs: the answer is not below it
+            best = largest_batch(tape, units, st, self.limit, asked)
             found = float(best) if self.recorded_batch else round(best / FRACTION_STEPS, 2)
         return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
 
