@@ -164,3 +164,46 @@ def test_a_convolutional_networks_precision_is_read_from_its_convolutions(real_f
     assert any(n == CONV_HALF_NOTE.format(matches=two, others=four) for n in r.notes)
     with pytest.raises(FitUnsupported, match=re.escape(NO_BF16)):
         predict_step(frames, bf16=True)
+
+
+# autocast read from its weight copies (precision.under_autocast): name -> (distinct large weight
+# sizes, how many the forward copies at half their size, recorded under autocast)
+AUTOCAST = {
+    "fit_resnet50_b16_bf16_complete_python": (13, 13, True),
+    "fit_effnet_b16_bf16_complete_python": (13, 13, True),
+    # linear layers outnumber its convolutions, and its blocks end on a float32 tensor: neither
+    # the convolution rule nor the float-copy rule sees it
+    "fit_convnext_b16_bf16_complete_python": (10, 10, True),
+    # another session's job (channels_last, module tags), recorded for another question
+    "modtags_resnet50_process": (13, 13, True),
+    # their twins without autocast: activations of half a weight's size by chance
+    "fit_resnet50_b16_complete_python": (13, 2, False),
+    "fit_effnet_b16_complete_python": (13, 0, False),
+    "fit_convnext_b16_complete_python": (10, 3, False),
+    # FSDP's shards of a float32 transformer: 8 sizes, the fewest the rule reads
+    "fsdp2_reshard_transformer_rank0": (8, 3, False),
+}
+
+
+@pytest.mark.parametrize("name", AUTOCAST)
+def test_autocast_is_read_from_its_weight_copies(real_frames, name):
+    """A CNN recorded under bf16 autocast was offered the bf16 lever, autocast applied twice. A
+    small model's few weight sizes meet activations of half their size by chance (an MLP meets 4
+    of its 5 without autocast: ``twin_complete``), hence the eight sizes at least."""
+    from snapshot_lab.metrics.fit.precision import AUTOCAST_NOTE, autocast_copies
+
+    sizes, copied, autocast = AUTOCAST[name]
+    frames = real_frames(name)
+    ev = step_evidence(frames, 0)
+    assert autocast_copies(ev.tape) == (sizes, copied)
+    assert ev.half_precision is autocast
+    if autocast:
+        assert AUTOCAST_NOTE.format(copied=copied, sizes=sizes) in ev.notes
+        assert [o.lever for o in compute_fit(frames, memory_limit=6 << 30).levers if "bf16" in o.lever] == []
+
+
+def test_a_small_model_s_few_weight_sizes_say_nothing(real_frames):
+    from snapshot_lab.metrics.fit.precision import autocast_copies
+
+    assert autocast_copies(step_evidence(real_frames("twin_complete"), 0).tape) == (5, 4)
+    assert not step_evidence(real_frames("twin_complete"), 0).half_precision

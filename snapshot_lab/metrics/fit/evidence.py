@@ -196,7 +196,7 @@ CHECKPOINT_FILES = ("/torch/utils/checkpoint.py", "/deepspeed/runtime/activation
 
 def checkpointing_in_stacks(frames: SnapshotFrames) -> bool:
     """Whether the recorded job checkpoints activations: a checkpointing function on the stacks
-    (its forward, or the forward it re-runs in the backward). In the samples, exactly the 20
+    (its forward, or the forward it re-runs in the backward). In the samples, exactly the 28
     recorded with checkpointing: torch.utils.checkpoint called directly (ResNet-50, ConvNeXt,
     ViT) or by transformers (GPT-2, Llama, T5), with Python or C++ stacks."""
     if frames.stack_frames.empty:
