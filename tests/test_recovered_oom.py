@@ -28,7 +28,18 @@ RECORDED = {
     "fit_gpt2_b27_ckpt_capped_python": (1, 0, 1),
 }
 # every other sample with an OOM ended on its last one: frees and the dump's marker may follow it
-ENDED = ["capture_oomx_exception_rank0", "lightning_oom_exception", "fit_gpt2_b32_oom_python", "oom_fragmentation"]
+ENDED = [
+    "capture_oomx_exception_rank0",
+    "lightning_oom_exception",
+    "fit_gpt2_b32_oom_python",
+    "oom_fragmentation",
+    # the other capped boundary runs, each ended by its one OOM after a step (frees follow it)
+    "fit_gpt2_b28_ckpt_capped_python",
+    "fit_convnext_b194_ckpt_capped_python",
+    "fit_convnext_b195_ckpt_capped_python",
+    "fit_vit_b232_ckpt_capped_python",
+    "fit_vit_b233_ckpt_capped_python",
+]
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -81,7 +92,32 @@ def test_the_oom_that_ended_the_job_is_explained_with_the_caught_ones_counted(re
     assert (oom.oom_count, oom.recovered_count) == (85, 84)
     assert oom.requested_bytes == 523436032  # 499.19 MiB: torch's "Tried to allocate 500.00 MiB"
     found = {f.id: f for f in diagnosis.findings}
-    assert found["oom-capacity"].severity == "critical"
+    # fragmentation: replayed with the caught ones as tries, expandable segments serve its request
+    assert found["oom-fragmentation"].severity == "critical"
     assert found["oom-recovered"].severity == "info"
     assert found["oom-recovered"].title.startswith("84 allocations failed and the job went on, until one ended it")
     assert len(diagnosis.timelines[0].ooms) == 1
+
+
+@pytest.mark.parametrize("pure_python", [False, True])
+def test_the_what_if_retries_a_refused_request_and_goes_on(real_frames, monkeypatch, pure_python):
+    """The what-if replayed every oom entry as the request that ended the job: a capped ResNet-50
+    that finished its steps was said to run out at its first caught error under the recorded
+    settings and under every other. A caught one is now tried (a workspace, freed at once when
+    served) and, refused again, the replay goes on; the recorded run's replay stays exact."""
+    from snapshot_lab.metrics.allocator import native
+    from snapshot_lab.metrics.allocator.model import recorded_settings
+    from snapshot_lab.metrics.allocator.whatif import analyse_whatif
+
+    if pure_python:
+        monkeypatch.setenv(native.ENV_PURE_PYTHON, "1")
+    for name, ended_at in (
+        ("fit_resnet50_b162_ckpt_capped_python", None),
+        ("fit_resnet50_b163_ckpt_capped_python", 5603),
+    ):
+        frames = real_frames(name)
+        w = analyse_whatif(frames, 0, [recorded_settings(frames.info.allocator_settings)], 6 << 30)
+        assert w.replay_check.exact
+        (recorded,) = w.scenarios
+        assert [o["event_index"] for o in recorded.ooms] == ([] if ended_at is None else [ended_at])
+        assert recorded.recorded_oom_avoided is (None if ended_at is None else False)

@@ -41,6 +41,7 @@ enum {
     OP_NOP = 7,
     OP_RELEASE_UNLESS_SERVED = 8, /* empty_cache unless needs_release(size, stream) */
     OP_ALLOC_IF_ABSENT = 9,       /* malloc only when the key holds no block */
+    OP_TRY = 10,                  /* a refused request the run went on from: malloc, freed at once; refused: no OOM */
 };
 
 static PyObject *Unsupported;
@@ -1219,6 +1220,12 @@ static int run_one(Engine *m, int64_t kind, int64_t key, int64_t size, int64_t s
         rc = engine_malloc(m, size, stream, index, &bi);
         if (rc < 0) return -1;
         *avoided = rc == 0 ? (*avoided == 0 ? 1 : *avoided) : 2; /* 0 none, 1 avoided, 2 not */
+        return 0;
+    case OP_TRY:
+        rc = engine_malloc(m, size, stream, index, &bi);
+        if (rc < 0) return -1;
+        if (rc == 0) return engine_free(m, bi);
+        m->nooms--; /* refused again: the program goes on, as the recorded one did */
         return 0;
     case OP_RELEASE_UNLESS_SERVED:
         rc = needs_release(m, size, stream);

@@ -26,7 +26,7 @@ except ImportError:  # not built: no compiler at install time, or a source check
 # operation kinds of Engine.run (the OP_* of _replay.c)
 ALLOC, FREE, EMPTY_CACHE, FREE_REQUESTED = 0, 1, 2, 3
 ALLOC_KEEP, RECORD_ADDRESS, OOM_PROBE, NOP = 4, 5, 6, 7
-RELEASE_UNLESS_SERVED, ALLOC_IF_ABSENT = 8, 9
+RELEASE_UNLESS_SERVED, ALLOC_IF_ABSENT, TRY = 8, 9, 10
 
 ENV_PURE_PYTHON = compiled_parts.PURE_PYTHON_VARIABLE  # SNAPLAB_PURE_PYTHON, as for the other compiled parts
 

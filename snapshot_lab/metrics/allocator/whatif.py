@@ -18,6 +18,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from ..history.moments import oom_moment
+from ..history.ooms import recovered
 from . import native
 from .model import (
     UNLIMITED,
@@ -35,7 +36,7 @@ __all__ = ["apply_conf", "recorded_settings"]  # settings parsing lives in the m
 
 MiB = 1 << 20
 
-_ALLOC, _FREE, _SEG_NEW, _SEG_GONE, _OOM, _OTHER = range(6)
+_ALLOC, _FREE, _SEG_NEW, _SEG_GONE, _OOM, _OTHER, _TRY = range(7)  # _TRY: an OOM the run went on from
 
 # where a scenario's replay started, for a trace that starts mid-run (a ring buffer that wrapped,
 # recording started after the model was built): the recorded settings replay from the cache as
@@ -152,6 +153,7 @@ def _kinds(action: pd.Series) -> np.ndarray:
 def _program(frames: SnapshotFrames, device: int) -> _Program:
     ev = frames.events[frames.events["device"] == device]
     kind = _kinds(ev["action"])
+    kind[recovered(ev)] = _TRY  # a request the run was refused and went on from (history/ooms.py)
     releases: dict[int, tuple[str, int]] = {}
     n = len(kind)
     for r in find_releases(frames, device):
@@ -230,6 +232,11 @@ def _run_events(
                 recorded_oom_avoided = True if recorded_oom_avoided is None else recorded_oom_avoided
             except OutOfMemory:
                 recorded_oom_avoided = False
+        elif k == _TRY:  # served: a workspace used and freed; refused again: the program goes on
+            try:
+                free(malloc(size[i], stream[i], index[i]))
+            except OutOfMemory:
+                model.stats.ooms.pop()
     return recorded_oom_avoided, False
 
 
@@ -259,6 +266,7 @@ def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) ->
     for mine, theirs in ((_ALLOC, native.ALLOC_KEEP), (_FREE, native.FREE), (_SEG_NEW, native.RECORD_ADDRESS)):
         kind[prog.kind == mine] = theirs
     kind[prog.kind == _OOM] = native.OOM_PROBE
+    kind[prog.kind == _TRY] = native.TRY
     always: set[int] = set()
     for i, (cause, target) in prog.releases.items():
         if prog.kind[i] != _SEG_GONE:
