@@ -67,6 +67,8 @@ RECORDINGS = {
         64,
         "adamw",
     ),
+    "neox": ("GPT-NeoX", "fit_neox_b4_complete_python", 4, "fit_neox_b32_oom_python", 32, "adamw"),
+    "opt": ("OPT", "fit_opt_b4_complete_python", 4, "fit_opt_b32_oom_python", 32, "adamw"),
 }
 
 

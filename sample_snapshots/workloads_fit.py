@@ -23,6 +23,11 @@ Two families, each trained from a fresh model for every measurement:
   training), recorded on 2026-11-26: is the precision read right, and the rest unchanged?
 - ``gpt2bf16``: the ``gpt2`` family with bfloat16 parameters, recorded after the rules that
   ``llamabf16`` broke were rewritten (a layer norm, no float32 upcast: their hold-out).
+- ``neox``: GPT-NeoX from a Hugging Face config (12 layers, d=768, rotary, attention and MLP in
+  parallel off one residual, untied head, vocab 8192, 1024 tokens), AdamW; ``opt``: OPT from a
+  config (12 layers, d=768, learned positions with an offset of 2, ReLU, tied head, vocab 8192,
+  1024 tokens), AdamW. Recorded on 2026-11-26 (later) with every rule untouched: how fit does on
+  two decoders it has never seen.
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
@@ -65,11 +70,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "t5": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
     "llamabf16": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 64, "search_max": 256},
     "gpt2bf16": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
+    "neox": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "opt": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
 }
-NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16")  # their lever snapshots go in their own group
+# their lever snapshots go in their own group
+NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
-          "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024)}
+          "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024)}
 T5_TARGET_TOKENS = 128
 
 
@@ -120,6 +128,20 @@ def build(family: str, lever: str):
         cfg = T5Config(d_model=512, d_ff=2048, d_kv=64, num_layers=6, num_decoder_layers=6, num_heads=8,
                        vocab_size=32128, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
         model, opt = _transformers_model(T5ForConditionalGeneration(cfg).to("cuda"), lever)
+    elif family == "neox":
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                            vocab_size=8192, max_position_embeddings=1024, use_parallel_residual=True,
+                            hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False)
+        model, opt = _transformers_model(GPTNeoXForCausalLM(cfg).to("cuda"), lever)
+    elif family == "opt":
+        from transformers import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+                        vocab_size=8192, max_position_embeddings=1024, word_embed_proj_dim=768,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        model, opt = _transformers_model(OPTForCausalLM(cfg).to("cuda"), lever)
     elif family == "effnet":
         import torchvision
 

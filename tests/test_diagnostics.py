@@ -179,6 +179,14 @@ EXPECTED = {
     "fit_gpt2bf16_b4_complete_python": set(),
     "fit_gpt2bf16_b64_oom_python": {"oom-capacity"},
     **{f"fit_gpt2bf16_b4_{lever}_complete_python": set() for lever in ("ckpt", "bf16", "ckpt_bf16")},
+    # two decoders recorded with every fit rule untouched (2026-11-26, later): GPT-NeoX, OPT
+    **{f"fit_{family}_b4_complete_python": set() for family in ("neox", "opt")},
+    **{f"fit_{family}_b32_oom_python": {"oom-capacity"} for family in ("neox", "opt")},
+    **{
+        f"fit_{family}_b4_{lever}_complete_python": set()
+        for family in ("neox", "opt")
+        for lever in ("ckpt", "bf16", "ckpt_bf16")
+    },
     # capped runs at the largest batch with checkpointing and one more (2026-11-26, later): ResNet-50's
     # cuDNN convolutions caught 37 and 84 OOMs on their workspaces and went on (history/ooms.py)
     "fit_resnet50_b162_ckpt_capped_python": {"oom-recovered"},
