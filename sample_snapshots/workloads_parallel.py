@@ -10,6 +10,9 @@
 - DDP over NCCL (#12): the gloo workload of ``workloads_holdout.py`` (6 x (Linear(2048, 2048) +
   GELU), AdamW, batch 256, 3 steps, dumped after ``opt.step()`` before ``zero_grad()``) on two
   GPUs over NCCL, ``gradient_as_bucket_view`` False/True, ``stacks='python'`` and ``'all'``.
+- World size 4 (#24, group ``world4``, on a 4-GPU machine): the parallel jobs above but FSDP1
+  SHARD_GRAD_OP, and ZeRO-1, with four ranks over NCCL (``<job>_ws4nccl_<model>_rank<r>``); the
+  pipelines have four stages.
 
 Every snapshot lands in ``<out>/final`` as ``<name>.pickle.xz`` + ``<name>.truth.json`` (+
 ``<name>.meta.json`` for ``snaplab run`` captures); ``--bundle DIR`` then packs them into at most
@@ -97,6 +100,14 @@ def _jobs() -> list[Job]:
                             [f"{name}_rank{r}" for r in (0, 1)]))
         name = f"single_{model}"
         jobs.append(Job(name, f"single-{model}", 1, ["--strategy", "single", "--model", model, "--name", name], [name]))
+    # issue #24 on a 4-GPU machine: world size 4 over NCCL, 4-stage pipelines among them (group "world4")
+    zero1 = ("zero1", ["--strategy", "zero1", "--bucket-view", "0"])
+    world4 = [v for v in variants if v[0] != "fsdp1_shardgradop"] + [zero1]
+    for model in ("transformer", "mlp"):
+        for prefix, args in world4:
+            name = f"{prefix}_ws4nccl_{model}"
+            jobs.append(Job(name, "world4", 4, [*args, "--model", model, "--name", name],
+                            [f"{name}_rank{r}" for r in range(4)]))
     return jobs
 
 

@@ -136,15 +136,19 @@ def test_no_sample_name_reads_as_coordinates():
 
 
 def test_only_the_pipeline_samples_have_pipeline_stages():
-    """Every sample's sidecar: a pipeline stage other than 0 only on the pp_* recordings, so the
-    pipeline's skew and its finding cannot come from any other sample."""
+    """Every sample's sidecar: a pipeline stage other than 0 only on the pp_* recordings (two
+    stages, and four over NCCL), so the pipeline's skew and its finding cannot come from any other
+    sample."""
     staged = {}
     for n in sample_names():
         side = SAMPLES / f"{n}.meta.json"
         lay = layout_from_sidecar(json.loads(side.read_text())) if side.exists() else None
         if lay is not None and lay.pp_stage:
             staged[n] = lay.pp_stage
-    assert staged == {f"{p}_rank1": 1 for p in PP}
+    four_stages = {
+        f"pp_{s}_ws4nccl_{m}_rank{r}": r for s in ("gpipe", "1f1b") for m in ("transformer", "mlp") for r in (1, 2, 3)
+    }
+    assert staged == {**{f"{p}_rank1": 1 for p in PP}, **four_stages}
 
 
 def test_groups_only_when_the_files_span_several_stages():
