@@ -33,6 +33,12 @@ CASES = {
     "fsdp2_noreshard": Strategy("fsdp", WORLD, reshard_after_forward=False),
     "fsdp1_fullshard": Strategy("fsdp1", WORLD),
 }
+# over NCCL on four GPUs (the end of this file) the 4-stage pipelines ran too
+NCCL_CASES = {
+    **CASES,
+    "pp_gpipe": Strategy("pp", WORLD, microbatches=8, schedule="gpipe"),
+    "pp_1f1b": Strategy("pp", WORLD, microbatches=8, schedule="1f1b"),
+}
 # The rule that misses: ``distribute_tensor`` scatters every column/row-sharded weight from the
 # mesh's first rank, which allocates the shard list (eight 16 MiB chunks for the MLP) before the
 # model trains; its segment stays cached on rank 0 alone, 16 MiB that the plan (every TP rank
@@ -52,7 +58,7 @@ def plans(real_frames):
 
     def get(case: str, model: str):
         if (case, model) not in cache:
-            cache[(case, model)] = plan_memory(real_frames(f"single_{model}"), CASES[case])
+            cache[(case, model)] = plan_memory(real_frames(f"single_{model}"), NCCL_CASES[case])
         return cache[(case, model)]
 
     return get
@@ -119,11 +125,6 @@ def test_world4_ranks_record_their_layout(model):
 # group ``world4``): the same jobs over NCCL, one GPU per rank, and the 4-stage pipelines
 # (GPipe and 1F1B, 8 microbatches) that gloo could not run. The plans are the same ones, from
 # the same single-GPU snapshots, untouched by these runs.
-NCCL_CASES = {
-    **CASES,
-    "pp_gpipe": Strategy("pp", WORLD, microbatches=8, schedule="gpipe"),
-    "pp_1f1b": Strategy("pp", WORLD, microbatches=8, schedule="1f1b"),
-}
 # The rule that misses: DDP's first bucket storage (265 MiB for the GPT, made by
 # ``_ddp_init_helper``) is freed when the reducer rebuilds its buckets, and each rank gets there at
 # its own moment: before the second iteration's peak on some ranks, after it on others, which
@@ -137,25 +138,13 @@ LATE_FIRST_BUCKETS = {
 FIRST_BUCKETS_BYTES = 277_936_128
 
 
-@pytest.fixture(scope="module")
-def nccl_plans(real_frames):
-    cache: dict[tuple[str, str], object] = {}
-
-    def get(case: str, model: str):
-        if (case, model) not in cache:
-            cache[(case, model)] = plan_memory(real_frames(f"single_{model}"), NCCL_CASES[case])
-        return cache[(case, model)]
-
-    return get
-
-
 @pytest.mark.parametrize("rank", range(WORLD))
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("case", list(NCCL_CASES))
-def test_prediction_against_the_real_world4_nccl_run(nccl_plans, case, model, rank):
+def test_prediction_against_the_real_world4_nccl_run(plans, case, model, rank):
     """Allocated within 5% and reserved within 10% of each real rank on four GPUs, but the ranks
     whose first DDP buckets were freed late, where the plan is below by those buckets."""
-    plan = nccl_plans(case, model)
+    plan = plans(case, model)
     predicted = plan.ranks[min(rank, len(plan.ranks) - 1)]
     alloc, reserved = _truth(f"{case}_ws4nccl_{model}_rank{rank}")
     late = rank in LATE_FIRST_BUCKETS.get((case, model), ())
