@@ -11,8 +11,8 @@
   GELU), AdamW, batch 256, 3 steps, dumped after ``opt.step()`` before ``zero_grad()``) on two
   GPUs over NCCL, ``gradient_as_bucket_view`` False/True, ``stacks='python'`` and ``'all'``.
 - World size 4 (#24, group ``world4``, on a 4-GPU machine): the parallel jobs above but FSDP1
-  SHARD_GRAD_OP, and ZeRO-1, with four ranks over NCCL (``<job>_ws4nccl_<model>_rank<r>``); the
-  pipelines have four stages.
+  SHARD_GRAD_OP, ZeRO-1, and FSDP2 over tensor parallelism on a 2 x 2 mesh (``fsdp_tp``), with
+  four ranks over NCCL (``<job>_ws4nccl_<model>_rank<r>``); the pipelines have four stages.
 
 Every snapshot lands in ``<out>/final`` as ``<name>.pickle.xz`` + ``<name>.truth.json`` (+
 ``<name>.meta.json`` for ``snaplab run`` captures); ``--bundle DIR`` then packs them into at most
@@ -104,10 +104,18 @@ def _jobs() -> list[Job]:
     zero1 = ("zero1", ["--strategy", "zero1", "--bucket-view", "0"])
     world4 = [v for v in variants if v[0] != "fsdp1_shardgradop"] + [zero1]
     for model in ("transformer", "mlp"):
-        for prefix, args in world4:
-            name = f"{prefix}_ws4nccl_{model}"
-            jobs.append(Job(name, "world4", 4, [*args, "--model", model, "--name", name],
-                            [f"{name}_rank{r}" for r in range(4)]))
+        small = "64" if model == "mlp" else "4"  # activations far below one unit's parameters
+        # group "world4b", recorded after "world4": FSDP2 over TP on a 2 x 2 mesh, and FSDP2 at a small
+        # batch with and without an explicit 3-unit prefetch (fsdp-prefetch-peak's positive and negative)
+        fsdp2_small = ["--strategy", "fsdp2", "--reshard", "1", "--batch", small]
+        later = [("fsdp_tp", ["--strategy", "fsdp_tp", "--reshard", "1"]),
+                 ("fsdp2_prefetch3_small", [*fsdp2_small, "--prefetch", "3"]),
+                 ("fsdp2_default_small", fsdp2_small)]
+        for group, specs in (("world4", world4), ("world4b", later)):
+            for prefix, args in specs:
+                name = f"{prefix}_ws4nccl_{model}"
+                jobs.append(Job(name, group, 4, [*args, "--model", model, "--name", name],
+                                [f"{name}_rank{r}" for r in range(4)]))
     return jobs
 
 

@@ -140,6 +140,12 @@ EXPECTED = {
         for r in range(4)
     },
     **{f"tp_ws4nccl_mlp_rank{r}": set() for r in range(4)},
+    # FSDP2 over TP pairs (embeddings and head replicated across each pair), and the prefetch pair:
+    # the 3-unit prefetch sets the MLP's peak at a small batch, as over gloo
+    **{f"fsdp_tp_ws4nccl_{m}_rank{r}": {"tp-replicated-params"} for m in ("mlp", "transformer") for r in range(4)},
+    **{f"fsdp2_prefetch3_small_ws4nccl_mlp_rank{r}": {"fsdp-prefetch-peak"} for r in range(4)},
+    **{f"fsdp2_prefetch3_small_ws4nccl_transformer_rank{r}": set() for r in range(4)},
+    **{f"fsdp2_default_small_ws4nccl_{m}_rank{r}": set() for m in ("mlp", "transformer") for r in range(4)},
     **{f"tp_ws4nccl_transformer_rank{r}": {"tp-replicated-params"} for r in range(4)},
     "pp_1f1b_ws4nccl_mlp_rank0": {"pending-frees"},
     "pp_1f1b_ws4nccl_mlp_rank1": {"pending-frees"},

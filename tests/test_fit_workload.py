@@ -67,6 +67,7 @@ TRAINING_KINDS = {
     "parallel-ddp",
     "parallel-fsdp1",
     "parallel-fsdp2",
+    "parallel-fsdp_tp",
     "parallel-pp",
     "parallel-single",
     "parallel-tp",

@@ -386,12 +386,12 @@ def wrap_fsdp1(model: nn.Module, kind: str, sharding: str) -> nn.Module:
     )
 
 
-def wrap_tp(model: nn.Module, kind: str, world: int) -> nn.Module:
+def wrap_tp(model: nn.Module, kind: str, world: int, mesh: Any = None) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(DEV, (world,), mesh_dim_names=("tp",))
+    mesh = mesh if mesh is not None else init_device_mesh(DEV, (world,), mesh_dim_names=("tp",))
     model.to(DEV)
     plan: dict[str, Any] = {}
     if kind == "transformer":
@@ -414,6 +414,24 @@ def wrap_tp(model: nn.Module, kind: str, world: int) -> nn.Module:
                 mod.register_parameter(key, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()])))
     if kind == "transformer":
         model.tp_mesh = mesh
+    return model
+
+
+def wrap_fsdp_tp(model: nn.Module, kind: str, world: int, reshard: bool) -> nn.Module:
+    """FSDP2 over tensor parallelism on a 2-D mesh: TP of degree 2 within each pair of ranks
+    (the blocks as in ``wrap_tp``), then ``fully_shard`` of each block and the root across the
+    pairs (issue #24's FSDP+TP 2x2 on four GPUs)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # before 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEV, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = wrap_tp(model, kind, 2, mesh=mesh["tp"])
+    for blk in model.layers.values():
+        fully_shard(blk, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
     return model
 
 
@@ -495,7 +513,9 @@ def dump(name: str, facts: dict[str, Any], final_dir: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
-    ap.add_argument("--strategy", choices=["single", "ddp", "zero1", "fsdp2", "fsdp1", "tp", "pp"], required=True)
+    ap.add_argument(
+        "--strategy", choices=["single", "ddp", "zero1", "fsdp2", "fsdp1", "tp", "fsdp_tp", "pp"], required=True
+    )
     ap.add_argument("--bucket-view", type=int, default=0)
     ap.add_argument("--reshard", type=int, default=1)
     ap.add_argument("--sharding", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default="FULL_SHARD")
@@ -577,6 +597,18 @@ def main() -> None:
         run = wrap_tp(model, a.model, world)
         seed = 0
         facts.update(tp_degree=world, global_batch=batch, mesh_dim_names=["tp"])
+    elif a.strategy == "fsdp_tp":
+        run = wrap_fsdp_tp(model, a.model, world, bool(a.reshard))
+        seed = rank // 2  # the two ranks of a TP pair see the same data
+        capture.describe_parallel(fsdp=world // 2, tp=2, coordinates={"fsdp": rank // 2, "tp": rank % 2})
+        facts.update(
+            tp_degree=2,
+            fsdp_degree=world // 2,
+            reshard_after_forward=bool(a.reshard),
+            fsdp_version=2,
+            global_batch=batch * (world // 2),
+            mesh_dim_names=["dp", "tp"],
+        )
     else:  # pp
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
