@@ -423,6 +423,9 @@ def _boundary_run(family: str, lever: str, batch: int) -> None:
     H.dump(name, info)
 
 
+# an OOM in the first forward of a checkpointed job (GPT-2 at batch 128 with checkpointing under the
+# cap: every block keeps its input, 384 MiB each): does fit read the step as checkpointed?
+H.workload("fit_gpt2_b128_ckpt_oom_python", "fit_ckptoom")(lambda: _snapshot_run("gpt2", 128, True, "ckpt"))
 for _name, _run in PRECISION_RUNS.items():
     H.workload(_name, "fit_precision")(lambda n=_name, r=_run: _precision_run(n, *r))
 for _family, (_lever, _batches) in BOUNDARY_RUNS.items():

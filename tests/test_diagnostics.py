@@ -238,6 +238,7 @@ EXPECTED = {
     # the what-if, which replays the caught ones as tries, finds settings that serve its last request
     "fit_resnet50_b163_ckpt_capped_python": {"oom-fragmentation", "oom-recovered"},
     "fit_gpt2_b27_ckpt_capped_python": {"oom-fragmentation"},
+    "fit_gpt2_b128_ckpt_oom_python": {"oom-capacity"},
     "fit_gpt2_b28_ckpt_capped_python": {"oom-fragmentation"},
     "fit_convnext_b194_ckpt_capped_python": {"oom-fragmentation"},
     "fit_convnext_b195_ckpt_capped_python": {"oom-fragmentation"},

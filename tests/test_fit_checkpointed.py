@@ -38,7 +38,7 @@ def _recorded_with_checkpointing(name: str) -> bool:
 def test_exactly_the_checkpointed_recordings_are_found(real_frames):
     found = [n for n in _names() if checkpointing_in_stacks(real_frames(n))]
     assert found == [n for n in _names() if _recorded_with_checkpointing(n)]
-    assert len(found) == 32  # 20 fit lever recordings, 8 capped boundary runs, 4 others
+    assert len(found) == 33  # 20 fit lever recordings, 8 capped boundary runs, an OOM, 4 others
     assert {"grad_ckpt_all", "grad_ckpt_python", "modtags_llama_ckpt_all"} <= set(found)
 
 
@@ -67,3 +67,19 @@ def test_an_uncheckpointed_step_keeps_its_checkpointing_lever(real_frames):
     r = compute_fit(real_frames("fit_gpt2_b4_complete_python"), memory_limit=6 << 30)
     assert {"checkpointing", "checkpointing+bf16"} <= {o.lever for o in r.levers}
     assert CHECKPOINTED_NOTE not in r.notes
+
+
+def test_a_checkpointed_job_runs_out_inside_its_first_block(real_frames):
+    """Where a checkpointed job runs out of memory in its first forward: GPT-2 with checkpointing
+    at batch 128 under 6 GiB keeps only each block's input (384 MiB), and runs out inside the
+    first block, on its MLP's 1.5 GiB (a block's own tensors are alive while it runs). No block
+    completed, so fit refuses, saying why, rather than extrapolating a step from blocks it never
+    saw; at batch 256 it ran out there too."""
+    from snapshot_lab.metrics.fit.evidence import checkpointing_in_stacks
+
+    frames = real_frames("fit_gpt2_b128_ckpt_oom_python")
+    assert checkpointing_in_stacks(frames)
+    ooms = frames.events[frames.events["action"] == "oom"]
+    assert ooms["size_bytes"].tolist() == [128 * 1024 * 3072 * 4]
+    with pytest.raises(FitUnsupported, match="before its first repeated block completed"):
+        compute_fit(frames, memory_limit=6 << 30)
