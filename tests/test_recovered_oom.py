@@ -83,6 +83,15 @@ def test_a_job_that_went_on_is_not_said_to_have_run_out_of_memory(real_frames, r
     assert diagnosis.timelines[0].ooms == ()  # no "out of memory" line on its timeline
     fit = compute_fit(frames)
     assert fit.workload == "training step"
+    # the recorded batch ran: fit says it fits, and its largest batch is not below it
+    as_recorded = fit.levers[0]
+    assert (as_recorded.lever, as_recorded.fits) == ("as recorded", True)
+    assert fit.largest_batch["as recorded"] >= 1.0
+    # its reserved peak without a limit is above the limit it fits under, and the text says why
+    from snapshot_lab.render.fit import FITS_UNDER_LIMIT, format_fit
+
+    assert as_recorded.peak_reserved_bytes > fit.memory_limit_bytes
+    assert FITS_UNDER_LIMIT in format_fit(fit)
 
 
 def test_the_oom_that_ended_the_job_is_explained_with_the_caught_ones_counted(real_diagnosis):

@@ -36,6 +36,11 @@ NO_LIMIT = (
     "that fits."
 )
 EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
+FITS_UNDER_LIMIT = (
+    "Peak allocated and reserved are the step's without a limit; \"fits\" replays it under the limit, where the "
+    "allocator gives its cached blocks back and retries before it fails, so a step that reserves more than the "
+    "limit without one can still fit."
+)
 ACCUMULATION = (
     "Gradient accumulation: the step needs what one micro-batch needs, so any batch runs as micro-batches of the "
     "largest that fits as is ({micro}), {steps} of them for {what}."
@@ -174,6 +179,8 @@ def format_fit(r: FitResult, name: str = "") -> str:
     )
     if r.memory_limit_bytes is not None:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
+        if any(o.fits and o.peak_reserved_bytes > r.memory_limit_bytes for o in r.levers):
+            out.append(FITS_UNDER_LIMIT)
     out += _parallel(r)
     if r.memory_limit_bytes is not None and r.ways_to_fit:
         out += ["", "What makes it fit, least change to the job first:"]
