@@ -37,7 +37,7 @@ NO_LIMIT = (
 )
 EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
 FITS_UNDER_LIMIT = (
-    "Peak allocated and reserved are the step's without a limit; \"fits\" replays it under the limit, where the "
+    'Peak allocated and reserved are the step\'s without a limit; "fits" replays it under the limit, where the '
     "allocator gives its cached blocks back and retries before it fails, so a step that reserves more than the "
     "limit without one can still fit."
 )
