@@ -125,12 +125,18 @@ def _run_child(fn: Callable[[], Any], send: Connection) -> None:
     except BaseException:
         message = (False, None)
     try:
-        send.send(message)
-    except BaseException:  # the value does not pickle
-        with contextlib.suppress(BaseException):
-            send.send((False, None))
+        _send(send, message, (False, None))
     finally:
         send.close()
+
+
+def _send(conn: Connection, message: tuple[Any, ...], instead: tuple[Any, ...]) -> None:
+    """``message`` to the parent, else (a value that does not pickle) ``instead``: not done."""
+    try:
+        conn.send(message)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            conn.send(instead)
 
 
 class Worker:
@@ -238,9 +244,5 @@ def _serve(module: str, jobs: Connection, results: Connection, parents: tuple[Co
             message: tuple[int, bool, Any] = (job, True, getattr(target, name)(*args))
         except BaseException:
             message = (job, False, None)
-        try:
-            results.send(message)
-        except BaseException:  # the value does not pickle
-            with contextlib.suppress(BaseException):
-                results.send((job, False, None))
+        _send(results, message, (job, False, None))
     results.close()
