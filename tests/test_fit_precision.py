@@ -146,14 +146,14 @@ def test_a_convolutional_networks_precision_is_read_from_its_convolutions(real_f
     """Before this rule, every CNN kept its bf16 lever: an fp16 ResNet-50's inference was told bf16
     brings it down, where its real run computes in half precision already. The sizes rule cannot
     serve (ResNet-18 in float32 matches it 60 times against none)."""
-    from snapshot_lab.metrics.fit.precision import CONV_HALF_NOTE, conv_norm_matches
+    from snapshot_lab.metrics.fit.precision import CONV_HALF_NOTE, conv_norm_matches, parameter_sizes
 
     dtype, two, four = CONVNETS[name]
     truth = sample_truth(name)["workload"]
     assert truth.get("parameter_dtype", "float32") == dtype
     frames = real_frames(name)
     ev = step_evidence(frames, 0)
-    assert tuple(conv_norm_matches(ev.tape.fixed[ev.tape.category == "parameter"]).values()) == (two, four)
+    assert tuple(conv_norm_matches(parameter_sizes(ev.tape)).values()) == (two, four)
     assert ev.half_precision is (dtype != "float32")
     r = compute_fit(frames, memory_limit=6 << 30)
     bf16 = [o.lever for o in r.levers if "bf16" in o.lever]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...units import format_bytes
-from ..history.ooms import fatal, recovered
+from ..history.ooms import recovered
 from .base import Finding, FindingContext
 
 FINDING_ID = "oom-recovered"
@@ -32,7 +32,7 @@ def _finding(ctx: FindingContext, device: int) -> Finding | None:
     sizes = events["size_bytes"].to_numpy()[caught]
     where = events["event_index"].to_numpy()[caught]
     n = int(caught.sum())
-    ended = not fatal(events).empty
+    ended = ctx.stats.devices[device].oom is not None  # the OOM that ended the job, as the stats explain it
     whatif = ctx.whatifs.get(device)
     evidence: dict[str, object] = {
         "recovered_count": n,

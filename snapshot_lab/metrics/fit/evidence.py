@@ -196,9 +196,10 @@ CHECKPOINT_FILES = ("/torch/utils/checkpoint.py", "/deepspeed/runtime/activation
 
 def checkpointing_in_stacks(frames: SnapshotFrames) -> bool:
     """Whether the recorded job checkpoints activations: a checkpointing function on the stacks
-    (its forward, or the forward it re-runs in the backward). In the samples, exactly the 28
-    recorded with checkpointing: torch.utils.checkpoint called directly (ResNet-50, ConvNeXt,
-    ViT) or by transformers (GPT-2, Llama, T5), with Python or C++ stacks."""
+    (its forward, or the forward it re-runs in the backward). In the samples, exactly those
+    recorded with checkpointing (tests/test_fit_checkpointed.py): torch.utils.checkpoint called
+    directly (ResNet-50, ConvNeXt, ViT) or by transformers (GPT-2, Llama, T5), with Python or C++
+    stacks."""
     if frames.stack_frames.empty:
         return False
     files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)

@@ -105,9 +105,14 @@ NO_BF16 = (
 )
 
 
+def parameter_sizes(tape: Tape) -> np.ndarray:
+    """The bytes of every parameter on the tape, in the order the model made them."""
+    return tape.fixed[tape.category == "parameter"].astype(np.int64)
+
+
 def square_matches(tape: Tape) -> dict[int, int]:
     """Per element size (2, 4): how many parameters are vectors ``v`` with a parameter of ``v * v / e`` bytes."""
-    return sizes_matches(tape.fixed[tape.category == "parameter"])
+    return sizes_matches(parameter_sizes(tape))
 
 
 def sizes_matches(parameter_sizes: np.ndarray) -> dict[int, int]:
@@ -165,7 +170,7 @@ def conv_norm_matches(parameter_sizes: np.ndarray) -> dict[int, int]:
 def autocast_copies(tape: Tape) -> tuple[int, int]:
     """The distinct sizes of the large weights, and how many of them the forward made a tensor
     of half of (autocast's copies)."""
-    weights = tape.fixed[tape.category == "parameter"].astype(np.int64)
+    weights = parameter_sizes(tape)
     sizes = np.unique(weights[weights >= LARGE_WEIGHT])
     forward = (tape.phase == "forward") & (tape.category != "parameter")
     made = np.unique(tape.sizes(1.0)[forward])
@@ -188,7 +193,7 @@ def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequen
         return True, note
     files = stack_innermost(frames)["filename"]
     if files.str.endswith(CONV_FILE).sum() > files.str.endswith(LINEAR_FILES).sum():
-        convs = conv_norm_matches(tape.fixed[tape.category == "parameter"])
+        convs = conv_norm_matches(parameter_sizes(tape))
         if sizes_say_half(convs):
             return True, CONV_HALF_NOTE.format(matches=convs[2], others=convs[4])
         return False, ""

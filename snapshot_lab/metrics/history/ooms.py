@@ -39,6 +39,6 @@ def recovered(events: pd.DataFrame) -> np.ndarray:
 
 
 def fatal(events: pd.DataFrame) -> pd.DataFrame:
-    """The ``oom`` events that ended the job (at most one per device: its last, when nothing was
-    allocated after it)."""
+    """The ``oom`` events after their device's last allocation (its last one ended the job; the
+    OOM explained is that one)."""
     return events[(events["action"] == "oom").to_numpy(dtype=bool) & ~recovered(events)]
