@@ -433,6 +433,145 @@ for _family, (_lever, _batches) in BOUNDARY_RUNS.items():
         H.workload(f"fit_{_family}_b{_batch}_{_lever}_capped_python", "fit_boundary")(
             lambda f=_family, v=_lever, b=_batch: _boundary_run(f, v, b))
 
+# 2026-11-26 (third session): recordings made under autocast, which users attach as often as
+# float32 ones (group fit_autocast). fit took autocast's weight copies for activations:
+# 1. OOMs in the first forward under bf16 autocast (GPT-2, Llama, ViT), against the bf16 tables;
+# 2. transformers' Trainer with bf16=True on the frameworks' small GPT-2 (4 layers, d=512, 256
+#    tokens): a snapshot at batch 8, and the whole two steps' peak at 8, 16, 32 and 64 (truth);
+# 3. Llama inference under bf16 autocast (no_grad, three forwards): a snapshot at batch 8, and the
+#    peak at 8, 16 and 32.
+AUTOCAST_OOMS = {"gpt2": 32, "llama": 32, "vit": 256}
+TRAINER_BATCHES = (8, 16, 32, 64)
+INFER_BATCHES = (8, 16, 32)
+
+
+def _trainer(batch: int, steps: int, on_end=None):
+    import torch
+    import transformers
+    import workloads_frameworks as F
+
+    model = F.gpt2()
+
+    class Ids(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = F.tokens(batch * steps)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class End(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == steps and on_end is not None:
+                on_end(model)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(H.OUT / f"hf_tmp_{batch}"),
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bf16=True,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[End()]).train()
+
+
+def _peak_of(run) -> dict[str, Any]:
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        run()
+        torch.cuda.synchronize()
+        res = {
+            "ok": True,
+            "peak_process_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        }
+    except torch.OutOfMemoryError:
+        res = {"ok": False}
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def trainer_bf16_snapshot() -> None:
+    H.record(stacks="python")
+    _trainer(
+        8,
+        2,
+        lambda model: H.dump(
+            "fit_hftrainer_bf16_b8_python",
+            {
+                "kind": "hf-trainer-bf16",
+                "stacks": "python",
+                "batch": 8,
+                "seq": 256,
+                "steps_done": 2,
+                "model": "GPT2LMHeadModel(n_layer=4,n_embd=512,vocab=8192)",
+                "precision": "bf16=True (autocast)",
+                "dumped": "on_step_end of the second step",
+            },
+        ),
+    )
+
+
+def trainer_bf16_truth() -> None:
+    out = {str(b): _peak_of(lambda b=b: _trainer(b, 2)) for b in TRAINER_BATCHES}
+    (H.OUT / "fittruth_hftrainer_bf16.json").write_text(json.dumps(out, indent=1))
+
+
+def _infer(batch: int, dump_as: str | None = None) -> None:
+    import torch
+
+    vocab, tokens = TOKENS["llama"]
+    model, _ = build("llama", "plain")
+    model.eval()
+    gen = torch.Generator().manual_seed(batch)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(3):
+            model(input_ids=torch.randint(0, vocab, (batch, tokens), generator=gen).to("cuda")).logits.argmax(-1)
+    torch.cuda.synchronize()
+    if dump_as:
+        H.dump(
+            dump_as,
+            {
+                "kind": "fit-inference-autocast",
+                "family": "llama",
+                "batch": batch,
+                "forwards": 3,
+                "stacks": "python",
+                "precision": "float32 parameters under bf16 autocast",
+            },
+        )
+
+
+def infer_bf16_snapshot() -> None:
+    H.record(stacks="python")
+    _infer(8, "fit_llama_infer_bf16_b8_python")
+
+
+def infer_bf16_truth() -> None:
+    out = {str(b): _peak_of(lambda b=b: _infer(b)) for b in INFER_BATCHES}
+    (H.OUT / "fittruth_llama_infer_bf16.json").write_text(json.dumps(out, indent=1))
+
+
+for _family, _batch in AUTOCAST_OOMS.items():
+    H.workload(f"fit_{_family}_b{_batch}_bf16_oom_python", "fit_autocast")(
+        lambda f=_family, b=_batch: _snapshot_run(f, b, True, "bf16")
+    )
+H.workload("fit_hftrainer_bf16_b8_python", "fit_autocast")(trainer_bf16_snapshot)
+H.workload("fittruth_hftrainer_bf16", "fit_autocast")(trainer_bf16_truth)
+H.workload("fit_llama_infer_bf16_b8_python", "fit_autocast")(infer_bf16_snapshot)
+H.workload("fittruth_llama_infer_bf16", "fit_autocast")(infer_bf16_truth)
+
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are
     H.main()

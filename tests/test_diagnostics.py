@@ -239,6 +239,12 @@ EXPECTED = {
     "fit_resnet50_b163_ckpt_capped_python": {"oom-fragmentation", "oom-recovered"},
     "fit_gpt2_b27_ckpt_capped_python": {"oom-fragmentation"},
     "fit_gpt2_b128_ckpt_oom_python": {"oom-capacity"},
+    # recorded under bf16 autocast (2026-11-26, third session): OOMs in the first forward, the
+    # Trainer's bf16=True, an inference
+    **{name: {"oom-capacity"} for name in ("fit_gpt2_b32_bf16_oom_python", "fit_llama_b32_bf16_oom_python")},
+    "fit_vit_b256_bf16_oom_python": {"oom-capacity"},
+    "fit_hftrainer_bf16_b8_python": set(),
+    "fit_llama_infer_bf16_b8_python": set(),
     "fit_gpt2_b28_ckpt_capped_python": {"oom-fragmentation"},
     "fit_convnext_b194_ckpt_capped_python": {"oom-fragmentation"},
     "fit_convnext_b195_ckpt_capped_python": {"oom-fragmentation"},

@@ -10,9 +10,11 @@ import pytest
 
 from snapshot_lab.metrics.fit import compute_fit
 from snapshot_lab.metrics.fit import workload as wl
+from snapshot_lab.metrics.fit.evidence import forward_weight_copies
 from snapshot_lab.metrics.fit.model import FitUnsupported, step_evidence
 from snapshot_lab.metrics.fit.precision import NO_BF16, square_matches
 from snapshot_lab.metrics.fit.result import predict_step
+from snapshot_lab.metrics.plan.structure import training_structure
 
 from .conftest import sample_truth
 
@@ -120,11 +122,20 @@ def test_a_float32_model_recorded_under_autocast_is_said_to_compute_in_half_prec
     bf16 recording; a module-tags job, recorded for another question): their blocks end on a
     half-precision tensor. A bf16 lever there would apply autocast twice; the note says the step
     computes in half precision already, its parameters or autocast, not that the parameters are."""
-    ev = step_evidence(real_frames(name), 0)
+    from snapshot_lab.metrics.fit.precision import UPCAST_NOTE, WEIGHT_COPIES_NOTE, first_to_last, upcasts
+
+    frames = real_frames(name)
+    ev = step_evidence(frames, 0)
     assert square_matches(ev.tape)[2] == 0  # float32 parameters: no 2-byte square
     assert ev.half_precision
-    note = next(n for n in ev.notes if "half precision already" in n)
-    assert note.startswith("the recorded step computes in half precision already") and "autocast already on" in note
+    ratios = first_to_last(ev.tape, ev.blocks)
+    assert upcasts(ratios)  # the float-copy rule holds: its note would say so
+    assert "autocast already on" in UPCAST_NOTE
+    # autocast's weight copies, found one by one (fit/weight_copies.py), say it first and exactly
+    copies = int(forward_weight_copies(frames, training_structure(frames, 0)).sum())
+    # 49 weights (12 x 4 and the tied head) in 2 passes; 17 (4 x 4 and the head) in 3
+    assert copies == {"fit_gpt2_b4_bf16_complete_python": 98, "modtags_gpt2_python": 51}[name]
+    assert WEIGHT_COPIES_NOTE.format(copies=copies) in ev.notes
 
 
 # convolutional networks (precision.conv_norm_matches), recorded on 2026-11-26 (later) with the rule
@@ -190,15 +201,17 @@ def test_autocast_is_read_from_its_weight_copies(real_frames, name):
     """A CNN recorded under bf16 autocast was offered the bf16 lever, autocast applied twice. A
     small model's few weight sizes meet activations of half their size by chance (an MLP meets 4
     of its 5 without autocast: ``twin_complete``), hence the eight sizes at least."""
-    from snapshot_lab.metrics.fit.precision import AUTOCAST_NOTE, autocast_copies
+    from snapshot_lab.metrics.fit.precision import AUTOCAST_NOTE, WEIGHT_COPIES_NOTE, autocast_copies, under_autocast
 
     sizes, copied, autocast = AUTOCAST[name]
     frames = real_frames(name)
     ev = step_evidence(frames, 0)
     assert autocast_copies(ev.tape) == (sizes, copied)
     assert ev.half_precision is autocast
-    if autocast:
-        assert AUTOCAST_NOTE.format(copied=copied, sizes=sizes) in ev.notes
+    if autocast:  # the weight copies found one by one say it first (fit/weight_copies.py); this rule agrees
+        copies = int(forward_weight_copies(frames, training_structure(frames, 0)).sum())
+        assert copies > 0 and WEIGHT_COPIES_NOTE.format(copies=copies) in ev.notes
+        assert under_autocast(ev.tape) == (True, AUTOCAST_NOTE.format(copied=copied, sizes=sizes))
         assert [o.lever for o in compute_fit(frames, memory_limit=6 << 30).levers if "bf16" in o.lever] == []
 
 

@@ -56,6 +56,7 @@ TRAINING_KINDS = {
     "gradients-compile",
     "gradients-plain",
     "hf-trainer",
+    "hf-trainer-bf16",
     "lbfgs-closure",
     "lightning-automatic",
     "lightning-manual",
@@ -101,6 +102,7 @@ FORWARD_ONLY_KINDS = {
     "one-forward",
     "capture-oom",
     "fit-precision-inference",
+    "fit-inference-autocast",
 }
 OOM_IN_FORWARD_KINDS = {"fit-oom-first-forward"}
 # a training job dumped after a forward of a step whose start the trace does not hold; OOMs

@@ -6,7 +6,8 @@ Which allocations scale with the batch is decided by what they are: parameters, 
 optimizer state, anything made while the model was built or during the optimizer step, and
 library caches kept for the process's life (cuBLAS workspaces) do not; the inputs and whatever
 the forward and backward made does, except tensors the size of a parameter made by the backward
-(a weight's gradient before it is accumulated).
+(a weight's gradient before it is accumulated) and, in a step recorded under autocast, its
+copies of the weights and their half-precision gradients (``weight_copies.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..categories.stacks import cache_stacks
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
+from .weight_copies import weight_copies, weight_sizes
 
 # operations autocast runs in float32 whatever their inputs (torch's "fp32 list" and losses)
 AUTOCAST_FP32_OPS = frozenset(
@@ -139,6 +141,40 @@ def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
     return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
 
+# nn.MultiheadAttention multiplies by its two weights in these functions of torch.nn.functional
+_MHA_FUNCTIONS = ("_in_projection_packed", "_in_projection", "multi_head_attention_forward")
+
+
+def mha_stacks(frames: SnapshotFrames) -> set[int]:
+    """Stacks whose innermost frame is ``nn.MultiheadAttention``'s functional forward (its
+    projections, and the attention between them)."""
+    inner = stack_innermost(frames)
+    hit = inner["filename"].str.endswith(_FUNCTIONAL) & inner["name"].isin(_MHA_FUNCTIONS)
+    return set(inner.index[hit].astype(int).tolist())
+
+
+def multiplies_weights(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
+    """Per allocation (its stack ``sid``), whether its innermost frame multiplies by a weight: a
+    Linear, a convolution, ``nn.MultiheadAttention``'s functions."""
+    matmul = [s for s, code in autocast_codes(frames).items() if code == AUTOCAST_MATMUL]
+    return np.isin(sid, matmul) | np.isin(sid, list(mha_stacks(frames)))
+
+
+def forward_weight_copies(frames: SnapshotFrames, s: TrainingStructure) -> np.ndarray:
+    """Per allocation, whether it is autocast's copy of a weight made by a forward on the
+    program's thread, after the model was built (``fit/weight_copies.py``)."""
+
+    def compute() -> np.ndarray:
+        a = s.allocs
+        code, pos = a["code"].to_numpy(), a["pos"].to_numpy()
+        is_param = code == CODES["parameter"]
+        built = pos <= (pos[is_param].max() if is_param.any() else -1)
+        made = ~built & ~is_param & a["main"].to_numpy()
+        return weight_copies(frames, a, made, multiplies_weights(frames, a["sid"].to_numpy()), weight_sizes(s.params))
+
+    return memo(frames, ("fit.forward_weight_copies", s.device), compute)
+
+
 KV_CACHE_FILE = "transformers/cache_utils.py"
 KV_CACHE = "kv_cache"  # the tape category of a KV cache's copies of keys and values
 
@@ -235,13 +271,19 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     in_pass = is_phase("data", "forward", "backward")
     cache = np.isin(sid, list(cache_stacks(frames)))
     kept = complete & (a["free_pos"].to_numpy() < 0) & ~data
-    # a weight's gradient before it is accumulated (GPT-2's tied embedding) does not scale; a size
-    # the forward also made as an activation is the gradient of one (Llama's logits at batch 2 x
-    # 512 tokens are its 32000 x 1024 head's size)
-    made_by_forward = size[is_phase("forward") & ~model_state & ~cache & ~kept]
-    param_sized = is_phase("backward") & np.isin(size, s.params["size"].to_numpy())
+    made = is_phase("forward") & ~model_state & ~cache & ~kept
+    weights = weight_sizes(s.params)
+    # the forward, and a checkpointed block's forward run again in the backward (it has stacks)
+    ran = made | (is_phase("backward") & ~model_state & ~cache & ~kept)
+    copies = weight_copies(frames, a, ran, multiplies_weights(frames, sid), weights)
+    # a weight's gradient before it is accumulated (GPT-2's tied embedding; under autocast, half
+    # a weight) does not scale; a size the forward also made as an activation is the gradient of
+    # one (Llama's logits at batch 2 x 512 tokens are its 32000 x 1024 head's size)
+    made_by_forward = size[made & ~copies]
+    grad_sizes = np.concatenate([s.params["size"].to_numpy(), weights // 2 if copies.any() else weights[:0]])
+    param_sized = is_phase("backward") & np.isin(size, grad_sizes)
     param_sized[param_sized] = ~np.isin(size[param_sized], made_by_forward)
-    scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized
+    scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized & ~copies
     # by position in NAMES: the recorded category of model state, else what the row is
     names = np.array([*CATEGORIES, "input", "activation", "workspace", KV_CACHE], dtype=object)
     made = np.where(scales, np.where(data, len(CATEGORIES), len(CATEGORIES) + 1), len(CATEGORIES) + 2)
@@ -280,11 +322,11 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, 
     """Every allocation of the trace (and the blocks older than it, from the start); ``uid``:
     per allocation, the block instance it belongs to (-1: none)."""
     a = s.allocs
+    fp32 = _stack_codes(a["sid"].to_numpy(), autocast_codes(frames))
     cat, scales = row_categories(frames, s, complete)
     size = a["size"].to_numpy(dtype=np.float64)
     free_pos = a["free_pos"].to_numpy()
     end = np.where(free_pos >= 0, free_pos.astype(np.float64), NEVER)
-    fp32 = _stack_codes(a["sid"].to_numpy(), autocast_codes(frames))
     tape = make_tape(
         a["pos"].to_numpy(dtype=np.float64),
         end,

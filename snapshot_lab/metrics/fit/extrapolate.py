@@ -46,6 +46,7 @@ from .evidence import (
     PassSpan,
     autocast_codes,
     autocast_copied,
+    forward_weight_copies,
     kv_cache_stacks,
     stack_innermost,
 )
@@ -282,6 +283,9 @@ class _Step:
         inner = stack_innermost(frames)
         self.result_sids = set(inner.index[inner["name"].isin(RESULT_SAVING_OPS)].tolist())
         self.result_saved: set[int] = set()  # builder rows an operation saved as its result
+        # autocast's copies of the weights: the same size whatever the batch (fit/weight_copies.py)
+        self.weight_copy = forward_weight_copies(frames, s)
+        self.copies: set[int] = set()  # builder rows that are weight copies
 
     def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
         """Recorded forward rows placed from now on: those freed in the trace keep their
@@ -298,17 +302,21 @@ class _Step:
             if workspace is not None and workspace[r]:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
+            copy = bool(self.weight_copy[r])
+            fixed, per_batch = (self.size[r], 0.0) if copy else (0.0, self.size[r])
             if self.free_pos[r] >= 0:
                 cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
-                k = b.add(start, t0 + (self.free_pos[r] - base), 0.0, self.size[r], cat, "forward", block, fp32)
+                k = b.add(start, t0 + (self.free_pos[r] - base), fixed, per_batch, cat, "forward", block, fp32)
                 self.transients.setdefault((part, block), []).append(k)
             elif workspace is None and part == "block" and self.one_off[r]:
                 continue  # a one-off cache of the first pass: made once
             else:
                 cat = KV_CACHE if int(self.sid[r]) in self.kv_cache else "activation"
-                kept.append(b.add(start, NEVER, 0.0, self.size[r], cat, "forward", block, fp32))
+                kept.append(b.add(start, NEVER, fixed, per_batch, cat, "forward", block, fp32))
                 if int(self.sid[r]) in self.result_sids:
                     self.result_saved.add(kept[-1])
+                if copy:
+                    self.copies.add(kept[-1])
         b.now = t0 + float(self.closing(rows) - base) + 1
         return kept
 
@@ -487,14 +495,17 @@ class _Step:
         # token): its logits are a token's worth of the stream or less, taken as none
         per_token = tied or bool(np.isin(matrix, self.p_size[self.pf.param_block < 0][: self._first_block_param()]))
         # a half-precision model's norm may save a float32 copy of the stream, twice its size: the
-        # tokens are counted from the stream itself (fit/precision.py)
-        upcast = self.upcast()
+        # tokens are counted from the stream itself (fit/precision.py); a float32 model under
+        # autocast (its weights copied) keeps a float32 stream, whose blocks end on a half-precision
+        # tensor all the same: its stream is no copy
+        autocast = bool(self.weight_copy.any())
+        upcast = 1.0 if autocast else self.upcast()
         logits = stream / upcast * matrix * 4 / width**2 if width and per_token else 0.0
         self.tied_head = matrix if tied else 0.0
         kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
-        # a half-precision head's output, half the float32 logits the loss casts it to (a float32
-        # model's cast makes nothing)
-        half = upcast > 1 or sizes_say_half(sizes_matches(self.p_size))
+        # a half-precision head's output (half precision, or autocast's), half the float32 logits
+        # the loss casts it to (a float32 model's cast makes nothing)
+        half = autocast or upcast > 1 or sizes_say_half(sizes_matches(self.p_size))
         own = b.add(b.tick(), NEVER, 0.0, logits / 2, "activation", "forward") if half and logits else None
         made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
         self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
@@ -555,7 +566,7 @@ class _Step:
         for g in alive:
             b.set_end(g, b.tick())
         for r, row in enumerate(b.rows):  # what the program held (the logits) goes with the step
-            if row[1] == NEVER and row[5] == "forward" and row[3] > 0:
+            if row[1] == NEVER and row[5] == "forward" and (row[3] > 0 or r in self.copies):
                 b.set_end(r, b.now + 0.5)
         return start
 

@@ -16,6 +16,7 @@ from .evidence import (
     StepEvidence,
     block_spans,
     checkpointing_in_stacks,
+    forward_weight_copies,
     optimizer_in_stacks,
     param_facts,
     recorded_tape,
@@ -67,7 +68,8 @@ def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) 
     ev = _evidence(frames, device, optimizer)
     if ev.passes and checkpointing_in_stacks(frames):
         ev = replace(ev, checkpointed=True, notes=(*ev.notes, CHECKPOINTED_NOTE))
-    half, note = half_precision_parameters(frames, ev.tape, ev.blocks)
+    copies = int(forward_weight_copies(frames, training_structure(frames, device)).sum())
+    half, note = half_precision_parameters(frames, ev.tape, ev.blocks, copies)
     if not half:
         return ev
     notes = tuple(wl.FORWARD_ONLY_HALF_LEVERS_NOTE if n == wl.FORWARD_ONLY_LEVERS_NOTE else n for n in ev.notes)
@@ -113,10 +115,11 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
 
 
 def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
-    """The breakdown: model state; what the batch adds to the step's peak (the peak at twice the
-    recorded batch minus the peak at it: activations saved for the backward and the backward's
-    own, at the recorded batch); workspaces; the KV cache alive at the peak (part of the
-    activations)."""
+    """The breakdown: model state; the activations at their own peak (the most of what grows with
+    the batch alive at once: saved for the backward and the backward's own, at the recorded
+    batch; where the optimizer step makes the peak, as in an MLP's whose state outweighs its
+    activations, what the batch adds to the peak is nothing, and the activations are not);
+    workspaces; the KV cache alive at the peak (part of the activations)."""
     tape = ev.tape
     kept = ~np.isfinite(tape.end)
     by = {c: int(tape.fixed[(tape.category == c) & kept].sum()) for c in ("parameter", "optimizer_state")}
@@ -126,7 +129,7 @@ def recorded_batch_bytes(ev: StepEvidence) -> dict[str, int]:
         made = (tape.category == "gradient") & (tape.start >= p.forward_start) & (tape.start <= p.backward_end)
         by["gradient"] = int(tape.fixed[made].sum()) or ev.parameter_bytes
     curve = PeakCurve(tape)
-    by["activations"] = max(curve.peak(2.0) - curve.peak(1.0), 0)
+    by["activations"] = curve.batch_part_peak()
     by["workspaces"] = int(tape.fixed[(tape.category == "workspace") & kept].sum())
     by["kv_cache"] = curve.alive_at_peak(1.0, tape.category == KV_CACHE)
     return by

@@ -98,6 +98,10 @@ AUTOCAST_NOTE = (
     "the recorded step runs under autocast already (its forward makes a copy of half the size of {copied} of its "
     "{sizes} distinct large weight sizes, as autocast does): bf16 autocast left out, it is what was recorded"
 )
+WEIGHT_COPIES_NOTE = (
+    "the recorded step runs under autocast already (its forward makes {copies} half-size copies of its weights "
+    "just before the layers that multiply by them, as autocast does): bf16 autocast left out, it is what was recorded"
+)
 UPCAST_RATIO = 2.0  # a float32 copy of a 2-byte stream
 NO_BF16 = (
     "bf16 autocast is not applicable: the recorded step computes in half precision already (its parameters, or "
@@ -185,9 +189,15 @@ def under_autocast(tape: Tape) -> tuple[bool, str]:
     return False, ""
 
 
-def half_precision_parameters(frames: SnapshotFrames, tape: Tape, blocks: Sequence[BlockSpan] = ()) -> tuple[bool, str]:
+def half_precision_parameters(
+    frames: SnapshotFrames, tape: Tape, blocks: Sequence[BlockSpan] = (), weight_copies: int = 0
+) -> tuple[bool, str]:
     """Whether the step computes in half precision already (its parameters, or autocast), and
-    the note that says so ("" when not)."""
+    the note that says so ("" when not). ``weight_copies``: autocast's copies of the weights the
+    recorded forward made (``fit/weight_copies.py``), which the float16 MLP under GradScaler and
+    autocast inference show where too few distinct weight sizes leave the sizes rule silent."""
+    if weight_copies:
+        return True, WEIGHT_COPIES_NOTE.format(copies=weight_copies)
     autocast, note = under_autocast(tape)
     if autocast:
         return True, note

@@ -41,6 +41,13 @@ class PeakCurve:
             return 0
         return int(self._allocated(scale).max(initial=0))
 
+    def batch_part_peak(self) -> int:
+        """The most of what grows with the batch alive at once, at the recorded batch (the
+        activations at their own peak, wherever the step's peak is)."""
+        if not len(self.tape):
+            return 0
+        return int(np.cumsum(self.sign * self.per_batch).max(initial=0))
+
     def alive_at_peak(self, scale: float, rows: np.ndarray) -> int:
         """Bytes of the tensors in ``rows`` (a mask) alive at the peak allocated at ``scale``."""
         if not len(self.tape) or not rows.any():

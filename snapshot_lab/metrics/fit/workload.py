@@ -38,7 +38,14 @@ from .._memo import memo
 from ..categories import CODES
 from ..categories.stacks import cache_stacks
 from ..plan.structure import TrainingStructure, stack_info
-from .evidence import AUTOCAST_FOLLOWS, KV_CACHE, StepEvidence, autocast_codes, kv_cache_stacks
+from .evidence import (
+    AUTOCAST_FOLLOWS,
+    KV_CACHE,
+    StepEvidence,
+    autocast_codes,
+    forward_weight_copies,
+    kv_cache_stacks,
+)
 from .tape import NEVER, Tape, make_tape
 
 TRAINING_STEP = "training step"
@@ -222,6 +229,7 @@ def forward_only_tape(frames: SnapshotFrames, s: TrainingStructure, work: Worklo
     model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
     scales = ~(built | model_state | np.isin(sid, list(cache_stacks(frames))))
     first_forward = forward_calls(frames, s)[0] if work.forwards else 0
+    scales &= ~forward_weight_copies(frames, s)  # autocast's copies of the weights: their size whatever the batch
     kv = np.isin(sid, list(kv_cache_stacks(frames))) | (code == CODES.get(KV_CACHE, -1))
     made = np.where(kv, KV_CACHE, np.where(pos < first_forward, "input", "activation"))
     category = np.where(is_param, "parameter", np.where(scales, made, "workspace")).astype(object)
