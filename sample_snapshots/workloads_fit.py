@@ -487,11 +487,13 @@ def _peak_of(run) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()  # what an earlier run left (cuBLAS's workspaces), in the peak
     try:
         run()
         torch.cuda.synchronize()
         res = {
             "ok": True,
+            "base_bytes": base,
             "peak_process_bytes": torch.cuda.max_memory_allocated(),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
         }
@@ -571,6 +573,138 @@ H.workload("fit_hftrainer_bf16_b8_python", "fit_autocast")(trainer_bf16_snapshot
 H.workload("fittruth_hftrainer_bf16", "fit_autocast")(trainer_bf16_truth)
 H.workload("fit_llama_infer_bf16_b8_python", "fit_autocast")(infer_bf16_snapshot)
 H.workload("fittruth_llama_infer_bf16", "fit_autocast")(infer_bf16_truth)
+
+# Lightning with mixed precision (group fit_lightning_mixed), recorded after the autocast rule:
+# the frameworks' 4-layer GPT-2 under Trainer(precision="bf16-mixed") and "16-mixed" (float16 with
+# a GradScaler), AdamW, 256 tokens: a snapshot at batch 8 (Python stacks) and, each in a fresh
+# process, the peak of two steps at 8, 16, 32 and 64.
+LIGHTNING_PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def _lightning_fit(precision: str, batch: int, dump_as: str | None = None) -> None:
+    import torch
+    import workloads_frameworks as F
+
+    pl = F._lightning()
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = F.gpt2()
+
+        def training_step(self, batch_, batch_idx):
+            (ids,) = batch_
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def on_train_batch_end(self, outputs, batch_, batch_idx) -> None:
+            if dump_as and batch_idx == 1:
+                H.dump(dump_as, {"kind": "lightning-mixed", "precision": LIGHTNING_PRECISIONS[precision],
+                                 "batch": batch, "seq": 256, "steps_done": 2, "stacks": "python",
+                                 "model": "GPT2LMHeadModel(n_layer=4,n_embd=512,vocab=8192)", "optimizer": "AdamW",
+                                 "dumped": "on_train_batch_end of the second step"})
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    data = torch.utils.data.TensorDataset(F.tokens(batch * 2))
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         precision=LIGHTNING_PRECISIONS[precision])
+    trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=batch))
+
+
+def lightning_truth(precision: str) -> None:
+    out = {str(b): _peak_of(lambda b=b: _lightning_fit(precision, b)) for b in TRAINER_BATCHES}
+    (H.OUT / f"fittruth_lightning_{precision}.json").write_text(json.dumps(out, indent=1))
+
+
+def lightning_snapshot(precision: str) -> None:
+    H.record(stacks="python")
+    _lightning_fit(precision, 8, f"fit_lightning_{precision}_b8_python")
+
+
+for _precision in LIGHTNING_PRECISIONS:
+    H.workload(f"fit_lightning_{_precision}_b8_python", "fit_lightning_mixed")(
+        lambda p=_precision: lightning_snapshot(p))
+    H.workload(f"fittruth_lightning_{_precision}", "fit_lightning_mixed")(lambda p=_precision: lightning_truth(p))
+
+
+# torch.compile (group fit_compile): the frameworks' MLP of six Linear(2048, 2048) + GELU with
+# AdamW, and the frameworks' 4-layer GPT-2, each process with an empty inductor cache (its first
+# step compiles and autotunes, as a user's first run does). Snapshots with Python and with C++
+# stacks; truth: the peak of the first step (compilation, autotuning) and of the two after it.
+COMPILE_BATCHES = {"mlp": (256, 1024, 4096, 16384), "gpt2": (8, 16, 32, 64)}
+
+
+def _compiled(arch: str):
+    import torch
+
+    if arch == "mlp":
+        model = H.mlp()
+    else:
+        import workloads_frameworks as F
+
+        model = F.gpt2().to("cuda")
+    return model, torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _compiled_step(arch: str, run, opt, batch: int, gen) -> None:
+    import torch
+
+    if arch == "mlp":
+        run(torch.randn(batch, 2048, generator=gen).to("cuda")).pow(2).mean().backward()
+    else:
+        ids = torch.randint(0, 8192, (batch, 256), generator=gen).to("cuda")
+        run(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def compile_truth(arch: str, batch: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(batch)
+    torch.cuda.reset_peak_memory_stats()
+    model, run, opt = _compiled(arch)
+    out: dict[str, Any] = {"arch": arch, "batch": batch}
+    try:
+        _compiled_step(arch, run, opt, batch, gen)
+        torch.cuda.synchronize()
+        out["first_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            _compiled_step(arch, run, opt, batch, gen)
+        torch.cuda.synchronize()
+        out["later_steps_peak_bytes"] = torch.cuda.max_memory_allocated()
+        out["ok"] = True
+    except torch.OutOfMemoryError:
+        out["ok"] = False
+    (H.OUT / f"fittruth_compile_{arch}_{batch}.json").write_text(json.dumps(out, indent=1))
+
+
+def compile_snapshot(arch: str, batch: int, stacks: str) -> None:
+    import torch
+
+    H.record(stacks=stacks)
+    model, run, opt = _compiled(arch)
+    gen = torch.Generator().manual_seed(batch)
+    for _ in range(3):
+        _compiled_step(arch, run, opt, batch, gen)
+    torch.cuda.synchronize()
+    H.dump(f"fit_compile_{arch}_b{batch}_{stacks}", {
+        "kind": "fit-compile", "arch": arch, "batch": batch, "stacks": stacks, "steps_done": 3,
+        "optimizer": "AdamW", "inductor_cache": "empty at the start (the first step compiles and autotunes)"})
+
+
+for _arch, _batches in COMPILE_BATCHES.items():
+    for _batch in _batches:
+        _name = f"fittruth_compile_{_arch}_{_batch}"
+        H.workload(_name, "fit_compile", env={"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor_{_name}"})(
+            lambda a=_arch, b=_batch: compile_truth(a, b))
+    for _stacks in ("python", "all"):
+        _name = f"fit_compile_{_arch}_b{_batches[0]}_{_stacks}"
+        H.workload(_name, "fit_compile", env={"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor_{_name}"})(
+            lambda a=_arch, b=_batches[0], st=_stacks: compile_snapshot(a, b, st))
 
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are

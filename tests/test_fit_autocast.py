@@ -28,17 +28,11 @@ import numpy as np
 import pytest
 
 from snapshot_lab.metrics.fit import compute_fit, predict_step
-from snapshot_lab.metrics.fit.evidence import (
-    AUTOCAST_MATMUL,
-    _stack_codes,
-    autocast_codes,
-    mha_stacks,
-    phase_column,
-)
-from snapshot_lab.metrics.fit.weight_copies import weight_copies, weight_sizes
+from snapshot_lab.metrics.fit.evidence import forward_weight_copies, phase_column
+from snapshot_lab.metrics.fit.weight_copies import weight_sizes
 from snapshot_lab.metrics.plan.structure import training_structure
 
-from .conftest import SAMPLES
+from .conftest import SAMPLES, sample_truth
 
 FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
 CAP = 6 << 30
@@ -69,14 +63,9 @@ OUTSIDE = {  # (recording, batch or None for the largest batch) -> why, with the
 
 
 def _copies(frames):
+    """The structure, and autocast's copies of the weights its forwards made."""
     s = training_structure(frames, 0)
-    a = s.allocs
-    _, is_phase = phase_column(s)
-    sid = a["sid"].to_numpy()
-    multiplies = (_stack_codes(sid, autocast_codes(frames)) == AUTOCAST_MATMUL) | np.isin(sid, list(mha_stacks(frames)))
-    forward = is_phase("forward") & a["main"].to_numpy()  # the forward passes alone (no checkpointed re-run)
-    found = weight_copies(frames, a, forward, multiplies, weight_sizes(s.params))
-    return s, found
+    return s, forward_weight_copies(frames, s)
 
 
 # recording -> copies per forward pass: one per weight a layer multiplies (bf16 autocast; the MLP float16)
@@ -97,6 +86,9 @@ NO_COPIES = (  # float32 twins, and models whose parameters are bfloat16 already
     "fit_convnext_b16_complete_python",
     "fit_opt_b4_complete_python",
     "grad_plain_python",
+    # one float32 weight size: cuBLAS's workspace, made after the first output on its line, made
+    # that output look like a copy, once (hence two copies at least)
+    "fw_lbfgs_python",
     "fit_gpt2bf16_b4_bf16_complete_python",
     "fit_llamabf16_b2_bf16_complete_python",
 )
@@ -170,15 +162,17 @@ def test_largest_batch_from_a_recording_under_autocast(real_frames, name):
 AUTOCAST_TRUTH = json.loads((SAMPLES / "fit_autocast_truth.json").read_text())
 
 
-@pytest.mark.parametrize("kind", ["hftrainer_bf16", "llama_infer_bf16"])
+@pytest.mark.parametrize("kind", ["hftrainer_bf16", "lightning_bf16", "lightning_fp16", "llama_infer_bf16"])
 def test_trainer_and_inference_under_autocast_at_other_batches(real_frames, kind):
     """transformers' Trainer with ``bf16=True`` (accelerate's autocast; the frameworks' 4-layer
     GPT-2) from its snapshot at batch 8, within 0.3% at 8, 16, 32 and 64 (+2.3%, +3.6% and +4.9%
-    at 16 to 64 before the rule); a Llama's inference under autocast (no_grad, three forwards)
-    from batch 8, within 4% at 16 and 32 (+16% and +33% before)."""
+    at 16 to 64 before the rule); Lightning's ``"bf16-mixed"`` and ``"16-mixed"`` (float16 with a
+    GradScaler), the same model, recorded after the rule and its change for the Trainer: within
+    0.2% (+2.3%, +4.0% and +4.8% before); a Llama's inference under autocast (no_grad, three
+    forwards) from batch 8, within 4% at 16 and 32 (+16% and +33% before)."""
     truth = AUTOCAST_TRUTH[kind]
     frames = real_frames(truth["snapshot"])
-    bound = 0.003 if kind == "hftrainer_bf16" else 0.04
+    bound = 0.04 if kind == "llama_infer_bf16" else 0.003
     for batch, measured in truth["uncapped"].items():
         allocated, _ = predict_step(frames, batch_scale=int(batch) / truth["recorded_batch"])
         error = allocated / measured["peak_process_bytes"] - 1
@@ -219,3 +213,14 @@ def test_oom_in_the_first_forward_under_autocast(real_frames, name):
         real = table["largest_batch_under_cap"]
         predicted = fit.largest_batch[ours]
         assert predicted == exact[lever] if lever in exact else abs(predicted - real) <= 0.2 * real, (predicted, real)
+
+
+def test_weights_older_than_a_wrapped_trace(real_frames):
+    """A GPT-2 of 6 layers under bf16 autocast, recorded with a ring buffer that wrapped: no
+    parameter was made in the trace, so its weights are those older than it (the structure's
+    ``untracked``). 25 copies a forward (6 x 4 and the tied head), in the two forwards the ring
+    holds; without the older weights, none, and its activations grew with 50 weight copies."""
+    frames = real_frames("midrun_wrapped_python")
+    s, found = _copies(frames)
+    assert s.params.empty and int(found.sum()) == 50
+    assert sample_truth("midrun_wrapped_python")["workload"]["autocast"] == "bf16"

@@ -20,7 +20,13 @@ LEVER_PHRASES = {
     "adafactor": "with Adafactor",
     "optimizer offload": "with the optimizer offloaded to the CPU",
 }
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam(W)", "sgd-momentum": "SGD momentum", "8-bit adam": "8-bit Adam"}
+OPTIMIZER_NAMES = {
+    "adamw": "AdamW",
+    "adam": "Adam(W)",
+    "sgd-momentum": "SGD momentum",
+    "8-bit adam": "8-bit Adam",
+    "lbfgs": "L-BFGS",
+}
 HEADLINE = "A whole step {what} needs about {peak}: parameters {p}, gradients {g}, {opt} {o}, activations ≈ {a}."
 # a forward+backward with no optimizer step in the trace, and inference (fit/workload.py's kinds)
 HEADLINE_NO_OPTIMIZER = (

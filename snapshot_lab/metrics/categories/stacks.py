@@ -199,6 +199,43 @@ def stacks_with_frame(frames: SnapshotFrames, name: str) -> set[int]:
     return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
 
 
+# torch.compile's autotuning (inductor benchmarks each kernel's configurations on the first run of
+# a compiled graph): its buffers, an L2-flushing buffer of fixed size and clones of the kernel's
+# arguments freed after each try, are one-off work of compilation, not the step's
+_AUTOTUNE_FILES = (
+    "torch/_inductor/runtime/benchmarking.py",
+    "torch/_inductor/select_algorithm.py",
+    "torch/_inductor/autotune_process.py",
+)
+
+
+# a compiled graph runs from these: inductor's compiled module, AOT autograd's runtime wrappers
+_COMPILED_GRAPH_FILES = ("torch/_inductor/output_code.py", "torch/_functorch/_aot_autograd/runtime_wrappers.py")
+
+
+def _stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:
+    """stack_ids with a frame in a file whose path ends with one of ``names``."""
+    if frames.stacks.empty:
+        return set()
+    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    hit = pd.Series(False, index=files.index)
+    for name in names:
+        hit |= files.str.endswith(name)
+    fids = frames.stack_frames.loc[hit, "frame_id"]
+    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+
+
+def autotune_stacks(frames: SnapshotFrames) -> set[int]:
+    """stack_ids with a frame of inductor's autotuning (``_AUTOTUNE_FILES``)."""
+    return _stacks_with_file(frames, _AUTOTUNE_FILES)
+
+
+def compiled_graph_stacks(frames: SnapshotFrames) -> set[int]:
+    """stack_ids of a ``torch.compile`` graph at run time: its tensors are made by generated
+    kernels, whose frames name no layer of the model."""
+    return _stacks_with_file(frames, _COMPILED_GRAPH_FILES)
+
+
 def cache_stacks(frames: SnapshotFrames) -> set[int]:
     """stack_ids of C++ library caches (cuBLAS workspaces): held for the process's life."""
     if frames.stacks.empty:

@@ -21,11 +21,11 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CATEGORIES, CODES
-from ..categories.stacks import cache_stacks
+from ..categories.stacks import autotune_stacks, cache_stacks
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
-from .weight_copies import weight_copies, weight_sizes
+from .weight_copies import LARGE_WEIGHT, weight_copies, weight_sizes
 
 # operations autocast runs in float32 whatever their inputs (torch's "fp32 list" and losses)
 AUTOCAST_FP32_OPS = frozenset(
@@ -56,6 +56,7 @@ OPTIMIZER_FILES = {
     "adafactor.py": "adafactor",
     "adagrad.py": "adagrad",
     "rmsprop.py": "rmsprop",
+    "lbfgs.py": "lbfgs",
     "bitsandbytes": "8-bit adam",
 }
 
@@ -97,6 +98,8 @@ class StepEvidence:
     half_precision: bool = False
     # the recorded step checkpoints its activations already: checkpointing it again is no lever
     checkpointed: bool = False
+    # the forward runs a torch.compile graph: no layer to checkpoint or cast (fit/model.py)
+    compiled: bool = False
 
 
 def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
@@ -153,6 +156,13 @@ def mha_stacks(frames: SnapshotFrames) -> set[int]:
     return set(inner.index[hit].astype(int).tolist())
 
 
+def layer_weights(s: TrainingStructure) -> np.ndarray:
+    """The bytes of the weights layers multiply by (``weight_copies.weight_sizes``), those older
+    than the trace too (a ring buffer that wrapped: no parameter was made in it)."""
+    older = [n for n, c, _ in s.untracked if c == "parameter" and n >= LARGE_WEIGHT]
+    return np.concatenate([weight_sizes(s.params), np.array(older, dtype=np.int64)])
+
+
 def multiplies_weights(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
     """Per allocation (its stack ``sid``), whether its innermost frame multiplies by a weight: a
     Linear, a convolution, ``nn.MultiheadAttention``'s functions."""
@@ -162,15 +172,18 @@ def multiplies_weights(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
 
 def forward_weight_copies(frames: SnapshotFrames, s: TrainingStructure) -> np.ndarray:
     """Per allocation, whether it is autocast's copy of a weight made by a forward on the
-    program's thread, after the model was built (``fit/weight_copies.py``)."""
+    program's thread, after the model was built (``fit/weight_copies.py``). A library's cache is
+    no part of a layer's run: cuBLAS's workspace, made on the first matrix multiply's line after
+    its output, made that output look like a copy (float32 L-BFGS MLP, ``fw_lbfgs_python``)."""
 
     def compute() -> np.ndarray:
         a = s.allocs
         code, pos = a["code"].to_numpy(), a["pos"].to_numpy()
         is_param = code == CODES["parameter"]
         built = pos <= (pos[is_param].max() if is_param.any() else -1)
-        made = ~built & ~is_param & a["main"].to_numpy()
-        return weight_copies(frames, a, made, multiplies_weights(frames, a["sid"].to_numpy()), weight_sizes(s.params))
+        library = np.isin(a["sid"].to_numpy(), list(cache_stacks(frames) | autotune_stacks(frames)))
+        made = ~built & ~is_param & a["main"].to_numpy() & ~library
+        return weight_copies(frames, a, made, multiplies_weights(frames, a["sid"].to_numpy()), layer_weights(s))
 
     return memo(frames, ("fit.forward_weight_copies", s.device), compute)
 
@@ -269,10 +282,12 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
     data = is_phase("data")
     in_pass = is_phase("data", "forward", "backward")
-    cache = np.isin(sid, list(cache_stacks(frames)))
+    # library caches, and torch.compile's autotuning on a compiled graph's first run: neither
+    # grows with the batch (the autotuning grew the compiled MLP's step by 134% at 64x its batch)
+    cache = np.isin(sid, list(cache_stacks(frames) | autotune_stacks(frames)))
     kept = complete & (a["free_pos"].to_numpy() < 0) & ~data
     made = is_phase("forward") & ~model_state & ~cache & ~kept
-    weights = weight_sizes(s.params)
+    weights = layer_weights(s)
     # the forward, and a checkpointed block's forward run again in the backward (it has stacks)
     ran = made | (is_phase("backward") & ~model_state & ~cache & ~kept)
     copies = weight_copies(frames, a, ran, multiplies_weights(frames, sid), weights)

@@ -9,6 +9,8 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from .._memo import memo
+from ..categories import CODES
+from ..categories.stacks import compiled_graph_stacks
 from ..plan.structure import TrainingStructure, training_structure
 from . import workload as wl
 from .evidence import (
@@ -42,6 +44,17 @@ NO_CHECKPOINTING_AGAIN = (
 )
 
 
+COMPILED_NOTE = (
+    "the step runs a torch.compile graph (most of its forward's tensors are made by generated kernels, whose "
+    "stacks name no layer): activation checkpointing and bf16 autocast are not modelled from it; record the model "
+    "without torch.compile to compare them, or compile with them and record again"
+)
+NO_LEVER_COMPILED = (
+    "checkpointing and bf16 are not modelled for a torch.compile graph: its tensors are made by generated kernels, "
+    "whose stacks name no layer (record the model without torch.compile to compare them)"
+)
+
+
 class FitUnsupported(ValueError):
     """The trace shows no training step to build on."""
 
@@ -63,11 +76,28 @@ def step_evidence(frames: SnapshotFrames, device: int, optimizer: str | None = N
     return memo(frames, ("fit.evidence", device, optimizer), lambda: _with_precision(frames, device, optimizer))
 
 
+def compiled_forward(frames: SnapshotFrames, device: int) -> bool:
+    """Whether most of what the program's thread made after the model was built, model state
+    aside (the forwards' tensors, by bytes), came from a ``torch.compile`` graph
+    (``categories.stacks.compiled_graph_stacks``)."""
+    a = training_structure(frames, device).allocs
+    code, pos = a["code"].to_numpy(), a["pos"].to_numpy()
+    is_param = code == CODES["parameter"]
+    state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
+    made = (pos > (pos[is_param].max() if is_param.any() else -1)) & a["main"].to_numpy() & ~state
+    size = a["size"].to_numpy()
+    compiled = np.isin(a["sid"].to_numpy(), list(compiled_graph_stacks(frames)))
+    return 2 * int(size[made & compiled].sum()) > int(size[made].sum())
+
+
 def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) -> StepEvidence:
-    """The evidence, with what the recorded step does already: half precision, checkpointing."""
+    """The evidence, with what the recorded step does already: half precision, checkpointing,
+    and whether it runs a compiled graph."""
     ev = _evidence(frames, device, optimizer)
     if ev.passes and checkpointing_in_stacks(frames):
         ev = replace(ev, checkpointed=True, notes=(*ev.notes, CHECKPOINTED_NOTE))
+    if compiled_forward(frames, device):
+        ev = replace(ev, compiled=True, notes=(*ev.notes, COMPILED_NOTE))
     copies = int(forward_weight_copies(frames, training_structure(frames, device)).sum())
     half, note = half_precision_parameters(frames, ev.tape, ev.blocks, copies)
     if not half:

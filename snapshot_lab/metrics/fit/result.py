@@ -14,7 +14,7 @@ from ..plan.structure import training_structure
 from . import levers as lv
 from . import workload as wl
 from .evidence import StepEvidence
-from .model import NO_CHECKPOINTING_AGAIN, FitUnsupported, recorded_batch_bytes, step_evidence
+from .model import NO_CHECKPOINTING_AGAIN, NO_LEVER_COMPILED, FitUnsupported, recorded_batch_bytes, step_evidence
 from .precision import NO_BF16
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
 from .strategies import StrategyOutcome, parallel_strategies
@@ -181,10 +181,10 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
             checkpointed.append(lv.checkpoint(t, ev.blocks))
         return checkpointed[0]
 
-    can_checkpoint = bool(ev.blocks) and not ev.checkpointed
+    can_checkpoint = bool(ev.blocks) and not ev.checkpointed and not ev.compiled
     if can_checkpoint:
         out["checkpointing"] = checkpoint
-    if not ev.half_precision:
+    if not ev.half_precision and not ev.compiled:
         out["bf16"] = lambda: lv.bf16_autocast(t, ev)
     if can_checkpoint and not ev.half_precision:
         out["checkpointing+bf16"] = lambda: lv.bf16_autocast(checkpoint(), ev, checkpointed=True)
@@ -198,6 +198,8 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
 
 def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
     tape = ev.tape
+    if ev.compiled and (checkpointing or bf16):
+        raise FitUnsupported(NO_LEVER_COMPILED)
     if checkpointing:
         if wl.is_forward_only(ev):
             raise FitUnsupported(wl.NO_CHECKPOINTING)

@@ -30,9 +30,14 @@ Measured, copies per forward pass against the layers' weights:
   under autocast, which casts no weight, 25 per pass: the float32 outputs of its layer norms
   cast for the next layer, 6 MiB at batch 4, half its 12 MiB embedding.
 
-So the copies count only where they are of more than half of the weights' distinct sizes, as
-autocast copies every weight: 1 of 1 to 10 of 10 under autocast (BERT and OPT 3 of 4), 1 of 7,
-1 of 4 and 1 of 5 in those three.
+With Python stacks alone, cuBLAS's workspace, made on the first matrix multiply's line after its
+output, makes that output look like a copy: once in a trace (the float32 L-BFGS MLP of
+``fw_lbfgs_python``, one weight size). So the copies count only where there are two or more, of
+more than half of the weights' distinct sizes, as autocast copies every weight: 1 of 1 to 10 of
+10 under autocast (BERT and OPT 3 of 4), 1 of 7, 1 of 4 and 1 of 5 in those three.
+
+Weights older than the trace count too: a ring buffer that wrapped holds no parameter's making
+(``midrun_wrapped_python``, a GPT-2 under bf16 autocast, read as float32 without them).
 
 A simpler rule, "every forward tensor half a weight's size", takes 222 tensors of float32 GPT-2
 at batch 4 for copies (its float32 residual stream, 12 MiB, is half its tied embedding) and 406
@@ -48,6 +53,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 
+MIN_COPIES = 2
 LARGE_WEIGHT = 256 * 1024  # bytes: a parameter this large is a weight even when not a matrix of a block
 _MULTIPLIERS = np.arange(1, 62, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
@@ -102,7 +108,9 @@ def weight_copies(
     first = rows[candidate[np.unique(run[candidate], return_index=True)[1]]]
     distinct = np.unique(weight_sizes)
     covered = np.isin(distinct // 2, allocs["size"].to_numpy()[first])
-    if 2 * int(covered.sum()) > distinct.size:  # autocast copies every weight, not one size by chance
+    # autocast copies every weight, not one size by chance, nor one tensor: with Python stacks
+    # alone, cuBLAS's workspace is made on the first matrix multiply's line, after its output
+    if 2 * int(covered.sum()) > distinct.size and first.size >= MIN_COPIES:
         out[first] = True
     return out
 
