@@ -629,6 +629,45 @@ for _precision in LIGHTNING_PRECISIONS:
     H.workload(f"fittruth_lightning_{_precision}", "fit_lightning_mixed")(lambda p=_precision: lightning_truth(p))
 
 
+# OOMs after the first forward (group fit_late_oom): each family as recorded, under the cap, at one
+# more than its largest batch: the first step runs out in its backward or its optimizer step,
+# where the first forward completed. Dumped by the OOM observer, as the first-forward OOMs.
+LATE_OOMS = {"gpt2": 4, "llama": 7, "vit": 39, "bert": 10, "neox": 8, "opt": 9}
+
+
+def _late_oom_run(family: str, batch: int) -> None:
+    import torch
+
+    name = f"fit_{family}_b{batch}_late_oom_python"
+    info: dict[str, Any] = {"kind": "fit-oom-late", "family": family, "lever": "plain", "batch": batch,
+                            "stacks": "python", "cap_bytes": CAP_BYTES}
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    dumped = {"done": False}
+
+    def on_oom(device, alloc, device_alloc, device_free):
+        if not dumped["done"]:
+            dumped["done"] = True
+            H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc, "oom_observed": True,
+                          "observer_device_allocated": device_alloc, "observer_device_free": device_free})
+
+    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    H.record(stacks="python")
+    model, opt = build(family, "plain")
+    gen = torch.Generator().manual_seed(batch)
+    try:
+        for _ in range(2):
+            step(family, "plain", model, opt, batch, gen)
+        print(name, "UNEXPECTED: no OOM", flush=True)
+    except torch.OutOfMemoryError as exc:
+        print(name, "OOM:", str(exc)[:200], flush=True)
+
+
+for _family, _batch in LATE_OOMS.items():
+    H.workload(f"fit_{_family}_b{_batch}_late_oom_python", "fit_late_oom")(
+        lambda f=_family, b=_batch: _late_oom_run(f, b))
+
+
 # torch.compile (group fit_compile): the frameworks' MLP of six Linear(2048, 2048) + GELU with
 # AdamW, and the frameworks' 4-layer GPT-2, each process with an empty inductor cache (its first
 # step compiles and autotunes, as a user's first run does). Snapshots with Python and with C++
@@ -665,7 +704,7 @@ def compile_truth(arch: str, batch: int) -> None:
 
     gen = torch.Generator().manual_seed(batch)
     torch.cuda.reset_peak_memory_stats()
-    model, run, opt = _compiled(arch)
+    _model, run, opt = _compiled(arch)
     out: dict[str, Any] = {"arch": arch, "batch": batch}
     try:
         _compiled_step(arch, run, opt, batch, gen)
@@ -686,7 +725,7 @@ def compile_snapshot(arch: str, batch: int, stacks: str) -> None:
     import torch
 
     H.record(stacks=stacks)
-    model, run, opt = _compiled(arch)
+    _model, run, opt = _compiled(arch)
     gen = torch.Generator().manual_seed(batch)
     for _ in range(3):
         _compiled_step(arch, run, opt, batch, gen)

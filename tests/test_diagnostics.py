@@ -246,6 +246,10 @@ EXPECTED = {
     "fit_hftrainer_bf16_b8_python": set(),
     "fit_llama_infer_bf16_b8_python": set(),
     **{f"fit_lightning_{precision}_b8_python": set() for precision in ("bf16", "fp16")},
+    # one more than the largest batch under the cap: out in the second step (fit/steady.py); GPT-2's
+    # and ViT's requests fitted beside what was allocated, in no cached block
+    **{f"fit_{job}_late_oom_python": {"oom-capacity"} for job in ("bert_b10", "llama_b7", "neox_b8", "opt_b9")},
+    **{f"fit_{job}_late_oom_python": {"oom-fragmentation"} for job in ("gpt2_b4", "vit_b39")},
     # torch.compile with an empty inductor cache (its first step autotunes), Python and C++ stacks
     **{f"fit_compile_{job}_{stacks}": set() for job in ("mlp_b256", "gpt2_b8") for stacks in ("python", "all")},
     "fit_gpt2_b28_ckpt_capped_python": {"oom-fragmentation"},

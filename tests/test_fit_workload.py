@@ -84,6 +84,8 @@ TRAINING_KINDS = {
     # a capped run at its largest batch and one more: at least one whole step, then maybe an OOM
     "fit-capped-boundary",
     "fit-precision-train",
+    # one more than the largest batch under the cap: a whole step, then out of memory in the next
+    "fit-oom-late",
 }
 # a backward ran and the truth names no optimizer and no optimizer state (no "optimizer" key, or
 # "optimizer": null for the benchmark): forward and backward without an optimizer step

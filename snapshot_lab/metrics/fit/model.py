@@ -27,6 +27,7 @@ from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 from .precision import half_precision_parameters
 from .search import PeakCurve
+from .steady import ends_after_a_step, steady_step
 
 ASSUMED_OPTIMIZER = "adamw"
 OPTIMIZER_NAMED = "named in the stacks"
@@ -132,11 +133,15 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
         uid, blocks, passes = block_spans(frames, s, castable)
         ratio = OPTIMIZER_STATE_RATIO.get(name, 0.0)
         tape = wl.with_given_optimizer(recorded_tape(frames, s, True, uid), work, s, name, ratio)
+        steady = ""
+        if work.kind == wl.TRAINING_STEP and ends_after_a_step(s):  # out in a later step: the step it ran
+            tape, blocks, passes, steady = steady_step(tape, blocks, passes, s)
         state = int(tape.fixed[(tape.category == "optimizer_state") & ~np.isfinite(tape.end)].sum())
         n_blocks = len(blocks) // max(len(passes), 1)
         notes = list(wl.step_notes(work, n_blocks, name, optimizer, ratio)) or [
             f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"
         ]
+        notes += [steady] if steady else []
         return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
     ex = _extrapolated(frames, s, name)
     if ex is None:
