@@ -72,12 +72,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2bf16": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
     "neox": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "opt": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    # 2026-11-26 (third session), recorded with every rule untouched: Gemma (multi-query attention,
+    # GeGLU, a tied and scaled embedding) and Qwen2 (grouped-query attention with biased q/k/v)
+    "gemma": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "qwen2": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
 }
 # their lever snapshots go in their own group
-NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt")
+NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
-          "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024)}
+          "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
+          "gemma": (8192, 1024), "qwen2": (8192, 1024)}
 T5_TARGET_TOKENS = 128
 
 
@@ -142,6 +147,20 @@ def build(family: str, lever: str):
                         vocab_size=8192, max_position_embeddings=1024, word_embed_proj_dim=768,
                         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
         model, opt = _transformers_model(OPTForCausalLM(cfg).to("cuda"), lever)
+    elif family == "gemma":
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        cfg = GemmaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                          num_key_value_heads=1, head_dim=64, vocab_size=8192, max_position_embeddings=1024,
+                          attention_dropout=0.0)
+        model, opt = _transformers_model(GemmaForCausalLM(cfg).to("cuda"), lever)
+    elif family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        cfg = Qwen2Config(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                          num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
+                          tie_word_embeddings=False, attention_dropout=0.0)
+        model, opt = _transformers_model(Qwen2ForCausalLM(cfg).to("cuda"), lever)
     elif family == "effnet":
         import torchvision
 

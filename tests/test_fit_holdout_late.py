@@ -75,6 +75,19 @@ under bf16 from its complete recording at batch 16 (-11.1%, -9.7% at 8: ``OUTSID
 from the OOMs -11.4% at worst. Largest batches, as recorded / checkpointing / bf16 / both: NeoX
 7/7, 31/30, 10/9, 32/32 (complete) and 7/7, 31/30, 11/9, 32/32 (OOM); OPT 8/8, 27/28, 12/11,
 33/32 and 8/8, 31/28, 12/11, 32/32: 9 of 16 exact.
+
+Two more decoders, recorded on 2026-11-26 (third session) with every rule untouched: Gemma
+(multi-query attention, GeGLU, a tied and scaled embedding) and Qwen2 (grouped-query attention,
+biased q/k/v), 12 layers of d=768 at 1024 tokens with AdamW. From their complete recordings
+every answer was within its bound but Gemma's checkpointing+bf16 (+11.8% at 8: ``OUTSIDE``);
+largest batches 2/2, 16/14, 6/6, 22/30 and 3/3, 16/18, 8/7, 23/32. Their OOMs, out early in
+their second block, broke the extrapolation: -58..+250%, every largest batch 0. The first
+block's tensors past the point where the second was cut (Qwen2's 1.5 GiB of float32 attention
+weights: the request that failed) were compared with a second block that never reached them,
+and taken for one-off workspaces, 4.4 GiB that no batch changed. Only as far as the second got
+is compared now (``_Step.lone_rows``, ``workspace_rows``): within 5.6% but checkpointing
+(-22%, -24% at 16: ``OUTSIDE``); largest batches as recorded, with bf16 and with both 2/2, 6/6,
+32/30 (Gemma) and 3/3, 8/7, 32/32 (Qwen2), with checkpointing 23/14 and 27/18.
 """
 
 from __future__ import annotations
@@ -109,6 +122,12 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_neox_b32_oom_python": ("neox", 32, "adamw", 0.15),
     "fit_opt_b4_complete_python": ("opt", 4, None, 0.10),
     "fit_opt_b32_oom_python": ("opt", 32, "adamw", 0.15),
+    # recorded on 2026-11-26 (third session) with every rule untouched: Gemma (multi-query attention,
+    # GeGLU, tied scaled embedding) and Qwen2 (grouped-query attention, biased q/k/v)
+    "fit_gemma_b4_complete_python": ("gemma", 4, None, 0.10),
+    "fit_gemma_b32_oom_python": ("gemma", 32, "adamw", 0.15),
+    "fit_qwen2_b4_complete_python": ("qwen2", 4, None, 0.10),
+    "fit_qwen2_b32_oom_python": ("qwen2", 32, "adamw", 0.15),
 }
 HALF_PRECISION_FAMILIES = ("llamabf16", "gpt2bf16")  # no bf16 lever: fit refuses it (test below)
 # refused, with the reason (their numbers before, in the module's docstring)
@@ -125,10 +144,26 @@ _NEOX_BF16 = (
     "operand was float32: -9.7% at batch 8, -11.1% at 16"
 )
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
+_ATTENTION_BACKWARD = (
+    "checkpointing extrapolated from an OOM in the second block: the re-run block's backward holds more than the "
+    "synthesized one (transformers' SDPA with a mask makes float32 attention weights, batch x heads x tokens^2, and "
+    "their gradients): it grows 167 MiB a sample where the real runs grow 236 (Gemma), 168 against 236 (Qwen2); "
+    "from the complete recordings it is exact"
+)
+_GEMMA_BOTH = (
+    "the real runs' peak with checkpointing and bf16 stays at 2.07 GiB from batch 1 to 4 where the lever's grows "
+    "(+11.4% at 4, +11.8% at 8, +10.2% at 16): not analysed"
+)
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
     **{("fit_t5_b4_complete_python", "bf16", batch): _T5_BF16 for batch in (4, 8, 16, None)},
     ("fit_neox_b4_complete_python", "bf16", 16): _NEOX_BF16,
+    **{("fit_gemma_b4_complete_python", "ckpt+bf16", batch): _GEMMA_BOTH for batch in (4, 8, 16)},
+    **{
+        (f"fit_{family}_b32_oom_python", "ckpt", batch): _ATTENTION_BACKWARD
+        for family in ("gemma", "qwen2")
+        for batch in (4, 8, 16, None)
+    },
     **{
         ("fit_convnext_b512_oom_python", lever, batch): f"FitUnsupported: {_NO_READER}"
         for lever in LEVERS
