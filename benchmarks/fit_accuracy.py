@@ -69,6 +69,8 @@ RECORDINGS = {
     ),
     "neox": ("GPT-NeoX", "fit_neox_b4_complete_python", 4, "fit_neox_b32_oom_python", 32, "adamw"),
     "opt": ("OPT", "fit_opt_b4_complete_python", 4, "fit_opt_b32_oom_python", 32, "adamw"),
+    "gemma": ("Gemma", "fit_gemma_b4_complete_python", 4, "fit_gemma_b32_oom_python", 32, "adamw"),
+    "qwen2": ("Qwen2", "fit_qwen2_b4_complete_python", 4, "fit_qwen2_b32_oom_python", 32, "adamw"),
 }
 
 
