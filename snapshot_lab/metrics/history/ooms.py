@@ -38,7 +38,12 @@ def recovered(events: pd.DataFrame) -> np.ndarray:
     return out
 
 
+def fatal_rows(events: pd.DataFrame) -> np.ndarray:
+    """Per event: an ``oom`` after its device's last allocation (its last one ended the job)."""
+    return (events["action"] == "oom").to_numpy(dtype=bool) & ~recovered(events)
+
+
 def fatal(events: pd.DataFrame) -> pd.DataFrame:
     """The ``oom`` events after their device's last allocation (its last one ended the job; the
     OOM explained is that one)."""
-    return events[(events["action"] == "oom").to_numpy(dtype=bool) & ~recovered(events)]
+    return events[fatal_rows(events)]

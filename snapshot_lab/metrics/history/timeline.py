@@ -25,7 +25,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from .ooms import recovered
+from .ooms import fatal_rows
 
 _ADD_RESERVED = ("segment_alloc", "segment_map")
 _SUB_RESERVED = ("segment_free", "segment_unmap")
@@ -136,7 +136,7 @@ def compute_timeline(
     times_us = times.to_numpy(dtype=np.int64) if times.notna().all() else None
     start_time = int(times_us[0]) if times_us is not None else None
     peak_pos = int(np.argmax(req))
-    oom_rows = np.flatnonzero((action == "oom").to_numpy(dtype=bool) & ~recovered(device_events))  # the job's end
+    oom_rows = np.flatnonzero(fatal_rows(device_events))  # the job's end
     ooms = tuple(
         Marker(
             x=float(positions[row]),

@@ -37,7 +37,7 @@ from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
 from ..history.lifetimes import device_lifetimes
-from ..history.ooms import recovered
+from ..history.ooms import fatal_rows
 from .messages import (
     MISSING_ITERATION,
     MISSING_STACKS,
@@ -432,7 +432,7 @@ def _program_releases(frames: SnapshotFrames, device: int) -> tuple[int, ...]:
 def _recorded_ooms(events: pd.DataFrame) -> tuple[tuple[int, int, int], ...]:
     """(position, requested bytes, stream) of the recorded OOMs that ended the job (not those it
     went on from: :mod:`..history.ooms`)."""
-    oom_positions = np.flatnonzero((events["action"] == "oom").to_numpy(dtype=bool) & ~recovered(events))
+    oom_positions = np.flatnonzero(fatal_rows(events))
     return tuple(
         (
             int(position),
