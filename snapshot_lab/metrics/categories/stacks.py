@@ -230,6 +230,12 @@ def autotune_stacks(frames: SnapshotFrames) -> set[int]:
     return _stacks_with_file(frames, _AUTOTUNE_FILES)
 
 
+def one_off_stacks(frames: SnapshotFrames) -> set[int]:
+    """stack_ids of memory no batch changes: library caches kept for the process's life
+    (:func:`cache_stacks`) and torch.compile's autotuning (:func:`autotune_stacks`)."""
+    return cache_stacks(frames) | autotune_stacks(frames)
+
+
 def compiled_graph_stacks(frames: SnapshotFrames) -> set[int]:
     """stack_ids of a ``torch.compile`` graph at run time: its tensors are made by generated
     kernels, whose frames name no layer of the model."""

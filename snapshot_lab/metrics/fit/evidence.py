@@ -21,11 +21,11 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CATEGORIES, CODES
-from ..categories.stacks import autotune_stacks, cache_stacks
+from ..categories.stacks import one_off_stacks
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
-from .weight_copies import LARGE_WEIGHT, weight_copies, weight_sizes
+from .weight_copies import WEIGHT_MIN_BYTES, weight_copies, weight_sizes
 
 # operations autocast runs in float32 whatever their inputs (torch's "fp32 list" and losses)
 AUTOCAST_FP32_OPS = frozenset(
@@ -102,8 +102,23 @@ class StepEvidence:
     compiled: bool = False
 
 
+MODEL_STATE_CODES = (CODES["parameter"], CODES["gradient"], CODES["optimizer_state"])
+
+
+def after_the_model(allocs: pd.DataFrame) -> np.ndarray:
+    """Per allocation, whether it was made after the model's last parameter (not while it was
+    built)."""
+    code, pos = allocs["code"].to_numpy(), allocs["pos"].to_numpy()
+    params = pos[code == CODES["parameter"]]
+    return pos > (params.max() if params.size else -1)
+
+
 def stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
-    """Per stack_id, its innermost Python frame's file and function."""
+    """Per stack_id, its innermost Python frame's file and function (computed once per snapshot)."""
+    return memo(frames, "fit.stack_innermost", lambda: _stack_innermost(frames))
+
+
+def _stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
     if frames.stacks.empty:
         return pd.DataFrame({"filename": [], "name": []})
     sf = frames.stack_frames.set_index("frame_id")
@@ -124,6 +139,11 @@ _ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
 
 
 def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
+    """:func:`_autocast_codes`, computed once per snapshot."""
+    return memo(frames, "fit.autocast_codes", lambda: _autocast_codes(frames))
+
+
+def _autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
     """Per stack, what autocast makes of the tensors made there: float32 (a functional on its
     float32 list, or arithmetic written in the model's own code, where a float32 operand such
     as the residual stream wins), bfloat16 out of a matrix multiply (Linear, convolution) or an
@@ -159,7 +179,7 @@ def mha_stacks(frames: SnapshotFrames) -> set[int]:
 def layer_weights(s: TrainingStructure) -> np.ndarray:
     """The bytes of the weights layers multiply by (``weight_copies.weight_sizes``), those older
     than the trace too (a ring buffer that wrapped: no parameter was made in it)."""
-    older = [n for n, c, _ in s.untracked if c == "parameter" and n >= LARGE_WEIGHT]
+    older = [n for n, c, _ in s.untracked if c == "parameter" and n >= WEIGHT_MIN_BYTES]
     return np.concatenate([weight_sizes(s.params), np.array(older, dtype=np.int64)])
 
 
@@ -178,12 +198,9 @@ def forward_weight_copies(frames: SnapshotFrames, s: TrainingStructure) -> np.nd
 
     def compute() -> np.ndarray:
         a = s.allocs
-        code, pos = a["code"].to_numpy(), a["pos"].to_numpy()
-        is_param = code == CODES["parameter"]
-        built = pos <= (pos[is_param].max() if is_param.any() else -1)
-        library = np.isin(a["sid"].to_numpy(), list(cache_stacks(frames) | autotune_stacks(frames)))
-        made = ~built & ~is_param & a["main"].to_numpy() & ~library
-        return weight_copies(frames, a, made, multiplies_weights(frames, a["sid"].to_numpy()), layer_weights(s))
+        sid = a["sid"].to_numpy()
+        made = after_the_model(a) & a["main"].to_numpy() & ~np.isin(sid, list(one_off_stacks(frames)))
+        return weight_copies(frames, a, made, multiplies_weights(frames, sid), layer_weights(s))
 
     return memo(frames, ("fit.forward_weight_copies", s.device), compute)
 
@@ -279,17 +296,17 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     _, is_phase = phase_column(s)
     size = a["size"].to_numpy()
     sid = a["sid"].to_numpy()
-    model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
+    model_state = np.isin(code, MODEL_STATE_CODES)
     data = is_phase("data")
     in_pass = is_phase("data", "forward", "backward")
     # library caches, and torch.compile's autotuning on a compiled graph's first run: neither
     # grows with the batch (the autotuning grew the compiled MLP's step by 134% at 64x its batch)
-    cache = np.isin(sid, list(cache_stacks(frames) | autotune_stacks(frames)))
+    cache = np.isin(sid, list(one_off_stacks(frames)))
     kept = complete & (a["free_pos"].to_numpy() < 0) & ~data
-    made = is_phase("forward") & ~model_state & ~cache & ~kept
-    weights = layer_weights(s)
     # the forward, and a checkpointed block's forward run again in the backward (it has stacks)
-    ran = made | (is_phase("backward") & ~model_state & ~cache & ~kept)
+    ran = is_phase("forward", "backward") & ~model_state & ~cache & ~kept
+    made = ran & is_phase("forward")
+    weights = layer_weights(s)
     copies = weight_copies(frames, a, ran, multiplies_weights(frames, sid), weights)
     # a weight's gradient before it is accumulated (GPT-2's tied embedding; under autocast, half
     # a weight) does not scale; a size the forward also made as an activation is the gradient of

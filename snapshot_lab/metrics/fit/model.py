@@ -9,13 +9,14 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from ..categories import CODES
 from ..categories.stacks import compiled_graph_stacks
 from ..plan.structure import TrainingStructure, training_structure
 from . import workload as wl
 from .evidence import (
     KV_CACHE,
+    MODEL_STATE_CODES,
     StepEvidence,
+    after_the_model,
     block_spans,
     checkpointing_in_stacks,
     forward_weight_copies,
@@ -82,10 +83,7 @@ def compiled_forward(frames: SnapshotFrames, device: int) -> bool:
     aside (the forwards' tensors, by bytes), came from a ``torch.compile`` graph
     (``categories.stacks.compiled_graph_stacks``)."""
     a = training_structure(frames, device).allocs
-    code, pos = a["code"].to_numpy(), a["pos"].to_numpy()
-    is_param = code == CODES["parameter"]
-    state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
-    made = (pos > (pos[is_param].max() if is_param.any() else -1)) & a["main"].to_numpy() & ~state
+    made = after_the_model(a) & a["main"].to_numpy() & ~np.isin(a["code"].to_numpy(), MODEL_STATE_CODES)
     size = a["size"].to_numpy()
     compiled = np.isin(a["sid"].to_numpy(), list(compiled_graph_stacks(frames)))
     return 2 * int(size[made & compiled].sum()) > int(size[made].sum())

@@ -54,7 +54,7 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 
 MIN_COPIES = 2
-LARGE_WEIGHT = 256 * 1024  # bytes: a parameter this large is a weight even when not a matrix of a block
+WEIGHT_MIN_BYTES = 256 * 1024  # a parameter this large is a weight even when not a matrix of a block
 _MULTIPLIERS = np.arange(1, 62, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -117,6 +117,6 @@ def weight_copies(
 
 def weight_sizes(params: pd.DataFrame) -> np.ndarray:
     """The bytes of the parameters a layer multiplies (the structure's matrices, and any of
-    LARGE_WEIGHT or more)."""
+    WEIGHT_MIN_BYTES or more)."""
     size = params["size"].to_numpy(dtype=np.int64)
-    return size[params["matrix"].to_numpy(dtype=bool) | (size >= LARGE_WEIGHT)]
+    return size[params["matrix"].to_numpy(dtype=bool) | (size >= WEIGHT_MIN_BYTES)]

@@ -36,12 +36,14 @@ import numpy as np
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CODES
-from ..categories.stacks import autotune_stacks, cache_stacks
+from ..categories.stacks import one_off_stacks
 from ..plan.structure import TrainingStructure, stack_info
 from .evidence import (
     AUTOCAST_FOLLOWS,
     KV_CACHE,
+    MODEL_STATE_CODES,
     StepEvidence,
+    after_the_model,
     autocast_codes,
     forward_weight_copies,
     kv_cache_stacks,
@@ -225,9 +227,7 @@ def forward_only_tape(frames: SnapshotFrames, s: TrainingStructure, work: Worklo
     code, pos, sid = a["code"].to_numpy(), a["pos"].to_numpy(), a["sid"].to_numpy()
     size = a["size"].to_numpy(dtype=np.float64)
     is_param = code == CODES["parameter"]
-    built = pos <= (pos[is_param].max() if is_param.any() else -1)
-    model_state = np.isin(code, [CODES["parameter"], CODES["gradient"], CODES["optimizer_state"]])
-    scales = ~(built | model_state | np.isin(sid, list(cache_stacks(frames) | autotune_stacks(frames))))
+    scales = after_the_model(a) & ~np.isin(code, MODEL_STATE_CODES) & ~np.isin(sid, list(one_off_stacks(frames)))
     first_forward = forward_calls(frames, s)[0] if work.forwards else 0
     scales &= ~forward_weight_copies(frames, s)  # autocast's copies of the weights: their size whatever the batch
     kv = np.isin(sid, list(kv_cache_stacks(frames))) | (code == CODES.get(KV_CACHE, -1))
