@@ -19,7 +19,8 @@ logits) let go once the copy makes its own.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -70,24 +71,17 @@ def steady_step(
     )
     steady = replace(kept, end=end).with_rows(copy)
     again = tuple(
-        replace(
-            b,
-            uid=b.uid + BLOCK_UID_STRIDE,
-            forward_start=b.forward_start + shift,
-            forward_end=b.forward_end + shift,
-            backward_start=b.backward_start + shift,
-            backward_end=b.backward_end + shift,
-        )
-        for b in blocks
-        if b.uid // BLOCK_UID_STRIDE == k
+        replace(_later(b, shift), uid=b.uid + BLOCK_UID_STRIDE) for b in blocks if b.uid // BLOCK_UID_STRIDE == k
     )
     kept_blocks = tuple(b for b in blocks if b.uid // BLOCK_UID_STRIDE <= k)
-    p = passes[k]
-    next_pass = replace(
-        p,
-        forward_start=p.forward_start + shift,
-        backward_start=p.backward_start + shift,
-        backward_end=p.backward_end + shift,
-    )
     note = STEADY_NOTE.format(failed=len(s.steps) + 1, done=len(s.steps))
-    return steady, (*kept_blocks, *again), (*passes[: k + 1], next_pass), note
+    return steady, (*kept_blocks, *again), (*passes[: k + 1], _later(passes[k], shift)), note
+
+
+_Span = TypeVar("_Span", BlockSpan, PassSpan)
+
+
+def _later(span: _Span, shift: float) -> _Span:
+    """The span moved ``shift`` positions later on the tape (its every start and end)."""
+    moved = {f.name: getattr(span, f.name) + shift for f in fields(span) if f.name.endswith(("_start", "_end"))}
+    return replace(span, **moved)
