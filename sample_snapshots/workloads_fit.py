@@ -311,6 +311,24 @@ for _family in FAMILIES:
         H.workload(f"fittable_{_family}_{_lever}", f"fit_{_family}")(lambda f=_family, v=_lever: table_job(f, v))
 
 
+def _dump_at_first_oom(name: str, info: dict[str, Any]) -> None:
+    """Cap the process at CAP_BYTES and dump the snapshot at its first out-of-memory error."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    dumped = {"done": False}
+
+    def on_oom(device, alloc, device_alloc, device_free):
+        if not dumped["done"]:
+            dumped["done"] = True
+            H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc,
+                          "oom_observed": True, "requested_bytes": alloc,
+                          "observer_device_allocated": device_alloc, "observer_device_free": device_free})
+
+    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+
+
 def _snapshot_run(family: str, batch: int, capped: bool, lever: str = "plain") -> None:
     import torch
 
@@ -320,18 +338,7 @@ def _snapshot_run(family: str, batch: int, capped: bool, lever: str = "plain") -
                             "lever": lever, "batch": batch, "stacks": "python",
                             "cap_bytes": CAP_BYTES if capped else None}
     if capped:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
-        dumped = {"done": False}
-
-        def on_oom(device, alloc, device_alloc, device_free):
-            if not dumped["done"]:
-                dumped["done"] = True
-                H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc,
-                              "oom_observed": True, "requested_bytes": alloc,
-                              "observer_device_allocated": device_alloc, "observer_device_free": device_free})
-
-        torch._C._cuda_attach_out_of_memory_observer(on_oom)
+        _dump_at_first_oom(name, info)
     H.record(stacks="python")
     model, opt = build(family, lever)
     gen = torch.Generator().manual_seed(batch)
@@ -465,21 +472,10 @@ INFER_BATCHES = (8, 16, 32)
 
 
 def _trainer(batch: int, steps: int, on_end=None):
-    import torch
     import transformers
     import workloads_frameworks as F
 
     model = F.gpt2()
-
-    class Ids(torch.utils.data.Dataset):
-        def __init__(self) -> None:
-            self.ids = F.tokens(batch * steps)
-
-        def __len__(self) -> int:
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     class End(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -497,7 +493,7 @@ def _trainer(batch: int, steps: int, on_end=None):
         disable_tqdm=True,
         bf16=True,
     )
-    transformers.Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[End()]).train()
+    transformers.Trainer(model=model, args=args, train_dataset=F.lm_dataset(batch * steps), callbacks=[End()]).train()
 
 
 def _peak_of(run) -> dict[str, Any]:
@@ -660,17 +656,7 @@ def _late_oom_run(family: str, batch: int) -> None:
     name = f"fit_{family}_b{batch}_late_oom_python"
     info: dict[str, Any] = {"kind": "fit-oom-late", "family": family, "lever": "plain", "batch": batch,
                             "stacks": "python", "cap_bytes": CAP_BYTES}
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
-    dumped = {"done": False}
-
-    def on_oom(device, alloc, device_alloc, device_free):
-        if not dumped["done"]:
-            dumped["done"] = True
-            H.dump(name, {**info, "dumped": "by the OOM observer", "oom_request_bytes": alloc, "oom_observed": True,
-                          "observer_device_allocated": device_alloc, "observer_device_free": device_free})
-
-    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    _dump_at_first_oom(name, info)
     H.record(stacks="python")
     model, opt = build(family, "plain")
     gen = torch.Generator().manual_seed(batch)

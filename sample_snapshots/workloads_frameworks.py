@@ -114,6 +114,23 @@ def tokens(n: int, batch: int = 8, seq: int = 256):
     return torch.randint(0, VOCAB, (n, seq), generator=g)
 
 
+def lm_dataset(n: int):
+    """``n`` rows of token ids as a causal language model's training set (the ids are the labels)."""
+    import torch
+
+    class Ids(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = tokens(n)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    return Ids()
+
+
 # --------------------------------------------------------------------------- frameworks
 
 
@@ -181,22 +198,11 @@ H.workload("fw_lightning_manual_python", "fw")(lambda: _lightning_run("fw_lightn
 
 @H.workload("fw_hf_trainer_python", "fw")
 def hf_trainer() -> None:
-    import torch
     import transformers
 
     H.record(stacks="python")
     model = gpt2()
     steps = 4
-
-    class Ids(torch.utils.data.Dataset):
-        def __init__(self) -> None:
-            self.ids = tokens(8 * steps)
-
-        def __len__(self) -> int:
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     class Dump(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kw):
@@ -217,7 +223,7 @@ def hf_trainer() -> None:
     args = transformers.TrainingArguments(output_dir=str(H.OUT / "hf_tmp"), per_device_train_batch_size=8,
                                           max_steps=steps, report_to=[], save_strategy="no", logging_strategy="no",
                                           dataloader_num_workers=0, disable_tqdm=True)
-    transformers.Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[Dump()]).train()
+    transformers.Trainer(model=model, args=args, train_dataset=lm_dataset(8 * steps), callbacks=[Dump()]).train()
 
 
 @H.workload("fw_fabric_python", "fw")
