@@ -28,6 +28,12 @@ Two families, each trained from a fresh model for every measurement:
   config (12 layers, d=768, learned positions with an offset of 2, ReLU, tied head, vocab 8192,
   1024 tokens), AdamW. Recorded on 2026-11-26 (later) with every rule untouched: how fit does on
   two decoders it has never seen.
+- ``phi`` (partial rotary, attention and MLP in parallel, biased untied head), ``distilbert`` (6
+  layers, tied decoder, 512 tokens), ``gpt2m`` (GPT-2 of 24 layers, d=1024, 512 tokens, under an
+  8 GiB cap), ``resnet18`` (basic blocks, SGD with momentum) and ``resnet101`` (AdamW): recorded
+  on 2026-11-27 with every rule untouched (DistilBERT's checkpointed recordings crash torch 2.11's
+  recorder: a SystemError in the backward). Then ``mistral``, ``resnet34`` and ``wrn50`` (Wide
+  ResNet-50-2, SGD with momentum), hold-outs of the rules those five changed.
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
@@ -76,14 +82,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # GeGLU, a tied and scaled embedding) and Qwen2 (grouped-query attention with biased q/k/v)
     "gemma": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "qwen2": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    # 2026-11-27, recorded with every rule untouched: Phi (partial rotary, attention and MLP in
+    # parallel, biased head), DistilBERT (6 layers, tied decoder), a GPT-2 of 24 layers of d=1024 at
+    # 512 tokens under an 8 GiB cap (another size, sequence length and cap than the issue's),
+    # ResNet-18 (basic blocks: no projection in its first stage) and ResNet-101 with AdamW
+    "phi": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "distilbert": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 64, "search_max": 256},
+    "gpt2m": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128, "cap": 8 * 2**30},
+    "resnet18": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 512, "search_max": 1024},
+    "resnet101": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    # 2026-11-27 (later), after the rules the five above changed: Mistral (GQA, SwiGLU, untied head),
+    # ResNet-34 (basic blocks, 16 of them) and Wide ResNet-50-2 (bottlenecks twice as wide)
+    "mistral": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "resnet34": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 512, "search_max": 1024},
+    "wrn50": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
 }
 # their lever snapshots go in their own group
-NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2")
+NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
+                "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
-          "gemma": (8192, 1024), "qwen2": (8192, 1024)}
+          "gemma": (8192, 1024), "qwen2": (8192, 1024), "phi": (8192, 1024), "distilbert": (30522, 512),
+          "gpt2m": (8192, 512), "mistral": (8192, 1024)}
 T5_TARGET_TOKENS = 128
+
+
+def _cap(family: str) -> int:
+    return int(FAMILIES[family].get("cap", CAP_BYTES))
 
 
 def _transformers_model(model, lever: str):
@@ -107,11 +133,39 @@ def build(family: str, lever: str):
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         dtype = torch.bfloat16 if family == "gpt2bf16" else torch.float32
         model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever)
-    elif family == "resnet50":
+    elif family == "gpt2m":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=24, n_embd=1024, n_head=16, vocab_size=8192, n_positions=512,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda"), lever)
+    elif family == "phi":
+        from transformers import PhiConfig, PhiForCausalLM
+
+        cfg = PhiConfig(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                        num_attention_heads=12, max_position_embeddings=1024, partial_rotary_factor=0.5,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False)
+        model, opt = _transformers_model(PhiForCausalLM(cfg).to("cuda"), lever)
+    elif family == "distilbert":
+        from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+        cfg = DistilBertConfig(vocab_size=30522, max_position_embeddings=512, n_layers=6, n_heads=12, dim=768,
+                               hidden_dim=3072, dropout=0.0, attention_dropout=0.0)
+        model, opt = _transformers_model(DistilBertForMaskedLM(cfg).to("cuda"), lever)
+    elif family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        cfg = MistralConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                            num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
+                            tie_word_embeddings=False, attention_dropout=0.0)
+        model, opt = _transformers_model(MistralForCausalLM(cfg).to("cuda"), lever)
+    elif family in ("resnet50", "resnet18", "resnet101", "resnet34", "wrn50"):
         import torchvision
 
-        model = torchvision.models.resnet50().to("cuda").train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        arch = "wide_resnet50_2" if family == "wrn50" else family
+        model = getattr(torchvision.models, arch)().to("cuda").train()
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if family == "resnet101"
+               else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     elif family in ("llama", "llamabf16"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -231,7 +285,9 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
     else:
         x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
         y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
-        forward = {"resnet50": resnet_forward, "vit": vit_forward,
+        forward = {"resnet50": resnet_forward, "resnet18": resnet_forward, "resnet101": resnet_forward,
+                   "resnet34": resnet_forward, "wrn50": resnet_forward,
+                   "vit": vit_forward,
                    "convnext": partial(staged_forward, block="CNBlock", flatten=False),
                    "effnet": partial(staged_forward, block="MBConv", flatten=True)}[family]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
@@ -297,9 +353,9 @@ def table_job(family: str, lever: str) -> None:
         out["uncapped"][str(batch)] = measure(family, lever, batch)
         print(family, lever, batch, out["uncapped"][str(batch)], flush=True)
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    torch.cuda.set_per_process_memory_fraction(_cap(family) / total)
     best, tries = largest_under_cap(family, lever, FAMILIES[family]["search_max"])
-    out["cap_bytes"] = CAP_BYTES
+    out["cap_bytes"] = _cap(family)
     out["largest_batch_under_cap"] = best
     out["cap_tries"] = tries
     print(family, lever, "largest under cap:", best, flush=True)
@@ -311,12 +367,12 @@ for _family in FAMILIES:
         H.workload(f"fittable_{_family}_{_lever}", f"fit_{_family}")(lambda f=_family, v=_lever: table_job(f, v))
 
 
-def _dump_at_first_oom(name: str, info: dict[str, Any]) -> None:
-    """Cap the process at CAP_BYTES and dump the snapshot at its first out-of-memory error."""
+def _dump_at_first_oom(name: str, info: dict[str, Any], cap: int = CAP_BYTES) -> None:
+    """Cap the process at ``cap`` and dump the snapshot at its first out-of-memory error."""
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    torch.cuda.set_per_process_memory_fraction(cap / total)
     dumped = {"done": False}
 
     def on_oom(device, alloc, device_alloc, device_free):
@@ -336,9 +392,9 @@ def _snapshot_run(family: str, batch: int, capped: bool, lever: str = "plain") -
     name = f"fit_{family}_b{batch}_{tag}" + ("oom_python" if capped else "complete_python")
     info: dict[str, Any] = {"kind": "fit-oom-first-forward" if capped else "fit-complete", "family": family,
                             "lever": lever, "batch": batch, "stacks": "python",
-                            "cap_bytes": CAP_BYTES if capped else None}
+                            "cap_bytes": _cap(family) if capped else None}
     if capped:
-        _dump_at_first_oom(name, info)
+        _dump_at_first_oom(name, info, _cap(family))
     H.record(stacks="python")
     model, opt = build(family, lever)
     gen = torch.Generator().manual_seed(batch)

@@ -253,6 +253,24 @@ EXPECTED = {
         for family in ("gemma", "qwen2")
         for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
     },
+    # five families recorded with every fit rule untouched (2026-11-27): out in the first forward, and
+    # complete
+    **{
+        f"fit_{job}_oom_python": {"oom-capacity"}
+        for job in (
+            *("phi_b32", "distilbert_b64", "gpt2m_b32", "resnet18_b512", "resnet101_b512"),
+            *("mistral_b32", "resnet34_b512", "wrn50_b512"),
+        )
+    },
+    **{
+        f"fit_{job}_{lever}complete_python": set()
+        for job in (
+            *("phi_b4", "distilbert_b4", "gpt2m_b2", "resnet18_b32", "resnet101_b16"),
+            *("mistral_b4", "resnet34_b32", "wrn50_b16"),
+        )
+        for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
+        if not (job == "distilbert_b4" and "ckpt" in lever)  # torch 2.11's recorder crashed on them
+    },
     # one more than the largest batch under the cap: out in the second step (fit/steady.py); GPT-2's
     # and ViT's requests fitted beside what was allocated, in no cached block
     **{f"fit_{job}_late_oom_python": {"oom-capacity"} for job in ("bert_b10", "llama_b7", "neox_b8", "opt_b9")},
@@ -524,9 +542,10 @@ def test_samples_folder_is_small():
     """A few MiB for about 410 real recordings (xz-compressed pickles, truth and sidecars): 8 MiB
     held the first 190; the 72 world-size-4 ranks over gloo (3.7 MB with their sidecars), the
     inference recordings of issue #19 (whose truth lists the tensors held at each decode step)
-    and the 72 ranks over NCCL on four GPUs (3.4 MB) needed more."""
+    and the 72 ranks over NCCL on four GPUs (3.4 MB) needed more; 23.0 MiB with the eight fit
+    families of 2026-11-27 (39 recordings, 1.6 MB)."""
     total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir() if p.is_file())
-    assert total < 22 * 2**20
+    assert total < 24 * 2**20
 
 
 @pytest.mark.parametrize("name", ["deep_forward_python", "deep_llama_forward_all", "deep_fwdbwd_python"])

@@ -185,10 +185,12 @@ EXACT = {  # (snapshot, lever) the model gets exactly right today
     ("fit_gpt2_b32_oom_python", "plain"),
     # bf16 casts the layer norms' outputs, not their statistics, for the linear layers: 4 -> 5
     ("fit_gpt2_b4_complete_python", "bf16"),
-    # the bfloat16 copies of every weight matrix, which no creation stack named (ResNet-50's bf16
-    # recording shows them): 135 -> 134
-    ("fit_resnet50_b16_complete_python", "bf16"),
+    # the head's cuBLAS workspaces, which an OOM in the first block never reached: 70 -> 69
+    ("fit_resnet50_b512_oom_python", "plain"),
 }
+# no longer exact: ResNet-50's bf16 from the complete recording, 134 -> 133, since max pooling's int64
+# indices are no longer halved by bf16 (ResNet-18's bf16 went from -6.9% to within 2.7%): at 134 its
+# whole-step peak allocated is within 0.4% of the real run's, and the allocator replayed places one less
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))
@@ -228,8 +230,10 @@ def test_bf16_casts_the_norms_output_for_the_linear_layer_not_its_statistics(rea
     linear layer's output for its input (the simpler rule) halved a statistic (4 KiB a sample) in
     place of each of the 25 norms' outputs (3 MiB a sample) of each pass, and GPT-2's bf16 answer
     was 4 where 5 ran (ViT's 65 and 67 where 71 ran, tests/test_fit_holdout.py). Per pass and
-    block, the inputs are the two norms' outputs and the attention's (3 MiB) and the MLP's
-    activation (12 MiB), and the final norm's output."""
+    block, the inputs are the two norms' outputs (3 MiB) and the MLP's activation (12 MiB), and
+    the final norm's output. The values the attention reads from the KV cache were counted too
+    (3 MiB a block) until the cache's copies took the dtype of the key they copy: bfloat16 in
+    GPT-2 (its projection's output), so autocast casts nothing there."""
     from collections import Counter
 
     from snapshot_lab.metrics.fit.levers import _matmul_inputs
@@ -237,7 +241,7 @@ def test_bf16_casts_the_norms_output_for_the_linear_layer_not_its_statistics(rea
 
     tape = step_evidence(real_frames("fit_gpt2_b4_complete_python"), 0).tape
     per_sample = Counter((tape.per_batch[_matmul_inputs(tape)] / 4).tolist())
-    assert per_sample == {3 * MiB: 2 * (12 * 3 + 1), 12 * MiB: 2 * 12}
+    assert per_sample == {3 * MiB: 2 * (12 * 2 + 1), 12 * MiB: 2 * 12}
 
 
 def test_the_answer_leads_the_text(under_the_cap):

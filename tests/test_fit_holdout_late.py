@@ -88,6 +88,40 @@ and taken for one-off workspaces, 4.4 GiB that no batch changed. Only as far as 
 is compared now (``_Step.lone_rows``, ``workspace_rows``): within 5.6% but checkpointing
 (-22%, -24% at 16: ``OUTSIDE``); largest batches as recorded, with bf16 and with both 2/2, 6/6,
 32/30 (Gemma) and 3/3, 8/7, 32/32 (Qwen2), with checkpointing 23/14 and 27/18.
+
+Five more, recorded on 2026-11-27 with every rule above untouched: Phi (partial rotary, attention
+and MLP in parallel; ``phi``), DistilBERT for masked language modelling (6 layers, tied decoder;
+``distilbert``), a GPT-2 of 24 layers of d=1024 at 512 tokens under an 8 GiB cap (``gpt2m``: another
+size, sequence length and cap than the issue's), torchvision's ResNet-18 (basic blocks, SGD with
+momentum) and ResNet-101 (AdamW). DistilBERT, GPT-2 and ResNet-101 were within their bounds as they
+came (largest batches as recorded exact from both recordings of DistilBERT and GPT-2). Three broke:
+
+- ResNet-18's OOM (batch 512, out in its first basic block) was refused: the convolution reader
+  took the count of a block's main-path convolutions from the first block's projection shortcut,
+  and ResNet-18's first stage has none. The count is now the first from 1 to 4 that reads the
+  whole sequence (``convnet.conv_blocks``): within 1.6% as recorded, largest batch 277 / 274.
+  Its OOM and ResNet-50's and ResNet-101's, none of which reached a matrix multiply, lacked the
+  head's cuBLAS workspaces (65 MiB): ResNet-50's went from -7.7% to -1.1% (69 / 69, exact).
+- ResNet-18 under bf16 was 7% (complete) and 9% (OOM) low: max pooling's int64 indices (1.6 MB a
+  sample) were halved, and taken for the float32 input a convolution casts
+  (``evidence.pool_indices``): within 2.9% now.
+- Phi under bf16 was 11% low, as GPT-NeoX's had been (``OUTSIDE`` before): transformers' KV cache
+  copies keys and values in the key's dtype, float32 where a rotary embedding's float32 cos and
+  sin made it, and the attention saves bfloat16 copies of them beside the cache. The cache was
+  halved (GPT-2's, whose key comes out of its projection, is bfloat16). Now a cache copy takes
+  the dtype of the tensor made before it (``evidence.allocation_codes``) and a float32 one gets
+  the attention's copies (``levers._attention_input_casts``): Phi within 6.3%, NeoX from -11.1% to
+  -1.3% (its largest batch under bf16 9 / 9 from both recordings, 10 and 11 before).
+
+Three more, recorded after those changes, are their hold-outs: Mistral (grouped-query attention,
+rotary: a float32 KV cache), ResNet-34 (16 basic blocks, its first stage without a projection) and
+Wide ResNet-50-2 (``wrn50``), both with SGD with momentum, OOMs in the first forward at batch 512.
+ResNet-34's OOM is within 2.8% under every lever (the reader refused it before), WRN-50-2's within
+3.3%, Mistral's bf16 within 6.6% (largest batch 8 / 7) from both recordings. Outside, as for the
+families named in ``OUTSIDE``: Mistral's checkpointing from its OOM (as Gemma's and Qwen2's) and
+checkpointing+bf16 from its complete recording (as Gemma's), and checkpointing+bf16 from the
+complete recordings of ResNet-34 (+10.4% at 16) and WRN-50-2 (+12.2% at 8), at their smallest
+batches.
 """
 
 from __future__ import annotations
@@ -128,6 +162,24 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_gemma_b32_oom_python": ("gemma", 32, "adamw", 0.15),
     "fit_qwen2_b4_complete_python": ("qwen2", 4, None, 0.10),
     "fit_qwen2_b32_oom_python": ("qwen2", 32, "adamw", 0.15),
+    # recorded on 2026-11-27 with every rule untouched (the module's docstring)
+    "fit_phi_b4_complete_python": ("phi", 4, None, 0.10),
+    "fit_phi_b32_oom_python": ("phi", 32, "adamw", 0.15),
+    "fit_distilbert_b4_complete_python": ("distilbert", 4, None, 0.10),
+    "fit_distilbert_b64_oom_python": ("distilbert", 64, "adamw", 0.15),
+    "fit_gpt2m_b2_complete_python": ("gpt2m", 2, None, 0.10),
+    "fit_gpt2m_b32_oom_python": ("gpt2m", 32, "adamw", 0.15),
+    "fit_resnet18_b32_complete_python": ("resnet18", 32, None, 0.10),
+    "fit_resnet18_b512_oom_python": ("resnet18", 512, "sgd-momentum", 0.15),
+    "fit_resnet101_b16_complete_python": ("resnet101", 16, None, 0.10),
+    "fit_resnet101_b512_oom_python": ("resnet101", 512, "adamw", 0.15),
+    # recorded later that day, after the rules the five above changed: their hold-outs
+    "fit_mistral_b4_complete_python": ("mistral", 4, None, 0.10),
+    "fit_mistral_b32_oom_python": ("mistral", 32, "adamw", 0.15),
+    "fit_resnet34_b32_complete_python": ("resnet34", 32, None, 0.10),
+    "fit_resnet34_b512_oom_python": ("resnet34", 512, "sgd-momentum", 0.15),
+    "fit_wrn50_b16_complete_python": ("wrn50", 16, None, 0.10),
+    "fit_wrn50_b512_oom_python": ("wrn50", 512, "sgd-momentum", 0.15),
 }
 HALF_PRECISION_FAMILIES = ("llamabf16", "gpt2bf16")  # no bf16 lever: fit refuses it (test below)
 # refused, with the reason (their numbers before, in the module's docstring)
@@ -137,11 +189,10 @@ _T5_BF16 = (
     "dtype, its attention scores plus a float32 position bias), which the float32 recording cannot show: "
     "bf16 saves 3% at batch 16, not 31%"
 )
-_NEOX_BF16 = (
-    "GPT-NeoX's rotary embedding multiplies by float32 cos and sin, so under autocast its queries and keys "
-    "come out float32 and transformers' SDPA wrapper casts all three inputs back (5 tensors per layer where "
-    "the float32 run makes 1, as its bf16 recording shows); the float32 recording cannot show which "
-    "operand was float32: -9.7% at batch 8, -11.1% at 16"
+_RESNET18_CKPT = (
+    "checkpointing from ResNet-18's complete recording keeps more than the real runs do, 16.8 MB a sample where "
+    "they grow 15.1 (+10.4% at batch 256): not analysed; from its OOM, whose blocks are read from the "
+    "parameters, within 0.7%"
 )
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
 _ATTENTION_BACKWARD = (
@@ -150,6 +201,17 @@ _ATTENTION_BACKWARD = (
     "their gradients): it grows 167 MiB a sample where the real runs grow 236 (Gemma), 168 against 236 (Qwen2); "
     "from the complete recordings it is exact"
 )
+_SMALL_BATCH_BOTH = (
+    "checkpointing+bf16 from the complete recording of ResNet-34 and of Wide ResNet-50-2 is high at the smallest "
+    "batches and nearer as the batch grows (ResNet-34 +10.4% at 16, +6.5% at 256; WRN-50-2 +12.2% at 8, +10.1% at 16, "
+    "+0.2% at 128): a part that does not grow with the batch, kept by the lever and not by the real runs; not "
+    "analysed (from their OOMs, whose blocks are read from the parameters, within 2.8% and 1.9%)"
+)
+_SMALL_BATCH_BOTH_AT = (
+    ("fit_resnet34_b32_complete_python", 16),
+    ("fit_wrn50_b16_complete_python", 8),
+    ("fit_wrn50_b16_complete_python", 16),
+)
 _GEMMA_BOTH = (
     "the real runs' peak with checkpointing and bf16 stays at 2.07 GiB from batch 1 to 4 where the lever's grows "
     "(+11.4% at 4, +11.8% at 8, +10.2% at 16): not analysed"
@@ -157,11 +219,18 @@ _GEMMA_BOTH = (
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
     **{("fit_t5_b4_complete_python", "bf16", batch): _T5_BF16 for batch in (4, 8, 16, None)},
-    ("fit_neox_b4_complete_python", "bf16", 16): _NEOX_BF16,
+    ("fit_resnet18_b32_complete_python", "ckpt", 256): _RESNET18_CKPT,
+    **{(name, "ckpt+bf16", batch): _SMALL_BATCH_BOTH for name, batch in _SMALL_BATCH_BOTH_AT},
     **{("fit_gemma_b4_complete_python", "ckpt+bf16", batch): _GEMMA_BOTH for batch in (4, 8, 16)},
     **{
+        ("fit_mistral_b4_complete_python", "ckpt+bf16", batch): _GEMMA_BOTH.replace(
+            "2.07 GiB from batch 1 to 4", "1.7 GiB from batch 1 to 4 (Mistral as Gemma: +12.5% at 8)"
+        )
+        for batch in (4, 8, 16, None)
+    },
+    **{
         (f"fit_{family}_b32_oom_python", "ckpt", batch): _ATTENTION_BACKWARD
-        for family in ("gemma", "qwen2")
+        for family in ("gemma", "qwen2", "mistral")
         for batch in (4, 8, 16, None)
     },
     **{
@@ -212,9 +281,10 @@ def test_whole_step_peak_allocated_on_families_recorded_after_the_rules(real_fra
 @pytest.fixture(scope="module")
 def under_the_cap(real_frames):
     out = {}
-    for name, (_, recorded, optimizer, _) in SNAPSHOTS.items():
+    for name, (family, recorded, optimizer, _) in SNAPSHOTS.items():
         try:
-            out[name] = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer)
+            cap = FAMILIES[family]["levers"]["plain"].get("cap_bytes", CAP)  # gpt2m: 8 GiB
+            out[name] = compute_fit(real_frames(name), memory_limit=cap, recorded_batch=recorded, optimizer=optimizer)
         except ValueError as error:  # FitUnsupported: kept for the test to report
             out[name] = error
     return out

@@ -36,11 +36,12 @@ LATE = {
     "fit_bert_b10_late_oom_python": ("bert", 10, (9, 21, 12, 19)),
     "fit_llama_b7_late_oom_python": ("llama", 7, (6, 16, 8, 16)),
     "fit_vit_b39_late_oom_python": ("vit", 39, (38, 197, 65, 265)),
-    "fit_neox_b8_late_oom_python": ("neox", 8, (7, 31, 10, 32)),
+    "fit_neox_b8_late_oom_python": ("neox", 8, (7, 31, 9, 32)),
     "fit_opt_b9_late_oom_python": ("opt", 9, (8, 27, 12, 33)),
 }
 # the real runs: GPT-2 3, 27, 5, 28; BERT 9, 20, 10, 20; Llama 6, 17, 8, 16; ViT 38, 232, 71, 327;
-# NeoX 7, 30, 9, 32; OPT 8, 28, 11, 32: as recorded exact in all six, 10 of 24 exact in all
+# NeoX 7, 30, 9, 32; OPT 8, 28, 11, 32: as recorded exact in all six, 11 of 24 exact in all (NeoX's bf16
+# since its float32 KV cache and the attention's bfloat16 copies of it are modelled: 10 before)
 LEVERS = {"plain": "as recorded", "ckpt": "checkpointing", "bf16": "bf16", "ckpt+bf16": "checkpointing+bf16"}
 
 

@@ -8,8 +8,9 @@ a bias, two running statistics and a count of 8 bytes), then a linear head. From
 - each convolution's output width (its batch norm's) and input width: the previous layer's output,
   or, for a projection shortcut, the block's input (the one of the two whose kernel area is
   1, 9, 25 or 49);
-- the blocks: the first ends at its projection shortcut, and every block has as many
-  convolutions on its main path as the first; a block ends at its projection, or at that count;
+- the blocks: every block has as many convolutions on its main path (the first count that reads
+  the whole sequence); a block ends at that count when it keeps its input's width, else at the
+  projection shortcut that follows;
 - the feature map: the trace shows it at the first block (its first convolution's output); it
   halves in each dimension in every block whose projection doubles the width (the ResNet paper's
   rule), from that block's first 3x3 convolution (torchvision's ResNet v1.5 strides there) and
@@ -31,6 +32,7 @@ from ...frames import SnapshotFrames
 from .evidence import BLOCK_UID_STRIDE, stack_innermost
 
 KERNEL_AREAS = (1, 9, 25, 49)
+MAX_MAIN_PATH = 4  # convolutions on a block's main path, at most
 NORM_PARAMS = 5  # weight, bias, running mean, running variance, count
 COUNT_BYTES = 8
 CONV_FILE = "torch/nn/modules/conv.py"
@@ -71,30 +73,42 @@ def _area(elements: float, width: int, inputs: int) -> bool:
 
 def conv_blocks(p_size: np.ndarray) -> tuple[int, list[tuple[int, int, int, bool]]] | None:
     """The stem's width and, per convolution after it: (weight index, width, block, projection);
-    None when the blocks cannot be read (no projection in the first block, a size that fits no
-    kernel)."""
+    None when the blocks cannot be read (no projection shortcut, a size that fits no kernel).
+
+    Every block has the same number of convolutions on its main path, the first count from 1 to
+    4 that reads the whole sequence: ResNet-50's bottlenecks have three, ResNet-18's basic blocks
+    two, and ResNet-18's first stage has no projection (its blocks keep the stem's width), so the
+    count cannot be read off the first block alone."""
     pairs = _conv_norm_pairs(p_size)
     if pairs is None:
         return None
     (_, stream), *rest = pairs[0]
+    for main_len in range(1, MAX_MAIN_PATH + 1):
+        if (blocks := _blocks(p_size, rest, stream, main_len)) is not None:
+            return stream, blocks
+    return None
+
+
+def _blocks(
+    p_size: np.ndarray, convs: list[tuple[int, int]], stream: int, main_len: int
+) -> list[tuple[int, int, int, bool]] | None:
+    """``convs`` read as blocks of ``main_len`` convolutions on the main path, each ending there
+    when it keeps its input's width, else at the projection that follows (None: they are not)."""
     out: list[tuple[int, int, int, bool]] = []
-    block, block_in, prev, main, main_len = 0, stream, stream, 0, 0
-    for w, width in rest:
+    block, block_in, prev, main, projections = 0, stream, stream, 0, 0
+    for w, width in convs:
         elements = p_size[w] / 4
-        if main and _area(elements, width, block_in) and not _area(elements, width, prev):
+        if main == main_len and _area(elements, width, block_in) and not _area(elements, width, prev):
             out.append((w, width, block, True))
-            main_len = main_len or main
-            block, block_in, prev, main = block + 1, width, width, 0
+            block, block_in, prev, main, projections = block + 1, width, width, 0, projections + 1
             continue
-        if not _area(elements, width, prev):
+        if main == main_len or not _area(elements, width, prev):
             return None
         out.append((w, width, block, False))
         prev, main = width, main + 1
-        if main_len and main == main_len and width == block_in:  # else its projection follows
+        if main == main_len and width == block_in:  # else its projection follows
             block, main = block + 1, 0
-        elif main_len and main > main_len:
-            return None
-    return (stream, out) if main == 0 and main_len else None
+    return out if main == 0 and projections else None
 
 
 def feature_maps(

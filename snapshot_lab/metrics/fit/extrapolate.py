@@ -44,7 +44,7 @@ from .evidence import (
     KV_CACHE,
     BlockSpan,
     PassSpan,
-    autocast_codes,
+    allocation_codes,
     autocast_copied,
     forward_weight_copies,
     kv_cache_stacks,
@@ -94,6 +94,15 @@ class FitUnsupportedStep(ValueError):
 RESULT_SAVING_OPS = ("relu", "relu_", "threshold", "softmax", "log_softmax", "sigmoid", "tanh", "hardtanh", "elu")
 PASSES = 2  # the first step makes the optimizer state; the second runs with it
 GRADIENTS_ALIVE = 3  # a synthesized convnet block's: its output gradient, its input's, one temporary
+# cuBLAS's workspaces, made by the first matrix multiply of each thread (torch's default on a Hopper GPU,
+# as every complete recording shows: 32 MiB and cuBLASLt's 1 MiB in the forward, 32 MiB in the backward)
+CUBLAS_WORKSPACE = 32 << 20
+CUBLASLT_WORKSPACE = 1 << 20
+HEAD_WORKSPACE_ASSUMED = (
+    "no matrix multiply ran before the failure: the linear head makes cuBLAS's workspaces when it first runs, "
+    "taken as torch's default on a Hopper GPU (32 MiB for the forward's thread and 1 MiB for cuBLASLt, 32 MiB for "
+    "the backward's thread)"
+)
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} reading "
     "{reads}, making {ratio:.1f}x the residual stream (the logits, freed once the loss has them) and a "
@@ -265,7 +274,7 @@ class _Step:
         self.pos = a["pos"].to_numpy()
         self.free_pos = a["free_pos"].to_numpy()
         self.sorted_pos = np.sort(self.pos)
-        self.autocast = autocast_codes(frames)
+        self.autocast = allocation_codes(frames, s)
         self.kv_cache = kv_cache_stacks(frames)
         self.p_size = self.size[pf.params]
         largest = self.p_size.max(initial=0)
@@ -298,7 +307,7 @@ class _Step:
         kept = []
         for r in rows.tolist():
             start = t0 + (self.pos[r] - base)
-            fp32 = self.autocast.get(int(self.sid[r]), AUTOCAST_FOLLOWS)
+            fp32 = int(self.autocast[r])
             if workspace is not None and workspace[r]:
                 b.add(start, NEVER, self.size[r], 0.0, "workspace", "forward")
                 continue
@@ -643,6 +652,10 @@ class _ConvStep(_Step):
     def __init__(self, frames: SnapshotFrames, s: TrainingStructure, pf: PartialForward) -> None:
         super().__init__(frames, s, pf)
         self.layers: list[convnet.ConvLayer] = []
+        # the head's workspaces, unless the process made them before (memory older than the trace)
+        self.head_workspace = not any(n == CUBLAS_WORKSPACE for n, _, _ in s.untracked)
+        if self.head_workspace:
+            self.notes.append(HEAD_WORKSPACE_ASSUMED)
 
     def forward(self) -> None:
         self.saved, self.spans = [], []
@@ -653,7 +666,13 @@ class _ConvStep(_Step):
             uid = convnet.block_uid(self.pass_index, j)
             self.saved.append(("block", j, self.block_rows(j, uid)))
             self.spans.append([start, self.b.now, 0.0, 0.0])
+        if self.head_workspace and self.pass_index == 0:
+            self.b.add(self.b.tick(), NEVER, CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE, 0.0, "workspace", "forward")
         self.saved.append(("post", -1, []))  # the head's parameter gradients
+
+    def backward_workspace(self) -> float:
+        """The backward thread's cuBLAS workspace, made by the head's first gradient."""
+        return float(CUBLAS_WORKSPACE) if self.head_workspace else 0.0
 
     def block_rows(self, block: int, uid: int) -> list[int]:
         """The block's forward from now on: the rows kept for the backward. Its projection's

@@ -24,6 +24,7 @@ from .evidence import (
     AUTOCAST_ATTENTION,
     AUTOCAST_FOLLOWS,
     AUTOCAST_FP32,
+    AUTOCAST_INTEGER,
     AUTOCAST_MATMUL,
     KV_CACHE,
     BlockSpan,
@@ -160,11 +161,12 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     (``checkpointed``) they are not kept: freed after its forward, made again by the re-run."""
     made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
     cast_inputs = _matmul_inputs(tape)
-    half = made & (tape.autocast != AUTOCAST_FP32)
+    half = made & ~np.isin(tape.autocast, [AUTOCAST_FP32, AUTOCAST_INTEGER])
     half |= made & cast_inputs
-    # a KV cache copies the keys and values the attention's projections made: bfloat16 (GPT-2's
-    # bf16 recording keeps 144 MiB of them at batch 4 where float32 kept 288)
-    half |= made & (tape.category == KV_CACHE)
+    # a KV cache copies the keys and values in its key's dtype (evidence.allocation_codes): bfloat16
+    # where a projection made the key (GPT-2's bf16 recording keeps 144 MiB of them at batch 4 where
+    # float32 kept 288), float32 where a rotary embedding's float32 arithmetic did
+    half |= made & (tape.category == KV_CACHE) & (tape.autocast != AUTOCAST_FP32)
     half &= ~_float32_gradients(tape, cast_inputs)
     out = tape.scaled(half, 0.5).scaled(_math_kernel_probabilities(tape), 0.0)
     copies = []
@@ -180,7 +182,25 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     if copies:
         arr = np.array(copies, dtype=np.float64)
         out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
-    return out
+    return out.with_rows(_attention_input_casts(tape, made))
+
+
+def _attention_input_casts(tape: Tape, made: np.ndarray) -> Tape:
+    """A float32 KV cache's keys and values, cast to bfloat16 for the attention, which saves the
+    copies for its backward: half the cache's size, alive as long as it (Phi's and GPT-NeoX's bf16
+    recordings save three bfloat16 copies per layer, the query's too, beside the float32 cache)."""
+    rows = np.flatnonzero(made & (tape.category == KV_CACHE) & (tape.autocast == AUTOCAST_FP32))
+    return make_tape(
+        tape.start[rows] + 0.25,
+        tape.end[rows],
+        tape.fixed[rows] / 2,
+        tape.per_batch[rows] / 2,
+        "activation",
+        tape.stream[rows],
+        tape.phase[rows],
+        tape.block[rows],
+        AUTOCAST_FOLLOWS,
+    )
 
 
 def _math_kernel_probabilities(tape: Tape) -> np.ndarray:

@@ -39,12 +39,11 @@ from ..categories import CODES
 from ..categories.stacks import one_off_stacks
 from ..plan.structure import TrainingStructure, stack_info
 from .evidence import (
-    AUTOCAST_FOLLOWS,
     KV_CACHE,
     MODEL_STATE_CODES,
     StepEvidence,
     after_the_model,
-    autocast_codes,
+    allocation_codes,
     forward_weight_copies,
     kv_cache_stacks,
 )
@@ -233,8 +232,7 @@ def forward_only_tape(frames: SnapshotFrames, s: TrainingStructure, work: Worklo
     kv = np.isin(sid, list(kv_cache_stacks(frames))) | (code == CODES.get(KV_CACHE, -1))
     made = np.where(kv, KV_CACHE, np.where(pos < first_forward, "input", "activation"))
     category = np.where(is_param, "parameter", np.where(scales, made, "workspace")).astype(object)
-    codes = autocast_codes(frames)
-    autocast = np.array([codes.get(int(x), AUTOCAST_FOLLOWS) for x in sid], dtype=np.int8)
+    autocast = allocation_codes(frames, s)
     free_pos = a["free_pos"].to_numpy()
     tape = make_tape(
         pos.astype(np.float64),
@@ -245,7 +243,7 @@ def forward_only_tape(frames: SnapshotFrames, s: TrainingStructure, work: Worklo
         a["stream"].to_numpy(dtype=np.int64),
         np.where(scales, np.where(pos < first_forward, "data", "forward"), "setup").astype(object),
         -1,
-        np.where(kv, AUTOCAST_FOLLOWS, autocast).astype(np.int8),
+        autocast,
     )
     return _older(s).with_rows(tape, *_failed_request(s, work))
 
