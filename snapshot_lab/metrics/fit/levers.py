@@ -222,6 +222,10 @@ def _math_kernel_probabilities(tape: Tape) -> np.ndarray:
     largest[np.unique(tape.block[matmul])] = -np.inf
     np.maximum.at(largest, tape.block[matmul], tape.per_batch[matmul])
     out[attention[tape.per_batch[attention] > largest[tape.block[attention]]]] = True
+    # and in the backward: a checkpointed block's re-run, an extrapolated backward's tensors of their
+    # size (extrapolate._Step._attention_probabilities); larger than any block's linear layers made
+    backward = (tape.phase == "backward") & (tape.autocast == AUTOCAST_ATTENTION)
+    out |= backward & (tape.per_batch > (tape.per_batch[matmul].max() if matmul.size else np.inf))
     return out
 
 
