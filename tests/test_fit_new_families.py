@@ -20,6 +20,7 @@ from snapshot_lab.metrics.fit.model import step_evidence
 from snapshot_lab.metrics.plan.structure import training_structure
 
 from .conftest import SAMPLES
+from .test_fit import _most_alive_at_once
 
 MiB = 2**20
 FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
@@ -107,16 +108,6 @@ def test_a_kv_cache_takes_the_dtype_of_its_key(real_frames):
         assert _cache_bytes(real_frames(f"fit_{family}_b4_bf16_complete_python")) == _cache_bytes(fp32)
         codes = _cache_codes(fp32)
         assert codes.size == 2 * 2 * 12 and (codes == AUTOCAST_FP32).all(), family
-
-
-def _most_alive_at_once(tape, rows) -> int:
-    """The most of ``rows`` alive at one time."""
-    events = sorted([(tape.start[r], 1) for r in rows] + [(tape.end[r], -1) for r in rows], key=lambda e: (e[0], e[1]))
-    alive = best = 0
-    for _, step in events:
-        alive += step
-        best = max(best, alive)
-    return best
 
 
 def test_an_extrapolated_attention_backward_holds_three_probability_sized_tensors(real_frames):
