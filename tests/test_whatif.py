@@ -286,7 +286,7 @@ def test_an_oom_under_an_unrecorded_cap_gets_a_labelled_grid(real_frames):
     w = dg.whatifs[0]
     assert w.memory_limit_inferred and w.memory_limit_source.startswith("inferred")
     true_cap = sample_truth("oom_fragmentation")["workload"]["memory_cap_bytes"]
-    assert w.memory_limit_bytes <= true_cap  # the smallest cap consistent with the recording
+    assert w.memory_limit_bytes <= true_cap  # no round size between the bounds: the peak reserved
     (oom,) = [f for f in dg.findings if f.id == "oom-fragmentation"]
     assert "expandable_segments:True" in oom.evidence["settings_that_serve_the_request"]
     assert "assuming it was" in oom.advice and oom.evidence["memory_limit_inferred"] is True

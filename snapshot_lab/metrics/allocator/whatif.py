@@ -26,8 +26,10 @@ from .model import (
     Block,
     CachingAllocatorModel,
     OutOfMemory,
+    allocation_size,
     apply_conf,
     recorded_settings,
+    round_size,
 )
 from .releases import find_releases
 from .state import StartState, live_at_start, place_from_empty, seed, start_state
@@ -582,8 +584,7 @@ class MemoryLimit:
 def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int | None) -> MemoryLimit:
     """The limit the job ran under: the capture sidecar's OOM record, else the OOM event. When
     the device itself had room for the failing request, a per-process cap caused the OOM; the
-    snapshot does not record its value, so the peak reserved before the OOM stands in for it
-    (the smallest cap consistent with the recording: what fits under it surely fit). A trace
+    snapshot does not record its value, which the trace bounds (:func:`_cap_between`). A trace
     with no OOM but with cache flushes (cudaMalloc failed and its retry succeeded) bounds the
     limit too: see :func:`_limit_from_flushes`."""
     cap = frames.info.capture or {}
@@ -610,6 +611,34 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
             reserved + int(last["device_free_bytes"]), "the OOM event (device memory was full)", is_cap=False
         )
     if reserved_peak:
+        return _cap_between(frames, device, reserved_peak, int(last["size_bytes"]))
+    return MemoryLimit(None, "none (unlimited)")
+
+
+# the sizes a per-process cap is taken to be set at, coarsest first: whole GiB, then half GiB
+ROUND_CAPS = (1 << 30, 1 << 29)
+CAP_INFERRED = (
+    "inferred: the device had room for the failing request, so a per-process cap refused it; its value is not "
+    "recorded. The trace bounds it: at least the peak reserved ({low:,} bytes), less than what was reserved when "
+    "the request failed plus the segment it asked for ({high:,} bytes)"
+)
+
+
+def _cap_between(frames: SnapshotFrames, device: int, reserved_peak: int, request: int) -> MemoryLimit:
+    """A per-process cap the snapshot does not record. Every segment the allocator reserved fit
+    under it (the peak reserved: a lower bound), and the failing request's segment, after the
+    allocator had freed its cache, did not (an upper bound). A cap of whole GiB, or else of half
+    GiB, between them stands in for it, the smallest such; with none, the lower bound (what fits
+    under it surely fit). Every capped OOM among the samples lies between its bounds, and the
+    round size is its cap in all the fit recordings (6 GiB, 8 GiB for one) and the capture runs
+    (1, 2 and 3 GiB): the lower bound alone was 4.9 to 6.0 GiB for the 6 GiB caps, and the largest
+    batches an OOM's report gave followed it down."""
+    m = oom_moment(frames, device)  # the dump's layout where the trace cannot rebuild the OOM's
+    high = None
+    if m is not None:
+        reserved = int(m.segments["total_size_bytes"].sum())
+        high = reserved + allocation_size(round_size(request, AllocatorSettings())) - 1
+    if high is None or high < reserved_peak:
         return MemoryLimit(
             reserved_peak,
             "inferred: the device had room for the failing request, so a per-process cap refused it; its value "
@@ -617,7 +646,14 @@ def infer_memory_limit(frames: SnapshotFrames, device: int, reserved_peak: int |
             is_cap=True,
             inferred=True,
         )
-    return MemoryLimit(None, "none (unlimited)")
+    source = CAP_INFERRED.format(low=reserved_peak, high=high)
+    for unit in ROUND_CAPS:
+        cap = -(-reserved_peak // unit) * unit
+        if cap <= high:
+            return MemoryLimit(
+                cap, f"{source}; {cap / (1 << 30):g} GiB, the roundest size between them, stands in", True, True
+            )
+    return MemoryLimit(reserved_peak, f"{source}; the lower bound stands in", is_cap=True, inferred=True)
 
 
 def _limit_from_flushes(frames: SnapshotFrames, device: int, reserved_peak: int | None) -> MemoryLimit:

@@ -41,8 +41,8 @@ ADVICE = (
     "recorded settings reproduced the snapshot {how}. `snaplab whatif` compares more settings."
 )
 OOM_CAP_ASSUMPTION = (
-    " assuming a per-process cap of {cap} (the snapshot does not record the cap; this is the peak reserved "
-    "before the OOM, the smallest cap consistent with the recording)"
+    " assuming a per-process cap of {cap} (the snapshot does not record the cap; inferred from the trace, whose "
+    "peak reserved bounds it from below and whose failing request bounds it from above)"
 )
 STEADY_BASELINE = (
     ", the recorded settings replayed from the same steady state as it (the trace starts mid-run; the recorded "

@@ -54,8 +54,8 @@ def _assumption(whatif: WhatIf | None) -> str:
     cap = format_bytes(whatif.memory_limit_bytes)
     if whatif.memory_limit_inferred:
         prefix = (
-            f" The snapshot does not record the per-process cap the job ran under; assuming it was {cap} (the peak "
-            "reserved before the OOM, the smallest cap consistent with the recording), "
+            f" The snapshot does not record the per-process cap the job ran under; assuming it was {cap} (inferred "
+            "from the trace, whose peak reserved bounds it from below and whose failing request from above), "
         )
     else:
         prefix = f" Under the {cap} limit, "

@@ -549,7 +549,7 @@ def _limit(
 ) -> tuple[int | None, str, bool]:
     """The memory each GPU has: ``--memory-limit``; else what the recorded run ran out of (the
     limit the OOM observer saw, or the device's capacity at the OOM, or, under a per-process cap
-    the snapshot does not record, the peak reserved before the OOM, labelled inferred); else the
+    the snapshot does not record, read from the bounds the trace sets, labelled inferred); else the
     device's capacity from the capture sidecar."""
     if given is not None:
         return given, given_source or "--memory-limit", False
