@@ -552,6 +552,83 @@ def _trainer(batch: int, steps: int, on_end=None):
     transformers.Trainer(model=model, args=args, train_dataset=F.lm_dataset(batch * steps), callbacks=[End()]).train()
 
 
+
+# 2026-11-27: the ticket as a Hugging Face Trainer job (group fit_hftrainer_oom): GPT-2 of
+# 12 layers, d=768, vocab 8192, 1024 tokens, fp32, the Trainer's own AdamW, gradient clipping and
+# schedule, out of memory in its first forward at batch 32 under 6 GiB; the truth is Trainer runs
+# under the four levers (bf16=True, gradient_checkpointing=True), as a user would change them
+TRAINER_BATCHES = [1, 2, 4, 8, 16]
+
+
+def _trainer_gpt2(batch: int, lever: str, steps: int = 2) -> None:
+    import torch
+    import transformers
+    import workloads_frameworks as F
+
+    model = F.gpt2(n_layer=12, n_embd=768, n_head=12)
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch * steps, 1024), generator=gen)
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(H.OUT / f"hf_oom_tmp_{batch}_{lever}"), per_device_train_batch_size=batch, max_steps=steps,
+        report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        bf16="bf16" in lever, gradient_checkpointing="ckpt" in lever,
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    transformers.Trainer(model=model, args=args, train_dataset=Ids()).train()
+
+
+def trainer_table(lever: str) -> None:
+    import torch
+
+    out: dict[str, Any] = {"family": "hftrainer", "lever": lever, "uncapped": {}}
+    for batch in TRAINER_BATCHES:
+        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: _trainer_gpt2(b, lever))
+        print("trainer", lever, batch, out["uncapped"][str(batch)], flush=True)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    tries: dict[str, Any] = {}
+
+    def fits(batch: int) -> bool:
+        tries[str(batch)] = _peak_of(lambda: _trainer_gpt2(batch, lever))
+        return bool(tries[str(batch)]["ok"])
+
+    lo, hi = 0, 1
+    while hi <= 64 and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    out.update(cap_bytes=CAP_BYTES, largest_batch_under_cap=lo, cap_tries=tries)
+    print("trainer", lever, "largest under cap:", lo, flush=True)
+    (H.OUT / f"fittable_hftrainer_{lever}.json").write_text(json.dumps(out, indent=1))
+
+
+def trainer_oom_snapshot() -> None:
+    import torch
+
+    name = "fit_hftrainer_b32_oom_python"
+    _dump_at_first_oom(name, {"kind": "fit-oom-first-forward", "family": "hftrainer", "lever": "plain", "batch": 32,
+                              "stacks": "python", "cap_bytes": CAP_BYTES,
+                              "model": "GPT2LMHeadModel(n_layer=12,n_embd=768,vocab=8192), 1024 tokens, fp32",
+                              "trainer": "transformers.Trainer, default optimizer (AdamW), max_grad_norm 1.0"})
+    H.record(stacks="python")
+    try:
+        _trainer_gpt2(32, "plain")
+    except torch.OutOfMemoryError:
+        print(name, "OOM as planned", flush=True)
+
+
+for _lever in LEVERS:
+    H.workload(f"fittable_hftrainer_{_lever}", "fit_hftrainer_oom")(lambda v=_lever: trainer_table(v))
+H.workload("fit_hftrainer_b32_oom_python", "fit_hftrainer_oom")(trainer_oom_snapshot)
+
 def _peak_of(run) -> dict[str, Any]:
     import torch
 

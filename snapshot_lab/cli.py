@@ -574,7 +574,9 @@ def fit(
     bf16: Annotated[bool, typer.Option("--bf16", help="Predict under bf16 autocast.")] = False,
     optimizer: Annotated[
         str | None,
-        typer.Option(help="The optimizer, when the stacks do not name it: adamw, sgd-momentum, 8-bit adam, ..."),
+        typer.Option(
+            help="The optimizer, when the stacks do not name it: adamw, adamw-fused, sgd-momentum, 8-bit adam, ..."
+        ),
     ] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,

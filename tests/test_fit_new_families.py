@@ -134,3 +134,23 @@ def test_an_extrapolated_attention_backward_holds_three_probability_sized_tensor
         real_frames("fit_qwen2_b32_oom_python"), batch_scale=0.5, checkpointing=True, optimizer="adamw"
     )
     assert abs(allocated / truth - 1) <= 0.15
+
+
+def test_an_oom_under_transformers_trainer_assumes_its_fused_adamw(real_frames):
+    """The Trainer's OOM in its first forward never reached the step, and its stacks name no
+    optimizer. Torch's AdamW (the assumption elsewhere) makes temporaries the size of the
+    parameters in its step: with checkpointing, whose peak at batch 1 is that step, the answer was
+    16% high. The Trainer's default is AdamW with fused=True, which makes none: within 2%. The
+    same model's OOM outside the Trainer still assumes torch's AdamW."""
+    from snapshot_lab.metrics.fit import predict_step
+    from snapshot_lab.metrics.fit.model import OPTIMIZER_TRAINER, TRAINER_OPTIMIZER
+
+    frames = real_frames("fit_hftrainer_b32_oom_python")
+    ev = step_evidence(frames, 0, None)
+    assert (ev.optimizer, ev.optimizer_source) == (TRAINER_OPTIMIZER, OPTIMIZER_TRAINER)
+    real = FAMILIES["hftrainer"]["levers"]["ckpt"]["uncapped"]["1"]["peak_process_bytes"]
+    fused, _ = predict_step(frames, batch_scale=1 / 32, checkpointing=True)
+    foreach, _ = predict_step(frames, batch_scale=1 / 32, checkpointing=True, optimizer="adamw")
+    assert abs(fused / real - 1) <= 0.02
+    assert foreach / real - 1 > 0.15
+    assert step_evidence(real_frames("fit_gpt2_b32_oom_python"), 0, None).optimizer == "adamw"

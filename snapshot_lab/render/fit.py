@@ -22,6 +22,7 @@ LEVER_PHRASES = {
 }
 OPTIMIZER_NAMES = {
     "adamw": "AdamW",
+    "adamw-fused": "AdamW (fused)",
     "adam": "Adam(W)",
     "sgd-momentum": "SGD momentum",
     "8-bit adam": "8-bit Adam",

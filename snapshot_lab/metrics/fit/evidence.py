@@ -256,6 +256,14 @@ def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
     return None
 
 
+def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
+    """Whether transformers' Trainer ran the recorded job (its training loop on the stacks)."""
+    if frames.stack_frames.empty:
+        return False
+    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    return bool(files.str.endswith("/transformers/trainer.py").any())
+
+
 # the files that make a checkpointed forward: torch's (its own, transformers' gradient
 # checkpointing, FSDP's checkpoint_wrapper and Lightning's all call it) and DeepSpeed's
 CHECKPOINT_FILES = ("/torch/utils/checkpoint.py", "/deepspeed/runtime/activation_checkpointing/")

@@ -35,6 +35,7 @@ from .tape import Tape, make_tape
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
 OPTIMIZER_STATE_RATIO = {
     "adamw": 2.0,
+    "adamw-fused": 2.0,  # fused=True: one kernel per step, no temporaries (transformers' Trainer's default)
     "adam": 2.0,
     "sgd-momentum": 1.0,
     "sgd": 0.0,

@@ -20,6 +20,7 @@ from .evidence import (
     block_spans,
     checkpointing_in_stacks,
     forward_weight_copies,
+    hf_trainer_in_stacks,
     optimizer_in_stacks,
     param_facts,
     recorded_tape,
@@ -34,6 +35,13 @@ ASSUMED_OPTIMIZER = "adamw"
 OPTIMIZER_NAMED = "named in the stacks"
 OPTIMIZER_GIVEN = "given"
 OPTIMIZER_ASSUMED = "assumed: the step never ran and the stacks name no optimizer; give optimizer to change it"
+# transformers' Trainer makes its optimizer after the first forward; its default is torch's AdamW
+# with fused=True: two states per parameter and no temporaries of the parameters' size in its step
+TRAINER_OPTIMIZER = "adamw-fused"
+OPTIMIZER_TRAINER = (
+    "assumed: the step never ran and the stacks show transformers' Trainer, whose default optimizer is AdamW with "
+    "fused=True (two states per parameter, no step temporaries); give optimizer to change it"
+)
 
 
 CHECKPOINTED_NOTE = (
@@ -111,6 +119,8 @@ def _optimizer(frames: SnapshotFrames, given: str | None) -> tuple[str, str]:
     named = optimizer_in_stacks(frames)
     if named is not None:
         return named, OPTIMIZER_NAMED
+    if hf_trainer_in_stacks(frames):
+        return TRAINER_OPTIMIZER, OPTIMIZER_TRAINER
     return ASSUMED_OPTIMIZER, OPTIMIZER_ASSUMED
 
 
