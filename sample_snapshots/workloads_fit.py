@@ -557,7 +557,7 @@ def _trainer(batch: int, steps: int, on_end=None):
 # 12 layers, d=768, vocab 8192, 1024 tokens, fp32, the Trainer's own AdamW, gradient clipping and
 # schedule, out of memory in its first forward at batch 32 under 6 GiB; the truth is Trainer runs
 # under the four levers (bf16=True, gradient_checkpointing=True), as a user would change them
-TRAINER_BATCHES = [1, 2, 4, 8, 16]
+TRAINER_OOM_BATCHES = [1, 2, 4, 8, 16]
 
 
 def _trainer_gpt2(batch: int, lever: str, steps: int = 2) -> None:
@@ -588,7 +588,7 @@ def trainer_table(lever: str) -> None:
     import torch
 
     out: dict[str, Any] = {"family": "hftrainer", "lever": lever, "uncapped": {}}
-    for batch in TRAINER_BATCHES:
+    for batch in TRAINER_OOM_BATCHES:
         out["uncapped"][str(batch)] = _peak_of(lambda b=batch: _trainer_gpt2(b, lever))
         print("trainer", lever, batch, out["uncapped"][str(batch)], flush=True)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -776,6 +776,83 @@ for _precision in LIGHTNING_PRECISIONS:
         lambda p=_precision: lightning_snapshot(p))
     H.workload(f"fittruth_lightning_{_precision}", "fit_lightning_mixed")(lambda p=_precision: lightning_truth(p))
 
+
+
+# 2026-11-27: the ticket as a Lightning job (group fit_lightning_oom): the same GPT-2 in a
+# LightningModule, torch's AdamW from configure_optimizers, precision "32-true"; Lightning runs the
+# forward inside the optimizer's step (its closure), so the first forward's stacks show AdamW.step.
+# Truth: Lightning runs under the four levers ("bf16-mixed", gradient checkpointing)
+def _lightning_gpt2(batch: int, lever: str, steps: int = 2) -> None:
+    import torch
+    import workloads_frameworks as F
+
+    pl = F._lightning()
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = F.gpt2(n_layer=12, n_embd=768, n_head=12)
+            if "ckpt" in lever:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def training_step(self, batch_, batch_idx):
+            (ids,) = batch_
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    gen = torch.Generator().manual_seed(batch)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 8192, (batch * steps, 1024), generator=gen))
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         precision="bf16-mixed" if "bf16" in lever else "32-true")
+    trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=batch))
+
+
+def lightning_table(lever: str) -> None:
+    import torch
+
+    out: dict[str, Any] = {"family": "lightning", "lever": lever, "uncapped": {}}
+    for batch in TRAINER_OOM_BATCHES:
+        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: _lightning_gpt2(b, lever))
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    tries: dict[str, Any] = {}
+
+    def fits(batch: int) -> bool:
+        tries[str(batch)] = _peak_of(lambda: _lightning_gpt2(batch, lever))
+        return bool(tries[str(batch)]["ok"])
+
+    lo, hi = 0, 1
+    while hi <= 64 and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    out.update(cap_bytes=CAP_BYTES, largest_batch_under_cap=lo, cap_tries=tries)
+    print("lightning", lever, "largest under cap:", lo, flush=True)
+    (H.OUT / f"fittable_lightning_{lever}.json").write_text(json.dumps(out, indent=1))
+
+
+def lightning_oom_snapshot() -> None:
+    import torch
+
+    name = "fit_lightning_b32_oom_python"
+    _dump_at_first_oom(name, {"kind": "fit-oom-first-forward", "family": "lightning", "lever": "plain", "batch": 32,
+                              "stacks": "python", "cap_bytes": CAP_BYTES,
+                              "model": "GPT2LMHeadModel(n_layer=12,n_embd=768,vocab=8192), 1024 tokens, fp32",
+                              "trainer": "lightning Trainer, precision 32-true, torch.optim.AdamW"})
+    H.record(stacks="python")
+    try:
+        _lightning_gpt2(32, "plain")
+    except torch.OutOfMemoryError:
+        print(name, "OOM as planned", flush=True)
+
+
+for _lever in LEVERS:
+    H.workload(f"fittable_lightning_{_lever}", "fit_lightning_oom")(lambda v=_lever: lightning_table(v))
+H.workload("fit_lightning_b32_oom_python", "fit_lightning_oom")(lightning_oom_snapshot)
 
 # OOMs after the first forward (group fit_late_oom): each family as recorded, under the cap, at one
 # more than its largest batch: the first step runs out in its backward or its optimizer step,

@@ -259,7 +259,7 @@ EXPECTED = {
         f"fit_{job}_oom_python": {"oom-capacity"}
         for job in (
             *("phi_b32", "distilbert_b64", "gpt2m_b32", "resnet18_b512", "resnet101_b512"),
-            *("mistral_b32", "resnet34_b512", "wrn50_b512", "hftrainer_b32"),
+            *("mistral_b32", "resnet34_b512", "wrn50_b512", "hftrainer_b32", "lightning_b32"),
         )
     },
     **{

@@ -264,6 +264,23 @@ def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
     return bool(files.str.endswith("/transformers/trainer.py").any())
 
 
+# Lightning's automatic optimization: the closure it runs inside the optimizer's step
+LIGHTNING_CLOSURE_FILES = (
+    "/lightning/pytorch/loops/optimization/automatic.py",
+    "/pytorch_lightning/loops/optimization/automatic.py",
+)
+
+
+def lightning_closure_in_stacks(frames: SnapshotFrames) -> bool:
+    """Whether Lightning's automatic optimization ran the recorded forward: it runs the training
+    step inside ``optimizer.step(closure)`` and zeroes the gradients in the closure, after the
+    forward and before the backward, so a step's gradients live through the next forward."""
+    if frames.stack_frames.empty:
+        return False
+    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    return any(files.str.endswith(name).any() for name in LIGHTNING_CLOSURE_FILES)
+
+
 # the files that make a checkpointed forward: torch's (its own, transformers' gradient
 # checkpointing, FSDP's checkpoint_wrapper and Lightning's all call it) and DeepSpeed's
 CHECKPOINT_FILES = ("/torch/utils/checkpoint.py", "/deepspeed/runtime/activation_checkpointing/")

@@ -49,6 +49,7 @@ from .evidence import (
     autocast_copied,
     forward_weight_copies,
     kv_cache_stacks,
+    lightning_closure_in_stacks,
     stack_innermost,
 )
 from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
@@ -103,6 +104,10 @@ HEAD_WORKSPACE_ASSUMED = (
     "no matrix multiply ran before the failure: the linear head makes cuBLAS's workspaces when it first runs, "
     "taken as torch's default on a Hopper GPU (32 MiB for the forward's thread and 1 MiB for cuBLASLt, 32 MiB for "
     "the backward's thread)"
+)
+LIGHTNING_ZERO_GRAD = (
+    "Lightning's automatic optimization runs the forward in the optimizer's step closure and zeroes the gradients "
+    "there, after the forward: a step's gradients are alive through the next forward"
 )
 HEAD_ASSUMED = (
     "the forward did not reach the layers after the blocks: taken as a final norm, a linear head {head} reading "
@@ -296,6 +301,11 @@ class _Step:
         # autocast's copies of the weights: the same size whatever the batch (fit/weight_copies.py)
         self.weight_copy = forward_weight_copies(frames, s)
         self.copies: set[int] = set()  # builder rows that are weight copies
+        # Lightning zeroes the gradients in its closure, before the next backward, not after the step
+        self.zero_grad_before_backward = lightning_closure_in_stacks(frames)
+        self.stale_grads: list[int] = []  # the last step's gradients, alive through this forward
+        if self.zero_grad_before_backward:
+            self.notes.append(LIGHTNING_ZERO_GRAD)
 
     def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
         """Recorded forward rows placed from now on: those freed in the trace keep their
@@ -552,6 +562,9 @@ class _Step:
         alive: list[int] = []  # gradients of activations, oldest first
         pending = -1  # the saved tensor whose gradient was made last
         spans = {j: sp for j, sp in enumerate(self.spans)}
+        for r in self.stale_grads:  # Lightning's zero_grad, in its closure before the backward
+            b.set_end(r, start)
+        self.stale_grads = []
         workspace = self.backward_workspace() if self.pass_index == 0 else 0.0
         if workspace:
             b.add(b.tick(), NEVER, workspace, 0.0, "workspace", "backward")
@@ -633,8 +646,11 @@ class _Step:
             for n in self.p_size.tolist():
                 b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
         t = b.tick()
+        stale = self.zero_grad_before_backward
+        self.stale_grads = [r for r in self.grads if stale and b.rows[r][4] == "gradient"]
         for r in self.grads:
-            b.set_end(r, t)
+            if r not in self.stale_grads:
+                b.set_end(r, t)
         self.grads = []
 
     def run_pass(self, state_ratio: float, temporary_ratio: float) -> None:
