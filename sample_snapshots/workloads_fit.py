@@ -584,19 +584,21 @@ def _trainer_gpt2(batch: int, lever: str, steps: int = 2) -> None:
     transformers.Trainer(model=model, args=args, train_dataset=Ids()).train()
 
 
-def trainer_table(lever: str) -> None:
+def framework_table(family: str, run, lever: str) -> None:
+    """``run(batch, lever)`` (a framework's training job) at TRAINER_OOM_BATCHES uncapped, and its
+    largest batch under the cap (doubling, then bisection): ``fittable_<family>_<lever>.json``."""
     import torch
 
-    out: dict[str, Any] = {"family": "hftrainer", "lever": lever, "uncapped": {}}
+    out: dict[str, Any] = {"family": family, "lever": lever, "uncapped": {}}
     for batch in TRAINER_OOM_BATCHES:
-        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: _trainer_gpt2(b, lever))
-        print("trainer", lever, batch, out["uncapped"][str(batch)], flush=True)
+        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: run(b, lever))
+        print(family, lever, batch, out["uncapped"][str(batch)], flush=True)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
     tries: dict[str, Any] = {}
 
     def fits(batch: int) -> bool:
-        tries[str(batch)] = _peak_of(lambda: _trainer_gpt2(batch, lever))
+        tries[str(batch)] = _peak_of(lambda: run(batch, lever))
         return bool(tries[str(batch)]["ok"])
 
     lo, hi = 0, 1
@@ -606,28 +608,33 @@ def trainer_table(lever: str) -> None:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     out.update(cap_bytes=CAP_BYTES, largest_batch_under_cap=lo, cap_tries=tries)
-    print("trainer", lever, "largest under cap:", lo, flush=True)
-    (H.OUT / f"fittable_hftrainer_{lever}.json").write_text(json.dumps(out, indent=1))
+    print(family, lever, "largest under cap:", lo, flush=True)
+    (H.OUT / f"fittable_{family}_{lever}.json").write_text(json.dumps(out, indent=1))
 
 
-def trainer_oom_snapshot() -> None:
+def framework_oom_snapshot(family: str, run, how: str) -> None:
+    """``run(32, "plain")`` under the cap, dumped at its first out-of-memory error."""
     import torch
 
-    name = "fit_hftrainer_b32_oom_python"
-    _dump_at_first_oom(name, {"kind": "fit-oom-first-forward", "family": "hftrainer", "lever": "plain", "batch": 32,
+    name = f"fit_{family}_b32_oom_python"
+    _dump_at_first_oom(name, {"kind": "fit-oom-first-forward", "family": family, "lever": "plain", "batch": 32,
                               "stacks": "python", "cap_bytes": CAP_BYTES,
                               "model": "GPT2LMHeadModel(n_layer=12,n_embd=768,vocab=8192), 1024 tokens, fp32",
-                              "trainer": "transformers.Trainer, default optimizer (AdamW), max_grad_norm 1.0"})
+                              "trainer": how})
     H.record(stacks="python")
     try:
-        _trainer_gpt2(32, "plain")
+        run(32, "plain")
     except torch.OutOfMemoryError:
         print(name, "OOM as planned", flush=True)
 
 
 for _lever in LEVERS:
-    H.workload(f"fittable_hftrainer_{_lever}", "fit_hftrainer_oom")(lambda v=_lever: trainer_table(v))
-H.workload("fit_hftrainer_b32_oom_python", "fit_hftrainer_oom")(trainer_oom_snapshot)
+    H.workload(f"fittable_hftrainer_{_lever}", "fit_hftrainer_oom")(
+        lambda v=_lever: framework_table("hftrainer", _trainer_gpt2, v))
+H.workload("fit_hftrainer_b32_oom_python", "fit_hftrainer_oom")(
+    lambda: framework_oom_snapshot("hftrainer", _trainer_gpt2,
+                                   "transformers.Trainer, default optimizer (AdamW), max_grad_norm 1.0"))
+
 
 def _peak_of(run) -> dict[str, Any]:
     import torch
@@ -810,49 +817,13 @@ def _lightning_gpt2(batch: int, lever: str, steps: int = 2) -> None:
     trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=batch))
 
 
-def lightning_table(lever: str) -> None:
-    import torch
-
-    out: dict[str, Any] = {"family": "lightning", "lever": lever, "uncapped": {}}
-    for batch in TRAINER_OOM_BATCHES:
-        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: _lightning_gpt2(b, lever))
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
-    tries: dict[str, Any] = {}
-
-    def fits(batch: int) -> bool:
-        tries[str(batch)] = _peak_of(lambda: _lightning_gpt2(batch, lever))
-        return bool(tries[str(batch)]["ok"])
-
-    lo, hi = 0, 1
-    while hi <= 64 and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    out.update(cap_bytes=CAP_BYTES, largest_batch_under_cap=lo, cap_tries=tries)
-    print("lightning", lever, "largest under cap:", lo, flush=True)
-    (H.OUT / f"fittable_lightning_{lever}.json").write_text(json.dumps(out, indent=1))
-
-
-def lightning_oom_snapshot() -> None:
-    import torch
-
-    name = "fit_lightning_b32_oom_python"
-    _dump_at_first_oom(name, {"kind": "fit-oom-first-forward", "family": "lightning", "lever": "plain", "batch": 32,
-                              "stacks": "python", "cap_bytes": CAP_BYTES,
-                              "model": "GPT2LMHeadModel(n_layer=12,n_embd=768,vocab=8192), 1024 tokens, fp32",
-                              "trainer": "lightning Trainer, precision 32-true, torch.optim.AdamW"})
-    H.record(stacks="python")
-    try:
-        _lightning_gpt2(32, "plain")
-    except torch.OutOfMemoryError:
-        print(name, "OOM as planned", flush=True)
-
-
 for _lever in LEVERS:
-    H.workload(f"fittable_lightning_{_lever}", "fit_lightning_oom")(lambda v=_lever: lightning_table(v))
-H.workload("fit_lightning_b32_oom_python", "fit_lightning_oom")(lightning_oom_snapshot)
+    H.workload(f"fittable_lightning_{_lever}", "fit_lightning_oom")(
+        lambda v=_lever: framework_table("lightning", _lightning_gpt2, v))
+H.workload("fit_lightning_b32_oom_python", "fit_lightning_oom")(
+    lambda: framework_oom_snapshot("lightning", _lightning_gpt2,
+                                   "lightning Trainer, precision 32-true, torch.optim.AdamW"))
+
 
 # OOMs after the first forward (group fit_late_oom): each family as recorded, under the cap, at one
 # more than its largest batch: the first step runs out in its backward or its optimizer step,
