@@ -109,7 +109,7 @@ T5_TARGET_TOKENS = 128
 
 
 def _cap(family: str) -> int:
-    return int(FAMILIES[family].get("cap", CAP_BYTES))
+    return int(FAMILIES.get(family, {}).get("cap", CAP_BYTES))
 
 
 def _transformers_model(model, lever: str):
@@ -327,12 +327,13 @@ def measure(family: str, lever: str, batch: int) -> dict[str, Any]:
     return res
 
 
-def largest_under_cap(family: str, lever: str, top: int) -> tuple[int, dict[str, Any]]:
-    """Doubling, then bisection: the largest batch whose two whole steps ran under the cap."""
+def largest_under_cap(measure_at, top: int) -> tuple[int, dict[str, Any]]:
+    """Doubling, then bisection: the largest batch whose run (``measure_at(batch)``, a
+    :func:`measure`-like result) ran under the cap."""
     tries: dict[str, Any] = {}
 
     def fits(batch: int) -> bool:
-        res = measure(family, lever, batch)
+        res = measure_at(batch)
         tries[str(batch)] = res
         return bool(res["ok"])
 
@@ -345,16 +346,20 @@ def largest_under_cap(family: str, lever: str, top: int) -> tuple[int, dict[str,
     return lo, tries
 
 
-def table_job(family: str, lever: str) -> None:
+def table_job(family: str, lever: str, measure_at=None, batches=None, top: int | None = None) -> None:
+    """The family's peaks at ``batches`` uncapped and its largest batch under its cap, measured by
+    ``measure_at(batch)`` (default: :func:`measure` of the family's model and ``FAMILIES``' batches):
+    ``fittable_<family>_<lever>.json``."""
     import torch
 
+    measure_at = measure_at or (lambda batch: measure(family, lever, batch))
     out: dict[str, Any] = {"family": family, "lever": lever, "uncapped": {}}
-    for batch in FAMILIES[family]["batches"]:
-        out["uncapped"][str(batch)] = measure(family, lever, batch)
+    for batch in batches or FAMILIES[family]["batches"]:
+        out["uncapped"][str(batch)] = measure_at(batch)
         print(family, lever, batch, out["uncapped"][str(batch)], flush=True)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(_cap(family) / total)
-    best, tries = largest_under_cap(family, lever, FAMILIES[family]["search_max"])
+    best, tries = largest_under_cap(measure_at, top or FAMILIES[family]["search_max"])
     out["cap_bytes"] = _cap(family)
     out["largest_batch_under_cap"] = best
     out["cap_tries"] = tries
@@ -585,31 +590,8 @@ def _trainer_gpt2(batch: int, lever: str, steps: int = 2) -> None:
 
 
 def framework_table(family: str, run, lever: str) -> None:
-    """``run(batch, lever)`` (a framework's training job) at TRAINER_OOM_BATCHES uncapped, and its
-    largest batch under the cap (doubling, then bisection): ``fittable_<family>_<lever>.json``."""
-    import torch
-
-    out: dict[str, Any] = {"family": family, "lever": lever, "uncapped": {}}
-    for batch in TRAINER_OOM_BATCHES:
-        out["uncapped"][str(batch)] = _peak_of(lambda b=batch: run(b, lever))
-        print(family, lever, batch, out["uncapped"][str(batch)], flush=True)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
-    tries: dict[str, Any] = {}
-
-    def fits(batch: int) -> bool:
-        tries[str(batch)] = _peak_of(lambda: run(batch, lever))
-        return bool(tries[str(batch)]["ok"])
-
-    lo, hi = 0, 1
-    while hi <= 64 and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    out.update(cap_bytes=CAP_BYTES, largest_batch_under_cap=lo, cap_tries=tries)
-    print(family, lever, "largest under cap:", lo, flush=True)
-    (H.OUT / f"fittable_{family}_{lever}.json").write_text(json.dumps(out, indent=1))
+    """:func:`table_job` of ``run(batch, lever)``, a framework's training job, at TRAINER_OOM_BATCHES."""
+    table_job(family, lever, lambda batch: _peak_of(lambda: run(batch, lever)), TRAINER_OOM_BATCHES, 64)
 
 
 def framework_oom_snapshot(family: str, run, how: str) -> None:

@@ -213,11 +213,16 @@ _AUTOTUNE_FILES = (
 _COMPILED_GRAPH_FILES = ("torch/_inductor/output_code.py", "torch/_functorch/_aot_autograd/runtime_wrappers.py")
 
 
-def _stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:
+def stack_filenames(frames: SnapshotFrames) -> pd.Series:
+    """Every stack frame's file, with ``/`` separators (aligned with ``frames.stack_frames``)."""
+    return frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+
+
+def stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:
     """stack_ids with a frame in a file whose path ends with one of ``names``."""
     if frames.stacks.empty:
         return set()
-    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    files = stack_filenames(frames)
     hit = pd.Series(False, index=files.index)
     for name in names:
         hit |= files.str.endswith(name)
@@ -227,7 +232,7 @@ def _stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int
 
 def autotune_stacks(frames: SnapshotFrames) -> set[int]:
     """stack_ids with a frame of inductor's autotuning (``_AUTOTUNE_FILES``)."""
-    return _stacks_with_file(frames, _AUTOTUNE_FILES)
+    return stacks_with_file(frames, _AUTOTUNE_FILES)
 
 
 def one_off_stacks(frames: SnapshotFrames) -> set[int]:
@@ -239,7 +244,7 @@ def one_off_stacks(frames: SnapshotFrames) -> set[int]:
 def compiled_graph_stacks(frames: SnapshotFrames) -> set[int]:
     """stack_ids of a ``torch.compile`` graph at run time: its tensors are made by generated
     kernels, whose frames name no layer of the model."""
-    return _stacks_with_file(frames, _COMPILED_GRAPH_FILES)
+    return stacks_with_file(frames, _COMPILED_GRAPH_FILES)
 
 
 def cache_stacks(frames: SnapshotFrames) -> set[int]:

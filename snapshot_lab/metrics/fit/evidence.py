@@ -21,7 +21,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CATEGORIES, CODES
-from ..categories.stacks import one_off_stacks
+from ..categories.stacks import one_off_stacks, stack_filenames, stacks_with_file
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
@@ -219,12 +219,7 @@ def kv_cache_stacks(frames: SnapshotFrames) -> set[int]:
 
 def cast_param_stacks(frames: SnapshotFrames) -> set[int]:
     """Stacks that made a Linear's or convolution's parameter."""
-    if frames.stacks.empty:
-        return set()
-    fn = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    hit = fn.str.endswith(_CAST_MODULES)
-    fids = frames.stack_frames.loc[hit, "frame_id"]
-    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+    return stacks_with_file(frames, _CAST_MODULES)
 
 
 def autocast_copied(frames: SnapshotFrames, sid: np.ndarray, sizes: np.ndarray, matrix: np.ndarray) -> np.ndarray:
@@ -246,9 +241,7 @@ def autocast_copied(frames: SnapshotFrames, sid: np.ndarray, sizes: np.ndarray, 
 
 def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
     """The optimizer whose source file appears on the stacks (None: none did)."""
-    if frames.stack_frames.empty:
-        return None
-    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    files = stack_filenames(frames)
     for key, name in OPTIMIZER_FILES.items():
         pattern = "bitsandbytes/optim" if key == "bitsandbytes" else f"/torch/optim/{key}"
         if files.str.contains(pattern, regex=False).any():
@@ -258,10 +251,7 @@ def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
 
 def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
     """Whether transformers' Trainer ran the recorded job (its training loop on the stacks)."""
-    if frames.stack_frames.empty:
-        return False
-    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    return bool(files.str.endswith("/transformers/trainer.py").any())
+    return bool(stacks_with_file(frames, ("/transformers/trainer.py",)))
 
 
 # Lightning's automatic optimization: the closure it runs inside the optimizer's step
@@ -275,10 +265,7 @@ def lightning_closure_in_stacks(frames: SnapshotFrames) -> bool:
     """Whether Lightning's automatic optimization ran the recorded forward: it runs the training
     step inside ``optimizer.step(closure)`` and zeroes the gradients in the closure, after the
     forward and before the backward, so a step's gradients live through the next forward."""
-    if frames.stack_frames.empty:
-        return False
-    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
-    return any(files.str.endswith(name).any() for name in LIGHTNING_CLOSURE_FILES)
+    return bool(stacks_with_file(frames, LIGHTNING_CLOSURE_FILES))
 
 
 # the files that make a checkpointed forward: torch's (its own, transformers' gradient
@@ -292,9 +279,7 @@ def checkpointing_in_stacks(frames: SnapshotFrames) -> bool:
     recorded with checkpointing (tests/test_fit_checkpointed.py): torch.utils.checkpoint called
     directly (ResNet-50, ConvNeXt, ViT) or by transformers (GPT-2, Llama, T5), with Python or C++
     stacks."""
-    if frames.stack_frames.empty:
-        return False
-    files = frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    files = stack_filenames(frames)
     return any(files.str.contains(pattern, regex=False).any() for pattern in CHECKPOINT_FILES)
 
 
