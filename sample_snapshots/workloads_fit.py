@@ -96,15 +96,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "resnet34": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 512, "search_max": 1024},
     "wrn50": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    # 2026-11-27 (second session), recorded with every rule untouched: MobileNetV2 (inverted
+    # residuals, depthwise convolutions, ReLU6), DenseNet-121 (concatenating dense layers, its own
+    # memory-efficient checkpointing), Swin-T (windowed attention in stages with patch merging) and
+    # BLOOM (ALiBi attention, whose scores torch materialises in float32) from a config
+    "mobilenet": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 1024, "search_max": 2048},
+    "densenet": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    "swin": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
+    "bloom": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
 }
 # their lever snapshots go in their own group
 NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
-                "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50")
+                "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50", "mobilenet", "densenet", "swin",
+                "bloom")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
           "gemma": (8192, 1024), "qwen2": (8192, 1024), "phi": (8192, 1024), "distilbert": (30522, 512),
-          "gpt2m": (8192, 512), "mistral": (8192, 1024)}
+          "gpt2m": (8192, 512), "mistral": (8192, 1024), "bloom": (8192, 512)}
 T5_TARGET_TOKENS = 128
 
 
@@ -215,6 +224,30 @@ def build(family: str, lever: str):
                           num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
                           tie_word_embeddings=False, attention_dropout=0.0)
         model, opt = _transformers_model(Qwen2ForCausalLM(cfg).to("cuda"), lever)
+    elif family == "bloom":
+        from transformers import BloomConfig, BloomForCausalLM
+
+        cfg = BloomConfig(vocab_size=8192, hidden_size=768, n_layer=12, n_head=12, hidden_dropout=0.0,
+                          attention_dropout=0.0)
+        model, opt = _transformers_model(BloomForCausalLM(cfg).to("cuda"), lever)
+    elif family == "mobilenet":
+        import torchvision
+
+        model = torchvision.models.mobilenet_v2(dropout=0.0).to("cuda").train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif family == "densenet":
+        import torchvision
+
+        # torchvision's own checkpointing of each dense layer's bottleneck (memory_efficient)
+        model = torchvision.models.densenet121(memory_efficient="ckpt" in lever).to("cuda").train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif family == "swin":
+        import torchvision
+
+        model = torchvision.models.swin_transformer.SwinTransformer(
+            patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24], window_size=[7, 7],
+            stochastic_depth_prob=0.0).to("cuda").train()  # swin_t's architecture, stochastic depth 0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif family == "effnet":
         import torchvision
 
@@ -257,20 +290,40 @@ def vit_forward(model, x, ckpt: bool):
     return model.heads(enc.ln(x)[:, 0])
 
 
-def staged_forward(model, x, ckpt: bool, block: str, flatten: bool):
+def staged_forward(model, x, ckpt: bool, block: str, flatten: bool, head: bool = True):
     """torchvision's ConvNeXt.forward (``block="CNBlock"``) and EfficientNet.forward (``"MBConv"``,
     whose pooled features are flattened before the classifier): ``features`` stage by stage, with
     each block of the stages made of ``block`` checkpointed when asked."""
+    import torch
     from torch.utils.checkpoint import checkpoint
 
     for stage in model.features:
-        if ckpt and type(stage[0]).__name__ == block:
+        if ckpt and isinstance(stage, torch.nn.Sequential) and type(stage[0]).__name__ == block:
             for each in stage:
                 x = checkpoint(each, x, use_reentrant=False)
         else:
             x = stage(x)
+    if not head:
+        return x
     pooled = model.avgpool(x)
     return model.classifier(pooled.flatten(1) if flatten else pooled)
+
+
+def mobilenet_forward(model, x, ckpt: bool):
+    """torchvision's MobileNetV2.forward, with each inverted residual checkpointed when asked."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.features:
+        checkpointed = ckpt and type(layer).__name__ == "InvertedResidual"
+        x = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+    return model.classifier(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, (1, 1)), 1))
+
+
+def swin_forward(model, x, ckpt: bool):
+    """torchvision's SwinTransformer.forward, with each Swin block checkpointed when asked."""
+    x = staged_forward(model, x, ckpt, "SwinTransformerBlock", flatten=False, head=False)
+    return model.head(model.flatten(model.avgpool(model.permute(model.norm(x)))))
 
 
 def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
@@ -289,7 +342,9 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
                    "resnet34": resnet_forward, "wrn50": resnet_forward,
                    "vit": vit_forward,
                    "convnext": partial(staged_forward, block="CNBlock", flatten=False),
-                   "effnet": partial(staged_forward, block="MBConv", flatten=True)}[family]
+                   "effnet": partial(staged_forward, block="MBConv", flatten=True),
+                   "mobilenet": mobilenet_forward, "swin": swin_forward,
+                   "densenet": lambda model, x, ckpt: model(x)}[family]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = torch.nn.functional.cross_entropy(forward(model, x, "ckpt" in lever), y)
     loss.backward()

@@ -271,6 +271,18 @@ EXPECTED = {
         for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
         if not (job == "distilbert_b4" and "ckpt" in lever)  # torch 2.11's recorder crashed on them
     },
+    # four families recorded with every fit rule untouched (2026-11-27, second session); MobileNetV2's
+    # checkpointed recordings crashed torch 2.11's recorder
+    **{
+        f"fit_{job}_oom_python": {"oom-capacity"}
+        for job in ("mobilenet_b1024", "densenet_b512", "swin_b512", "bloom_b32")
+    },
+    **{
+        f"fit_{job}_{lever}complete_python": set()
+        for job in ("mobilenet_b32", "densenet_b16", "swin_b16", "bloom_b2")
+        for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
+        if not (job == "mobilenet_b32" and "ckpt" in lever)
+    },
     # one more than the largest batch under the cap: out in the second step (fit/steady.py); GPT-2's
     # and ViT's requests fitted beside what was allocated, in no cached block
     **{f"fit_{job}_late_oom_python": {"oom-capacity"} for job in ("bert_b10", "llama_b7", "neox_b8", "opt_b9")},
@@ -545,9 +557,10 @@ def test_samples_folder_is_small():
     held the first 190; the 72 world-size-4 ranks over gloo (3.7 MB with their sidecars), the
     inference recordings of issue #19 (whose truth lists the tensors held at each decode step)
     and the 72 ranks over NCCL on four GPUs (3.4 MB) needed more; 23.0 MiB with the eight fit
-    families of 2026-11-27 (39 recordings, 1.6 MB)."""
+    families of 2026-11-27 (39 recordings, 1.6 MB), 23.9 MiB with the four of its second session
+    (18 recordings, 0.9 MB)."""
     total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir() if p.is_file())
-    assert total < 24 * 2**20
+    assert total < 26 * 2**20
 
 
 @pytest.mark.parametrize("name", ["deep_forward_python", "deep_llama_forward_all", "deep_fwdbwd_python"])
