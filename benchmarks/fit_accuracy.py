@@ -114,6 +114,24 @@ RECORDINGS = {
         512,
         "adamw",
     ),
+    "mobilenet": (
+        "MobileNetV2",
+        "fit_mobilenet_b32_complete_python",
+        32,
+        "fit_mobilenet_b1024_oom_python",
+        1024,
+        "sgd-momentum",
+    ),
+    "densenet": (
+        "DenseNet-121",
+        "fit_densenet_b16_complete_python",
+        16,
+        "fit_densenet_b512_oom_python",
+        512,
+        "sgd-momentum",
+    ),
+    "swin": ("Swin-T", "fit_swin_b16_complete_python", 16, "fit_swin_b512_oom_python", 512, "adamw"),
+    "bloom": ("BLOOM", "fit_bloom_b2_complete_python", 2, "fit_bloom_b32_oom_python", 32, "adamw"),
 }
 
 

@@ -4,7 +4,11 @@ A model's repeated blocks (a GPT's decoder layers, a ResNet's bottlenecks, whate
 shapes) are called one after the other from one call site (``x = block(x)``, a ``Sequential``'s
 loop). Among the call sites on the forward allocations' stacks, the one whose calls cover the
 most allocations in at least two instances is taken; an instance begins where the first call
-inside the block (its first layer) comes round again.
+inside the block (its first layer) comes round again. A model that loops over its stages, then
+over each stage's blocks (torchvision's Swin-T and DenseNet-121), has its stages at that site: a
+site nested in it with more instances, covering most of its allocations, is taken instead. A site
+whose instances are not alike in size (MobileNetV2's ``features`` loop, whose first layer comes
+round only at its last) is no block site.
 
 A block whose allocations are all made under one call of its own (torchvision's ConvNeXt
 ``CNBlock``: ``self.layer_scale * self.block(input)``) shows the same first call inside it all
@@ -49,19 +53,54 @@ def _sites(
     return by_site, inner_of
 
 
+NESTED_COVER = 0.8  # a site inside the best one, with more instances, covering this share of its rows
+ALIKE = 4  # a site's instances are blocks when none has more than this many times the rows of the next largest
+
+
+def _alike(inner: Sequence[Hashable], starts: list[int], cut: bool) -> bool:
+    """Whether no instance is more than ``ALIKE`` times the next largest (MobileNetV2's
+    ``features`` loop comes round once, at its last layer: a "block" of the stem and seventeen
+    inverted residuals, then one of a convolution, is no block). ``cut``: the site's rows end the
+    forward's, so the last instance may have been cut short by an out-of-memory error and is
+    not compared."""
+    counts = np.sort(np.diff([*starts, len(inner)])[: -1 if cut else None])
+    return counts.size < 2 or bool(counts[-1] <= ALIKE * counts[-2])
+
+
 def _best_site(
-    by_site: dict[tuple[int, int], list[int]], inner_of: dict[tuple[int, int], list[Hashable]], whole_chain: bool
+    by_site: dict[tuple[int, int], list[int]],
+    inner_of: dict[tuple[int, int], list[Hashable]],
+    whole_chain: bool,
+    n_rows: int,
 ) -> tuple[int, int] | None:
-    best: tuple[int, int, int] = (0, 0, 0)
-    best_key = None
+    """The site whose calls cover the most rows (``whole_chain``: make the most instances);
+    then, without ``whole_chain``, a site nested in it with more instances that covers most of its
+    rows, repeatedly: the blocks, not the stages that hold them (torchvision's Swin-T and
+    DenseNet-121 loop over their stages in ``features``, then over each stage's blocks)."""
+    found: dict[tuple[int, int], tuple[int, int, int]] = {}
     for key, idx in by_site.items():
         starts = _instances(inner_of[key])
-        if len(starts) < 2:
+        if len(starts) < 2 or not _alike(inner_of[key], starts, idx[-1] == n_rows - 1):
             continue
-        score = (len(starts), len(idx), key[0]) if whole_chain else (len(idx), len(starts), key[0])
-        if score > best:
-            best, best_key = score, key
-    return best_key
+        found[key] = (len(starts), len(idx), key[0]) if whole_chain else (len(idx), len(starts), key[0])
+    if not found:
+        return None
+    best_key = max(found, key=lambda k: found[k])
+    if whole_chain:
+        return best_key
+    while True:
+        rows = set(by_site[best_key])
+        inside = [
+            k
+            for k, (n_rows, n_inst, depth) in found.items()
+            if depth > best_key[0]
+            and n_inst > found[best_key][1]
+            and n_rows >= NESTED_COVER * len(rows)
+            and rows.issuperset(by_site[k])
+        ]
+        if not inside:
+            return best_key
+        best_key = max(inside, key=lambda k: found[k])
 
 
 def block_instances(frames: SnapshotFrames, rows: np.ndarray, sids: np.ndarray) -> list[np.ndarray]:
@@ -70,7 +109,7 @@ def block_instances(frames: SnapshotFrames, rows: np.ndarray, sids: np.ndarray) 
     info = stack_info(frames)
     for whole_chain in (False, True):
         by_site, inner_of = _sites(info, sids, whole_chain)
-        best_key = _best_site(by_site, inner_of, whole_chain)
+        best_key = _best_site(by_site, inner_of, whole_chain, rows.size)
         if best_key is not None:
             members = np.array(by_site[best_key])
             starts = [*_instances(inner_of[best_key]), members.size]
