@@ -239,14 +239,32 @@ def autocast_copied(frames: SnapshotFrames, sid: np.ndarray, sizes: np.ndarray, 
     return copied
 
 
+# the optimizer classes torch's step annotations name (``Optimizer.step#AdamW.step``) where their
+# source file does not tell them apart: torch's AdamW runs Adam's code (torch/optim/adam.py)
+ANNOTATED_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}
+
+
 def optimizer_in_stacks(frames: SnapshotFrames) -> str | None:
-    """The optimizer whose source file appears on the stacks (None: none did)."""
+    """The optimizer whose source file appears on the stacks (None: none did), named by the
+    class the step's annotation gives where the file is another class's (every AdamW recording of
+    torch 2.11 steps in ``adam.py``: it was called Adam)."""
     files = stack_filenames(frames)
     for key, name in OPTIMIZER_FILES.items():
         pattern = "bitsandbytes/optim" if key == "bitsandbytes" else f"/torch/optim/{key}"
         if files.str.contains(pattern, regex=False).any():
-            return name
+            annotated = _annotated_optimizer(frames)
+            return annotated if name in ANNOTATED_OPTIMIZERS.values() and annotated else name
     return None
+
+
+def _annotated_optimizer(frames: SnapshotFrames) -> str | None:
+    """The optimizer class of the trace's ``Optimizer.step#<Class>.step`` annotations, when it is
+    one of :data:`ANNOTATED_OPTIMIZERS` (None: no such annotation)."""
+    names = frames.annotations.get("name")
+    if names is None or names.empty:
+        return None
+    found = names.astype(str).str.extract(r"^Optimizer\.step#(\w+)\.step$")[0].dropna()
+    return next((ANNOTATED_OPTIMIZERS[c] for c in found.unique() if c in ANNOTATED_OPTIMIZERS), None)
 
 
 def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
