@@ -104,16 +104,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "densenet": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
     "swin": {"batches": [8, 16, 32, 64, 128], "complete": 16, "oom": 512, "search_max": 1024},
     "bloom": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
+    # the same session, after the rule BLOOM's and Swin-T's bf16 recordings gave (a softmax's result is
+    # kept in float32 and a bfloat16 copy of it too): its hold-outs, GPT-2 and the Llama above with
+    # transformers' eager attention (a softmax in Python, then a cast to the values' dtype)
+    "gpt2eager": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
+    "llamaeager": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
 }
 # their lever snapshots go in their own group
 NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
                 "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50", "mobilenet", "densenet", "swin",
-                "bloom")
+                "bloom", "gpt2eager", "llamaeager")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
           "gemma": (8192, 1024), "qwen2": (8192, 1024), "phi": (8192, 1024), "distilbert": (30522, 512),
-          "gpt2m": (8192, 512), "mistral": (8192, 1024), "bloom": (8192, 512)}
+          "gpt2m": (8192, 512), "mistral": (8192, 1024), "bloom": (8192, 512),
+          "gpt2eager": (8192, 1024), "llamaeager": (32000, LLAMA_TOKENS)}
 T5_TARGET_TOKENS = 128
 
 
@@ -135,11 +141,13 @@ def build(family: str, lever: str):
     import torch
 
     torch.manual_seed(0)
-    if family in ("gpt2", "gpt2bf16"):
+    if family in ("gpt2", "gpt2bf16", "gpt2eager"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        if family == "gpt2eager":
+            cfg._attn_implementation = "eager"
         dtype = torch.bfloat16 if family == "gpt2bf16" else torch.float32
         model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever)
     elif family == "gpt2m":
@@ -175,12 +183,14 @@ def build(family: str, lever: str):
         model = getattr(torchvision.models, arch)().to("cuda").train()
         opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if family == "resnet101"
                else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    elif family in ("llama", "llamabf16"):
+    elif family in ("llama", "llamabf16", "llamaeager"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
                           tie_word_embeddings=False, attention_dropout=0.0)
+        if family == "llamaeager":
+            cfg._attn_implementation = "eager"
         # llamabf16: the same model with bfloat16 parameters (and so AdamW state), as LLM
         # fine-tuning often runs: the bf16 lever has nothing to halve
         dtype = torch.bfloat16 if family == "llamabf16" else torch.float32
