@@ -132,6 +132,22 @@ RECORDINGS = {
     ),
     "swin": ("Swin-T", "fit_swin_b16_complete_python", 16, "fit_swin_b512_oom_python", 512, "adamw"),
     "bloom": ("BLOOM", "fit_bloom_b2_complete_python", 2, "fit_bloom_b32_oom_python", 32, "adamw"),
+    "gpt2eager": (
+        "GPT-2, eager attention",
+        "fit_gpt2eager_b4_complete_python",
+        4,
+        "fit_gpt2eager_b32_oom_python",
+        32,
+        "adamw",
+    ),
+    "llamaeager": (
+        "Llama, eager attention",
+        "fit_llamaeager_b2_complete_python",
+        2,
+        "fit_llamaeager_b32_oom_python",
+        32,
+        "adamw",
+    ),
 }
 
 

@@ -228,6 +228,11 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_swin_b512_oom_python": ("swin", 512, "adamw", 0.15),
     "fit_bloom_b2_complete_python": ("bloom", 2, None, 0.10),
     "fit_bloom_b32_oom_python": ("bloom", 32, "adamw", 0.15),
+    # the hold-outs of the rule BLOOM and Swin-T gave (tests/test_fit_softmax_copy.py): eager attention
+    "fit_gpt2eager_b4_complete_python": ("gpt2eager", 4, None, 0.10),
+    "fit_gpt2eager_b32_oom_python": ("gpt2eager", 32, "adamw", 0.15),
+    "fit_llamaeager_b2_complete_python": ("llamaeager", 2, None, 0.10),
+    "fit_llamaeager_b32_oom_python": ("llamaeager", 32, "adamw", 0.15),
 }
 HALF_PRECISION_FAMILIES = ("llamabf16", "gpt2bf16")  # no bf16 lever: fit refuses it (test below)
 # refused, with the reason (their numbers before, in the module's docstring)
@@ -269,14 +274,10 @@ _DENSENET_BF16 = (
     "bfloat16: bf16 +24% to +31%, with checkpointing +37% to +55% (the real lever is torchvision's memory_efficient, "
     "which checkpoints each dense layer's bottleneck only)"
 )
-_SWIN_BF16 = (
-    "Swin's shifted_window_attention (its own code, taken as an attention kernel's, halved) adds a float32 relative "
-    "position bias to the bfloat16 scores, which makes them float32: bf16 -10% to -13% from batch 32"
-)
-_BLOOM_BF16 = (
-    "BLOOM's attention makes its softmax in float32 and casts it back to the value's dtype, a copy the float32 "
-    "recording cannot show (the cast allocates nothing there): bf16 saves less than the lever says, -11% to -13% "
-    "at 8 and 16, +11% with checkpointing at 16"
+_BLOOM_BOTH = (
+    "BLOOM with checkpointing and bf16 at batch 16 is +14.9% (bf16 alone within 1.8%, checkpointing alone within "
+    "3.9%): the real runs' peak falls with bf16 from 2.51 to 2.32 GiB where the lever's rises; not analysed (was "
+    "+11.0% before the softmax's bfloat16 copy, tests/test_fit_nested_blocks.py)"
 )
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
@@ -298,9 +299,7 @@ OUTSIDE = {
         for lever in ("bf16", "ckpt+bf16")
         for batch in (8, 16, 32, 64, 128)
     },
-    **{("fit_swin_b16_complete_python", "bf16", batch): _SWIN_BF16 for batch in (32, 64, 128)},
-    **{("fit_bloom_b2_complete_python", lever, batch): _BLOOM_BF16 for lever, batch in (("bf16", 8), ("bf16", 16))},
-    ("fit_bloom_b2_complete_python", "ckpt+bf16", 16): _BLOOM_BF16,
+    ("fit_bloom_b2_complete_python", "ckpt+bf16", 16): _BLOOM_BOTH,
     **{
         (name, lever, batch): f"FitUnsupported: {_FIRST_BLOCK}"
         for name, batches in (

@@ -135,6 +135,11 @@ def _stack_innermost(frames: SnapshotFrames) -> pd.DataFrame:
 
 AUTOCAST_FOLLOWS, AUTOCAST_FP32, AUTOCAST_MATMUL, AUTOCAST_ATTENTION = 0, 1, 2, 3
 AUTOCAST_INTEGER = 4  # an integer tensor (max pooling's indices): autocast changes nothing, casts nothing
+# a float32-list operation that saves its own result (softmax): it stays float32 under autocast, and
+# the matrix multiply that reads it (attention's probabilities times the values) saves a bfloat16
+# copy of it as well, where the float32 run's multiply saves the same tensor
+AUTOCAST_SAVED_FP32 = 5
+SAVED_FP32_OPS = frozenset({"softmax"})
 _MATMUL_FILES = r"torch/nn/modules/(?:linear|conv)\.py$|transformers/pytorch_utils\.py$"
 _ATTENTION_NAMES = r"attention|attn|scaled_dot_product"
 
@@ -162,6 +167,7 @@ def _autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
         AUTOCAST_ATTENTION,
         np.where(matmul, AUTOCAST_MATMUL, np.where(fp32 | ~in_torch, AUTOCAST_FP32, AUTOCAST_FOLLOWS)),
     )
+    code = np.where(fp32 & name.isin(SAVED_FP32_OPS), AUTOCAST_SAVED_FP32, code)
     return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
 

@@ -8,7 +8,8 @@
   large, and so is what torch's other modules make from it (norms of a convolution's output,
   ReLU, pooling); float32 stays what autocast's float32 operations make (softmax, layer norm,
   losses) and the model's own arithmetic (a float32 operand such as the residual stream wins),
-  except a layer's float32 input, which the layer saves as a bfloat16 copy; the backward's own
+  except a layer's float32 input, which the layer saves as a bfloat16 copy (a softmax's result,
+  which the softmax saves, stays beside the copy the multiply after it saves); the backward's own
   tensors take the dtype of the forward tensors of their size; the inputs stay; each block's
   Linear and convolution weights get a bfloat16 copy that lives from its forward to its
   backward;
@@ -26,6 +27,7 @@ from .evidence import (
     AUTOCAST_FP32,
     AUTOCAST_INTEGER,
     AUTOCAST_MATMUL,
+    AUTOCAST_SAVED_FP32,
     KV_CACHE,
     BlockSpan,
     StepEvidence,
@@ -162,7 +164,7 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     (``checkpointed``) they are not kept: freed after its forward, made again by the re-run."""
     made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
     cast_inputs = _matmul_inputs(tape)
-    half = made & ~np.isin(tape.autocast, [AUTOCAST_FP32, AUTOCAST_INTEGER])
+    half = made & ~np.isin(tape.autocast, [AUTOCAST_FP32, AUTOCAST_SAVED_FP32, AUTOCAST_INTEGER])
     half |= made & cast_inputs
     # a KV cache copies the keys and values in its key's dtype (evidence.allocation_codes): bfloat16
     # where a projection made the key (GPT-2's bf16 recording keeps 144 MiB of them at batch 4 where
@@ -183,7 +185,7 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     if copies:
         arr = np.array(copies, dtype=np.float64)
         out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
-    return out.with_rows(_attention_input_casts(tape, made))
+    return out.with_rows(_attention_input_casts(tape, made), _saved_result_casts(tape, made))
 
 
 def _attention_input_casts(tape: Tape, made: np.ndarray) -> Tape:
@@ -191,6 +193,25 @@ def _attention_input_casts(tape: Tape, made: np.ndarray) -> Tape:
     copies for its backward: half the cache's size, alive as long as it (Phi's and GPT-NeoX's bf16
     recordings save three bfloat16 copies per layer, the query's too, beside the float32 cache)."""
     rows = np.flatnonzero(made & (tape.category == KV_CACHE) & (tape.autocast == AUTOCAST_FP32))
+    return make_tape(
+        tape.start[rows] + 0.25,
+        tape.end[rows],
+        tape.fixed[rows] / 2,
+        tape.per_batch[rows] / 2,
+        "activation",
+        tape.stream[rows],
+        tape.phase[rows],
+        tape.block[rows],
+        AUTOCAST_FOLLOWS,
+    )
+
+
+def _saved_result_casts(tape: Tape, made: np.ndarray) -> Tape:
+    """A softmax's float32 result, which it saves, and the bfloat16 copy the matrix multiply
+    after it casts and saves too: half its size, alive as long as it. BLOOM's bf16 recording keeps
+    both per layer (its own code casts with ``.to(value.dtype)``; autocast casts Swin-T's in its
+    multiply), where the float32 one keeps one tensor and the cast allocates nothing."""
+    rows = np.flatnonzero(made & (tape.autocast == AUTOCAST_SAVED_FP32))
     return make_tape(
         tape.start[rows] + 0.25,
         tape.end[rows],
@@ -233,7 +254,8 @@ def _math_kernel_probabilities(tape: Tape) -> np.ndarray:
 def _float32_gradients(tape: Tape, cast_inputs: np.ndarray) -> np.ndarray:
     """The backward's own tensors (no stack tells what made them) the size of a tensor the
     forward keeps in float32: gradients take the dtype of what they are the gradient of."""
-    fwd = (tape.phase == "forward") & (tape.autocast == AUTOCAST_FP32) & ~cast_inputs & (tape.per_batch > 0)
+    float32 = np.isin(tape.autocast, [AUTOCAST_FP32, AUTOCAST_SAVED_FP32])
+    fwd = (tape.phase == "forward") & float32 & ~cast_inputs & (tape.per_batch > 0)
     sizes = np.unique(tape.per_batch[fwd])
     own = (tape.phase == "backward") & (tape.autocast == AUTOCAST_FOLLOWS) & (tape.block < 0)
     return own & np.isin(tape.per_batch, sizes)

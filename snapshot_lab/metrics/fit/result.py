@@ -30,7 +30,8 @@ ASSUMPTIONS = {
     "block keeps its input, re-runs its forward just before its backward",
     "bf16": "torch.autocast(dtype=torch.bfloat16), float32 parameters: what matrix multiplies (Linear, convolution, "
     "attention) and the modules after them make halves; softmax, norms, losses and the model's own arithmetic stay "
-    "float32 (a layer saves a bfloat16 copy of its float32 input), gradients take their tensor's dtype, inputs "
+    "float32 (a layer saves a bfloat16 copy of its float32 input, the multiply after a softmax one of the softmax's "
+    "result beside it), gradients take their tensor's dtype, inputs "
     "stay; a bfloat16 copy of every Linear and convolution weight lives from its forward to its backward",
     "checkpointing+bf16": "both: checkpointing of every repeated block under bf16 autocast",
     "sgd-momentum": "torch.optim.SGD with momentum instead: one state tensor per parameter (P)",
