@@ -192,18 +192,7 @@ def _attention_input_casts(tape: Tape, made: np.ndarray) -> Tape:
     """A float32 KV cache's keys and values, cast to bfloat16 for the attention, which saves the
     copies for its backward: half the cache's size, alive as long as it (Phi's and GPT-NeoX's bf16
     recordings save three bfloat16 copies per layer, the query's too, beside the float32 cache)."""
-    rows = np.flatnonzero(made & (tape.category == KV_CACHE) & (tape.autocast == AUTOCAST_FP32))
-    return make_tape(
-        tape.start[rows] + 0.25,
-        tape.end[rows],
-        tape.fixed[rows] / 2,
-        tape.per_batch[rows] / 2,
-        "activation",
-        tape.stream[rows],
-        tape.phase[rows],
-        tape.block[rows],
-        AUTOCAST_FOLLOWS,
-    )
+    return _half_copies(tape, np.flatnonzero(made & (tape.category == KV_CACHE) & (tape.autocast == AUTOCAST_FP32)))
 
 
 def _saved_result_casts(tape: Tape, made: np.ndarray) -> Tape:
@@ -211,7 +200,11 @@ def _saved_result_casts(tape: Tape, made: np.ndarray) -> Tape:
     after it casts and saves too: half its size, alive as long as it. BLOOM's bf16 recording keeps
     both per layer (its own code casts with ``.to(value.dtype)``; autocast casts Swin-T's in its
     multiply), where the float32 one keeps one tensor and the cast allocates nothing."""
-    rows = np.flatnonzero(made & (tape.autocast == AUTOCAST_SAVED_FP32))
+    return _half_copies(tape, np.flatnonzero(made & (tape.autocast == AUTOCAST_SAVED_FP32)))
+
+
+def _half_copies(tape: Tape, rows: np.ndarray) -> Tape:
+    """A bfloat16 copy of each of ``rows`` (float32 tensors), made just after it and alive as long."""
     return make_tape(
         tape.start[rows] + 0.25,
         tape.end[rows],
