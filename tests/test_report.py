@@ -284,9 +284,13 @@ def test_an_oom_fit_cannot_size_says_why_after_the_other_advice(name, reason):
     from snapshot_lab.report import FIT_REFUSED, build_report
 
     frames = load_frames(sample_path(name))
-    a = _answer(build_report(frames, compute_stats(frames)))
+    html = build_report(frames, compute_stats(frames))
+    a = _answer(html)
     assert a.index("the job needed more than the device had") < a.index(FIT_REFUSED)
     assert reason in a[a.index(FIT_REFUSED) :]
+    # listed, not styled as an answer that makes the job fit (green: class "lever fit")
+    assert f'<li class="lever fit-aside"><div class="lt">{FIT_REFUSED}' in str(html)
+    assert 'class="lever fit"' not in str(html)
 
 
 def test_evidence_reads_as_words_with_units(reports):

@@ -36,7 +36,7 @@ class Lever:
     title: str  # what to change, with its number
     detail: str  # how, and why
     stake: str = ""  # the memory it frees or makes usable, formatted
-    source: str = ""  # where the advice comes from (finding id, "plan", "fit")
+    source: str = ""  # where the advice comes from (finding id, "plan", "fit"; "fit-aside": fit's, listed last)
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,8 @@ def levers(
                     )
                 )
     out = out[:limit]
-    if fit is not None and fit.last:
-        out.append(Lever(fit.verdict, " ".join(fit.steps), source="fit"))
+    if fit is not None and fit.last:  # not an answer that makes the job fit: not styled as one
+        out.append(Lever(fit.verdict, " ".join(fit.steps), source="fit-aside"))
     return out
 
 
