@@ -109,11 +109,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # transformers' eager attention (a softmax in Python, then a cast to the values' dtype)
     "gpt2eager": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 64},
     "llamaeager": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
+    # and the hold-out of the rule Swin-T and DenseNet-121 gave (a block site nested in a stage loop):
+    # torchvision's RegNetY-400MF, whose trunk loops over its stages, then each stage's blocks
+    "regnet": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 1024, "search_max": 2048},
 }
 # their lever snapshots go in their own group
 NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
                 "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50", "mobilenet", "densenet", "swin",
-                "bloom", "gpt2eager", "llamaeager")
+                "bloom", "gpt2eager", "llamaeager", "regnet")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
@@ -251,6 +254,11 @@ def build(family: str, lever: str):
         # torchvision's own checkpointing of each dense layer's bottleneck (memory_efficient)
         model = torchvision.models.densenet121(memory_efficient="ckpt" in lever).to("cuda").train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif family == "regnet":
+        import torchvision
+
+        model = torchvision.models.regnet_y_400mf().to("cuda").train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif family == "swin":
         import torchvision
 
@@ -330,6 +338,20 @@ def mobilenet_forward(model, x, ckpt: bool):
     return model.classifier(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, (1, 1)), 1))
 
 
+def regnet_forward(model, x, ckpt: bool):
+    """torchvision's RegNet.forward (its own, which loops over the stages, then each stage's
+    blocks), or with each block checkpointed when asked."""
+    from torch.utils.checkpoint import checkpoint
+
+    if not ckpt:
+        return model(x)
+    x = model.stem(x)
+    for stage in model.trunk_output:
+        for block in stage:
+            x = checkpoint(block, x, use_reentrant=False)
+    return model.fc(model.avgpool(x).flatten(1))
+
+
 def swin_forward(model, x, ckpt: bool):
     """torchvision's SwinTransformer.forward, with each Swin block checkpointed when asked."""
     x = staged_forward(model, x, ckpt, "SwinTransformerBlock", flatten=False, head=False)
@@ -353,7 +375,7 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
                    "vit": vit_forward,
                    "convnext": partial(staged_forward, block="CNBlock", flatten=False),
                    "effnet": partial(staged_forward, block="MBConv", flatten=True),
-                   "mobilenet": mobilenet_forward, "swin": swin_forward,
+                   "mobilenet": mobilenet_forward, "swin": swin_forward, "regnet": regnet_forward,
                    "densenet": lambda model, x, ckpt: model(x)}[family]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled="bf16" in lever):
             loss = torch.nn.functional.cross_entropy(forward(model, x, "ckpt" in lever), y)
