@@ -148,6 +148,14 @@ RECORDINGS = {
         32,
         "adamw",
     ),
+    "regnet": (
+        "RegNetY-400MF",
+        "fit_regnet_b32_complete_python",
+        32,
+        "fit_regnet_b1024_oom_python",
+        1024,
+        "sgd-momentum",
+    ),
 }
 
 

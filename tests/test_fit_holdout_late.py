@@ -233,6 +233,9 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_gpt2eager_b32_oom_python": ("gpt2eager", 32, "adamw", 0.15),
     "fit_llamaeager_b2_complete_python": ("llamaeager", 2, None, 0.10),
     "fit_llamaeager_b32_oom_python": ("llamaeager", 32, "adamw", 0.15),
+    # the hold-out of the nested-block rule (tests/test_fit_nested_blocks.py), recorded after it
+    "fit_regnet_b32_complete_python": ("regnet", 32, None, 0.10),
+    "fit_regnet_b1024_oom_python": ("regnet", 1024, "sgd-momentum", 0.15),
 }
 HALF_PRECISION_FAMILIES = ("llamabf16", "gpt2bf16")  # no bf16 lever: fit refuses it (test below)
 # refused, with the reason (their numbers before, in the module's docstring)
@@ -249,7 +252,7 @@ _RESNET18_CKPT = (
 )
 _NO_READER = "ran out inside its first CNBlock, which the convolution/batch-norm reader does not cover"
 _FIRST_BLOCK = (
-    "ran out inside its first block (an inverted residual, a dense layer, a Swin block), which the "
+    "ran out inside its first block (an inverted residual, a dense layer, a Swin block, a RegNet block), which the "
     "convolution/batch-norm reader does not cover"
 )
 _SMALL_BATCH_BOTH = (
@@ -306,6 +309,7 @@ OUTSIDE = {
             ("fit_mobilenet_b1024_oom_python", (16, 32, 64, 128, 256)),
             ("fit_densenet_b512_oom_python", (8, 16, 32, 64, 128)),
             ("fit_swin_b512_oom_python", (8, 16, 32, 64, 128)),
+            ("fit_regnet_b1024_oom_python", (16, 32, 64, 128, 256)),
         )
         for lever in LEVERS
         for batch in (*batches, None)
