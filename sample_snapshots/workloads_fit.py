@@ -34,6 +34,11 @@ Two families, each trained from a fresh model for every measurement:
   on 2026-11-27 with every rule untouched (DistilBERT's checkpointed recordings crash torch 2.11's
   recorder: a SystemError in the backward). Then ``mistral``, ``resnet34`` and ``wrn50`` (Wide
   ResNet-50-2, SGD with momentum), hold-outs of the rules those five changed.
+- ``mobilenet`` (MobileNetV2), ``densenet`` (DenseNet-121, its checkpointing torchvision's own
+  ``memory_efficient``), ``swin`` (the Swin-T architecture) and ``bloom`` (BLOOM from a config):
+  recorded on 2026-11-27 (second session) with every rule untouched; then ``gpt2eager`` and
+  ``llamaeager`` (eager attention) and ``regnet`` (RegNetY-400MF), the hold-outs of the two rules
+  those four changed (docs/fit-history.md).
 
 Lever snapshots: the complete recording again under ``bf16``, ``ckpt`` and ``ckpt+bf16`` (names
 with ``_`` for ``+``), to see what autocast and checkpointing really allocate, tensor by tensor.
