@@ -702,12 +702,15 @@ def framework_oom_snapshot(family: str, run, how: str) -> None:
         print(name, "OOM as planned", flush=True)
 
 
-for _lever in LEVERS:
-    H.workload(f"fittable_hftrainer_{_lever}", "fit_hftrainer_oom")(
-        lambda v=_lever: framework_table("hftrainer", _trainer_gpt2, v))
-H.workload("fit_hftrainer_b32_oom_python", "fit_hftrainer_oom")(
-    lambda: framework_oom_snapshot("hftrainer", _trainer_gpt2,
-                                   "transformers.Trainer, default optimizer (AdamW), max_grad_norm 1.0"))
+def framework_jobs(family: str, run, how: str) -> None:
+    """Group ``fit_<family>_oom``: the four lever tables of ``run`` and its OOM snapshot at batch 32."""
+    for lever in LEVERS:
+        H.workload(f"fittable_{family}_{lever}", f"fit_{family}_oom")(
+            lambda v=lever: framework_table(family, run, v))
+    H.workload(f"fit_{family}_b32_oom_python", f"fit_{family}_oom")(lambda: framework_oom_snapshot(family, run, how))
+
+
+framework_jobs("hftrainer", _trainer_gpt2, "transformers.Trainer, default optimizer (AdamW), max_grad_norm 1.0")
 
 
 def _peak_of(run) -> dict[str, Any]:
@@ -891,12 +894,7 @@ def _lightning_gpt2(batch: int, lever: str, steps: int = 2) -> None:
     trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=batch))
 
 
-for _lever in LEVERS:
-    H.workload(f"fittable_lightning_{_lever}", "fit_lightning_oom")(
-        lambda v=_lever: framework_table("lightning", _lightning_gpt2, v))
-H.workload("fit_lightning_b32_oom_python", "fit_lightning_oom")(
-    lambda: framework_oom_snapshot("lightning", _lightning_gpt2,
-                                   "lightning Trainer, precision 32-true, torch.optim.AdamW"))
+framework_jobs("lightning", _lightning_gpt2, "lightning Trainer, precision 32-true, torch.optim.AdamW")
 
 
 # OOMs after the first forward (group fit_late_oom): each family as recorded, under the cap, at one

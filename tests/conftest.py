@@ -136,6 +136,12 @@ def real_frames():
     return get
 
 
+def unmemoised(frames: Any) -> Any:
+    """The same frames as a new object: what ``snapshot_lab.metrics._memo`` keeps per object (the
+    fit evidence, the autocast codes) is computed again, for a test that patches a rule."""
+    return frames.__class__(**vars(frames))
+
+
 _DIAGNOSIS_CACHE: dict[str, Any] = {}
 
 

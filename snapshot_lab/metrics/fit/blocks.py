@@ -92,10 +92,10 @@ def _best_site(
         rows = set(by_site[best_key])
         inside = [
             k
-            for k, (n_rows, n_inst, depth) in found.items()
+            for k, (covered, n_inst, depth) in found.items()
             if depth > best_key[0]
             and n_inst > found[best_key][1]
-            and n_rows >= NESTED_COVER * len(rows)
+            and covered >= NESTED_COVER * len(rows)
             and rows.issuperset(by_site[k])
         ]
         if not inside:

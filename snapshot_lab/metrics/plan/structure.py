@@ -1070,11 +1070,9 @@ def _last_per_parameter(size: np.ndarray, owner: np.ndarray, params: pd.DataFram
     of each size in each pass, as many as there are parameters of that size: an activation's
     gradient can have a parameter's size too (the 8-layer GPT's DDP ranks make 42 of the 24 MiB of
     its two embeddings in every backward), and only its parameters' gradients are kept."""
-    count = params["size"].value_counts()
-    allowed = count.reindex(size).fillna(0).to_numpy(dtype=np.int64)
-    key = pd.Series(list(zip(owner.tolist(), size.tolist(), strict=True)))
-    from_end = key[::-1].groupby(key[::-1]).cumcount()[::-1].to_numpy()  # 0: the last of its kind
-    return from_end < allowed
+    allowed = params["size"].value_counts().reindex(size).fillna(0).to_numpy(dtype=np.int64)
+    from_end = pd.DataFrame({"pass": owner, "size": size}).groupby(["pass", "size"]).cumcount(ascending=False)
+    return from_end.to_numpy() < allowed  # from_end 0: the last of its pass and size
 
 
 def _wrap_pos(allocs: pd.DataFrame, passes: list[Pass]) -> int:
