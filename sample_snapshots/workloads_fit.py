@@ -117,17 +117,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # and the hold-out of the rule Swin-T and DenseNet-121 gave (a block site nested in a stage loop):
     # torchvision's RegNetY-400MF, whose trunk loops over its stages, then each stage's blocks
     "regnet": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 1024, "search_max": 2048},
+    # 2026-11-27 (third session), fine-tuning, which no family did: parameters that take no gradient
+    # and have no optimizer state. GPT-2 with its (tied) embeddings and first six blocks frozen,
+    # ResNet-50 with its stem, layer1 and layer2 frozen (layer3, layer4 and the head trained), and
+    # GPT-2 frozen whole with LoRA adapters (rank 16) on every block's c_attn and c_fc. Then, left
+    # unread until the rules these three give were committed: ViT-B/16 with its patch embedding and
+    # first six encoder layers frozen, and the Llama above with LoRA adapters on q_proj and v_proj
+    "gpt2frozen": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 128},
+    "resnet50ft": {"batches": [16, 32, 64, 128, 256], "complete": 32, "oom": 512, "search_max": 2048},
+    "gpt2lora": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 128},
+    "vitft": {"batches": [4, 8, 16, 32, 64], "complete": 8, "oom": 256, "search_max": 1024},
+    "llamalora": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
 }
 # their lever snapshots go in their own group
 NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
                 "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50", "mobilenet", "densenet", "swin",
-                "bloom", "gpt2eager", "llamaeager", "regnet")
+                "bloom", "gpt2eager", "llamaeager", "regnet", "gpt2frozen", "resnet50ft", "gpt2lora", "vitft",
+                "llamalora")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
           "gemma": (8192, 1024), "qwen2": (8192, 1024), "phi": (8192, 1024), "distilbert": (30522, 512),
           "gpt2m": (8192, 512), "mistral": (8192, 1024), "bloom": (8192, 512),
-          "gpt2eager": (8192, 1024), "llamaeager": (32000, LLAMA_TOKENS)}
+          "gpt2eager": (8192, 1024), "llamaeager": (32000, LLAMA_TOKENS), "gpt2frozen": (8192, 1024),
+          "gpt2lora": (8192, 1024), "llamalora": (32000, LLAMA_TOKENS)}
 T5_TARGET_TOKENS = 128
 
 
@@ -135,21 +148,64 @@ def _cap(family: str) -> int:
     return int(FAMILIES.get(family, {}).get("cap", CAP_BYTES))
 
 
-def _transformers_model(model, lever: str):
-    """A Hugging Face model in training, checkpointed (non-reentrant) when asked, with AdamW."""
+def _transformers_model(model, lever: str, freeze=None):
+    """A Hugging Face model in training, checkpointed (non-reentrant) when asked, with AdamW over
+    the parameters that ``freeze(model)`` (when given) left trainable."""
     import torch
 
+    if freeze is not None:
+        freeze(model)
     if "ckpt" in lever:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+
+def _frozen(*modules) -> None:
+    for module in modules:
+        module.requires_grad_(False)
+
+
+def _lora(base, d_in: int, d_out: int, rank: int = 16):
+    """``base`` (frozen) plus a trainable low-rank update, as LoRA adapters add it."""
+    import torch
+
+    class LoRA(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = base
+            self.lora_a = torch.nn.Parameter(torch.randn(d_in, rank, device="cuda") * 0.01)
+            self.lora_b = torch.nn.Parameter(torch.zeros(rank, d_out, device="cuda"))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.lora_a) @ self.lora_b * 2.0
+
+    return LoRA()
+
+
+def _gpt2_lora(model) -> None:
+    """GPT-2 frozen whole, adapters on every block's c_attn and c_fc (transformers' Conv1D: weight
+    ``(in, out)``)."""
+    _frozen(model)
+    for block in model.transformer.h:
+        block.attn.c_attn = _lora(block.attn.c_attn, *block.attn.c_attn.weight.shape)
+        block.mlp.c_fc = _lora(block.mlp.c_fc, *block.mlp.c_fc.weight.shape)
+
+
+def _llama_lora(model) -> None:
+    """Llama frozen whole, adapters on every layer's q_proj and v_proj."""
+    _frozen(model)
+    for layer in model.model.layers:
+        for name in ("q_proj", "v_proj"):
+            base = getattr(layer.self_attn, name)
+            setattr(layer.self_attn, name, _lora(base, base.in_features, base.out_features))
 
 
 def build(family: str, lever: str):
     import torch
 
     torch.manual_seed(0)
-    if family in ("gpt2", "gpt2bf16", "gpt2eager"):
+    if family in ("gpt2", "gpt2bf16", "gpt2eager", "gpt2frozen", "gpt2lora"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
@@ -157,7 +213,9 @@ def build(family: str, lever: str):
         if family == "gpt2eager":
             cfg._attn_implementation = "eager"
         dtype = torch.bfloat16 if family == "gpt2bf16" else torch.float32
-        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever)
+        freeze = {"gpt2frozen": lambda m: _frozen(m.transformer.wte, m.transformer.wpe, *m.transformer.h[:6]),
+                  "gpt2lora": _gpt2_lora}.get(family)
+        model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever, freeze)
     elif family == "gpt2m":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -191,7 +249,13 @@ def build(family: str, lever: str):
         model = getattr(torchvision.models, arch)().to("cuda").train()
         opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if family == "resnet101"
                else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    elif family in ("llama", "llamabf16", "llamaeager"):
+    elif family == "resnet50ft":
+        import torchvision
+
+        model = torchvision.models.resnet50().to("cuda").train()
+        _frozen(model.conv1, model.bn1, model.layer1, model.layer2)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    elif family in ("llama", "llamabf16", "llamaeager", "llamalora"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -202,7 +266,8 @@ def build(family: str, lever: str):
         # llamabf16: the same model with bfloat16 parameters (and so AdamW state), as LLM
         # fine-tuning often runs: the bf16 lever has nothing to halve
         dtype = torch.bfloat16 if family == "llamabf16" else torch.float32
-        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda", dtype=dtype), lever)
+        freeze = _llama_lora if family == "llamalora" else None
+        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda", dtype=dtype), lever, freeze)
     elif family == "bert":
         from transformers import BertConfig, BertForMaskedLM
 
@@ -285,7 +350,11 @@ def build(family: str, lever: str):
         import torchvision
 
         model = torchvision.models.vit_b_16().to("cuda").train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if family == "vitft":
+            _frozen(model.conv_proj, *model.encoder.layers[:6])
+            model.class_token.requires_grad_(False)
+            model.encoder.pos_embedding.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, opt
 
 
@@ -376,8 +445,8 @@ def step(family: str, lever: str, model, opt, batch: int, gen) -> None:
         x = torch.randn(batch, 3, 224, 224, generator=gen).to("cuda")
         y = torch.randint(0, 1000, (batch,), generator=gen).to("cuda")
         forward = {"resnet50": resnet_forward, "resnet18": resnet_forward, "resnet101": resnet_forward,
-                   "resnet34": resnet_forward, "wrn50": resnet_forward,
-                   "vit": vit_forward,
+                   "resnet34": resnet_forward, "wrn50": resnet_forward, "resnet50ft": resnet_forward,
+                   "vit": vit_forward, "vitft": vit_forward,
                    "convnext": partial(staged_forward, block="CNBlock", flatten=False),
                    "effnet": partial(staged_forward, block="MBConv", flatten=True),
                    "mobilenet": mobilenet_forward, "swin": swin_forward, "regnet": regnet_forward,
@@ -507,6 +576,7 @@ def _snapshot_run(family: str, batch: int, capped: bool, lever: str = "plain") -
                   "param_bytes": sum(p.numel() * p.element_size() for p in params),
                   "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in opt.state.values()
                                                for t in st.values() if torch.is_tensor(t) and t.is_cuda),
+                  "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
                   "optimizer": type(opt).__name__})
 
 

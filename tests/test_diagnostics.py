@@ -278,6 +278,8 @@ EXPECTED = {
         for job in (
             *("mobilenet_b1024", "densenet_b512", "swin_b512", "bloom_b32"),
             *("gpt2eager_b32", "llamaeager_b32", "regnet_b1024"),
+            # fine-tuning (2026-11-27, third session): frozen layers, LoRA adapters
+            *("gpt2frozen_b32", "resnet50ft_b512", "gpt2lora_b32"),
         )
     },
     **{
@@ -290,9 +292,14 @@ EXPECTED = {
             "gpt2eager_b4",
             "llamaeager_b2",
             "regnet_b32",
+            "gpt2frozen_b4",
+            "resnet50ft_b32",
+            "gpt2lora_b4",
         )
         for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
-        if not (job == "mobilenet_b32" and "ckpt" in lever)
+        # torch 2.11's recorder crashed on GPT-2's checkpointed bf16 fine-tuning runs
+        if not (job in ("mobilenet_b32", "gpt2frozen_b4", "gpt2lora_b4") and lever == "ckpt_bf16_")
+        and not (job == "mobilenet_b32" and "ckpt" in lever)
     },
     # one more than the largest batch under the cap: out in the second step (fit/steady.py); GPT-2's
     # and ViT's requests fitted beside what was allocated, in no cached block
@@ -569,7 +576,8 @@ def test_samples_folder_is_small():
     inference recordings of issue #19 (whose truth lists the tensors held at each decode step)
     and the 72 ranks over NCCL on four GPUs (3.4 MB) needed more; 23.0 MiB with the eight fit
     families of 2026-11-27 (39 recordings, 1.6 MB), 24.6 MiB with the seven of its second session
-    (33 recordings, 1.5 MB)."""
+    (33 recordings, 1.5 MB), 25.0 MiB with the three fine-tuning families of its third (13
+    recordings, 0.4 MB)."""
     total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir() if p.is_file())
     assert total < 26 * 2**20
 
