@@ -156,6 +156,23 @@ RECORDINGS = {
         1024,
         "sgd-momentum",
     ),
+    "gpt2frozen": (
+        "GPT-2, half frozen",
+        "fit_gpt2frozen_b4_complete_python",
+        4,
+        "fit_gpt2frozen_b32_oom_python",
+        32,
+        "adamw",
+    ),
+    "resnet50ft": (
+        "ResNet-50, layer3-4 trained",
+        "fit_resnet50ft_b32_complete_python",
+        32,
+        "fit_resnet50ft_b512_oom_python",
+        512,
+        "sgd-momentum",
+    ),
+    "gpt2lora": ("GPT-2, LoRA", "fit_gpt2lora_b4_complete_python", 4, "fit_gpt2lora_b32_oom_python", 32, "adamw"),
 }
 
 

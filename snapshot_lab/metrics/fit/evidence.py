@@ -72,6 +72,10 @@ class BlockSpan:
     backward_start: float
     backward_end: float
     matrix_bytes: int  # its parameters autocast would copy
+    # whether its forward saved anything for the backward: a block outside autograd (its parameters
+    # frozen and its input needing no gradient, as a fine-tuned model's first layers) saves nothing
+    # and has no backward; checkpointing leaves it as it is (fit/frozen.py)
+    saves: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ class StepEvidence:
     checkpointed: bool = False
     # the forward runs a torch.compile graph: no layer to checkpoint or cast (fit/model.py)
     compiled: bool = False
+    # checkpointing makes the input embeddings' output require a gradient (transformers'): frozen
+    # first blocks join autograd under it (fit/frozen.py)
+    frozen_join_when_checkpointed: bool = False
 
 
 MODEL_STATE_CODES = (CODES["parameter"], CODES["gradient"], CODES["optimizer_state"])
@@ -271,6 +278,21 @@ def _annotated_optimizer(frames: SnapshotFrames) -> str | None:
         return None
     found = names.astype(str).str.extract(r"^Optimizer\.step#(\w+)\.step$")[0].dropna()
     return next((ANNOTATED_OPTIMIZERS[c] for c in found.unique() if c in ANNOTATED_OPTIMIZERS), None)
+
+
+def transformers_token_model(frames: SnapshotFrames) -> bool:
+    """Whether a transformers model that reads token ids ran the forward: a model file of
+    transformers' on a stack whose innermost frame is an embedding lookup. Its
+    ``gradient_checkpointing_enable()`` makes the input embeddings' output require a gradient
+    (transformers 5: for every model whose main input is ``input_ids``), so that under
+    checkpointing its frozen first layers join autograd (fit/frozen.py)."""
+    inner = stack_innermost(frames)
+    lookups = set(inner.index[inner["name"] == "embedding"].astype(int).tolist())
+    if not lookups:
+        return False
+    model_file = stack_filenames(frames).str.contains("/transformers/models/", regex=False)
+    fids = frames.stack_frames.loc[model_file, "frame_id"]
+    return bool(lookups & set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int)))
 
 
 def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
@@ -517,9 +539,13 @@ def block_spans(
             start.tolist(),
             end.tolist(),
             [
-                matrices[count][index]
-                for count, index in zip(found.count_of.tolist(), found.index.tolist(), strict=True)
+                # autocast caches no copy of a frozen weight: it casts it at each use, and frees it
+                matrices[count][index] if saves else 0
+                for count, index, saves in zip(
+                    found.count_of.tolist(), found.index.tolist(), some.tolist(), strict=True
+                )
             ],
+            some.tolist(),
             strict=True,
         )
     )

@@ -52,6 +52,7 @@ from .evidence import (
     lightning_closure_in_stacks,
     stack_innermost,
 )
+from .frozen import ADAPTER_NOTE, FROZEN_NOTE, adapter_rows, frozen_parameters, frozen_prefix
 from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -175,6 +176,7 @@ class PartialForward:
     params: np.ndarray  # parameter rows, in order
     param_block: np.ndarray  # per parameter: its block (-1: outside)
     tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
+    adapters: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # LoRA's (fit/frozen.py)
 
 
 def parameter_repeat(keys: np.ndarray, reach: int = 8) -> tuple[int, int, int]:
@@ -218,6 +220,8 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
     is_param = code == CODES["parameter"]
     params = np.flatnonzero(is_param & (pos < f0))
     data = np.flatnonzero((pos < f0) & ~is_param & (pos > (pos[params].max() if params.size else -1)))
+    adapter = (a["free_pos"].to_numpy()[data] < 0) & adapter_rows(frames, a["sid"].to_numpy()[data])
+    data, adapters = data[~adapter], data[adapter]
     fwd = np.flatnonzero(pos >= f0)
     mod_rows = fwd[main[fwd] & module[fwd]]
     found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])
@@ -228,7 +232,8 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         for j in range(p_count):
             param_block[p_start + j * p_period : p_start + (j + 1) * p_period] = j
     if not found:
-        return PartialForward(f0, fwd, data, (), np.zeros(0, dtype=np.int64), max(p_count, 0), params, param_block)
+        none = np.zeros(0, dtype=np.int64)
+        return PartialForward(f0, fwd, data, (), none, max(p_count, 0), params, param_block, (), adapters)
     spans = [(int(pos[r[0]]), int(pos[r[-1]])) for r in found]
     blocks = [fwd[(pos[fwd] >= lo) & (pos[fwd] <= hi) & main[fwd]] for lo, hi in spans]
     # what a block makes in its own forward after its last submodule (ViT's and GPT-2's
@@ -251,6 +256,7 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
         params,
         param_block,
         tuple(tails[: len(whole)]),
+        adapters,
     )
 
 
@@ -306,6 +312,12 @@ class _Step:
         self.stale_grads: list[int] = []  # the last step's gradients, alive through this forward
         if self.zero_grad_before_backward:
             self.notes.append(LIGHTNING_ZERO_GRAD)
+        self.frozen_blocks = 0  # the first blocks outside autograd (fit/frozen.py)
+        self.trained = np.ones(self.p_size.size, dtype=bool)  # parameters that take a gradient
+        # LoRA's adapters: where there are any, the only trained parameters
+        self.adapters = self.size[pf.adapters]
+        if self.adapters.size:
+            self.notes.append(ADAPTER_NOTE.format(n=self.adapters.size, size=int(self.adapters.sum())))
 
     def copy_rows(self, rows: np.ndarray, part: str, block: int, workspace: np.ndarray | None = None) -> list[int]:
         """Recorded forward rows placed from now on: those freed in the trace keep their
@@ -355,7 +367,7 @@ class _Step:
     def model_state(self) -> None:
         """Parameters and memory older than the trace."""
         b = self.b
-        for n in self.p_size.tolist():
+        for n in [*self.p_size.tolist(), *self.adapters.tolist()]:
             b.add(-2.0, NEVER, n, 0.0, "parameter", "setup")
         for n, cat, _ in self.s.untracked:
             b.add(-2.0, NEVER, float(n), 0.0, "parameter" if cat == "parameter" else "workspace", "setup")
@@ -568,10 +580,20 @@ class _Step:
         workspace = self.backward_workspace() if self.pass_index == 0 else 0.0
         if workspace:
             b.add(b.tick(), NEVER, workspace, 0.0, "workspace", "backward")
+        # transformers' KV cache keeps its keys and values whether or not autograd does
+        kept = [(part, j, [r for r in rows if b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
+        self.frozen_blocks = k = frozen_prefix(kept)
+        self.trained = ~frozen_parameters(pf.param_block, k) & (self.adapters.size == 0)
+        for n in self.adapters.tolist():  # tiny: made together, as the backward begins
+            self.grads.append(b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward"))
+        if k:
+            self.notes.append(FROZEN_NOTE.format(k=k, n=pf.layers))
         for part, j, rows in reversed(self.saved):
+            if k and (part == "pre" or (part in ("block", "tail") and j < k)):  # where autograd's graph begins
+                break
             if part == "block" and j in spans:
                 spans[j][2] = b.now + 1
-            owned = pf.param_block == j if part == "block" else self._outside(part)
+            owned = (pf.param_block == j if part == "block" else self._outside(part)) & self.trained
             for n in self.p_size[owned].tolist():
                 self.grads.append(b.add(b.tick(), NEVER, n, 0.0, "gradient", "backward"))
             saved = set(rows)
@@ -637,13 +659,14 @@ class _Step:
         # per parameter, tensors its size (AdamW's exp_avg and exp_avg_sq), then what is left of the ratio
         whole, fraction = divmod(state_ratio, 1.0)
         shares = [1.0] * int(whole) + ([fraction] if fraction > 0 else [])
+        trained = [*self.p_size[self.trained].tolist(), *self.adapters.tolist()]
         if self.pass_index == 0:
-            for n in self.p_size.tolist():
+            for n in trained:
                 for share in shares:
                     b.add(b.tick(), NEVER, n * share, 0.0, "optimizer_state", "step")
         if temporary_ratio > 0:
             t = b.tick()
-            for n in self.p_size.tolist():
+            for n in trained:
                 b.add(t, t + 0.5, n * temporary_ratio, 0.0, "workspace", "step")
         t = b.tick()
         stale = self.zero_grad_before_backward
@@ -661,9 +684,11 @@ class _Step:
         backward_start = self.backward()
         pb = self.pf.param_block
         for j, sp in enumerate(self.spans):
-            matrices = int(self.p_size[self.castable & (pb == j)].sum())
+            saves = j >= self.frozen_blocks  # autocast caches no copy of a frozen weight
+            matrices = int(self.p_size[self.castable & (pb == j)].sum()) if saves else 0
             uid = self.pass_index * BLOCK_UID_STRIDE + j
-            self.block_spans.append(BlockSpan(uid, j, sp[0], sp[1], sp[2], sp[3], matrices))
+            back = (sp[2], sp[3]) if saves else (self.b.now, self.b.now)  # a frozen block's: the backward's end
+            self.block_spans.append(BlockSpan(uid, j, sp[0], sp[1], *back, matrices, saves))
         outside = self.p_size[self.castable & (pb < 0)]
         # a tied head's copy, unless its embedding is copied already (no creation stack named it)
         outside_bytes = int(outside.sum() + (0.0 if np.isin(self.tied_head, outside) else self.tied_head))

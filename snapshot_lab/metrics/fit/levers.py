@@ -32,6 +32,7 @@ from .evidence import (
     BlockSpan,
     StepEvidence,
 )
+from .frozen import join_frozen
 from .tape import Tape, make_tape
 
 # optimizer state and step temporaries, in parameter bytes (fp32 parameters)
@@ -101,7 +102,7 @@ def _output_outside(tape: Tape, f_end: np.ndarray, b_start: np.ndarray) -> np.nd
     )
 
 
-def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
+def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...], frozen_join: bool = False) -> Tape:
     """Activation checkpointing of every repeated block. transformers turns its KV cache off
     under gradient checkpointing: the cache's copies of keys and values are not made.
 
@@ -109,9 +110,14 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     saved tensors the backward frees: in the next block's backward, or by its own first operation
     (an in-place ReLU saves its result); in that case the re-run forward makes it again (the
     backward unpacks the re-run's tensors: ResNet's bottlenecks), else the re-run stops before it
-    (GPT-2's residual add saves nothing). Every block at once, as array operations."""
+    (GPT-2's residual add saves nothing). Every block at once, as array operations. A block that
+    saved nothing (outside autograd: a fine-tuned model's frozen first layers) has no backward in
+    which to re-run its forward, and is left as it is; but ``frozen_join`` (transformers'
+    checkpointing, fit/frozen.py) makes it keep its input until its backward, at the backward's end."""
     tape = tape.scaled(tape.category == KV_CACHE, 0.0)
     end = tape.end.copy()
+    every = blocks
+    blocks = tuple(b for b in blocks if b.saves)
     rows, block_of = _block_rows(tape, blocks)
     f_start, f_end, b_start = (
         np.array([getattr(b, f) for b in blocks], dtype=np.float64).reshape(-1)
@@ -142,7 +148,7 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
         tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
     )
     if not rows.size:
-        return out
+        return join_frozen(out, every) if frozen_join else out
     uid = np.array([b.uid for b in blocks], dtype=np.int64)[block_of]
     recomputed = make_tape(
         start,
@@ -155,7 +161,8 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
         uid,
         tape.autocast[rows],
     )
-    return out.with_rows(recomputed)
+    out = out.with_rows(recomputed)
+    return join_frozen(out, every) if frozen_join else out
 
 
 def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> Tape:

@@ -24,8 +24,10 @@ from .evidence import (
     optimizer_in_stacks,
     param_facts,
     recorded_tape,
+    transformers_token_model,
 )
 from .extrapolate import Extrapolated, FitUnsupportedStep, extrapolate_step
+from .frozen import FROZEN_JOIN_NOTE, FROZEN_NOTE
 from .levers import OPTIMIZER_STATE_RATIO, STEP_TEMPORARY_RATIO
 from .precision import half_precision_parameters
 from .search import PeakCurve
@@ -105,6 +107,8 @@ def _with_precision(frames: SnapshotFrames, device: int, optimizer: str | None) 
         ev = replace(ev, checkpointed=True, notes=(*ev.notes, CHECKPOINTED_NOTE))
     if compiled_forward(frames, device):
         ev = replace(ev, compiled=True, notes=(*ev.notes, COMPILED_NOTE))
+    if any(not b.saves for b in ev.blocks) and transformers_token_model(frames):
+        ev = replace(ev, frozen_join_when_checkpointed=True, notes=(*ev.notes, FROZEN_JOIN_NOTE))
     copies = int(forward_weight_copies(frames, training_structure(frames, device)).sum())
     half, note = half_precision_parameters(frames, ev.tape, ev.blocks, copies)
     if not half:
@@ -150,6 +154,8 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
             f"a whole step was recorded ({len(s.passes)} iterations, {n_blocks} repeated blocks)"
         ]
         notes += [steady] if steady else []
+        frozen = next((b.index for b in blocks if b.saves), 0)  # the first pass's frozen first blocks
+        notes += [FROZEN_NOTE.format(k=frozen, n=n_blocks)] if frozen else []
         return StepEvidence(tape, True, params, name, source, state, n_blocks, blocks, passes, tuple(notes))
     ex = _extrapolated(frames, s, name)
     if ex is None:

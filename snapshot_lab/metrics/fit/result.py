@@ -179,7 +179,7 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
 
     def checkpoint() -> Tape:
         if not checkpointed:
-            checkpointed.append(lv.checkpoint(t, ev.blocks))
+            checkpointed.append(_checkpointed(ev))
         return checkpointed[0]
 
     can_checkpoint = bool(ev.blocks) and not ev.checkpointed and not ev.compiled
@@ -197,6 +197,11 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
     return out
 
 
+def _checkpointed(ev: StepEvidence) -> Tape:
+    """The step's tape under activation checkpointing (the one place it is built)."""
+    return lv.checkpoint(ev.tape, ev.blocks, ev.frozen_join_when_checkpointed)
+
+
 def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
     tape = ev.tape
     if ev.compiled and (checkpointing or bf16):
@@ -208,7 +213,7 @@ def requested_tape(ev: StepEvidence, checkpointing: bool, bf16: bool) -> Tape:
             raise FitUnsupported("checkpointing needs repeated blocks, and the trace shows none")
         if ev.checkpointed:
             raise FitUnsupported(NO_CHECKPOINTING_AGAIN)
-        tape = lv.checkpoint(tape, ev.blocks)
+        tape = _checkpointed(ev)
     if bf16 and ev.half_precision:
         raise FitUnsupported(NO_BF16)
     return lv.bf16_autocast(tape, ev, checkpointed=checkpointing) if bf16 else tape

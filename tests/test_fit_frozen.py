@@ -1,0 +1,150 @@
+"""Fine-tuning: parameters that take no gradient (``fit/frozen.py``).
+
+Three real jobs recorded on 2026-11-27 (third session) with every rule untouched, none of which
+trains every parameter: GPT-2 with its tied embeddings and first six blocks frozen
+(``gpt2frozen``), torchvision's ResNet-50 with its stem, layer1 and layer2 frozen
+(``resnet50ft``), and GPT-2 frozen whole with LoRA adapters on every block's c_attn and c_fc
+(``gpt2lora``). As they came:
+
+- checkpointing from the complete recordings re-ran the frozen blocks' forward at the backward's
+  start, all at once: GPT-2 +99.6% (largest batch 14 where 30 ran), ResNet-50 +73.8% (248 where
+  443 ran). A block that saves nothing for the backward is outside autograd (``BlockSpan.saves``)
+  and checkpointing leaves it as it is: ResNet-50 448 / 443.
+- transformers' ``gradient_checkpointing_enable()`` makes the input embeddings' output require a
+  gradient, so under it GPT-2's frozen blocks join autograd: its checkpointed recording keeps all
+  twelve blocks' inputs at the loss and re-runs the frozen ones after the trained ones. Leaving
+  them out was -10.8% at batch 16; each keeping its input is -1.5%, the largest batch 30 / 30.
+- the OOMs gave gradients and AdamW state to every parameter (the step's are made only for the
+  trained ones): GPT-2 frozen +8.5% to +32%, LoRA +4.6% to +49% (+217% with checkpointing at batch
+  1, where the state is most of the step). The frozen blocks of an OOM are those that keep nothing
+  they made past their forward but their output (and transformers' KV cache); LoRA's adapters are
+  told by the code that made them. The gradients and state are now the trained parameters' to the
+  byte, from the OOMs as from the complete recordings.
+
+ViT-B/16 with its first six encoder layers frozen and the Llama with LoRA adapters on q_proj and
+v_proj were recorded in the same run and left unread until these rules were committed: their
+hold-outs (the tests at the end).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from snapshot_lab.metrics.fit import compute_fit, frozen, predict_step
+from snapshot_lab.metrics.fit import levers as lv
+from snapshot_lab.metrics.fit.model import step_evidence
+
+from .conftest import SAMPLES, unmemoised
+
+FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
+CAP = 6 << 30
+
+
+def _truth(name: str) -> dict:
+    return json.loads((SAMPLES / f"{name}.truth.json").read_text())["workload"]
+
+
+def _saves(frames, optimizer: str | None = None) -> list[bool]:
+    ev = step_evidence(frames, 0, optimizer)
+    return [b.saves for b in ev.blocks if b.uid < 1000]  # the first pass's
+
+
+def _largest(frames, recorded: int, lever: str, optimizer: str | None = None) -> float:
+    fit = compute_fit(frames, memory_limit=CAP, recorded_batch=recorded, optimizer=optimizer)
+    return fit.largest_batch[lever]
+
+
+def test_the_frozen_blocks_are_those_that_save_nothing(real_frames):
+    """GPT-2's six frozen blocks of twelve, from its complete recording and its OOM (whose blocks
+    6 to 11 are copies of block 6); six of ResNet-50's seven (layer1's three, layer2's four): the
+    last makes its output inside its span (an in-place ReLU) and the first trained block saves it,
+    so it is taken for a trained one (its re-run under checkpointing is the lever's only excess);
+    none in GPT-2 trained whole, nor in its LoRA job, whose frozen layers pass a gradient to the
+    adapters below them."""
+    assert _saves(real_frames("fit_gpt2frozen_b4_complete_python")) == [False] * 6 + [True] * 6
+    assert _saves(real_frames("fit_gpt2frozen_b32_oom_python"), "adamw") == [False] * 6 + [True] * 6
+    assert _saves(real_frames("fit_resnet50ft_b32_complete_python")) == [False] * 6 + [True] * 10
+    assert all(_saves(real_frames("fit_gpt2_b4_complete_python")))
+    assert all(_saves(real_frames("fit_gpt2lora_b4_complete_python")))
+
+
+def test_torch_checkpoint_leaves_a_frozen_block_out(real_frames, monkeypatch):
+    """ResNet-50 fine-tuned, checkpointed with torch's own checkpoint: 448 where 443 ran; every
+    block checkpointed (the simpler rule) re-runs the seven frozen blocks at the backward's start,
+    248. transformers' rule is not applied: it reads images, not token ids."""
+    frames = real_frames("fit_resnet50ft_b32_complete_python")
+    real = FAMILIES["resnet50ft"]["levers"]["ckpt"]["largest_batch_under_cap"]
+    assert real == 443
+    assert not step_evidence(frames, 0, None).frozen_join_when_checkpointed
+    assert _largest(frames, 32, "checkpointing") == 448
+    every = lv.checkpoint
+    monkeypatch.setattr(
+        lv, "checkpoint", lambda tape, blocks, join=False: every(tape, tuple(replace(b, saves=True) for b in blocks))
+    )
+    assert _largest(unmemoised(frames), 32, "checkpointing") == 248
+
+
+@pytest.mark.parametrize(
+    ("name", "recorded"), [("fit_gpt2frozen_b4_complete_python", 4), ("fit_gpt2frozen_b32_oom_python", 32)]
+)
+def test_transformers_checkpointing_makes_the_frozen_blocks_keep_their_inputs(real_frames, monkeypatch, name, recorded):
+    """GPT-2 with its first six blocks frozen, checkpointed by transformers: 30 where 30 ran, from
+    both recordings, and the peak at batch 16 within 3.5%; with the frozen blocks left out, as
+    torch's checkpoint would, more than 8% low."""
+    frames = real_frames(name)
+    ev = step_evidence(frames, 0, "adamw")
+    assert ev.frozen_join_when_checkpointed
+    assert frozen.FROZEN_JOIN_NOTE in ev.notes
+    measured = FAMILIES["gpt2frozen"]["levers"]["ckpt"]["uncapped"]["16"]["peak_process_bytes"]
+    allocated, _ = predict_step(frames, batch_scale=16 / recorded, checkpointing=True, optimizer="adamw")
+    assert abs(allocated / measured - 1) < 0.035, allocated / measured - 1
+    assert _largest(frames, recorded, "checkpointing", "adamw") == 30
+    monkeypatch.setattr(lv, "join_frozen", lambda tape, blocks: tape)
+    alone, _ = predict_step(unmemoised(frames), batch_scale=16 / recorded, checkpointing=True, optimizer="adamw")
+    assert alone / measured - 1 < -0.08, alone / measured - 1
+
+
+@pytest.mark.parametrize(
+    ("oom", "complete", "family"),
+    [
+        ("fit_gpt2frozen_b32_oom_python", "fit_gpt2frozen_b4_complete_python", "gpt2frozen"),
+        ("fit_gpt2lora_b32_oom_python", "fit_gpt2lora_b4_complete_python", "gpt2lora"),
+    ],
+)
+def test_an_oom_gives_gradients_and_state_to_the_trained_parameters_only(real_frames, oom, complete, family):
+    """From the OOM in the first forward, the gradients are the trained parameters' bytes and
+    AdamW's state twice that, to the byte what the job's optimizer held after two steps (its
+    truth); before, every parameter's (GPT-2: 351 and 703 MiB, where 162 and 324 MiB ran; LoRA:
+    351 and 703 MiB for adapters of 5.1 MiB). The largest batch as recorded is exact."""
+    truth = _truth(complete)
+    fit = compute_fit(real_frames(oom), memory_limit=CAP, recorded_batch=32, optimizer="adamw")
+    assert fit.breakdown["gradients_bytes"] == truth["trainable_param_bytes"]
+    assert fit.breakdown["optimizer_state_bytes"] == truth["optimizer_state_bytes"]
+    assert fit.breakdown["parameters_bytes"] == truth["param_bytes"]
+    assert fit.largest_batch["as recorded"] == FAMILIES[family]["levers"]["plain"]["largest_batch_under_cap"]
+
+
+def test_lora_adapters_are_told_by_the_code_that_made_them(real_frames, monkeypatch):
+    """GPT-2's 48 adapter tensors (5.1 MiB), made after the model by code named for LoRA, are the
+    only trained parameters; without that rule its OOM took every parameter for trained and its
+    largest batch as recorded was 4 where 5 ran."""
+    frames = real_frames("fit_gpt2lora_b32_oom_python")
+    ev = step_evidence(frames, 0, "adamw")
+    note = frozen.ADAPTER_NOTE.format(n=48, size=5_308_416)
+    assert note in ev.notes
+    monkeypatch.setattr("snapshot_lab.metrics.fit.extrapolate.adapter_rows", lambda frames, sid: sid < 0)
+    assert _largest(unmemoised(frames), 32, "as recorded", "adamw") == 4
+
+
+def test_a_frozen_first_forward_is_no_series_of_iterations(real_frames):
+    """The frozen blocks of GPT-2's OOM free what they make, as iterations of an inference loop do,
+    and its trained blocks then keep theirs: the leak finder took six blocks for iterations and the
+    trained blocks' activations for a leak of 730 MiB an iteration. The last whole repetition must
+    have returned too; an inference loop's do (``inf_flush_python``: still found)."""
+    from snapshot_lab.metrics.history.iterations import find_iterations
+
+    assert find_iterations(real_frames("fit_gpt2frozen_b32_oom_python"), 0) is None
+    assert find_iterations(real_frames("inf_flush_python"), 0) is not None
