@@ -1073,6 +1073,68 @@ for _arch, _batches in COMPILE_BATCHES.items():
         H.workload(_name, "fit_compile", env={"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor_{_name}"})(
             lambda a=_arch, b=_batches[0], st=_stacks: compile_snapshot(a, b, st))
 
+
+
+# 2026-11-27 (third session): an inference job that runs out of memory in its first forward. Such a
+# trace has no backward, as a training job's first forward has none; under torch.no_grad() nothing
+# is saved for a backward. The Llama (seen) and GPT-2 (its hold-out, whose KV cache is kept by
+# transformers as the forward goes) at 512 and 1024 tokens, fp32, two forwards per run under
+# no_grad: peaks at five batches, the largest under 6 GiB, and an OOM in the first forward.
+INFER_OOMS = {"llamainfer": ("llama", (4, 8, 16, 32, 64), 128), "gpt2infer": ("gpt2", (4, 8, 16, 32, 64), 256)}
+
+
+def _infer_run(family: str, batch: int, dump_as: str | None = None) -> None:
+    import torch
+
+    base = INFER_OOMS[family][0]
+    vocab, tokens = TOKENS[base]
+    model, _ = build(base, "plain")
+    model.eval()
+    gen = torch.Generator().manual_seed(batch)
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=torch.randint(0, vocab, (batch, tokens), generator=gen).to("cuda")).logits.argmax(-1)
+    torch.cuda.synchronize()
+    if dump_as:
+        params = list(model.parameters())
+        H.dump(dump_as, {"kind": "fit-inference", "family": family, "batch": batch, "forwards": 2,
+                         "stacks": "python", "grad_mode": "torch.no_grad()",
+                         "param_bytes": sum(p.numel() * p.element_size() for p in params)})
+
+
+def infer_table(family: str) -> None:
+    _, batches, oom = INFER_OOMS[family]
+    table_job(family, "plain", measure_at=lambda b: _peak_of(lambda: _infer_run(family, b)), batches=batches,
+              top=2 * oom)
+
+
+def infer_oom_snapshot(family: str) -> None:
+    import torch
+
+    batch = INFER_OOMS[family][2]
+    name = f"fit_{family}_b{batch}_oom_python"
+    info = {"kind": "fit-inference-oom-first-forward", "family": family, "batch": batch, "stacks": "python",
+            "grad_mode": "torch.no_grad()", "cap_bytes": CAP_BYTES}
+    _dump_at_first_oom(name, info)
+    H.record(stacks="python")
+    try:
+        _infer_run(family, batch)
+    except torch.OutOfMemoryError:
+        print(name, "OOM as planned", flush=True)
+
+
+def infer_snapshot(family: str) -> None:
+    H.record(stacks="python")
+    _infer_run(family, 8, f"fit_{family}_b8_complete_python")
+
+
+for _family in INFER_OOMS:
+    H.workload(f"fittable_{_family}_plain", f"fit_{_family}")(lambda f=_family: infer_table(f))
+    H.workload(f"fit_{_family}_b{INFER_OOMS[_family][2]}_oom_python", f"fit_{_family}")(
+        lambda f=_family: infer_oom_snapshot(f))
+    H.workload(f"fit_{_family}_b8_complete_python", f"fit_{_family}")(lambda f=_family: infer_snapshot(f))
+
+
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are
     H.main()

@@ -107,8 +107,11 @@ FORWARD_ONLY_KINDS = {
     "capture-oom",
     "fit-precision-inference",
     "fit-inference-autocast",
+    "fit-inference",
 }
-OOM_IN_FORWARD_KINDS = {"fit-oom-first-forward"}
+# an inference job out of memory in its first forward shows no more than a training job's first
+# forward does (fit refuses the two of them: each ran out inside its first block)
+OOM_IN_FORWARD_KINDS = {"fit-oom-first-forward", "fit-inference-oom-first-forward"}
 # a training job dumped after a forward of a step whose start the trace does not hold; OOMs
 # provoked by raw allocations outside any model; a record_stream test; a trace without stacks
 TOO_LITTLE_KINDS = {"midrun-late", "oom-capacity", "oom-fragmentation", "record-stream", "transformer-state-only"}
