@@ -128,19 +128,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2lora": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 128},
     "vitft": {"batches": [4, 8, 16, 32, 64], "complete": 8, "oom": 256, "search_max": 1024},
     "llamalora": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
+    # and, after those were committed, a hold-out made by the library users fine-tune with: GPT-2 with
+    # PEFT's LoRA (rank 16, alpha 32, on c_attn and c_fc; peft 0.21.2 carried as a wheel)
+    "gpt2peft": {"batches": [1, 2, 4, 8, 16], "complete": 4, "oom": 32, "search_max": 128},
+    # the hold-out of the two rules GPT-2 with PEFT gave (PEFT's adapters are parameters; their
+    # arithmetic is bfloat16 under autocast): the llama family's model with PEFT's LoRA on q_proj and v_proj
+    "llamapeft": {"batches": [1, 2, 4, 8, 16], "complete": 2, "oom": 32, "search_max": 128},
 }
 # their lever snapshots go in their own group
 NEW_FAMILIES = ("effnet", "t5", "llamabf16", "gpt2bf16", "neox", "opt", "gemma", "qwen2", "phi", "distilbert",
                 "gpt2m", "resnet18", "resnet101", "mistral", "resnet34", "wrn50", "mobilenet", "densenet", "swin",
                 "bloom", "gpt2eager", "llamaeager", "regnet", "gpt2frozen", "resnet50ft", "gpt2lora", "vitft",
-                "llamalora")
+                "llamalora", "gpt2peft", "llamapeft")
 LLAMA_TOKENS = 512
 TOKENS = {"gpt2": (8192, 1024), "llama": (32000, LLAMA_TOKENS), "bert": (30522, 512), "t5": (32128, 512),
           "llamabf16": (32000, LLAMA_TOKENS), "gpt2bf16": (8192, 1024), "neox": (8192, 1024), "opt": (8192, 1024),
           "gemma": (8192, 1024), "qwen2": (8192, 1024), "phi": (8192, 1024), "distilbert": (30522, 512),
           "gpt2m": (8192, 512), "mistral": (8192, 1024), "bloom": (8192, 512),
           "gpt2eager": (8192, 1024), "llamaeager": (32000, LLAMA_TOKENS), "gpt2frozen": (8192, 1024),
-          "gpt2lora": (8192, 1024), "llamalora": (32000, LLAMA_TOKENS)}
+          "gpt2lora": (8192, 1024), "llamalora": (32000, LLAMA_TOKENS),
+          "gpt2peft": (8192, 1024), "llamapeft": (32000, LLAMA_TOKENS)}
 T5_TARGET_TOKENS = 128
 
 
@@ -216,6 +223,15 @@ def build(family: str, lever: str):
         freeze = {"gpt2frozen": lambda m: _frozen(m.transformer.wte, m.transformer.wpe, *m.transformer.h[:6]),
                   "gpt2lora": _gpt2_lora}.get(family)
         model, opt = _transformers_model(GPT2LMHeadModel(cfg).to("cuda", dtype=dtype), lever, freeze)
+    elif family == "gpt2peft":
+        from peft import LoraConfig, get_peft_model
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=1024,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["c_attn", "c_fc"],
+                          fan_in_fan_out=True)
+        model, opt = _transformers_model(get_peft_model(GPT2LMHeadModel(cfg).to("cuda"), lora), lever)
     elif family == "gpt2m":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -255,7 +271,7 @@ def build(family: str, lever: str):
         model = torchvision.models.resnet50().to("cuda").train()
         _frozen(model.conv1, model.bn1, model.layer1, model.layer2)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    elif family in ("llama", "llamabf16", "llamaeager", "llamalora"):
+    elif family in ("llama", "llamabf16", "llamaeager", "llamalora", "llamapeft"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -267,7 +283,13 @@ def build(family: str, lever: str):
         # fine-tuning often runs: the bf16 lever has nothing to halve
         dtype = torch.bfloat16 if family == "llamabf16" else torch.float32
         freeze = _llama_lora if family == "llamalora" else None
-        model, opt = _transformers_model(LlamaForCausalLM(cfg).to("cuda", dtype=dtype), lever, freeze)
+        model = LlamaForCausalLM(cfg).to("cuda", dtype=dtype)
+        if family == "llamapeft":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "v_proj"]))
+        model, opt = _transformers_model(model, lever, freeze)
     elif family == "bert":
         from transformers import BertConfig, BertForMaskedLM
 

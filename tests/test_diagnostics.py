@@ -284,7 +284,7 @@ EXPECTED = {
             *("mobilenet_b1024", "densenet_b512", "swin_b512", "bloom_b32"),
             *("gpt2eager_b32", "llamaeager_b32", "regnet_b1024"),
             # fine-tuning (2026-11-27, third session): frozen layers, LoRA adapters
-            *("gpt2frozen_b32", "resnet50ft_b512", "gpt2lora_b32", "vitft_b256", "llamalora_b32"),
+            *("gpt2frozen_b32", "resnet50ft_b512", "gpt2lora_b32", "vitft_b256", "llamalora_b32", "gpt2peft_b32"),
         )
     },
     **{
@@ -302,10 +302,11 @@ EXPECTED = {
             "gpt2lora_b4",
             "vitft_b8",
             "llamalora_b2",
+            "gpt2peft_b4",
         )
         for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
         # torch 2.11's recorder crashed on GPT-2's checkpointed bf16 fine-tuning runs
-        if not (job in ("mobilenet_b32", "gpt2frozen_b4", "gpt2lora_b4") and lever == "ckpt_bf16_")
+        if not (job in ("mobilenet_b32", "gpt2frozen_b4", "gpt2lora_b4", "gpt2peft_b4") and lever == "ckpt_bf16_")
         and not (job == "mobilenet_b32" and "ckpt" in lever)
     },
     # one more than the largest batch under the cap: out in the second step (fit/steady.py); GPT-2's

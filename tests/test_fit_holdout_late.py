@@ -254,6 +254,8 @@ SNAPSHOTS = {  # name -> (family, recorded batch, optimizer assumed for the part
     "fit_vitft_b256_oom_python": ("vitft", 256, "adamw", 0.15),
     "fit_llamalora_b2_complete_python": ("llamalora", 2, None, 0.10),
     "fit_llamalora_b32_oom_python": ("llamalora", 32, "adamw", 0.15),
+    "fit_gpt2peft_b4_complete_python": ("gpt2peft", 4, None, 0.10),
+    "fit_gpt2peft_b32_oom_python": ("gpt2peft", 32, "adamw", 0.15),
 }
 HALF_PRECISION_FAMILIES = ("llamabf16", "gpt2bf16")  # no bf16 lever: fit refuses it (test below)
 # refused, with the reason (their numbers before, in the module's docstring)

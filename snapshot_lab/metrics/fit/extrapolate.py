@@ -219,9 +219,12 @@ def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForw
     f0 = int(pos[in_fwd[0]])
     is_param = code == CODES["parameter"]
     params = np.flatnonzero(is_param & (pos < f0))
+    # adapters (fit/frozen.py): parameters when moved with Module.to (PEFT's), else kept tensors
+    adapter = adapter_rows(frames, a["sid"].to_numpy()[params])
+    params, adapters = params[~adapter], params[adapter]
     data = np.flatnonzero((pos < f0) & ~is_param & (pos > (pos[params].max() if params.size else -1)))
     adapter = (a["free_pos"].to_numpy()[data] < 0) & adapter_rows(frames, a["sid"].to_numpy()[data])
-    data, adapters = data[~adapter], data[adapter]
+    data, adapters = data[~adapter], np.sort(np.concatenate([adapters, data[adapter]]))
     fwd = np.flatnonzero(pos >= f0)
     mod_rows = fwd[main[fwd] & module[fwd]]
     found = block_instances(frames, mod_rows, a["sid"].to_numpy()[mod_rows])

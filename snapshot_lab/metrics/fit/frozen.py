@@ -36,14 +36,13 @@ no gradient and no optimizer state.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from ...frames import SnapshotFrames
 from ..categories.stacks import stack_filenames
-from .evidence import BLOCK_UID_STRIDE, BlockSpan
+from .evidence import ADAPTER_NAMES, BLOCK_UID_STRIDE, BlockSpan
 from .tape import Tape
 
 FROZEN_INPUT_REACH = 64  # a frozen block's input is among the last rows outside the blocks made before it
@@ -54,7 +53,6 @@ FROZEN_NOTE = (
     "before them, and checkpointing leaves them as they are"
 )
 
-ADAPTER_NAMES = re.compile(r"lora|adapter|peft", re.IGNORECASE)
 ADAPTER_NOTE = (
     "{n} tensors ({size:,} bytes) made after the model and before the forward by LoRA/adapter code: taken as the only "
     "trained parameters (their gradients and optimizer state), the model's own parameters frozen"
