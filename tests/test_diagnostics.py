@@ -284,7 +284,15 @@ EXPECTED = {
             *("mobilenet_b1024", "densenet_b512", "swin_b512", "bloom_b32"),
             *("gpt2eager_b32", "llamaeager_b32", "regnet_b1024"),
             # fine-tuning (2026-11-27, third session): frozen layers, LoRA adapters
-            *("gpt2frozen_b32", "resnet50ft_b512", "gpt2lora_b32", "vitft_b256", "llamalora_b32", "gpt2peft_b32"),
+            *(
+                "gpt2frozen_b32",
+                "resnet50ft_b512",
+                "gpt2lora_b32",
+                "vitft_b256",
+                "llamalora_b32",
+                "gpt2peft_b32",
+                "llamapeft_b32",
+            ),
         )
     },
     **{
@@ -303,6 +311,7 @@ EXPECTED = {
             "vitft_b8",
             "llamalora_b2",
             "gpt2peft_b4",
+            "llamapeft_b2",
         )
         for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")
         # torch 2.11's recorder crashed on GPT-2's checkpointed bf16 fine-tuning runs
@@ -585,7 +594,8 @@ def test_samples_folder_is_small():
     and the 72 ranks over NCCL on four GPUs (3.4 MB) needed more; 23.0 MiB with the eight fit
     families of 2026-11-27 (39 recordings, 1.6 MB), 24.6 MiB with the seven of its second session
     (33 recordings, 1.5 MB), 25.0 MiB with the three fine-tuning families of its third (13
-    recordings, 0.4 MB) and 25.6 with their two hold-outs (10 recordings, 0.6 MB) and two inference jobs."""
+    recordings, 0.4 MB) and 25.6 with their two hold-outs (10 recordings, 0.6 MB); 25.8 with two inference jobs and
+    two PEFT LoRA jobs."""
     total = sum(p.stat().st_size for p in Path(SAMPLES).iterdir() if p.is_file())
     assert total < 27 * 2**20
 
