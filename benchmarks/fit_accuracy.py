@@ -176,7 +176,14 @@ RECORDINGS = {
     "vitft": ("ViT-B/16, half frozen", "fit_vitft_b8_complete_python", 8, "fit_vitft_b256_oom_python", 256, "adamw"),
     "llamalora": ("Llama, LoRA", "fit_llamalora_b2_complete_python", 2, "fit_llamalora_b32_oom_python", 32, "adamw"),
     "gpt2peft": ("GPT-2, PEFT LoRA", "fit_gpt2peft_b4_complete_python", 4, "fit_gpt2peft_b32_oom_python", 32, "adamw"),
-    "llamapeft": ("Llama, PEFT LoRA", "fit_llamapeft_b2_complete_python", 2, "fit_llamapeft_b32_oom_python", 32, "adamw"),
+    "llamapeft": (
+        "Llama, PEFT LoRA",
+        "fit_llamapeft_b2_complete_python",
+        2,
+        "fit_llamapeft_b32_oom_python",
+        32,
+        "adamw",
+    ),
 }
 
 

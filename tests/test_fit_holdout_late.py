@@ -162,8 +162,7 @@ ResNet-50 with its stem, layer1 and layer2 frozen, and GPT-2 frozen whole with L
 they broke and the rules they gave are in ``tests/test_fit_frozen.py``; outside still (``OUTSIDE``):
 the LoRA job under bf16 (the adapters' sums taken as float32) and ResNet-50's OOM, out in its stem.
 Their hold-outs, ViT-B/16 with its first six layers frozen and the Llama with LoRA adapters, are
-here too; outside, the Llama LoRA job with both levers from its complete recording at batches 1
-and 2.
+here too, and GPT-2 and the Llama with PEFT's LoRA (``tests/test_fit_frozen.py``).
 """
 
 from __future__ import annotations
@@ -309,12 +308,6 @@ _LORA_BF16 = (
     "as arithmetic a float32 operand wins; both operands are matrix multiplies' bfloat16 outputs and the real runs "
     "make them bfloat16: bf16 +12.7% to +21.4%, largest batch 5 where 6 ran"
 )
-_LLAMA_LORA_BOTH = (
-    "the Llama LoRA jobs with checkpointing and bf16 from their complete recordings are high at the smallest batches "
-    "and nearer as the batch grows (hand-written +16.7% at 1, +3.6% at 16; PEFT's +23.3% at 1, +4.9% at 16; each lever "
-    "alone within 2.6%): a part that "
-    "does not grow with the batch, kept by the lever and not by the real runs; not analysed"
-)
 _STEM = "ran out in ResNet-50's stem (conv1's output at batch 512 is 1.5 GiB), before any block"
 # (name, lever, batch or None for the largest batch) -> why it is outside, with the numbers of this commit
 OUTSIDE = {
@@ -342,8 +335,6 @@ OUTSIDE = {
         for name in ("fit_gpt2lora_b4_complete_python", "fit_gpt2lora_b32_oom_python")
         for batch in (1, 2, 4, 8, 16)
     },
-    **{("fit_llamalora_b2_complete_python", "ckpt+bf16", batch): _LLAMA_LORA_BOTH for batch in (1, 2)},
-    **{("fit_llamapeft_b2_complete_python", "ckpt+bf16", batch): _LLAMA_LORA_BOTH for batch in (1, 2, 4)},
     **{
         ("fit_resnet50ft_b512_oom_python", lever, batch): f"FitUnsupported: {_STEM}"
         for lever in LEVERS

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...frames import SnapshotFrames
 from ..categories import CODES
-from ..plan.structure import TrainingStructure, tandem_repeat
+from ..plan.structure import TrainingStructure
 from . import convnet
 from .blocks import block_instances
 from .evidence import (
@@ -45,14 +45,16 @@ from .evidence import (
     KV_CACHE,
     BlockSpan,
     PassSpan,
+    adapter_rows,
     allocation_codes,
     autocast_copied,
     forward_weight_copies,
     kv_cache_stacks,
     lightning_closure_in_stacks,
+    parameter_repeat,
     stack_innermost,
 )
-from .frozen import ADAPTER_NOTE, FROZEN_NOTE, adapter_rows, frozen_parameters, frozen_prefix
+from .frozen import ADAPTER_NOTE, FROZEN_NOTE, frozen_parameters, frozen_prefix
 from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -177,34 +179,6 @@ class PartialForward:
     param_block: np.ndarray  # per parameter: its block (-1: outside)
     tails: tuple[np.ndarray, ...] = ()  # per whole block: rows after its last submodule, before the next block
     adapters: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # LoRA's (fit/frozen.py)
-
-
-def parameter_repeat(keys: np.ndarray, reach: int = 8) -> tuple[int, int, int]:
-    """:func:`~..plan.structure.tandem_repeat` of the parameters' keys, the period also sought
-    among the distances from a key to its next ``reach`` occurrences, not only the next one: a
-    Llama layer makes every size at least twice (q and o, k and v, its three MLP matrices, its
-    two norms), so no key's next occurrence is a layer away and the best repeat was its MLP's
-    three matrices (3 layers of 8)."""
-    period, start, count = tandem_repeat(keys)
-    order = np.argsort(keys, kind="stable")
-    candidates: set[int] = set()
-    for ahead in range(2, reach + 1):
-        same = keys[order][ahead:] == keys[order][:-ahead]
-        candidates.update(int(gap) for gap in np.unique((order[ahead:] - order[:-ahead])[same]))
-    best = (count * period, -period, start, count)
-    for candidate in sorted(gap for gap in candidates if 0 < gap <= keys.size // 2):
-        equal = keys[:-candidate] == keys[candidate:]
-        padded = np.r_[False, equal, False]
-        edges = np.flatnonzero(padded[1:] != padded[:-1])
-        if not edges.size:
-            continue
-        longest = int(np.argmax(edges[1::2] - edges[::2]))
-        run, run_start = int(edges[1::2][longest] - edges[::2][longest]), int(edges[::2][longest])
-        run_count = (run + candidate) // candidate
-        key = (run_count * candidate, -candidate, run_start, run_count)
-        if run_count >= 2 and key > best:
-            best = key
-    return (-best[1], best[2], best[3]) if best[0] else (0, 0, 0)
 
 
 def partial_forward(frames: SnapshotFrames, s: TrainingStructure) -> PartialForward | None:

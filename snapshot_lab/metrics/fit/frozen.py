@@ -28,7 +28,7 @@ its first stages frozen), leaves it out.
 
 A frozen layer after a trained one (LoRA's frozen weights, a frozen block between trained ones)
 still saves what the gradient of its input needs: it is not told apart from a trained one by
-its forward. Adapters are told by where they are made (:func:`adapter_rows`): tensors kept from
+its forward. Adapters are told by where they are made (:func:`.evidence.adapter_rows`): tensors kept from
 after the model is built to the first forward, made by code whose file or function names LoRA,
 an adapter or PEFT. Where there are such, only they are trained: the model's own parameters take
 no gradient and no optimizer state.
@@ -40,9 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...frames import SnapshotFrames
-from ..categories.stacks import stack_filenames
-from .evidence import ADAPTER_NAMES, BLOCK_UID_STRIDE, BlockSpan
+from .evidence import BLOCK_UID_STRIDE, BlockSpan
 from .tape import Tape
 
 FROZEN_INPUT_REACH = 64  # a frozen block's input is among the last rows outside the blocks made before it
@@ -151,16 +149,3 @@ def _inputs(tape: Tape, frozen: tuple[BlockSpan, ...]) -> list[int]:
         alive = before[tape.end[before] >= b.forward_start]
         out.append(int(alive[-1]) if alive.size else -1)
     return out
-
-
-def adapter_rows(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
-    """Per allocation (its stack ``sid``), whether code naming LoRA, an adapter or PEFT made it (a
-    frame's file or function): among the tensors kept from the model's construction to the
-    forward, the adapters that fine-tuning trains in place of the model's parameters."""
-    if frames.stacks.empty:
-        return np.zeros(sid.size, dtype=bool)
-    named = stack_filenames(frames).str.contains(ADAPTER_NAMES) | frames.stack_frames["name"].astype(str).str.contains(
-        ADAPTER_NAMES
-    )
-    fids = frames.stack_frames.loc[named, "frame_id"]
-    return np.isin(sid, frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].to_numpy())
