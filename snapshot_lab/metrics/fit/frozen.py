@@ -37,6 +37,7 @@ no gradient and no optimizer state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -113,28 +114,15 @@ def join_frozen(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
                 slot + (np.minimum(tape.end[rows], hi) - lo) / max(hi - lo, 1.0) * width * 0.5,
                 slot + width * 1.5,
             )
-            added.append(replace_span(tape.select(rows), start, np.maximum(stop, start + 1e-6)))
+            added.append(_moved(tape.select(rows), start, np.maximum(stop, start + 1e-6)))
             if inputs[i] >= 0:
                 end[inputs[i]] = slot + width * 0.75
-    return Tape(
-        tape.start,
-        end,
-        *(getattr(tape, f) for f in ("fixed", "per_batch", "category", "stream", "phase", "block", "autocast")),
-    ).with_rows(*added)
+    return replace(tape, end=end).with_rows(*added)
 
 
-def replace_span(tape: Tape, start: np.ndarray, end: np.ndarray) -> Tape:
-    return Tape(
-        start,
-        end,
-        tape.fixed,
-        tape.per_batch,
-        tape.category,
-        tape.stream,
-        tape.phase,
-        np.full(start.size, -1, dtype=np.int64),
-        tape.autocast,
-    )
+def _moved(rows: Tape, start: np.ndarray, end: np.ndarray) -> Tape:
+    """``rows`` made again at ``start`` and freed at ``end``, in no block."""
+    return replace(rows, start=start, end=end, block=np.full(start.size, -1, dtype=np.int64))
 
 
 def _inputs(tape: Tape, frozen: tuple[BlockSpan, ...]) -> list[int]:
