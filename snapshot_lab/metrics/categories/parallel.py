@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
+from .stacks import stacks_where
 
 # (path suffix, function names or None for any) -> category
 _RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
@@ -97,8 +98,7 @@ def stacks_with(frames: SnapshotFrames, pairs: tuple[tuple[str, str], ...]) -> s
     hit = pd.Series(False, index=sf.index)
     for suffix, name in pairs:
         hit |= fn.str.endswith(suffix) & (nm == name)
-    fids = sf.loc[hit, "frame_id"]
-    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+    return stacks_where(frames, hit)
 
 
 def parallel_stack_categories(frames: SnapshotFrames) -> pd.Series:

@@ -195,8 +195,7 @@ def stacks_with_frame(frames: SnapshotFrames, name: str) -> set[int]:
     """stack_ids that have a frame with exactly this function name (e.g. ``zero_grad``)."""
     if frames.stacks.empty:
         return set()
-    fids = frames.stack_frames.loc[frames.stack_frames["name"].astype(str) == name, "frame_id"]
-    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+    return stacks_where(frames, frames.stack_frames["name"].astype(str) == name)
 
 
 # torch.compile's autotuning (inductor benchmarks each kernel's configurations on the first run of
@@ -218,6 +217,14 @@ def stack_filenames(frames: SnapshotFrames) -> pd.Series:
     return frames.stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
 
 
+def stacks_where(frames: SnapshotFrames, hit: pd.Series) -> set[int]:
+    """stack_ids with a frame where ``hit`` (a mask aligned with ``frames.stack_frames``) holds."""
+    if frames.stacks.empty:
+        return set()
+    fids = frames.stack_frames.loc[hit, "frame_id"]
+    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+
+
 def stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:
     """stack_ids with a frame in a file whose path ends with one of ``names``."""
     if frames.stacks.empty:
@@ -226,8 +233,7 @@ def stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]
     hit = pd.Series(False, index=files.index)
     for name in names:
         hit |= files.str.endswith(name)
-    fids = frames.stack_frames.loc[hit, "frame_id"]
-    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+    return stacks_where(frames, hit)
 
 
 def autotune_stacks(frames: SnapshotFrames) -> set[int]:
@@ -255,5 +261,4 @@ def cache_stacks(frames: SnapshotFrames) -> set[int]:
     hit = pd.Series(False, index=nm.index)
     for part in _CPP_CACHE_PARTS:
         hit |= nm.str.contains(part, regex=False)
-    fids = frames.stack_frames.loc[hit, "frame_id"]
-    return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+    return stacks_where(frames, hit)

@@ -22,7 +22,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CATEGORIES, CODES
-from ..categories.stacks import one_off_stacks, stack_filenames, stacks_with_file
+from ..categories.stacks import one_off_stacks, stack_filenames, stacks_where, stacks_with_file
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
 from .tape import NEVER, Tape, make_tape
@@ -159,12 +159,12 @@ def adapter_rows(frames: SnapshotFrames, sid: np.ndarray) -> np.ndarray:
     frame's file or function): among the tensors kept from the model's construction to the
     forward, the adapters that fine-tuning trains in place of the model's parameters
     (fit/frozen.py)."""
-    if frames.stacks.empty:
-        return np.zeros(sid.size, dtype=bool)
-    frame_names = frames.stack_frames["name"].astype(str)
-    named = stack_filenames(frames).str.contains(ADAPTER_NAMES) | frame_names.str.contains(ADAPTER_NAMES)
-    fids = frames.stack_frames.loc[named, "frame_id"]
-    return np.isin(sid, frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].to_numpy())
+    return np.isin(sid, list(memo(frames, "fit.adapter_stacks", lambda: _adapter_stacks(frames))))
+
+
+def _adapter_stacks(frames: SnapshotFrames) -> set[int]:
+    names = frames.stack_frames["name"].astype(str)
+    return stacks_where(frames, stack_filenames(frames).str.contains(ADAPTER_NAMES) | names.str.contains(ADAPTER_NAMES))
 
 
 def autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
@@ -194,7 +194,7 @@ def _autocast_codes(frames: SnapshotFrames) -> dict[int, int]:
     # an adapter's own arithmetic (PEFT's LoRA: its update scaled and added to the frozen layer's
     # output) reads matrix multiplies' outputs only: bfloat16 under autocast, not the float32 of a
     # model's own arithmetic (GPT-2 with PEFT's LoRA under bf16 was +21%, fit_gpt2peft_*)
-    adapter = fn.str.contains(ADAPTER_NAMES) & ~in_torch & ~fp32
+    adapter = fn.str.contains(ADAPTER_NAMES) & ~in_torch
     code = np.where(adapter & (code == AUTOCAST_FP32), AUTOCAST_FOLLOWS, code)
     return {int(s): int(c) for s, c in zip(inner.index, code, strict=True)}
 
@@ -312,8 +312,7 @@ def transformers_token_model(frames: SnapshotFrames) -> bool:
     if not lookups:
         return False
     model_file = stack_filenames(frames).str.contains("/transformers/models/", regex=False)
-    fids = frames.stack_frames.loc[model_file, "frame_id"]
-    return bool(lookups & set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int)))
+    return bool(lookups & stacks_where(frames, model_file))
 
 
 def hf_trainer_in_stacks(frames: SnapshotFrames) -> bool:
@@ -693,5 +692,4 @@ def _param_blocks(s: TrainingStructure, n_blocks: int, keep: np.ndarray) -> np.n
             for j in range(n_blocks):
                 out[kept[start + j * period : start + (j + 1) * period]] = j
             return out
-    return out
     return out

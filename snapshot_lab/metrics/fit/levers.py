@@ -147,21 +147,20 @@ def checkpoint(tape: Tape, blocks: tuple[BlockSpan, ...], frozen_join: bool = Fa
     out = Tape(
         tape.start, end, tape.fixed, tape.per_batch, tape.category, tape.stream, tape.phase, tape.block, tape.autocast
     )
-    if not rows.size:
-        return join_frozen(out, every) if frozen_join else out
-    uid = np.array([b.uid for b in blocks], dtype=np.int64)[block_of]
-    recomputed = make_tape(
-        start,
-        np.maximum(life, start + 1e-6),
-        tape.fixed[rows],
-        tape.per_batch[rows],
-        "activation",
-        tape.stream[rows],
-        "backward",
-        uid,
-        tape.autocast[rows],
-    )
-    out = out.with_rows(recomputed)
+    if rows.size:
+        uid = np.array([b.uid for b in blocks], dtype=np.int64)[block_of]
+        recomputed = make_tape(
+            start,
+            np.maximum(life, start + 1e-6),
+            tape.fixed[rows],
+            tape.per_batch[rows],
+            "activation",
+            tape.stream[rows],
+            "backward",
+            uid,
+            tape.autocast[rows],
+        )
+        out = out.with_rows(recomputed)
     return join_frozen(out, every) if frozen_join else out
 
 
