@@ -219,6 +219,7 @@ def main() -> None:
     header = "as recorded | checkpointing | bf16 | checkpointing + bf16 |"
     peaks = [f"| from | | {header}", "| --- | --- | --- | --- | --- | --- |"]
     largest = [f"| from | {header}", "| --- | --- | --- | --- | --- |"]
+    tally = Tally()
     only = set(sys.argv[1:])  # families to print (all when none is named)
     for family, (label, complete, c_batch, oom, o_batch, optimizer) in RECORDINGS.items():
         if only and family not in only:
@@ -243,12 +244,36 @@ def main() -> None:
                 if got is None:
                     cells.append(NOT_APPLICABLE)
                     continue
-                cell = f"{got:g} / {real}"
+                sure = fit.largest_batch_no_retry.get(OURS[lever])
+                tally.add(sure if sure is not None else got, got, real)
+                cell = (f"{got:g}" if sure in (None, got) else f"{sure:g}–{got:g}") + f" / {real}"
                 cells.append(f"**{cell}**" if got == real else cell)
             largest.append(f"| {title} | " + " | ".join(cells) + " |")
     print("\n".join(peaks))
     print()
     print("\n".join(largest))
+    print()
+    print(tally)
+
+
+class Tally:
+    """How the largest batches compare with the real runs', over every answer printed."""
+
+    def __init__(self) -> None:
+        self.answers = self.exact = self.within_one = self.in_range = self.sure_runs = 0
+
+    def add(self, sure: float, got: float, real: int) -> None:
+        self.answers += 1
+        self.exact += got == real
+        self.within_one += got != real and abs(got - real) <= 1
+        self.in_range += sure <= real <= got
+        self.sure_runs += sure <= real
+
+    def __str__(self) -> str:
+        return (
+            f"{self.answers} answers: {self.exact} exact, {self.within_one} more within one; the real run's largest "
+            f"batch within the range in {self.in_range}, at or above the range's first batch in {self.sure_runs}"
+        )
 
 
 if __name__ == "__main__":

@@ -1157,6 +1157,45 @@ for _family in INFER_OOMS:
     H.workload(f"fit_{_family}_b8_complete_python", f"fit_{_family}")(lambda f=_family: infer_snapshot(f))
 
 
+# 2026-11-27 (fourth session): fit gives the largest batch as a range where fragmentation decides
+# it, first the largest batch whose step never takes the allocator to the cap. Does that batch
+# run in a fresh process (group fit_fresh)? Each job runs two whole steps from a fresh model in a
+# process of its own, under the family's cap, without memory history (as a user's job runs), at
+# the range's first batch from the family's OOM recording; GPT-2's also at the batches up to the
+# table's, to find its boundary in a fresh process. OPT and Gemma, whose ranges start above the
+# table's largest batch, at that batch. fresh_<family>_<lever>_b<batch>.json: measure()'s result.
+FRESH_RUNS = {
+    ("gpt2", "ckpt"): (25, 26),
+    ("gpt2", "ckpt+bf16"): (26, 27, 28),
+    ("phi", "ckpt"): (25,),
+    ("qwen2", "ckpt"): (18,),
+    ("mistral", "ckpt"): (18,),
+    ("gpt2bf16", "ckpt"): (33,),
+    ("bloom", "ckpt"): (38,),
+    ("gpt2lora", "ckpt"): (25,),
+    ("llamalora", "ckpt"): (20,),
+    ("opt", "ckpt"): (28, 31),
+    ("gemma", "ckpt"): (14, 18),
+}
+
+
+def _fresh_run(family: str, lever: str, batch: int) -> None:
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(_cap(family) / total)
+    res = measure(family, lever, batch)
+    out = {"family": family, "lever": lever, "batch": batch, "cap_bytes": _cap(family), "fresh_process": True,
+           "result": res, "torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
+    print(family, lever, batch, res, flush=True)
+    (H.OUT / f"fresh_{family}_{lever.replace('+', '_')}_b{batch}.json").write_text(json.dumps(out, indent=1))
+
+
+for (_family, _lever), _batches in FRESH_RUNS.items():
+    for _batch in _batches:
+        H.workload(f"fresh_{_family}_{_lever.replace('+', '_')}_b{_batch}", "fit_fresh")(
+            lambda f=_family, v=_lever, b=_batch: _fresh_run(f, v, b))
+
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are
     H.main()

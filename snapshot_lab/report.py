@@ -45,6 +45,7 @@ from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
+from .render.fit import batch_range_note
 from .render.fit import headline as fit_headline
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.markdown import render_markdown
@@ -672,9 +673,11 @@ def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
         return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), last=True)
     except (FitUnsupported, ValueError):
         return None
-    steps = (*map(_sentence, result.notes), FIT_HOW)
+    ranges = batch_range_note(result)
+    steps = (*([ranges] if ranges else []), *map(_sentence, result.notes), FIT_HOW)
     # a request no step made, larger than the limit: the OOM finding's advice comes first
-    return FitSummary(verdict=fit_headline(result), steps=steps, last=result.oom_request_over_limit is not None)
+    verdict = fit_headline(result, range_note=False)
+    return FitSummary(verdict=verdict, steps=steps, last=result.oom_request_over_limit is not None)
 
 
 def _sentence(note: str) -> str:

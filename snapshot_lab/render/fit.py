@@ -70,20 +70,51 @@ def _batch_words(result: FitResult, batch: float | None) -> str:
     return f"{batch:g}x the recorded batch"
 
 
+def _batch_range(result: FitResult, outcome: LeverOutcome) -> str:
+    """The largest batch, as a range from the one that never reaches the limit where they differ."""
+    best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
+    if best is None or sure is None or sure == best:
+        return _batch_words(result, best)
+    if result.recorded_batch:
+        return f"{int(sure)}–{int(best)}"
+    return f"{sure:g}x–{best:g}x the recorded batch"
+
+
+BATCH_RANGE = (
+    "Of a range, the first batch never takes the allocator to the limit; the larger ones fit only where the "
+    "allocator, freeing its cache and retrying, finds room, which fragmentation and what the process ran before "
+    "decide."
+)
+
+
 OOM_OVER_LIMIT = (
     "The run ran out of memory on a request of {request}, alone more than the {limit} it had: no batch size or "
     "lever makes that fit, and no recorded step made it (change the code that asked for it: the error's stack). "
 )
 
 
-def headline(r: FitResult) -> str:
-    """The answer in one or two sentences (three, where the request that failed is none of the step's)."""
+def headline(r: FitResult, range_note: bool = True) -> str:
+    """The answer in one or two sentences (three, where the request that failed is none of the
+    step's), and what a range of batches means where it gives one (``range_note``; the report
+    puts that among the steps that follow, :func:`batch_range_note`)."""
+    text = _step_headline(r)
     if r.oom_request_over_limit is not None and r.memory_limit_bytes is not None:
-        over = OOM_OVER_LIMIT.format(
-            request=format_bytes(r.oom_request_over_limit, 1), limit=format_bytes(r.memory_limit_bytes, 1)
+        text = (
+            OOM_OVER_LIMIT.format(
+                request=format_bytes(r.oom_request_over_limit, 1), limit=format_bytes(r.memory_limit_bytes, 1)
+            )
+            + text
         )
-        return over + _step_headline(r)
-    return _step_headline(r)
+    note = batch_range_note(r) if range_note else None
+    return f"{text} {note}" if note else text
+
+
+def batch_range_note(r: FitResult) -> str | None:
+    """:data:`BATCH_RANGE` where the one-line answer gives a range of batches, else None."""
+    if r.memory_limit_bytes is None:
+        return None
+    shown = [o for o in r.levers if o.lever in HEADLINE_LEVERS]
+    return BATCH_RANGE if any("–" in _batch_range(r, o) for o in shown) else None
 
 
 def _step_headline(r: FitResult) -> str:
@@ -120,12 +151,8 @@ def _step_headline(r: FitResult) -> str:
     )
     if r.memory_limit_bytes is None:
         return first + " " + NO_LIMIT
-    found = r.largest_batch
-    parts = [
-        f"{_batch_words(r, found[lever])} {LEVER_PHRASES[lever]}"
-        for lever in HEADLINE_LEVERS
-        if found.get(lever) is not None
-    ]
+    shown = [o for lever in HEADLINE_LEVERS for o in r.levers if o.lever == lever and o.largest_batch is not None]
+    parts = [f"{_batch_range(r, o)} {LEVER_PHRASES[o.lever]}" for o in shown]
     if not parts:
         return first
     listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
@@ -139,7 +166,7 @@ def _row(result: FitResult, outcome: LeverOutcome) -> list[str]:
         format_bytes(outcome.peak_allocated_bytes),
         format_bytes(outcome.peak_reserved_bytes),
         fits,
-        _batch_words(result, outcome.largest_batch),
+        _batch_range(result, outcome),
     ]
 
 
@@ -188,6 +215,8 @@ def format_fit(r: FitResult, name: str = "") -> str:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
         if any(o.fits and o.peak_reserved_bytes > r.memory_limit_bytes for o in r.levers):
             out.append(FITS_UNDER_LIMIT)
+        if BATCH_RANGE not in out[0] and any("–" in _batch_range(r, o) for o in r.levers):
+            out.append(BATCH_RANGE)
     out += _parallel(r)
     if r.memory_limit_bytes is not None and r.ways_to_fit:
         out += ["", "What makes it fit, least change to the job first:"]

@@ -16,7 +16,7 @@ from . import workload as wl
 from .evidence import StepEvidence
 from .model import NO_CHECKPOINTING_AGAIN, NO_LEVER_COMPILED, FitUnsupported, recorded_batch_bytes, step_evidence
 from .precision import NO_BF16
-from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch
+from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch, largest_batch_no_retry
 from .strategies import StrategyOutcome, parallel_strategies
 from .tape import Tape, simulate
 
@@ -64,6 +64,9 @@ class LeverOutcome:
     peak_reserved_bytes: int
     largest_batch: float | None  # samples (with the recorded batch) or a fraction of the recorded batch
     fits: bool | None = None  # at the batch asked for, under the limit
+    # the largest batch whose step never reaches the limit (search.largest_batch_no_retry): up to
+    # it the step fits whatever the process did before, above it as fragmentation allows
+    largest_batch_no_retry: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +75,7 @@ class LeverOutcome:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "largest_batch": self.largest_batch,
+            "largest_batch_no_retry": self.largest_batch_no_retry,
             "fits": self.fits,
         }
 
@@ -108,6 +112,10 @@ class FitResult:
     @property
     def largest_batch(self) -> dict[str, float | None]:
         return {o.lever: o.largest_batch for o in self.levers}
+
+    @property
+    def largest_batch_no_retry(self) -> dict[str, float | None]:
+        return {o.lever: o.largest_batch_no_retry for o in self.levers}
 
     @property
     def ways_to_fit(self) -> list[dict[str, str]]:
@@ -160,6 +168,7 @@ class FitResult:
             "optimizer_source": self.optimizer_source,
             "breakdown": self.breakdown,
             "largest_batch": self.largest_batch,
+            "largest_batch_no_retry": self.largest_batch_no_retry,
             "gradient_accumulation": {**self.accumulation, "assumption": self._accumulation_assumption},
             "levers": [o.to_dict() for o in self.levers],
             "parallel_strategies": [p.to_dict() for p in self.parallel_strategies],
@@ -251,14 +260,22 @@ class _Search:
         """The step at the batch asked for, and the largest batch under the limit."""
         st = settings or self.settings
         at = simulate(tape, self.batch_scale, st)
-        fits = found = None
+        fits = found = sure = None
         if self.limit is not None:
-            fits = at.peak_reserved_bytes <= self.limit or bool(simulate(tape, self.batch_scale, st, self.limit).fits)
+            clear = at.peak_reserved_bytes <= self.limit
+            fits = clear or bool(simulate(tape, self.batch_scale, st, self.limit).fits)
             units = self.recorded_batch or FRACTION_STEPS
-            asked = int(self.batch_scale * units + 1e-9) if fits else 0  # it runs: the answer is not below it
-            best = largest_batch(tape, units, st, self.limit, asked)
-            found = float(best) if self.recorded_batch else round(best / FRACTION_STEPS, 2)
-        return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits)
+            asked = int(self.batch_scale * units + 1e-9)
+            best = largest_batch(tape, units, st, self.limit, asked if fits else 0)  # it runs: not below it
+            below = largest_batch_no_retry(tape, units, st, self.limit, best)
+            if below is not None:
+                sure = self._batches(max(below, asked) if clear else below)
+            found = self._batches(best)
+        return LeverOutcome(name, assumption, at.peak_allocated_bytes, at.peak_reserved_bytes, found, fits, sure)
+
+    def _batches(self, units: int) -> float:
+        """A batch found in units: samples with the recorded batch, else a fraction of it."""
+        return float(units) if self.recorded_batch else round(units / FRACTION_STEPS, 2)
 
 
 OOM_OVER_LIMIT_NOTE = (

@@ -126,6 +126,19 @@ def largest_batch(tape: Tape, units: int, settings: AllocatorSettings, limit: in
     return max(found, at_least) if at_least <= lo else found
 
 
+def largest_batch_no_retry(tape: Tape, units: int, settings: AllocatorSettings, limit: int, top: int) -> int | None:
+    """The largest batch up to ``top`` (the answer of :func:`largest_batch`), in ``units`` per
+    recorded batch, whose step reserves no more than ``limit`` replayed without it: the
+    allocator never reaches the limit, so never frees its cache to retry a request. Up to it the
+    step fits whatever the process did before; above it, only as its cache's fragmentation
+    allows, which the process's history moves (GPT-2 with checkpointing ran at batch 27 after
+    other runs in its process and failed at 27 in a fresh one,
+    ``fit_gpt2_b27_ckpt_capped_python``). None for a tape too long to replay per batch."""
+    if top <= 0 or len(tape) > LONG_TAPE_ROWS:
+        return None if top > 0 else 0
+    return _down_from(top, lambda n: simulate(tape, n / units, settings).peak_reserved_bytes <= limit)
+
+
 def _down_from(top: int, fits: Callable[[int], bool]) -> int:
     """The largest n <= top that fits: steps down doubling until one fits, then bisection (the
     answer is usually close to the allocated bound)."""
