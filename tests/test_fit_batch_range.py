@@ -16,7 +16,7 @@ boundary the two numbers are one (GPT-2 as recorded and under bf16: 3 and 5, as 
 Hold-out, not read when the range was defined: the Llama with LoRA adapters, whose capped replay
 says 26 with checkpointing where 21 ran. And, recorded after it was defined, each transformer
 family's first batch run in a fresh process (``fresh_process`` in fit_truth.json): it ran for
-nine of them; for OPT and Gemma, whose extrapolated step is too small range or not, it did not.
+nine of them; for OPT and Gemma, whose extrapolated step is too small, range or not, it did not.
 """
 
 from __future__ import annotations
@@ -80,45 +80,63 @@ def test_holdout_llama_with_lora_the_range_starts_where_the_real_run_fits(real_f
     assert first <= 21 < last  # 21 ran, 22 did not (fit_truth.json, llamalora and llamapeft)
 
 
-# family, lever -> its OOM recording and batch; the range's first batch from it (the fresh runs'
-# batch), and whether two whole steps ran there in a fresh process (fit_truth.json, fresh_process)
+# family, lever -> its OOM recording and batch, the range's first batch from it, the batch run in a
+# fresh process (fit_truth.json, fresh_process) and whether two whole steps ran there
 FRESH = {
-    ("gpt2", "ckpt"): ("fit_gpt2_b32_oom_python", 32, 25, True),
-    ("gpt2", "ckpt+bf16"): ("fit_gpt2_b32_oom_python", 32, 26, True),
-    ("phi", "ckpt"): ("fit_phi_b32_oom_python", 32, 25, True),
-    ("qwen2", "ckpt"): ("fit_qwen2_b32_oom_python", 32, 18, True),
-    ("mistral", "ckpt"): ("fit_mistral_b32_oom_python", 32, 18, True),
-    ("gpt2bf16", "ckpt"): ("fit_gpt2bf16_b64_oom_python", 64, 33, True),
-    ("bloom", "ckpt"): ("fit_bloom_b32_oom_python", 32, 38, True),
-    ("gpt2lora", "ckpt"): ("fit_gpt2lora_b32_oom_python", 32, 25, True),
-    ("llamalora", "ckpt"): ("fit_llamalora_b32_oom_python", 32, 20, True),
-    # the two whose range starts above the table's largest batch (28 and 14): it does not run
-    ("opt", "ckpt"): ("fit_opt_b32_oom_python", 32, 31, False),
-    ("gemma", "ckpt"): ("fit_gemma_b32_oom_python", 32, 18, False),
+    ("gpt2", "ckpt"): ("fit_gpt2_b32_oom_python", 32, 25, 25, True),
+    ("gpt2", "ckpt+bf16"): ("fit_gpt2_b32_oom_python", 32, 26, 26, True),
+    ("phi", "ckpt"): ("fit_phi_b32_oom_python", 32, 25, 25, True),
+    ("qwen2", "ckpt"): ("fit_qwen2_b32_oom_python", 32, 16, 16, True),
+    ("mistral", "ckpt"): ("fit_mistral_b32_oom_python", 32, 16, 16, True),
+    ("gpt2bf16", "ckpt"): ("fit_gpt2bf16_b64_oom_python", 64, 33, 33, True),
+    ("bloom", "ckpt"): ("fit_bloom_b32_oom_python", 32, 38, 38, True),
+    ("gpt2lora", "ckpt"): ("fit_gpt2lora_b32_oom_python", 32, 25, 25, True),
+    ("llamalora", "ckpt"): ("fit_llamalora_b32_oom_python", 32, 20, 20, True),
+    ("opt", "ckpt"): ("fit_opt_b32_oom_python", 32, 31, 31, False),
+    ("gemma", "ckpt"): ("fit_gemma_b32_oom_python", 32, 15, 15, False),
 }
 LEVER_NAMES = {"ckpt": "checkpointing", "ckpt+bf16": "checkpointing+bf16"}
 
 
+def _levers(family: str) -> dict:
+    return json.loads((SAMPLES / "fit_truth.json").read_text())["families"][family]["levers"]
+
+
 @pytest.mark.parametrize(("family", "lever"), FRESH)
 def test_the_ranges_first_batch_against_a_fresh_process(real_frames, family, lever):
-    """Recorded on an H200 after the range was defined (group fit_fresh): at the range's first
-    batch from each family's OOM, two whole steps in a fresh process, nothing run before them."""
-    name, recorded, first, ran = FRESH[(family, lever)]
+    """Recorded on an H200 after the range was defined (groups fit_fresh and fit_fresh_later): two
+    whole steps in a fresh process, nothing run before them, at the range's first batch from
+    each family's OOM. It ran for nine families. Where it failed (OPT at 31, Gemma at 15) it is
+    above the table's largest batch too (28, 14): the step extrapolated from the OOM is too small
+    for those two, range or not (docs/fit.md, Known gaps)."""
+    name, recorded, first, batch, ran = FRESH[(family, lever)]
     fit = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded, optimizer="adamw")
-    assert fit.largest_batch_no_retry[LEVER_NAMES[lever]] == first
-    table = json.loads((SAMPLES / "fit_truth.json").read_text())["families"][family]["levers"][lever]
-    assert table["fresh_process"][str(first)]["ok"] is ran
+    assert fit.largest_batch_no_retry[LEVER_NAMES[lever]] == first == batch
+    table = _levers(family)[lever]
+    assert table["fresh_process"][str(batch)]["ok"] is ran
     assert ran is (first <= table["largest_batch_under_cap"])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_the_real_boundary_is_not_one_batch(family):
+    """Qwen2 and Mistral with checkpointing, each in a fresh process: 16 ran, 17 failed, 18 ran
+    (and 18 is the table's largest batch, searched in one process). What runs is not even
+    monotone in the batch near the cap; fit's range from their OOMs is 16 (one number: there,
+    the capped replay fails at 17 as the fresh run did)."""
+    fresh = _levers(family)["ckpt"]["fresh_process"]
+    assert [fresh[b]["ok"] for b in ("16", "17", "18")] == [True, False, True]
+    assert _levers(family)["ckpt"]["largest_batch_under_cap"] == 18
 
 
 def test_gpt2s_boundary_in_a_fresh_process_is_within_its_range():
     """GPT-2 with checkpointing ran at 26 in a fresh process and failed at 27 (both histories
-    inside 25-29); with both levers it ran at 28, the table's, and failed at 29 in the table's."""
-    levers = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]["gpt2"]["levers"]
+    inside 25-29); with both levers it ran at 28 and failed at 29 in both (inside 26-30)."""
+    levers = _levers("gpt2")
     assert [levers["ckpt"]["fresh_process"][b]["ok"] for b in ("25", "26")] == [True, True]
     assert sample_truth("fit_gpt2_b27_ckpt_capped_python")["workload"]["steps_done"] == 1
-    assert [levers["ckpt+bf16"]["fresh_process"][b]["ok"] for b in ("26", "27", "28")] == [True, True, True]
-    assert not levers["ckpt+bf16"]["cap_tries"]["29"]["ok"]
+    both = levers["ckpt+bf16"]
+    assert [both["fresh_process"][b]["ok"] for b in ("26", "27", "28", "29")] == [True, True, True, False]
+    assert not both["cap_tries"]["29"]["ok"]
 
 
 def _two_tensors() -> object:
