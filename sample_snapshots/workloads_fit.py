@@ -1130,10 +1130,10 @@ def infer_table(family: str) -> None:
               top=2 * oom)
 
 
-def infer_oom_snapshot(family: str) -> None:
+def infer_oom_snapshot(family: str, batch: int | None = None) -> None:
     import torch
 
-    batch = INFER_OOMS[family][2]
+    batch = batch or INFER_OOMS[family][2]
     name = f"fit_{family}_b{batch}_oom_python"
     info = {"kind": "fit-inference-oom-first-forward", "family": family, "batch": batch, "stacks": "python",
             "grad_mode": "torch.no_grad()", "cap_bytes": CAP_BYTES}
@@ -1205,6 +1205,16 @@ for _group, _runs in (("fit_fresh", FRESH_RUNS), ("fit_fresh_later", FRESH_RUNS_
         for _batch in _batches:
             H.workload(f"fresh_{_family}_{_lever.replace('+', '_')}_b{_batch}", _group)(
                 lambda f=_family, v=_lever, b=_batch: _fresh_run(f, v, b))
+
+# 2026-11-27 (fourth session): the inference OOMs above ran out inside the first block and are
+# refused; an inference job a little over its largest batch runs out later in its forward, with
+# the KV cache of the layers before alive (group fit_infer_late): just over the largest batch
+# that ran (41 and 37) and half as much again (60 and 54).
+INFER_LATE_OOMS = {"llamainfer": (41, 60), "gpt2infer": (37, 54)}
+for _family, _batches in INFER_LATE_OOMS.items():
+    for _batch in _batches:
+        H.workload(f"fit_{_family}_b{_batch}_oom_python", "fit_infer_late")(
+            lambda f=_family, b=_batch: infer_oom_snapshot(f, b))
 
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are

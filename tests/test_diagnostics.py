@@ -250,6 +250,10 @@ EXPECTED = {
     "fit_gpt2infer_b8_complete_python": set(),
     "fit_llamainfer_b128_oom_python": {"oom-capacity"},
     "fit_gpt2infer_b256_oom_python": {"oom-capacity"},
+    # a little over their largest batch, each ran out with room free in reserved memory but split
+    # into holes smaller than the request (GPT-2's 648 MiB with 860 MiB free, none over 486 MiB)
+    "fit_gpt2infer_b54_oom_python": {"oom-fragmentation"},
+    "fit_llamainfer_b60_oom_python": {"oom-fragmentation"},
     **{f"fit_lightning_{precision}_b8_python": set() for precision in ("bf16", "fp16")},
     # Gemma and Qwen2, recorded with every fit rule untouched (2026-11-26, third session)
     **{f"fit_{family}_b32_oom_python": {"oom-capacity"} for family in ("gemma", "qwen2")},

@@ -8,11 +8,13 @@ the first block (attention's scores) and are refused with the reason, not answer
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from snapshot_lab.metrics.fit import compute_fit, predict_step
 from snapshot_lab.metrics.fit.extrapolate import NO_WHOLE_BLOCK
+from snapshot_lab.metrics.fit.frozen import NO_AUTOGRAD
 from snapshot_lab.metrics.fit.model import FitUnsupported
 
 from .conftest import SAMPLES
@@ -39,3 +41,51 @@ def test_inference_peaks_and_largest_batch_against_the_real_runs(real_frames, fa
 def test_an_inference_oom_inside_the_first_block_is_refused(real_frames, family):
     with pytest.raises(FitUnsupported, match=NO_WHOLE_BLOCK[:40]):
         compute_fit(real_frames(f"fit_{family}_b{INFERENCE[family]}_oom_python"), memory_limit=CAP)
+
+
+def test_an_inference_oom_past_the_first_block_is_refused_not_taken_for_training(real_frames):
+    """GPT-2 under ``torch.no_grad()`` at batch 54, out of memory in its sixth block
+    (``workloads_fit.py``, ``INFER_LATE_OOMS``; 2026-11-27, fourth session). The simpler rule, "an
+    OOM in the first forward is a training step's", extrapolated a step with a backward and AdamW:
+    22 as recorded, where the inference runs at 37. Every block it completed kept nothing but its
+    output and its KV cache: it is refused, saying why (frozen.ran_without_autograd)."""
+    frames = real_frames("fit_gpt2infer_b54_oom_python")
+    with pytest.raises(FitUnsupported, match=re.escape(NO_AUTOGRAD[:60])):
+        compute_fit(frames, memory_limit=CAP, recorded_batch=54)
+
+
+def test_a_frozen_first_half_is_no_inference(real_frames):
+    """The hold-out: GPT-2 with its first six blocks frozen, out of memory in its first forward at
+    batch 32, kept nothing in those six blocks; the trained ones after them did. It is a training
+    step still, its largest batch as recorded 7 where 7 ran."""
+    frames = real_frames("fit_gpt2frozen_b32_oom_python")
+    fit = compute_fit(frames, memory_limit=CAP, recorded_batch=32)
+    assert fit.workload == "out of memory in the first forward"
+    assert fit.largest_batch["as recorded"] == FAMILIES["gpt2frozen"]["levers"]["plain"]["largest_batch_under_cap"] == 7
+
+
+def test_an_inference_oom_in_a_later_forward_answers_from_the_whole_first(real_frames):
+    """The Llama under ``torch.no_grad()`` at batch 60 ran its first forward and ran out of memory on
+    its second one's logits: forward passes only, and the largest batch is 41, as the table's
+    search found, and as a fresh process ran (``fresh_process`` in fit_truth.json)."""
+    fit = compute_fit(real_frames("fit_llamainfer_b60_oom_python"), memory_limit=CAP, recorded_batch=60)
+    assert fit.workload == "forward passes only"
+    plain = FAMILIES["llamainfer"]["levers"]["plain"]
+    assert fit.largest_batch["as recorded"] == plain["largest_batch_under_cap"] == 41
+    assert plain["fresh_process"]["41"]["ok"]
+
+
+def test_the_layers_of_one_inference_forward_are_no_iterations(real_frames):
+    """GPT-2's inference OOM at batch 54 keeps each layer's KV cache, 324 MiB of a 2.5 GiB rise
+    per layer: its layers passed as iterations that return (the rule the frozen GPT-2 gave,
+    tests/test_fit_frozen.py) and the cache was a leak of 486 MiB an iteration. Repetitions whose
+    every allocation was made inside a module's call are one forward's layers. The hold-outs: an
+    inference loop's layers, whose inputs are made outside the model between batches, are still
+    grouped into its iterations (``deep_inference_python``, 32 layers x 3 batches), and a training
+    loop's iterations are found as before (``inf_flush_python``)."""
+    from snapshot_lab.metrics.history.iterations import find_iterations
+
+    assert find_iterations(real_frames("fit_gpt2infer_b54_oom_python"), 0) is None
+    deep = find_iterations(real_frames("deep_inference_python"), 0)
+    assert deep is not None and deep.count == 3
+    assert find_iterations(real_frames("inf_flush_python"), 0) is not None

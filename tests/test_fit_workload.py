@@ -108,6 +108,8 @@ FORWARD_ONLY_KINDS = {
     "fit-precision-inference",
     "fit-inference-autocast",
     "fit-inference",
+    # recorded to run out of memory in its first forward, it did in its second (its truth's note)
+    "fit-inference-oom",
 }
 # an inference job out of memory in its first forward shows no more than a training job's first
 # forward does (fit refuses the two of them: each ran out inside its first block)

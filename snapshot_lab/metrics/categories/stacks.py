@@ -40,7 +40,8 @@ from ...frames import SnapshotFrames
 
 _PARAM_NAMES = {"reset_parameters", "_init_weights", "init_weights", "post_init", "from_pretrained", "_apply"}
 _MODULE_MOVE = {"_apply", "to", "cuda", "convert", "_load_from_state_dict", "load_state_dict"}
-_FORWARD_NAMES = {"_call_impl", "_wrapped_call_impl", "forward"}
+_CALL_NAMES = ("_call_impl", "_wrapped_call_impl")
+_FORWARD_NAMES = {*_CALL_NAMES, "forward"}
 # C++ caches that live as long as the process: cuBLAS/cuBLASLt workspaces (one per handle and
 # stream, the autograd thread gets its own)
 _CPP_CACHE_PARTS = ("setWorkspaceForHandle", "getCUDABlasLtWorkspace", "getNewWorkspace", "getChosenWorkspaceSize")
@@ -223,6 +224,14 @@ def stacks_where(frames: SnapshotFrames, hit: pd.Series) -> set[int]:
         return set()
     fids = frames.stack_frames.loc[hit, "frame_id"]
     return set(frames.stacks.loc[frames.stacks["frame_id"].isin(fids), "stack_id"].astype(int))
+
+
+def module_call_stacks(frames: SnapshotFrames) -> set[int]:
+    """stack_ids made inside a torch.nn.Module's call (a frame of ``module.py``'s ``_call_impl``)."""
+    if frames.stacks.empty:
+        return set()
+    files, names = stack_filenames(frames), frames.stack_frames["name"].astype(str)
+    return stacks_where(frames, files.str.endswith("torch/nn/modules/module.py") & names.isin(_CALL_NAMES))
 
 
 def stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:

@@ -54,7 +54,7 @@ from .evidence import (
     parameter_repeat,
     stack_innermost,
 )
-from .frozen import ADAPTER_NOTE, FROZEN_NOTE, frozen_parameters, frozen_prefix
+from .frozen import ADAPTER_NOTE, FROZEN_NOTE, NO_AUTOGRAD, frozen_parameters, frozen_prefix, ran_without_autograd
 from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -560,6 +560,8 @@ class _Step:
             b.add(b.tick(), NEVER, workspace, 0.0, "workspace", "backward")
         # transformers' KV cache keeps its keys and values whether or not autograd does
         kept = [(part, j, [r for r in rows if b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
+        if self.pass_index == 0 and ran_without_autograd(kept, len(pf.blocks)):
+            raise FitUnsupportedStep(NO_AUTOGRAD)
         self.frozen_blocks = k = frozen_prefix(kept)
         self.trained = ~frozen_parameters(pf.param_block, k) & (self.adapters.size == 0)
         for n in self.adapters.tolist():  # tiny: made together, as the backward begins

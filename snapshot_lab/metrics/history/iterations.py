@@ -26,6 +26,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ..categories import stack_categories, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
+from ..categories.stacks import module_call_stacks
 
 # annotation name patterns, most specific first
 _ANNOTATION_PATTERNS = (
@@ -105,6 +106,8 @@ def _pattern_ends(frames: SnapshotFrames, events: pd.DataFrame, starts: np.ndarr
     with_end = sum(bool(marks[start:stop].any()) for start, stop in itertools.pairwise(bounds))
     if with_end >= MIN_ENDING_SHARE * pos.size:
         return True
+    if _inside_one_call(frames, events, pos):
+        return False
     action = events["action"].astype(str).to_numpy()
     size = events["size_bytes"].to_numpy()
     level = np.cumsum(np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0))
@@ -119,6 +122,18 @@ def _pattern_ends(frames: SnapshotFrames, events: pd.DataFrame, starts: np.ndarr
     # ones' activations as a leak, fit_gpt2frozen_b32_oom_python)
     last_whole = kept[-2] if len(kept) >= 2 else kept[-1]
     return float(np.median(kept)) <= MAX_NET_RISE and last_whole <= MAX_NET_RISE
+
+
+def _inside_one_call(frames: SnapshotFrames, events: pd.DataFrame, pos: np.ndarray) -> bool:
+    """Whether every allocation from the first repetition on was made inside a module's call: the
+    repetitions are the layers of one forward, not iterations (an iteration's inputs, loss or
+    optimizer step are made outside the model). GPT-2 under ``torch.no_grad()``, out of memory in
+    its sixth block, keeps each layer's KV cache: six layers were taken for iterations and the
+    cache for a leak (``fit_gpt2infer_b54_oom_python``)."""
+    tail = events.iloc[int(pos[0]) :]
+    sid = tail.loc[(tail["action"] == "alloc") & tail["stack_id"].notna(), "stack_id"].to_numpy(dtype=np.int64)
+    inside = module_call_stacks(frames)
+    return bool(sid.size) and bool(inside) and bool(np.isin(sid, np.fromiter(inside, dtype=np.int64)).all())
 
 
 def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
