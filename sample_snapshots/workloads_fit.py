@@ -1211,10 +1211,15 @@ for _group, _runs in (("fit_fresh", FRESH_RUNS), ("fit_fresh_later", FRESH_RUNS_
 # the KV cache of the layers before alive (group fit_infer_late): just over the largest batch
 # that ran (41 and 37) and half as much again (60 and 54).
 INFER_LATE_OOMS = {"llamainfer": (41, 60), "gpt2infer": (37, 54)}
-for _family, _batches in INFER_LATE_OOMS.items():
-    for _batch in _batches:
-        H.workload(f"fit_{_family}_b{_batch}_oom_python", "fit_infer_late")(
-            lambda f=_family, b=_batch: infer_oom_snapshot(f, b))
+# then hold-outs for extrapolating an inference forward cut short (group fit_infer_holdout): the
+# Llama between 60 (out in its second forward) and 128 (out in its first block), GPT-2 between 37
+# and 54
+INFER_HOLDOUT_OOMS = {"llamainfer": (80, 96), "gpt2infer": (44,)}
+for _group, _ooms in (("fit_infer_late", INFER_LATE_OOMS), ("fit_infer_holdout", INFER_HOLDOUT_OOMS)):
+    for _family, _batches in _ooms.items():
+        for _batch in _batches:
+            H.workload(f"fit_{_family}_b{_batch}_oom_python", _group)(
+                lambda f=_family, b=_batch: infer_oom_snapshot(f, b))
 
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are

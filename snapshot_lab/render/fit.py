@@ -43,6 +43,9 @@ NO_LIMIT = (
     "that fits."
 )
 EXTRAPOLATED = "The trace ran out of memory before its first step completed: the rest of the step is extrapolated."
+EXTRAPOLATED_FORWARD = (
+    "The trace ran out of memory before its first forward completed: the rest of the forward is extrapolated."
+)
 FITS_UNDER_LIMIT = (
     'Peak allocated and reserved are the step\'s without a limit; "fits" replays it under the limit, where the '
     "allocator gives its cached blocks back and retries before it fails, so a step that reserves more than the "
@@ -203,7 +206,7 @@ def format_fit(r: FitResult, name: str = "") -> str:
     """The whole answer as text."""
     out = [headline(r), ""]
     if not r.complete:
-        out += [EXTRAPOLATED, ""]
+        out += [EXTRAPOLATED_FORWARD if r.workload == wl.FORWARD_ONLY else EXTRAPOLATED, ""]
     at_batch = f"batch {_batch_words(r, r.batch)}" if r.batch is not None else f"{r.batch_scale:g}x the recorded batch"
     largest = "largest batch" + ("" if r.recorded_batch else " (x recorded)")
     job = "the recorded forwards" if r.workload == wl.FORWARD_ONLY else "the whole step"

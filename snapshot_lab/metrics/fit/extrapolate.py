@@ -54,7 +54,7 @@ from .evidence import (
     parameter_repeat,
     stack_innermost,
 )
-from .frozen import ADAPTER_NOTE, FROZEN_NOTE, NO_AUTOGRAD, frozen_parameters, frozen_prefix, ran_without_autograd
+from .frozen import ADAPTER_NOTE, FROZEN_NOTE, frozen_parameters, frozen_prefix, ran_without_autograd
 from .precision import UPCAST_RATIO, sizes_matches, sizes_say_half, upcasts
 from .tape import NEVER, Tape, empty_tape, make_tape
 
@@ -107,6 +107,17 @@ HEAD_WORKSPACE_ASSUMED = (
     "no matrix multiply ran before the failure: the linear head makes cuBLAS's workspaces when it first runs, "
     "taken as torch's default on a Hopper GPU (32 MiB for the forward's thread and 1 MiB for cuBLASLt, 32 MiB for "
     "the backward's thread)"
+)
+INFERENCE_HEAD_ASSUMED = (
+    "the forward did not reach the layers after the blocks: taken as a final norm and a linear head {head} reading "
+    "{reads}, making {ratio:.1f}x the residual stream (the logits, returned: alive to the forward's end)"
+)
+INFERENCE_EXTRAPOLATED = (
+    "the trace ends in the first forward, which ran without autograd: every block it completed kept nothing but its "
+    "output and its KV cache (inference under torch.no_grad(), or a model frozen up to where it failed: if later "
+    "layers train, record a step that completes); the rest of the forward is extrapolated ({layers} repeated blocks, "
+    "counted from the parameters; {ran} ran), each block's KV cache alive to the forward's end, then a second forward "
+    "as the first"
 )
 LIGHTNING_ZERO_GRAD = (
     "Lightning's automatic optimization runs the forward in the optimizer's step closure and zeroes the gradients "
@@ -243,6 +254,7 @@ class Extrapolated:
     blocks: tuple[BlockSpan, ...]
     passes: tuple[PassSpan, ...]
     notes: tuple[str, ...]
+    forward_only: bool = False  # a forward without autograd (inference): no backward, no step
 
 
 class _Step:
@@ -290,6 +302,8 @@ class _Step:
         if self.zero_grad_before_backward:
             self.notes.append(LIGHTNING_ZERO_GRAD)
         self.frozen_blocks = 0  # the first blocks outside autograd (fit/frozen.py)
+        self.no_autograd = False  # no block the trace holds kept anything for a backward: inference
+        self.head_input = -1  # the final norm's output of an inference forward (its row)
         self.trained = np.ones(self.p_size.size, dtype=bool)  # parameters that take a gradient
         # LoRA's adapters: where there are any, the only trained parameters
         self.adapters = self.size[pf.adapters]
@@ -444,11 +458,16 @@ class _Step:
                 f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
                 "are copies of the last whole block it ran"
             )
+        if self.pass_index == 0:  # every block the trace holds kept nothing for a backward: inference
+            blocks = [(part, j, [r for r in rows if self.b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
+            self.no_autograd = ran_without_autograd(blocks, len(pf.blocks))
         if len(pf.blocks) >= pf.layers and pf.after.size:
             kept = self.copy_rows(pf.after, "post", -1)
             for _, req, _ in self.s.ooms[-1:]:
                 kept.append(self.b.add(self.b.tick(), NEVER, 0.0, float(req), "activation", "forward"))
             self.saved.append(("post", -1, kept))
+        elif self.no_autograd:
+            self.inference_head()
         else:
             self.head()
 
@@ -498,9 +517,56 @@ class _Step:
 
     def head(self) -> None:
         """The layers after the blocks, not reached: final norm, linear head, loss."""
-        pf, b = self.pf, self.b
-        if not pf.blocks:
+        b = self.b
+        if not self.pf.blocks:
             return
+        stream, logits, matrix, tied, per_token, half = self._head_sizes()
+        kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
+        # a half-precision head's output (half precision, or autocast's), half the float32 logits
+        # the loss casts it to (a float32 model's cast makes nothing)
+        own = b.add(b.tick(), NEVER, 0.0, logits / 2, "activation", "forward") if half and logits else None
+        made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
+        self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
+        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
+        self.result_saved.add(kept[-1])
+        b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
+        if own is not None:
+            b.set_end(own, b.tick())
+        b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
+        self.saved.append(("post", -1, kept))
+        self.notes.append(
+            HEAD_ASSUMED.format(
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes",
+                ratio=logits / max(stream, 1),
+                reads="every token's output" if per_token else "one pooled vector per sample",
+            )
+        )
+
+    def inference_head(self) -> None:
+        """The layers after the blocks, not reached by a forward without autograd: a final norm,
+        freed once the head has read it, and the logits the model returns (half precision where
+        the model is), alive to the forward's end."""
+        b = self.b
+        if not self.pf.blocks:
+            return
+        stream, logits, matrix, tied, per_token, half = self._head_sizes()
+        norm = b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)
+        self.head_input = norm
+        b.add(b.tick(), NEVER, 0.0, logits / 2 if half else logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
+        b.set_end(norm, b.tick())
+        self.notes.append(
+            INFERENCE_HEAD_ASSUMED.format(
+                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes",
+                ratio=logits / max(stream, 1),
+                reads="every token's output" if per_token else "one pooled vector per sample",
+            )
+        )
+
+    def _head_sizes(self) -> tuple[float, float, float, bool, bool, bool]:
+        """The head's sizes at the recorded batch, from the last whole block and the parameters:
+        the stream (the final norm's output), the float32 logits, the head's matrix, whether it is
+        tied to the embedding, whether it reads every token, whether it runs in half precision."""
+        b = self.b
         last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
         # a block's first output: a norm of its input; a norm's per-token statistics (RMSNorm's
         # variance, Llama's first saved tensor) are a sixty-fourth of the block's largest or less
@@ -520,27 +586,8 @@ class _Step:
         upcast = 1.0 if autocast else self.upcast()
         logits = stream / upcast * matrix * 4 / width**2 if width and per_token else 0.0
         self.tied_head = matrix if tied else 0.0
-        kept = [b.add(b.tick(), NEVER, 0.0, stream, "activation", "forward", fp32=AUTOCAST_FP32)]  # final norm
-        # a half-precision head's output (half precision, or autocast's), half the float32 logits
-        # the loss casts it to (a float32 model's cast makes nothing)
         half = autocast or upcast > 1 or sizes_say_half(sizes_matches(self.p_size))
-        own = b.add(b.tick(), NEVER, 0.0, logits / 2, "activation", "forward") if half and logits else None
-        made = b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_MATMUL)
-        self.transients.setdefault(("post", -1), []).append(made)  # its gradient: the log-softmax's backward
-        kept.append(b.add(b.tick(), NEVER, 0.0, logits, "activation", "forward", fp32=AUTOCAST_FP32))  # log-softmax
-        self.result_saved.add(kept[-1])
-        b.set_end(made, b.tick())  # the logits: once the loss has its log-softmax
-        if own is not None:
-            b.set_end(own, b.tick())
-        b.add(b.tick(), NEVER, 4.0, 0.0, "activation", "forward")  # the loss
-        self.saved.append(("post", -1, kept))
-        self.notes.append(
-            HEAD_ASSUMED.format(
-                head="tied to the embedding" if tied else f"of {int(matrix):,} bytes",
-                ratio=logits / max(stream, 1),
-                reads="every token's output" if per_token else "one pooled vector per sample",
-            )
-        )
+        return stream, logits, matrix, tied, per_token, half
 
     # ------------------------------------------------------------------ backward and step
 
@@ -560,8 +607,6 @@ class _Step:
             b.add(b.tick(), NEVER, workspace, 0.0, "workspace", "backward")
         # transformers' KV cache keeps its keys and values whether or not autograd does
         kept = [(part, j, [r for r in rows if b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
-        if self.pass_index == 0 and ran_without_autograd(kept, len(pf.blocks)):
-            raise FitUnsupportedStep(NO_AUTOGRAD)
         self.frozen_blocks = k = frozen_prefix(kept)
         self.trained = ~frozen_parameters(pf.param_block, k) & (self.adapters.size == 0)
         for n in self.adapters.tolist():  # tiny: made together, as the backward begins
@@ -669,11 +714,34 @@ class _Step:
                 b.set_end(r, t)
         self.grads = []
 
+    def end_forward(self, forward_start: float) -> None:
+        """The end of a forward without autograd: what came before a block (the embeddings'
+        output, the last block's output) goes once that block, or the final norm, has made its
+        own; what the model returns (every block's KV cache, the logits) and its inputs go when
+        the forward is over."""
+        b = self.b
+        ends = [sp[1] for sp in self.spans] + [b.rows[self.head_input][0] if self.head_input >= 0 else b.now]
+        for part, j, rows in self.saved:
+            if part in ("pre", "tail"):
+                for r in rows:
+                    b.set_end(r, ends[j + 1] + 0.5)
+        done = b.tick()
+        for r, row in enumerate(b.rows):
+            made = row[0] >= forward_start - 1 and row[5] in ("data", "forward")
+            if row[1] == NEVER and made and row[4] in ("activation", KV_CACHE, "input"):
+                b.set_end(r, done)
+        self.grads = []
+
     def run_pass(self, state_ratio: float, temporary_ratio: float) -> None:
         """Data, forward, backward, optimizer step; where its blocks and itself are."""
         self.inputs()
         forward_start = self.b.now + 1
+        self.head_input = -1
         self.forward()
+        if self.no_autograd:
+            self.end_forward(forward_start)
+            self.pass_index += 1
+            return
         backward_start = self.backward()
         pb = self.pf.param_block
         for j, sp in enumerate(self.spans):
@@ -796,6 +864,9 @@ def extrapolate_step(
     step.model_state()
     for _ in range(PASSES):
         step.run_pass(state_ratio, temporary_ratio)
+    if step.no_autograd:
+        first = INFERENCE_EXTRAPOLATED.format(layers=pf.layers, ran=len(pf.blocks))
+        return Extrapolated(step.b.tape(), (), (), (first, *dict.fromkeys(step.notes)), forward_only=True)
     notes = [
         f"the trace ends in the first forward: the rest of the step is extrapolated ({pf.layers} repeated blocks, "
         f"counted from the parameters; {len(pf.blocks)} ran), then a second step as the first, with the optimizer "

@@ -56,12 +56,6 @@ ADAPTER_NOTE = (
     "{n} tensors ({size:,} bytes) made after the model and before the forward by LoRA/adapter code: taken as the only "
     "trained parameters (their gradients and optimizer state), the model's own parameters frozen"
 )
-NO_AUTOGRAD = (
-    "every block the forward completed before it ran out of memory kept nothing for a backward but its output and "
-    "its KV cache: the forward ran without autograd (inference under torch.no_grad(), or a model frozen up to where "
-    "it failed), and from a forward cut short fit can tell neither which nor what the rest would keep (record one "
-    "forward that completes, at a smaller batch: for inference, fit then answers from the whole forward)"
-)
 FROZEN_JOIN_NOTE = (
     "under checkpointing, transformers' gradient_checkpointing_enable() makes the input embeddings' output require "
     "a gradient: the frozen first blocks are checkpointed too, each keeping its input until the end of the backward"
@@ -82,7 +76,8 @@ def ran_without_autograd(saved: Sequence[tuple[str, int, Sequence[int]]], ran: i
     """Whether none of the first ``ran`` blocks (those the trace holds, ``saved`` as for
     :func:`frozen_prefix`) kept anything for the backward: the forward ran outside autograd.
     ``fit_gpt2infer_b54_oom_python`` (GPT-2 under ``torch.no_grad()``, out in its sixth block):
-    taken for a training step, its largest batch was 22 where inference runs 36."""
+    taken for a training step, its largest batch was 22 where inference runs 37; its forward is
+    extrapolated as inference (extrapolate._Step.end_forward)."""
     kept = [len(rows) > 0 for part, j, rows in saved if part == "block" and j < ran]
     return bool(kept) and not any(kept)
 

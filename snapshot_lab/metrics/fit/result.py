@@ -369,6 +369,6 @@ def compute_fit(
         notes=tuple(notes),
         parallel_strategies=planned,
         parallel_refused=refused,
-        workload=work.kind,
+        workload=wl.FORWARD_ONLY if wl.is_forward_only(ev) else work.kind,  # an inference forward extrapolated
         oom_request_over_limit=over,
     )
