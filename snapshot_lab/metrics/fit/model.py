@@ -161,8 +161,8 @@ def _evidence(frames: SnapshotFrames, device: int, optimizer: str | None) -> Ste
     if ex is None:
         raise FitUnsupported("the trace shows no forward pass (no allocation inside a module's forward)")
     if ex.forward_only:  # inference: as wl.forward_only_evidence, from the forward extrapolated
-        notes = (*ex.notes, wl.FORWARD_ONLY_LEVERS_NOTE)
-        return StepEvidence(ex.tape, False, params, wl.NO_OPTIMIZER, wl.INFERENCE_OPTIMIZER_SOURCE, 0, 0, (), (), notes)
+        said = (*ex.notes, wl.FORWARD_ONLY_LEVERS_NOTE)
+        return StepEvidence(ex.tape, False, params, wl.NO_OPTIMIZER, wl.INFERENCE_OPTIMIZER_SOURCE, 0, 0, (), (), said)
     return StepEvidence(ex.tape, False, params, name, source, 0, len(ex.blocks), ex.blocks, ex.passes, ex.notes)
 
 
