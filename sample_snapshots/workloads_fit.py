@@ -1221,6 +1221,19 @@ for _group, _ooms in (("fit_infer_late", INFER_LATE_OOMS), ("fit_infer_holdout",
             H.workload(f"fit_{_family}_b{_batch}_oom_python", _group)(
                 lambda f=_family, b=_batch: infer_oom_snapshot(f, b))
 
+# then, a hold-out for the grouped-query fix those hold-outs gave (the head read the stream from the
+# block's narrower KV cache: the Llama's logits were halved): Qwen2 (grouped-query attention)
+# under torch.no_grad() (group fit_infer_holdout2): its table (peaks at five batches, the largest
+# batch under the cap) and OOMs at three batches, to find one out in its first forward
+INFER_OOMS["qwen2infer"] = ("qwen2", (4, 8, 16, 32, 64), 128)
+H.workload("fittable_qwen2infer_plain", "fit_infer_holdout2")(lambda: infer_table("qwen2infer"))
+for _batch in (64, 80, 96):  # each out in its first block (refused): then just over its largest, 35
+    H.workload(f"fit_qwen2infer_b{_batch}_oom_python", "fit_infer_holdout2")(
+        lambda b=_batch: infer_oom_snapshot("qwen2infer", b))
+for _batch in (38, 42, 48):
+    H.workload(f"fit_qwen2infer_b{_batch}_oom_python", "fit_infer_holdout3")(
+        lambda b=_batch: infer_oom_snapshot("qwen2infer", b))
+
 if __name__ == "__main__":
     H.__file__ = __file__  # the pool spawns this script, whose workloads these are
     H.main()

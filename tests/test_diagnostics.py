@@ -254,6 +254,13 @@ EXPECTED = {
     # into holes smaller than the request (GPT-2's 648 MiB with 860 MiB free, none over 486 MiB)
     "fit_gpt2infer_b54_oom_python": {"oom-fragmentation"},
     "fit_llamainfer_b60_oom_python": {"oom-fragmentation"},
+    # the hold-outs of extrapolating an inference forward: the Llama's requests (its attention's
+    # scores) outgrew all the free memory there was; GPT-2's and Qwen2's found it split
+    "fit_gpt2infer_b44_oom_python": {"oom-fragmentation"},
+    "fit_llamainfer_b80_oom_python": {"oom-capacity"},
+    "fit_llamainfer_b96_oom_python": {"oom-capacity"},
+    "fit_qwen2infer_b38_oom_python": {"oom-fragmentation"},
+    "fit_qwen2infer_b42_oom_python": {"oom-fragmentation"},
     **{f"fit_lightning_{precision}_b8_python": set() for precision in ("bf16", "fp16")},
     # Gemma and Qwen2, recorded with every fit rule untouched (2026-11-26, third session)
     **{f"fit_{family}_b32_oom_python": {"oom-capacity"} for family in ("gemma", "qwen2")},

@@ -567,7 +567,10 @@ class _Step:
         the stream (the final norm's output), the float32 logits, the head's matrix, whether it is
         tied to the embedding, whether it reads every token, whether it runs in half precision."""
         b = self.b
-        last_block = next(rows for part, _, rows in reversed(self.saved) if part == "block")
+        j, last_block = next((j, rows) for part, j, rows in reversed(self.saved) if part == "block")
+        if self.no_autograd:  # it kept its KV cache alone, narrower than the stream where grouped: what it made
+            made = self.transients.get(("block", self.pass_index * BLOCK_UID_STRIDE + j), [])
+            last_block = sorted(made, key=lambda row: b.rows[row][0])
         # a block's first output: a norm of its input; a norm's per-token statistics (RMSNorm's
         # variance, Llama's first saved tensor) are a sixty-fourth of the block's largest or less
         sizes = [b.rows[row][3] for row in last_block]
