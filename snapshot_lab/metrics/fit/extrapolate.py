@@ -454,10 +454,9 @@ class _Step:
             self.saved.append(("block", j, [k for k in kept if self.b.rows[k][0] < tail_start]))
             self.saved.append(("tail", j, [k for k in kept if self.b.rows[k][0] >= tail_start]))
         if len(pf.blocks) < pf.layers:
-            self.notes.append(
-                f"the forward failed in block {len(pf.blocks)} of {pf.layers}: blocks {len(pf.blocks)}–{pf.layers - 1} "
-                "are copies of the last whole block it ran"
-            )
+            k, n = len(pf.blocks), pf.layers
+            copies = f"block {k} is a copy" if k == n - 1 else f"blocks {k}–{n - 1} are copies"
+            self.notes.append(f"the forward failed in block {k} of {n}: {copies} of the last whole block it ran")
         if self.pass_index == 0:  # every block the trace holds kept nothing for a backward: inference
             blocks = [(part, j, [r for r in rows if self.b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
             self.no_autograd = ran_without_autograd(blocks, len(pf.blocks))
