@@ -73,6 +73,12 @@ def _batch_words(result: FitResult, batch: float | None) -> str:
     return f"{batch:g}x the recorded batch"
 
 
+def _ranged(outcome: LeverOutcome) -> bool:
+    """Whether the largest batch is a range: the one that never reaches the limit is smaller
+    (both are None without a limit)."""
+    return outcome.largest_batch_no_retry not in (None, outcome.largest_batch)
+
+
 def _batch_range(result: FitResult, outcome: LeverOutcome) -> str:
     """The largest batch, as a range from the one that never reaches the limit where they differ."""
     best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
@@ -116,8 +122,7 @@ def batch_range_note(r: FitResult) -> str | None:
     """:data:`BATCH_RANGE` where the one-line answer gives a range of batches, else None."""
     if r.memory_limit_bytes is None:
         return None
-    shown = [o for o in r.levers if o.lever in HEADLINE_LEVERS]
-    return BATCH_RANGE if any("–" in _batch_range(r, o) for o in shown) else None
+    return BATCH_RANGE if any(_ranged(o) for o in r.levers if o.lever in HEADLINE_LEVERS) else None
 
 
 def _step_headline(r: FitResult) -> str:
@@ -218,7 +223,7 @@ def format_fit(r: FitResult, name: str = "") -> str:
         out.append(f"Memory limit: {format_bytes(r.memory_limit_bytes)} ({r.memory_limit_source}).")
         if any(o.fits and o.peak_reserved_bytes > r.memory_limit_bytes for o in r.levers):
             out.append(FITS_UNDER_LIMIT)
-        if BATCH_RANGE not in out[0] and any("–" in _batch_range(r, o) for o in r.levers):
+        if batch_range_note(r) is None and any(_ranged(o) for o in r.levers):  # not said in the answer
             out.append(BATCH_RANGE)
     out += _parallel(r)
     if r.memory_limit_bytes is not None and r.ways_to_fit:

@@ -40,8 +40,10 @@ from ...frames import SnapshotFrames
 
 _PARAM_NAMES = {"reset_parameters", "_init_weights", "init_weights", "post_init", "from_pretrained", "_apply"}
 _MODULE_MOVE = {"_apply", "to", "cuda", "convert", "_load_from_state_dict", "load_state_dict"}
-_CALL_NAMES = ("_call_impl", "_wrapped_call_impl")
-_FORWARD_NAMES = {*_CALL_NAMES, "forward"}
+# a torch.nn.Module's call: these functions of this file (plan/structure.py reads module calls too)
+MODULE_PY = "torch/nn/modules/module.py"
+MODULE_CALL_NAMES = frozenset({"_call_impl", "_wrapped_call_impl"})
+_FORWARD_NAMES = {*MODULE_CALL_NAMES, "forward"}
 # C++ caches that live as long as the process: cuBLAS/cuBLASLt workspaces (one per handle and
 # stream, the autograd thread gets its own)
 _CPP_CACHE_PARTS = ("setWorkspaceForHandle", "getCUDABlasLtWorkspace", "getNewWorkspace", "getChosenWorkspaceSize")
@@ -84,7 +86,7 @@ def _frame_flags(rows: pd.DataFrame) -> pd.DataFrame:
     :data:`_FRAME_RULES`), whether it is a library cache or DDP's reducer (decisive wherever they
     are), and whether it is *foreign*: Python code outside torch and outside every optimizer."""
     fn, nm = rows["filename"].str.replace("\\", "/", regex=False), rows["name"]
-    module_py = fn.str.endswith("torch/nn/modules/module.py")
+    module_py = fn.str.endswith(MODULE_PY)
     cache = pd.Series(False, index=rows.index)
     for part in _CPP_CACHE_PARTS:
         cache |= nm.str.contains(part, regex=False)
@@ -231,7 +233,7 @@ def module_call_stacks(frames: SnapshotFrames) -> set[int]:
     if frames.stacks.empty:
         return set()
     files, names = stack_filenames(frames), frames.stack_frames["name"].astype(str)
-    return stacks_where(frames, files.str.endswith("torch/nn/modules/module.py") & names.isin(_CALL_NAMES))
+    return stacks_where(frames, files.str.endswith(MODULE_PY) & names.isin(MODULE_CALL_NAMES))
 
 
 def stacks_with_file(frames: SnapshotFrames, names: tuple[str, ...]) -> set[int]:

@@ -458,8 +458,7 @@ class _Step:
             copies = f"block {k} is a copy" if k == n - 1 else f"blocks {k}–{n - 1} are copies"
             self.notes.append(f"the forward failed in block {k} of {n}: {copies} of the last whole block it ran")
         if self.pass_index == 0:  # every block the trace holds kept nothing for a backward: inference
-            blocks = [(part, j, [r for r in rows if self.b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
-            self.no_autograd = ran_without_autograd(blocks, len(pf.blocks))
+            self.no_autograd = ran_without_autograd(self.kept_for_backward(), len(pf.blocks))
         if len(pf.blocks) >= pf.layers and pf.after.size:
             kept = self.copy_rows(pf.after, "post", -1)
             for _, req, _ in self.s.ooms[-1:]:
@@ -469,6 +468,11 @@ class _Step:
             self.inference_head()
         else:
             self.head()
+
+    def kept_for_backward(self) -> list[tuple[str, int, list[int]]]:
+        """What each part of this pass's forward kept, as :attr:`saved`, but its KV cache:
+        transformers' cache keeps its keys and values whether or not autograd does."""
+        return [(part, j, [r for r in rows if self.b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
 
     def model_width(self) -> float:
         """Bytes per token of the blocks' width: the commonest size of the first block's
@@ -607,8 +611,7 @@ class _Step:
         workspace = self.backward_workspace() if self.pass_index == 0 else 0.0
         if workspace:
             b.add(b.tick(), NEVER, workspace, 0.0, "workspace", "backward")
-        # transformers' KV cache keeps its keys and values whether or not autograd does
-        kept = [(part, j, [r for r in rows if b.rows[r][4] != KV_CACHE]) for part, j, rows in self.saved]
+        kept = self.kept_for_backward()
         self.frozen_blocks = k = frozen_prefix(kept)
         self.trained = ~frozen_parameters(pf.param_block, k) & (self.adapters.size == 0)
         for n in self.adapters.tolist():  # tiny: made together, as the backward begins

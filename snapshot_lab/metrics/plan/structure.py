@@ -36,6 +36,7 @@ from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
+from ..categories.stacks import MODULE_CALL_NAMES, MODULE_PY
 from ..history.lifetimes import device_lifetimes
 from ..history.ooms import fatal_rows
 from .messages import (
@@ -49,8 +50,6 @@ from .messages import (
     NOTE_UNTRACKED,
 )
 
-_MODULE_PY = "torch/nn/modules/module.py"
-_CALL_IMPL = frozenset({"_call_impl", "_wrapped_call_impl"})
 # every allocation's phase: setup (before the first forward), data, forward, backward or step;
 # its part of the model: pre (before the blocks), block or post (after them; the loss too)
 
@@ -89,7 +88,8 @@ def _stack_info(frames: SnapshotFrames) -> StackInfo:
         fids = group["frame_id"].to_numpy()
         pos = [fid_pos.get(int(frame_id), -1) for frame_id in fids]
         is_call = [
-            position >= 0 and fname[position].endswith(_MODULE_PY) and name[position] in _CALL_IMPL for position in pos
+            position >= 0 and fname[position].endswith(MODULE_PY) and name[position] in MODULE_CALL_NAMES
+            for position in pos
         ]
         sites: list[int] = []
         callees: list[str] = []
