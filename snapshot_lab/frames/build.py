@@ -44,7 +44,10 @@ from ..load.validate import (
 from .schema import (
     ANNOTATIONS_SCHEMA,
     BLOCKS_SCHEMA,
+    EVENT_DETAILS_SCHEMA,
     EVENTS_SCHEMA,
+    FRAME_FX_SCHEMA,
+    FX_KEYS,
     KNOWN_ACTIONS,
     SEGMENTS_SCHEMA,
     STACK_FRAMES_SCHEMA,
@@ -81,6 +84,33 @@ class SnapshotFrames:
     stacks: pd.DataFrame
     annotations: pd.DataFrame
     _stack_cache: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    # torch >= 2.14: pinned host memory (host_segments: SEGMENTS_SCHEMA with device -1, one block
+    # each; host_events: EVENTS_SCHEMA with device -1); empty when the file has none
+    host_segments: pd.DataFrame = field(default_factory=lambda: empty_frame(SEGMENTS_SCHEMA))
+    host_events: pd.DataFrame = field(default_factory=lambda: empty_frame(EVENTS_SCHEMA))
+    event_details: pd.DataFrame = field(default_factory=lambda: empty_frame(EVENT_DETAILS_SCHEMA))
+    frame_fx: pd.DataFrame = field(default_factory=lambda: empty_frame(FRAME_FX_SCHEMA))
+    backend: str | None = None  # the accelerator the file names (load.loader.detect_backend)
+
+    @property
+    def has_host_memory(self) -> bool:
+        """The file holds pinned host memory data (torch >= 2.14, record_pinned_host_memory)."""
+        return bool(len(self.host_segments) or len(self.host_events))
+
+    @property
+    def trace_overflowed(self) -> bool | None:
+        """What ``allocator_settings.trace_alloc_overflowed`` says (newer than torch 2.14.1): True
+        when the ring buffer dropped its oldest events, False when it did not, None when the
+        file does not say (then a trace that misses the job's start is only a guess between the
+        two)."""
+        v = (self.info.allocator_settings or {}).get("trace_alloc_overflowed")
+        return v if type(v) is bool else None
+
+    @property
+    def trace_max_entries(self) -> int | None:
+        """``allocator_settings.trace_alloc_max_entries``: the ring buffer's size, when said."""
+        v = (self.info.allocator_settings or {}).get("trace_alloc_max_entries")
+        return v if type(v) is int and v >= 0 else None
 
     def stack(self, stack_id: int | None) -> list[dict[str, Any]]:
         """The frames of one stack, innermost first, as ``{filename, line, name}`` dicts."""
@@ -130,6 +160,18 @@ def _frame_key(fr: Any) -> tuple[str, int, str]:
     raise FieldError("", f"expected a frame (a dict of filename, line and name), got {describe(fr)}")
 
 
+def _fx_of(fr: dict[str, Any]) -> tuple[str | None, ...] | None:
+    """A frame's FX keys (``_snapshot(augment_with_fx_traces=True)``, torch >= 2.10, added by
+    torch._utils._augment_memory_snapshot_stack_traces), or None when it has none."""
+    values = tuple(fr.get(k) for k in FX_KEYS)
+    if values.count(None) == len(values):
+        return None
+    for key, v in zip(FX_KEYS, values, strict=True):
+        if v is not None and type(v) is not str:
+            raise FieldError(key, f"expected a string, got {describe(v)}")
+    return values
+
+
 class _StackInterner:
     """Interns frames lists into stack ids and frame dicts into frame ids, checking each
     distinct object once. FieldErrors carry paths starting at ``frames``."""
@@ -145,6 +187,7 @@ class _StackInterner:
         self.stack_rows: list[tuple[int, ...]] = []
         self.forward_by_obj: dict[int, int | None] = {}
         self.metadata: dict[str, int] = {"": 0}  # user_metadata strings (torch >= 2.10) -> code
+        self.fx: dict[int, tuple[str | None, ...]] = {}  # frame_id -> its FX keys (FX_KEYS order)
 
     def _content_id(self, key: tuple[str, int, str]) -> int:
         fid = self.frame_by_content.get(key)
@@ -159,6 +202,10 @@ class _StackInterner:
         if fid is not None:
             return fid
         fid = self._content_id(_frame_key(fr))
+        if type(fr) is dict and len(fr) > 3 and fid not in self.fx:
+            fx = _fx_of(fr)
+            if fx is not None:
+                self.fx[fid] = fx
         self.frame_by_obj[id(fr)] = fid
         self.keep.append(fr)
         return fid
@@ -212,6 +259,13 @@ class _StackInterner:
         self.keep.append(texts)
         self.forward_by_obj[key] = sid
         return sid
+
+    def fx_table(self) -> pd.DataFrame:
+        if not self.fx:
+            return empty_frame(FRAME_FX_SCHEMA)
+        ids = sorted(self.fx)
+        cols = {k: [self.fx[i][j] for i in ids] for j, k in enumerate(FX_KEYS)}
+        return conform(pd.DataFrame({"frame_id": ids, **cols}), FRAME_FX_SCHEMA)
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         if self.frames:
@@ -463,6 +517,25 @@ class _TraceColumns:
             k: [] for k in ("action", "address", "size", "stream", "time", "stack", "forward", "free", "metadata")
         }
         self.extra_actions: dict[str, int] = {}
+        self.done = 0  # entries added so far
+        self.pools: dict[int, tuple[int, int]] = {}  # position -> pool_id, when not (0, 0)
+        self.contexts: dict[int, str] = {}  # position -> compile_context, when not 'N/A'
+
+    def _details(self, chunk: list[Any]) -> None:
+        """The chunk's pool ids and compiled regions, kept where informative. Both keys sit on
+        every entry of newer files: one C-level count each finds the few that say something."""
+        pools = list(_values(chunk, "pool_id", None))
+        if pools.count(None) + operator.countOf(pools, _DEFAULT_POOL) != len(pools):
+            for i, v in enumerate(pools):
+                if v is not None and v != _DEFAULT_POOL and _pool_id(v) != _DEFAULT_POOL:
+                    self.pools[self.done + i] = _pool_id(v)
+        contexts = list(_values(chunk, "compile_context", _NO_REGION))
+        if operator.countOf(contexts, _NO_REGION) != len(contexts):
+            for i, c in enumerate(contexts):
+                if c != _NO_REGION:
+                    if type(c) is not str:
+                        raise TypeError("compile_context")
+                    self.contexts[self.done + i] = c
 
     def add(self, chunk: list[Any], interner: _StackInterner) -> None:
         scanned = _scanned_columns(chunk)
@@ -481,6 +554,8 @@ class _TraceColumns:
         p["forward"].append(_forward_stack_ids(chunk, interner))
         p["free"].append(free)
         p["metadata"].append(_metadata_codes(chunk, interner.metadata))
+        self._details(chunk)
+        self.done += len(chunk)
 
     def _python_columns(self, chunk: list[Any]) -> tuple[np.ndarray, ...]:
         """The action, size, address, stream, time and device_free columns, the reference way."""
@@ -527,6 +602,15 @@ class _TraceColumns:
 
 
 _INT_RANGES = {key: (lo, 2**63) for key, lo, _ in _INT_FIELDS}
+_DEFAULT_POOL = (0, 0)
+_NO_REGION = "N/A"  # torch's compile_context outside a compiled region
+
+
+def _pool_id(v: Any) -> tuple[int, int]:
+    """A trace entry's ``pool_id`` (torch >= 2.12): two int64s, as segment_pool_id."""
+    if type(v) not in (tuple, list) or len(v) != 2:
+        raise FieldError("pool_id", f"expected two integers, got {describe(v)}")
+    return (check_int(v[0], INT64_MIN, 2**63, "pool_id[0]"), check_int(v[1], INT64_MIN, 2**63, "pool_id[1]"))
 
 
 def _check_entry(e: Any, interner: _StackInterner) -> None:
@@ -543,6 +627,10 @@ def _check_entry(e: Any, interner: _StackInterner) -> None:
         check_int(e["device_free"], 0, 2**63, "device_free")
     if type(e.get("user_metadata", "")) is not str:
         raise FieldError("user_metadata", f"expected a string, got {describe(e['user_metadata'])}")
+    if e.get("pool_id") is not None:
+        _pool_id(e["pool_id"])
+    if type(e.get("compile_context", "")) is not str:
+        raise FieldError("compile_context", f"expected a string, got {describe(e['compile_context'])}")
     interner.intern(e.get("frames", _NO_FRAMES))
     if e.get("forward_frames") is not None:
         interner.intern_forward(e["forward_frames"])
@@ -659,6 +747,9 @@ def _decoded_trace_columns(dev: DeviceTrace, stacks: _DecodedStacks, interner: _
     p["stream"].append(dev.stream)
     p["time"].append(dev.time_us)
     p["free"].append(dev.device_free)
+    cols.pools = {row: _pool_id(v) for row, v in dev.pools.items()}
+    cols.contexts = dict(dev.contexts)
+    cols.done = dev.size_of_trace
     forward_rows = sorted(dev.forward)
     n = dev.size_of_trace
     for start in range(0, n, _CHUNK):
@@ -712,6 +803,46 @@ def _events_frame(columns: list[tuple[int, _TraceColumns]], metadata: list[str])
     return conform(pd.concat(parts, ignore_index=True), EVENTS_SCHEMA)
 
 
+def _details_frame(columns: list[tuple[bool, int, _TraceColumns]]) -> pd.DataFrame:
+    """The sparse ``event_details`` rows of every trace (device traces first, then the host's)."""
+    rows: dict[str, list[Any]] = {k: [] for k in EVENT_DETAILS_SCHEMA}
+    for host, device, cols in columns:
+        for i in sorted(cols.pools.keys() | cols.contexts.keys()):
+            pool = cols.pools.get(i)
+            rows["host"].append(host)
+            rows["device"].append(device)
+            rows["event_index"].append(i)
+            rows["pool_id_0"].append(None if pool is None else pool[0])
+            rows["pool_id_1"].append(None if pool is None else pool[1])
+            rows["compile_context"].append(cols.contexts.get(i))
+    return conform(pd.DataFrame(rows), EVENT_DETAILS_SCHEMA) if rows["host"] else empty_frame(EVENT_DETAILS_SCHEMA)
+
+
+@dataclass
+class _HostParts:
+    """Pinned host memory's rows (torch >= 2.14), interned after the device's."""
+
+    segments: pd.DataFrame
+    columns: _TraceColumns | None
+
+
+def _collect_host(snap: Snapshot, interner: _StackInterner) -> _HostParts:
+    if not snap.host_segments and not snap.host_traces:
+        return _HostParts(empty_frame(SEGMENTS_SCHEMA), None)
+    host = Snapshot(snap.source, snap.host_segments, [], None, [])
+    try:
+        seg_rows, _ = _collect_segments_blocks(host, interner)
+    except FieldError as exc:  # paths below segments[i] are host_segments[i]'s
+        raise FieldError(f"host_{exc.path}", exc.message) from None
+    columns = None
+    if snap.host_traces:
+        try:
+            columns = _trace_columns(snap.host_traces, interner, consume=False)
+        except FieldError as exc:
+            raise exc.under("host_traces") from None
+    return _HostParts(_frame_of(seg_rows, SEGMENTS_SCHEMA), columns)
+
+
 def _build_annotations(snap: Snapshot) -> pd.DataFrame:
     rows = snap.external_annotations  # checked by the loader
     if not rows:
@@ -740,14 +871,15 @@ def _stacks_kind(stack_frames: pd.DataFrame) -> str:
 
 def _collect(
     snap: Snapshot, interner: _StackInterner, consume: bool
-) -> tuple[dict[str, list[Any]], dict[str, list[Any]], list[tuple[int, _TraceColumns]]]:
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]], list[tuple[int, _TraceColumns]], _HostParts]:
     try:
         with gc_paused():
             seg_rows, blk_rows = _collect_segments_blocks(snap, interner)
             columns = _collect_events(snap, interner, consume)
+            host = _collect_host(snap, interner)
     except FieldError as exc:
         raise SnapshotFormatError(snap.source.path, str(exc)) from None
-    return seg_rows, blk_rows, columns
+    return seg_rows, blk_rows, columns, host
 
 
 def check_frames(snap: Snapshot) -> None:
@@ -766,10 +898,14 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     grow (use it when the snapshot is not needed after).
     """
     interner = _StackInterner()
-    seg_rows, blk_rows, columns = _collect(snap, interner, consume)
+    seg_rows, blk_rows, columns, host = _collect(snap, interner, consume)
     segments, blocks = _frame_of(seg_rows, SEGMENTS_SCHEMA), _frame_of(blk_rows, BLOCKS_SCHEMA)
-    events = _events_frame(columns, list(interner.metadata))
-    del columns
+    metadata = list(interner.metadata)
+    events = _events_frame(columns, metadata)
+    host_events = empty_frame(EVENTS_SCHEMA) if host.columns is None else _events_frame([(-1, host.columns)], metadata)
+    details = [(False, d, c) for d, c in columns] + ([] if host.columns is None else [(True, -1, host.columns)])
+    event_details = _details_frame(details)
+    del columns, details
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
     # every _snapshot() call leaves a 'snapshot' marker in every device's trace: a device with
@@ -795,6 +931,11 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         stack_frames=stack_frames,
         stacks=stacks,
         annotations=annotations,
+        host_segments=host.segments,
+        host_events=host_events,
+        event_details=event_details,
+        frame_fx=interner.fx_table(),
+        backend=snap.backend,
     )
 
 

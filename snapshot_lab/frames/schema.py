@@ -89,6 +89,23 @@ STACKS_SCHEMA: dict[str, object] = {
     "frame_id": "int64",
 }
 
+# Sparse: one row per trace entry (device or host) whose memory pool is not the default (0, 0) or
+# that ran inside a compiled region (torch >= 2.12 writes pool_id and >= 2.8 compile_context on
+# every entry; 'N/A' and (0, 0) are left out). ``host`` marks pinned host memory's entries.
+EVENT_DETAILS_SCHEMA: dict[str, object] = {
+    "host": "bool",
+    "device": "int64",
+    "event_index": "int64",
+    "pool_id_0": "Int64",
+    "pool_id_1": "Int64",
+    "compile_context": "object",  # None where the entry ran outside a compiled region
+}
+
+# FX graph provenance of frames (_snapshot(augment_with_fx_traces=True), torch >= 2.10): one row
+# per frame that has any of the keys; None where a frame lacks one
+FX_KEYS = ("fx_node_op", "fx_node_name", "fx_node_target", "fx_original_trace")
+FRAME_FX_SCHEMA: dict[str, object] = {"frame_id": "int64", **{k: "object" for k in FX_KEYS}}
+
 ANNOTATIONS_SCHEMA: dict[str, object] = {
     "device": "int64",
     "time_us": "Int64",

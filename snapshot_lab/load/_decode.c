@@ -19,10 +19,13 @@
  *
  * devices: tuple, one item per device ordinal: (n, action int16, action_names, size, addr,
  * stream, time_us, device_free int64, metadata int32, metadata_names, stack int64, forward,
- * hints) where the columns are bytearrays of native-endian values, INT64_MIN marks an absent
+ * hints, pools, contexts) where the columns are bytearrays of native-endian values, INT64_MIN marks an absent
  * int, action/metadata are codes into their names lists (first appearance order; metadata
- * code 0 is ''), forward is a dict {row: forward_frames list} and hints the bit set of the keys
- * of the device's first entry (1 time_us, 2 compile_context, 4 user_metadata).
+ * code 0 is ''), forward is a dict {row: forward_frames list}, hints the bit set of the keys
+ * of the device's first entry (1 time_us, 2 compile_context, 4 user_metadata, 8 pool_id), pools a
+ * dict {row: pool_id tuple} of the entries whose pool is not (0, 0) and contexts a dict {row:
+ * compile_context} of those whose compiled region is not 'N/A' (torch's pybind serialiser,
+ * THCPModule_memorySnapshot in torch/csrc/cuda/Module.cpp, writes both on every entry).
  * stacks: list of tuples of frame objects; the stack key indexes it; key 0 is () (no frames).
  */
 #define PY_SSIZE_T_CLEAN
@@ -66,6 +69,7 @@ typedef struct {
     int32_t *meta;
     uint8_t *flags;
     PyObject *action_codes, *action_names, *meta_codes, *meta_names, *forward;
+    PyObject *pools, *contexts; /* {row: pool_id} other than (0, 0); {row: compile_context} other than 'N/A' */
     long oom_code;
     int hints;
 } Device;
@@ -95,6 +99,7 @@ enum {
     F_FRAMES,
     F_FORWARD,
     F_COMPILE,
+    F_POOL,
 };
 #define KEY_CACHE 32
 
@@ -338,7 +343,10 @@ static Device *new_device(VM *vm) {
     d->meta_codes = PyDict_New();
     d->meta_names = PyList_New(0);
     d->forward = PyDict_New();
-    if (!d->action_codes || !d->action_names || !d->meta_codes || !d->meta_names || !d->forward) {
+    d->pools = PyDict_New();
+    d->contexts = PyDict_New();
+    if (!d->action_codes || !d->action_names || !d->meta_codes || !d->meta_names || !d->forward || !d->pools ||
+        !d->contexts) {
         return NULL;
     }
     PyObject *empty = PyUnicode_FromStringAndSize("", 0);
@@ -364,6 +372,8 @@ static void free_device(Device *d) {
     Py_XDECREF(d->meta_codes);
     Py_XDECREF(d->meta_names);
     Py_XDECREF(d->forward);
+    Py_XDECREF(d->pools);
+    Py_XDECREF(d->contexts);
 }
 
 /* a new row with every field absent; its index, or -1 */
@@ -427,7 +437,7 @@ static long code_of(PyObject *codes, PyObject *names, PyObject *s) {
 
 static const char *FIELD_NAMES[] = {NULL,     "action",        "size",          "addr",           "stream",
                                     "time_us", "device_free", "user_metadata", "frames", "forward_frames",
-                                    "compile_context"};
+                                    "compile_context", "pool_id"};
 
 static int field_of(VM *vm, PyObject *key) {
     for (int i = 0; i < KEY_CACHE; i++) {
@@ -436,7 +446,7 @@ static int field_of(VM *vm, PyObject *key) {
         }
     }
     int field = F_OTHER;
-    for (int f = F_ACTION; f <= F_COMPILE; f++) {
+    for (int f = F_ACTION; f <= F_POOL; f++) {
         if (PyUnicode_CompareWithASCIIString(key, FIELD_NAMES[f]) == 0) {
             field = f;
             break;
@@ -499,6 +509,45 @@ static int set_frames(VM *vm, Device *d, Py_ssize_t r, Item *v) {
     return 0;
 }
 
+/* row -> value in a sparse column (value NULL: the default, so the row is dropped): 0, or -1 */
+static int sparse_set(PyObject *dict, Py_ssize_t r, PyObject *value) {
+    PyObject *row = PyLong_FromSsize_t(r);
+    if (row == NULL) {
+        return -1;
+    }
+    int rc;
+    if (value == NULL) {
+        rc = PyDict_Contains(dict, row);
+        rc = rc < 0 ? -1 : rc ? PyDict_DelItem(dict, row) : 0;
+    } else {
+        rc = PyDict_SetItem(dict, row, value);
+    }
+    Py_DECREF(row);
+    return rc;
+}
+
+/* an entry's pool_id (torch >= 2.12): a tuple of two int64; kept when it is not (0, 0) */
+static int set_pool(Device *d, Py_ssize_t r, Item *v) {
+    if (v->kind != K_OBJ || !PyTuple_CheckExact(v->obj) || PyTuple_GET_SIZE(v->obj) != 2) {
+        return -1;
+    }
+    int zero = 1;
+    for (Py_ssize_t i = 0; i < 2; i++) {
+        PyObject *x = PyTuple_GET_ITEM(v->obj, i);
+        int overflow = 0;
+        if (!PyLong_CheckExact(x)) {
+            return -1;
+        }
+        long long val = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow || (val == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return -1;
+        }
+        zero &= val == 0;
+    }
+    return sparse_set(d->pools, r, zero ? NULL : v->obj);
+}
+
 /* one key and value written into an entry's row: 0, or -1 for the Python path */
 static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
     Device *d = &vm->devices[entry->aux];
@@ -508,7 +557,7 @@ static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
     }
     int field = field_of(vm, k->obj);
     if (r == 0) {
-        d->hints |= field == F_TIME ? 1 : field == F_COMPILE ? 2 : field == F_META ? 4 : 0;
+        d->hints |= field == F_TIME ? 1 : field == F_COMPILE ? 2 : field == F_META ? 4 : field == F_POOL ? 8 : 0;
     }
     long code;
     switch (field) {
@@ -574,6 +623,13 @@ static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
         Py_DECREF(row);
         return rc;
     }
+    case F_COMPILE:
+        if (v->kind != K_OBJ || !PyUnicode_CheckExact(v->obj)) {
+            return -1;
+        }
+        return sparse_set(d->contexts, r, PyUnicode_CompareWithASCIIString(v->obj, "N/A") == 0 ? NULL : v->obj);
+    case F_POOL:
+        return set_pool(d, r, v);
     default:
         /* a key the Python path ignores: any built value will do */
         return (v->kind == K_OBJ || v->kind == K_INT) ? 0 : -1;
@@ -1248,11 +1304,11 @@ static PyObject *column(void **buf, Py_ssize_t n, size_t width) {
 
 static PyObject *device_result(Device *d) {
     Py_ssize_t n = d->n;
-    return Py_BuildValue("(nNONNNNNNONOi)", n, column((void **)&d->action, n, 2), d->action_names,
+    return Py_BuildValue("(nNONNNNNNONOiOO)", n, column((void **)&d->action, n, 2), d->action_names,
                          column((void **)&d->size, n, 8), column((void **)&d->addr, n, 8),
                          column((void **)&d->stream, n, 8), column((void **)&d->time, n, 8),
                          column((void **)&d->free, n, 8), column((void **)&d->meta, n, 4), d->meta_names,
-                         column((void **)&d->stack, n, 8), d->forward, d->hints);
+                         column((void **)&d->stack, n, 8), d->forward, d->hints, d->pools, d->contexts);
 }
 
 static PyObject *result(VM *vm) {

@@ -30,8 +30,11 @@ class DeviceTrace:
     key (``size`` is always there, ``stream`` defaults to 0, ``device_free`` is kept only on
     ``oom`` entries); ``stack`` indexes :attr:`DecodedTraces.stacks`; ``forward`` maps an
     entry's position to its ``forward_frames`` list of strings; ``first_keys`` says which of
-    ``time_us``, ``compile_context``, ``user_metadata`` the first entry holds. Every value was
-    checked: ints in their ranges, strings, frames that are dicts of the documented types.
+    ``time_us``, ``compile_context``, ``user_metadata``, ``pool_id`` the first entry holds;
+    ``pools`` maps an entry's position to its ``pool_id`` when that is not ``(0, 0)`` and
+    ``contexts`` to its ``compile_context`` when that is not ``'N/A'`` (torch >= 2.12 and 2.8
+    write them on every entry: only the informative ones are kept). Every value was checked:
+    ints in their ranges, strings, frames that are dicts of the documented types.
     """
 
     size_of_trace: int
@@ -47,6 +50,8 @@ class DeviceTrace:
     stack: np.ndarray
     forward: dict[int, list[str]]
     first_keys: frozenset[str]
+    pools: dict[int, tuple[int, int]]
+    contexts: dict[int, str]
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,11 @@ class DecodedTraces:
     stacks: list[tuple[Any, ...]]
 
 
-_FIRST_KEYS = ((1, "time_us"), (2, "compile_context"), (4, "user_metadata"))
+_FIRST_KEYS = ((1, "time_us"), (2, "compile_context"), (4, "user_metadata"), (8, "pool_id"))
 
 
 def _device(parts: tuple[Any, ...]) -> DeviceTrace:
-    n, action, action_names, size, addr, stream, time, free, meta, meta_names, stack, forward, hints = parts
+    n, action, action_names, size, addr, stream, time, free, meta, meta_names, stack, forward, hints, pools, ctx = parts
 
     def int64(b: bytearray) -> np.ndarray:
         return np.frombuffer(b, dtype=np.int64)
@@ -82,6 +87,8 @@ def _device(parts: tuple[Any, ...]) -> DeviceTrace:
         stack=int64(stack),
         forward=forward,
         first_keys=frozenset(key for bit, key in _FIRST_KEYS if hints & bit),
+        pools=pools,
+        contexts=ctx,
     )
 
 

@@ -100,6 +100,11 @@ class Snapshot:
     # the traces read straight into columns (load/_decode.c); then ``device_traces`` is read
     # again from the file, with the Python reader, only if something asks for it
     decoded_traces: DecodedTraces | None = None
+    # pinned host memory (torch >= 2.14, record_pinned_host_memory=True): segments checked as the
+    # device's (device -1, one block each); entry dicts passed through like device_traces'
+    host_segments: list[dict[str, Any]] = field(default_factory=list)
+    host_traces: list[dict[str, Any]] = field(default_factory=list)
+    backend: str | None = None  # the accelerator the file names (see detect_backend); None: CUDA or unsaid
 
     def __getattr__(self, name: str) -> Any:
         # only called when ``device_traces`` was left out because the traces were decoded
@@ -378,7 +383,7 @@ def _normalise_block(block: Any, seg_addr: int, offset: int) -> dict[str, Any]:
     }
 
 
-def _normalise_segment(seg: Any, seen: set[int]) -> dict[str, Any]:
+def _normalise_segment(seg: Any, seen: set[int], min_device: int = 0) -> dict[str, Any]:
     """One segment and its blocks, checked; FieldErrors carry paths relative to the segment."""
     s = check_dict(seg, what="a segment (a dict)")
     address = check_int(s.get("address"), 0, 2**63, "address")
@@ -413,7 +418,7 @@ def _normalise_segment(seg: Any, seen: set[int]) -> dict[str, Any]:
         check_int(pool_id[0], INT64_MIN, 2**63, "segment_pool_id[0]"),
         check_int(pool_id[1], INT64_MIN, 2**63, "segment_pool_id[1]"),
     )
-    device = check_int(s.get("device", 0), 0, MAX_DEVICE + 1, "device")
+    device = check_int(s.get("device", 0), min_device, MAX_DEVICE + 1, "device")
     stream = check_int(s.get("stream", 0), INT64_MIN, 2**63, "stream")
     expandable = check_bool(s.get("is_expandable", False), "is_expandable")
     frames = s.get("frames")
@@ -451,7 +456,10 @@ _SETTING_BOOLS = (
     "release_lock_on_cudamalloc",
     "pinned_use_cuda_host_register",
     "graph_capture_record_stream_reuse",
+    "trace_alloc_overflowed",  # after torch 2.14.1 (PR #179276): the ring buffer dropped events
 )
+# byte and count settings of newer torch (size_t, SIZE_MAX meaning unlimited as for max_split_size)
+_SETTING_SIZES = ("max_round_threshold", "max_cached_size", "trace_alloc_max_entries")
 _MAX_SETTING_ITEMS = 1024
 
 
@@ -479,6 +487,8 @@ def normalise_settings(settings: Any) -> dict[str, Any] | None:
             out[key] = check_number(v, 0.0, 1.0, where)
         elif key in _SETTING_BOOLS:
             out[key] = check_bool(v, where)
+        elif key in _SETTING_SIZES:
+            out[key] = -1 if v == UINT64_MAX and type(v) is int else check_int(v, -1, 2**63, where)
         elif key == "pinned_num_register_threads":
             out[key] = check_int(v, 0, 2**31, where)
         elif key == "roundup_power2_divisions":
@@ -532,6 +542,13 @@ def _format_hints(data: dict[str, Any], traces: list[list[Any]], decoded: Decode
             hints.append("compile_context (torch>=2.8)")
         if "user_metadata" in first:
             hints.append("user_metadata (torch>=2.10)")
+        if "pool_id" in first:
+            hints.append("pool_id (torch>=2.12)")
+    if "host_segments" in data or "host_traces" in data:
+        hints.append("host_segments (torch>=2.14)")
+    settings = data.get("allocator_settings")
+    if type(settings) is dict and "trace_alloc_overflowed" in settings:
+        hints.append("trace_alloc_overflowed (torch>2.14.1)")
     return hints
 
 
@@ -626,6 +643,7 @@ def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None
                     annotations.append(_normalise_annotation(a))
                 except FieldError as exc:
                     raise exc.under(f"external_annotations[{k}]") from None
+        host_segments, host_traces = _normalise_host(path, source, data)
     except FieldError as exc:
         raise SnapshotFormatError(path, str(exc)) from None
     snap = Snapshot(
@@ -637,10 +655,66 @@ def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None
         format_hints=_format_hints(data, traces, decoded),
         legacy=legacy,
         decoded_traces=decoded,
+        host_segments=host_segments,
+        host_traces=host_traces,
+        backend=detect_backend(data),
     )
     if decoded is not None:
         del snap.device_traces  # read again from the file if asked for (Snapshot.__getattr__)
     return snap
+
+
+def _normalise_host(path: Path, source: SourceInfo, data: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """``host_segments`` and ``host_traces`` (torch >= 2.14, pinned host memory). torch writes a
+    host segment as a device segment of device -1 with one block (THCPModule_memorySnapshot in
+    torch/csrc/cuda/Module.cpp, from at::HostAllocator::get_segments' flat HostSegmentInfo), and
+    its trace entries with the device entries' serialiser; the entries are checked where the
+    frames are built. FieldErrors carry paths from the top."""
+    raw_segments = data.get("host_segments")
+    segments = []
+    if raw_segments is not None:
+        check_list(raw_segments, "host_segments", "a list of segments")
+        _check_record_budget(path, source, "host segments", len(raw_segments))
+        seen: set[int] = set()
+        for i, s in enumerate(raw_segments):
+            if id(s) in seen:
+                raise FieldError(f"host_segments[{i}]", "the same segment object appears twice (a shared reference)")
+            seen.add(id(s))
+            try:
+                segments.append(_normalise_segment(s, seen, min_device=-1))
+            except FieldError as exc:
+                raise exc.under(f"host_segments[{i}]") from None
+    traces = data.get("host_traces")
+    if traces is None:
+        return segments, []
+    check_list(traces, "host_traces", "a list of events")
+    _check_record_budget(path, source, "host trace entries", len(traces))
+    return segments, traces
+
+
+# PYTORCH_<BACKEND>_ALLOC_CONF: the key a backend's allocator_settings names its raw config by
+_BACKEND_NAMES = {"NPU": "Ascend NPU (torch_npu)", "XPU": "Intel XPU", "NEURON": "AWS Neuron", "HPU": "Intel Gaudi HPU"}
+
+
+def detect_backend(data: dict[str, Any]) -> str | None:
+    """The accelerator a file says it came from, or None (CUDA, or a file that does not say).
+
+    Only the file's own words count: an ``allocator_settings`` key ``PYTORCH_<NAME>_ALLOC_CONF``
+    other than CUDA's (torch_npu and other out-of-tree backends copy the CUDA serialiser and
+    rename that key), or a top-level ``backend``/``device_type`` string. The same format from
+    any backend is read alike; the name is only shown."""
+    for key in ("backend", "device_type"):
+        v = data.get(key)
+        if type(v) is str and v and v.lower() not in ("cuda", "gpu"):
+            return _BACKEND_NAMES.get(v.upper(), v[:40])
+    settings = data.get("allocator_settings")
+    if type(settings) is dict:
+        for key in settings:
+            if type(key) is str and key.startswith("PYTORCH_") and key.endswith("_ALLOC_CONF"):
+                name = key[len("PYTORCH_") : -len("_ALLOC_CONF")]
+                if name and name != "CUDA":
+                    return _BACKEND_NAMES.get(name, name[:40])
+    return None
 
 
 def _has_blocks(s: Any) -> bool:

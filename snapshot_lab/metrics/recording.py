@@ -32,13 +32,30 @@ class Recording:
     mode: str  # 'trace' (alloc/free history), 'state' (live blocks only), 'none'
     stacks: str  # 'none', 'python', 'python+cpp'
     devices: tuple[DeviceRecording, ...]
+    # allocator_settings.trace_alloc_overflowed / trace_alloc_max_entries (newer than torch
+    # 2.14.1): whether the ring buffer dropped events, and its size; None where the file is silent
+    overflowed: bool | None = None
+    max_entries: int | None = None
 
     @property
     def history_complete(self) -> bool:
         return all(d.history_complete for d in self.devices)
 
+    @property
+    def missing_history_cause(self) -> str:
+        """Why history before the trace's first entry is missing, exactly when the file says it."""
+        if self.overflowed:
+            at = f" at {self.max_entries:,} entries" if self.max_entries is not None else ""
+            return f"the ring buffer overflowed{at}: earlier events were lost"
+        if self.overflowed is False:
+            return "recording started after these blocks were made"
+        return "ring buffer wrapped or recording started late"
+
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
+        for key in ("overflowed", "max_entries"):  # only files that say it carry the keys
+            if d[key] is None:
+                del d[key]
         d["history_complete"] = self.history_complete
         for dev, rec in zip(d["devices"], self.devices, strict=True):
             dev["history_complete"] = rec.history_complete
@@ -79,7 +96,12 @@ def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) ->
 
 
 def describe_recording(
-    devices: tuple[int, ...], stacks_kind: str, events: pd.DataFrame, blocks: pd.DataFrame
+    devices: tuple[int, ...],
+    stacks_kind: str,
+    events: pd.DataFrame,
+    blocks: pd.DataFrame,
+    overflowed: bool | None = None,
+    max_entries: int | None = None,
 ) -> Recording:
     """Facts about the recording, one entry per device."""
     # enabled='state' shrinks the ring buffer to one entry (the last event, or the 'snapshot'
@@ -95,4 +117,6 @@ def describe_recording(
         mode=mode,
         stacks=stacks_kind,
         devices=tuple(device_recording(d, events, blocks) for d in devices),
+        overflowed=overflowed,
+        max_entries=max_entries,
     )

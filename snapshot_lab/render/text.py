@@ -10,6 +10,7 @@ from ..metrics.allocator.whatif import START_STEADY, ScenarioResult, WhatIf, set
 from ..metrics.attribution.modules import ModuleBreakdown
 from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import STATE_SOURCE, LeakAnalysis
+from ..metrics.stats.host import HostMemory
 from ..metrics.stats.summary import DeviceStats
 from ..units import format_bytes, format_percent
 
@@ -118,15 +119,35 @@ def format_stats(s: SnapshotStats) -> str:
         + (
             ""
             if rec.history_complete or rec.mode != "trace"
-            else "; early history missing (ring buffer wrapped or recording started late)"
+            else f"; early history missing ({rec.missing_history_cause})"
         ),
     ]
+    if file_info.get("backend"):
+        head.append(f"backend: {file_info['backend']} (as the file names it)")
     parts = ["\n".join(head)]
     for device, device_stats in s.devices.items():
         parts.append(f"== device {device}\n" + _device_text(device_stats))
-    if not s.devices:
+    if s.host is not None:
+        parts.append(format_host(s.host))
+    elif not s.devices:
         parts.append("(no segments: nothing was reserved on any device)")
     return "\n\n".join(parts) + "\n"
+
+
+def format_host(host: HostMemory) -> str:
+    """Pinned host memory's lines (torch >= 2.14), printed beside the devices'."""
+    out = [
+        f"== pinned host memory: {format_bytes(host.reserved_bytes)} reserved in {host.segments} blocks, "
+        f"{format_bytes(host.allocated_bytes)} allocated, {format_bytes(host.pending_free_bytes)} awaiting free, "
+        f"{format_bytes(host.cached_bytes)} cached"
+    ]
+    if host.private_pool_bytes:
+        out.append(f"in private pools: {format_bytes(host.private_pool_bytes)}")
+    if host.peak_allocated_in_trace_bytes is not None:
+        out.append(f"peak allocated over {host.events} host events: {format_bytes(host.peak_allocated_in_trace_bytes)}")
+    for site in host.sites:
+        out.append(f"  {format_bytes(site.allocated_bytes):>10}  {site.blocks:>4} blocks  {site.frame}")
+    return "\n".join(out)
 
 
 def format_leaks(result: dict[int, LeakAnalysis]) -> str:

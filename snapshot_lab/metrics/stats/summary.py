@@ -12,6 +12,7 @@ from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
 from ..parallel.parallelism import detect_parallel
 from ..recording import Recording, describe_recording
 from .fragmentation import PoolFragmentation, compute_fragmentation
+from .host import HostMemory, compute_host_memory
 from .oom import OomAnalysis, analyse_device_oom
 from .torch_stats import compute_torch_stats
 
@@ -66,9 +67,10 @@ class SnapshotStats:
     categories: dict[str, int]
     categories_requested: dict[str, int] | None = None
     parallel: dict[str, Any] | None = None  # the parallel layout (metrics.parallelism)
+    host: HostMemory | None = None  # pinned host memory (torch >= 2.14), beside the devices'
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "file": self.file,
             "recording": self.recording.to_dict(),
             "torch_stats": self.torch_stats,
@@ -79,6 +81,9 @@ class SnapshotStats:
             "parallel": self.parallel,
             "devices": {str(d): s.to_dict() for d, s in self.devices.items()},
         }
+        if self.host is not None:  # only files with host data carry the key
+            out["host"] = self.host.to_dict()
+        return out
 
 
 def file_facts(frames: SnapshotFrames) -> dict[str, Any]:
@@ -98,6 +103,7 @@ def file_facts(frames: SnapshotFrames) -> dict[str, Any]:
         "trace_entries": len(frames.events),
         "distinct_stacks": int(frames.stacks["stack_id"].nunique()),
         "capture": _capture_facts(info.capture),
+        **({"backend": frames.backend} if frames.backend else {}),  # only when the file names one
     }
 
 
@@ -173,7 +179,9 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         oom = max(ooms, key=lambda o: (o.time_us or 0, o.device)) if ooms else None
     return SnapshotStats(
         file=file_facts(frames),
-        recording=describe_recording(frames.info.devices, frames.info.stacks_kind, ev, blk),
+        recording=describe_recording(
+            frames.info.devices, frames.info.stacks_kind, ev, blk, frames.trace_overflowed, frames.trace_max_entries
+        ),
         torch_stats=torch_stats,
         fragmentation=frag,
         oom=oom,
@@ -183,4 +191,5 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
             c: sum((ds.categories_requested or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES
         },
         parallel=detect_parallel(frames).to_dict(),
+        host=compute_host_memory(frames),
     )
