@@ -6,6 +6,17 @@ from ...units import format_bytes
 from .base import Finding, FindingContext
 
 
+def _cause(overflowed: bool | None, max_entries: int | None) -> str:
+    """Why the trace misses the job's start: the file's own flag when it has one (newer than
+    torch 2.14.1), else the two causes it cannot tell apart."""
+    if overflowed:
+        at = f" at {max_entries:,} entries" if max_entries is not None else ""
+        return f"The ring buffer overflowed{at}: earlier events were lost."
+    if overflowed is False:
+        return "Recording started after these blocks were made (the ring buffer did not overflow)."
+    return "The ring buffer wrapped or recording started after the model was built."
+
+
 def find(ctx: FindingContext) -> list[Finding]:
     rec = ctx.stats.recording
     out = []
@@ -37,7 +48,7 @@ def find(ctx: FindingContext) -> list[Finding]:
                 severity="info",
                 title=f"The trace of device {device.device} misses the start of the job: {what}",
                 advice=(
-                    "The ring buffer wrapped or recording started after the model was built. Timelines are "
+                    _cause(rec.overflowed, rec.max_entries) + " Timelines are "
                     "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
                     "start is rebuilt from the dump for the what-if replay; sites at the peak miss allocations "
                     "older than the trace. Start recording earlier or raise max_entries to see them."
@@ -47,6 +58,8 @@ def find(ctx: FindingContext) -> list[Finding]:
                     "orphan_frees": device.orphan_frees,
                     "live_blocks_before_trace": device.live_blocks_before_trace,
                     "live_bytes_before_trace": device.live_bytes_before_trace,
+                    # allocator_settings.trace_alloc_overflowed, only where the file says it
+                    **({} if rec.overflowed is None else {"trace_alloc_overflowed": rec.overflowed}),
                 },
                 device=device.device,
             )
