@@ -358,3 +358,19 @@ def test_backend_in_stats(tmp_path: Path) -> None:
     obj = make_snapshot(allocator_settings={"PYTORCH_XPU_ALLOC_CONF": ""})
     assert stats_json(tmp_path, obj)["file"]["backend"] == "Intel XPU"
     assert "backend: Intel XPU (as the file names it)" in stats_text(tmp_path, obj)
+
+
+def test_annotations_attach_to_their_allocation(read) -> None:
+    from snapshot_lab.metrics.attribution.sites import allocation_annotations
+
+    trace = [
+        entry("alloc", DEV, 512, 1),
+        entry("free_completed", DEV, 512, 2),
+        entry("alloc", DEV, 512, 3),
+        entry("annotate", DEV, 512, 4, user_metadata="kv cache"),
+        entry("annotate", DEV, 512, 5, user_metadata="<script>x</script>"),
+    ]
+    frames = read(make_snapshot([device_segment([(512, "active_allocated")])], [trace]))
+    ann = allocation_annotations(frames)
+    assert ann["alloc_event_index"].tolist() == [2, 2]  # the live allocation, not the freed one
+    assert ann["annotation"].tolist() == ["kv cache", "<script>x</script>"]

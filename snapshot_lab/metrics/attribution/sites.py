@@ -399,3 +399,36 @@ def alive_at(lifetimes: pd.DataFrame, index: int) -> pd.DataFrame:
     trace began are not in it."""
     alive = (lifetimes["event_index"] <= index) & (lifetimes["free_index"].isna() | (lifetimes["free_index"] > index))
     return lifetimes.loc[alive.to_numpy(dtype=bool), ["event_index", "address", "size_bytes", "stack_id"]]
+
+
+def allocation_annotations(frames: SnapshotFrames) -> pd.DataFrame:
+    """What ``torch.cuda.memory._annotate_tensor`` attached to allocations (torch >= 2.14): one
+    row per ``annotate`` entry with the allocation it names, the latest ``alloc`` of the same
+    address before it on its device (``alloc_event_index`` <NA> when that allocation predates
+    the trace). Columns: device, alloc_event_index, address, annotate_event_index, annotation
+    (the entry's ``user_metadata``, raw text: escape it where it is shown), stack_id (the
+    annotation site's own stack). Empty when the trace has no annotations."""
+    ev = frames.events
+    columns = ["device", "alloc_event_index", "address", "annotate_event_index", "annotation", "stack_id"]
+    ann = ev[ev["action"] == "annotate"]
+    if ann.empty:
+        return pd.DataFrame({c: pd.Series([], dtype="Int64" if c != "annotation" else object) for c in columns})
+    allocs = ev.loc[ev["action"] == "alloc", ["device", "address", "event_index"]].dropna(subset=["address"])
+    left = ann[["device", "address", "event_index", "user_metadata", "stack_id"]].rename(
+        columns={"event_index": "annotate_event_index", "user_metadata": "annotation"}
+    )
+    left = left.dropna(subset=["address"]).astype({"address": "int64", "annotate_event_index": "int64"})
+    right = allocs.rename(columns={"event_index": "alloc_event_index"}).astype(
+        {"address": "int64", "alloc_event_index": "int64"}
+    )
+    merged = pd.merge_asof(
+        left.sort_values("annotate_event_index"),
+        right.sort_values("alloc_event_index"),
+        left_on="annotate_event_index",
+        right_on="alloc_event_index",
+        by=["device", "address"],
+        direction="backward",
+    )
+    merged["annotation"] = merged["annotation"].astype(str)
+    merged["alloc_event_index"] = merged["alloc_event_index"].astype("Int64")
+    return merged[columns].sort_values(["device", "annotate_event_index"], ignore_index=True)
