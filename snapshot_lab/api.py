@@ -45,6 +45,7 @@ from .metrics.diagnose import Diagnosis, device_whatifs, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
 from .metrics.parallel.pipeline import PipelineSkew
 from .progress import NullProgress, ProgressSink
+from .render.perfetto import DEFAULT_MAX_SLICES
 from .results import FileFindings, Leaks, Ranks, Violations, WhatIfs
 from .units import parse_bytes
 
@@ -387,20 +388,34 @@ def check(
     return Violations(check_limits(summary, limits, base))
 
 
-EXPORT_FORMATS = ("parquet", "csv", "json")
+EXPORT_FORMATS = ("parquet", "csv", "json", "perfetto")
 
 
 def export(
     snapshot: str | Path,
     *,
-    output: str | Path,
+    output: str | Path | None = None,
     format: str = "parquet",
+    max_slices: int = DEFAULT_MAX_SLICES,
     progress: ProgressSink | None = None,
 ) -> list[Path]:
     """Write the frames (segments, blocks, events, stack_frames, stacks, annotations) to
-    ``output/<table>.<format>``; returns the files written."""
+    ``output/<table>.<format>`` (``parquet``, ``csv``, ``json``: JSON lines), or with
+    ``format="perfetto"`` memory over time as one Chrome trace JSON file that Perfetto and
+    ``chrome://tracing`` open (``output``: the file; default
+    ``reports/<snapshot name>.perfetto.json``): counters of allocated, reserved and requested
+    bytes and of each category, and a slice per allocation with its stack, at most
+    ``max_slices`` per device (those alive at the peak first, then the largest). Returns the
+    files written."""
     if format not in EXPORT_FORMATS:
         raise ParameterError("format", "{format} must be one of {choices}", choices=", ".join(EXPORT_FORMATS))
+    if max_slices < 0:
+        raise ParameterError("max_slices", "{max_slices} must be 0 or more")
+    if format == "perfetto":
+        out = Path(output) if output is not None else default_report_path(snapshot, "perfetto.json")
+        return [_export_perfetto(snapshot, out, max_slices, progress)]
+    if output is None:
+        raise ParameterError("output", "{output} is needed: the folder to write the tables into")
     if format == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -409,7 +424,11 @@ def export(
                 "format", "parquet needs pyarrow: pip install 'snapshot-lab[parquet]' (or {format:csv})"
             ) from None
     frames = load_frames(snapshot, progress=progress)
-    out = Path(output)
+    return _write_tables(frames, Path(output), format)
+
+
+def _write_tables(frames: SnapshotFrames, out: Path, format: str) -> list[Path]:
+    """Each frame to ``out/<table>.<format>``, each file whole or not at all."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -431,6 +450,20 @@ def export(
             raise OutputError(path, exc.strerror or str(exc)) from None
         written.append(path)
     return written
+
+
+def _export_perfetto(snapshot: str | Path, out: Path, max_slices: int, progress: ProgressSink | None) -> Path:
+    """The Perfetto trace of ``snapshot`` written to ``out`` (:mod:`snapshot_lab.render.perfetto`)."""
+    import json
+
+    from . import __version__
+    from .render.perfetto import build_perfetto_trace
+
+    frames = load_frames(snapshot, progress=progress)
+    (progress or NullProgress()).stage("Building the trace")
+    trace = build_perfetto_trace(frames, source=Path(snapshot).name, version=__version__, max_slices=max_slices)
+    write_atomic(out, json.dumps(trace, separators=(",", ":"), ensure_ascii=False))
+    return out
 
 
 # --------------------------------------------------------------------------- capture

@@ -330,16 +330,41 @@ def check(
 @app.command()
 def export(
     snapshot: SnapshotArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the tables into.")],
-    format: Annotated[str, typer.Option("--format", "-f", help="parquet, csv or json (JSON lines).")] = "parquet",
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Folder to write the tables into; with --format perfetto, the JSON file to write "
+            "(default: reports/<snapshot name>.perfetto.json).",
+            show_default=False,
+        ),
+    ] = None,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="parquet, csv or json (JSON lines): the frames; perfetto: memory over time as a Chrome trace "
+            "(Perfetto, chrome://tracing): counters of allocated, reserved, requested and per category, a slice "
+            "per allocation with its stack.",
+        ),
+    ] = "parquet",
+    max_slices: Annotated[
+        int,
+        typer.Option(
+            help="perfetto: allocation slices per device at most (those alive at the peak first, then the largest)."
+        ),
+    ] = api.DEFAULT_MAX_SLICES,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Write the frames (segments, blocks, events, stacks...) for pandas, DuckDB or Polars."""
+    """Write the frames (segments, blocks, events, stacks...) for pandas, DuckDB or Polars, or memory over time as
+    a trace for Perfetto."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            written = api.export(snapshot, output=output, format=format, progress=progress)
+            written = api.export(snapshot, output=output, format=format, max_slices=max_slices, progress=progress)
         for p in written:
             typer.echo(str(p))
 

@@ -71,7 +71,7 @@ API_CASES = {
     "export_format": (
         lambda: api.export(sample_path("cnn_clean"), output="/nonexistent/never-written", format="xml"),
         "format",
-        "format must be one of parquet, csv, json",
+        "format must be one of parquet, csv, json, perfetto",
     ),
     "report_format": (
         lambda: api.report(sample_path("cnn_clean"), output="/nonexistent/never.pdf", format="pdf"),
