@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import multiprocessing
 import os
 import sys
@@ -48,6 +49,12 @@ from .progress import NullProgress, ProgressSink
 from .render.perfetto import DEFAULT_MAX_SLICES
 from .results import FileFindings, Leaks, Ranks, Violations, WhatIfs
 from .units import parse_bytes
+
+
+def json_text(obj: Any) -> str:
+    """The text of every ``--json`` answer (a result's ``to_dict()``), as the command line prints it
+    and the MCP tools return it."""
+    return json.dumps(obj, indent=2, sort_keys=False, default=str)
 
 
 def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -> SnapshotFrames:
@@ -464,6 +471,18 @@ def _export_perfetto(snapshot: str | Path, out: Path, max_slices: int, progress:
     trace = build_perfetto_trace(frames, source=Path(snapshot).name, version=__version__, max_slices=max_slices)
     write_atomic(out, json.dumps(trace, separators=(",", ":"), ensure_ascii=False))
     return out
+
+
+# --------------------------------------------------------------------------- MCP
+
+
+def mcp() -> None:
+    """Serve the analysis commands (stats, findings, fit, whatif, diff, ranks) as a Model Context
+    Protocol server over stdin/stdout until the client closes them (:mod:`snapshot_lab.mcp_server`;
+    needs ``pip install "snapshot-lab[mcp]"``, else a :class:`UsageError`)."""
+    from .mcp_server import serve
+
+    serve()
 
 
 # --------------------------------------------------------------------------- capture

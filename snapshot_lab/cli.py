@@ -9,7 +9,6 @@ reported as one line (exit 70) unless ``--debug`` asks for the traceback.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -107,7 +106,7 @@ def _wrote(path: Path | str) -> None:
 
 
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.write(api.json_text(obj) + "\n")
 
 
 def _version(value: bool) -> None:
@@ -629,6 +628,13 @@ def fit(
             sys.stdout.write(format_fit(result, snapshot.name))
 
     _run(work, debug)
+
+
+@app.command()
+def mcp(debug: DebugOpt = False) -> None:
+    """Serve stats, findings, fit, whatif, diff and ranks to an assistant: a Model Context Protocol server on
+    stdin/stdout whose tools return the --json answers (needs the optional mcp extra of snapshot-lab)."""
+    _run(api.mcp, debug)
 
 
 def main() -> None:

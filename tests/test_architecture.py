@@ -25,6 +25,7 @@ ALLOWED = {
     "transformers": ("integrations/",),
     "pytest": ("pytest_plugin.py",),
     "pickle": ("load/", "capture.py"),  # capture writes snapshots; only load/ reads them
+    "mcp": ("mcp_server.py",),  # the optional MCP SDK, lazily (test_the_mcp_sdk_is_imported_lazily)
 }
 
 
@@ -49,6 +50,15 @@ def test_only_the_owner_imports(module):
     assert offenders == []
 
 
+def test_the_mcp_sdk_is_imported_lazily():
+    """``snaplab`` without the ``mcp`` extra works: no module imports the SDK at its top level."""
+    for f in PKG.rglob("*.py"):
+        top = ast.parse(f.read_text()).body
+        names = {a.name.split(".")[0] for node in top if isinstance(node, ast.Import) for a in node.names}
+        names |= {node.module.split(".")[0] for node in top if isinstance(node, ast.ImportFrom) and node.module}
+        assert "mcp" not in names, f
+
+
 def test_metrics_are_pure():
     for f in (PKG / "metrics").rglob("*.py"):
         src = f.read_text()
@@ -67,7 +77,7 @@ API_ONLY = {"progress", "args"}
 COMMANDS = ["stats", "leaks", "findings", "report", "diff", "ranks", "check", "export", "whatif"]
 
 
-@pytest.mark.parametrize("name", [*COMMANDS, "run", "plan", "fit"])
+@pytest.mark.parametrize("name", [*COMMANDS, "run", "plan", "fit", "mcp"])
 def test_cli_and_api_share_names_and_defaults(name):
     cli_params = {k: v for k, v in _params(getattr(cli, name)).items() if k not in CLI_ONLY}
     api_params = {k: v for k, v in _params(getattr(api, name)).items() if k not in API_ONLY}

@@ -1,0 +1,141 @@
+"""snaplab as a Model Context Protocol server over stdio: ``snaplab mcp``.
+
+An assistant asks the same questions as the command line, with the same answers: the tools
+``stats``, ``findings``, ``fit``, ``whatif``, ``diff`` and ``ranks`` each return the JSON text that
+``snaplab <tool> --json`` prints (the result's ``to_dict()``, through :func:`snapshot_lab.api.json_text`),
+and take the Python API's parameters, less those that write files or reach other machines
+(``output``, ``scheduler``). The limits are the command line's: every file is read by the same
+loader (a restricted unpickler that refuses every global, the size and shape checks); a path
+that is missing, not a snapshot or unsafe is a tool error carrying the one line the command line
+would print, never a traceback; the server writes nothing.
+
+The ``mcp`` SDK is an optional extra (``pip install "snapshot-lab[mcp]"``), imported only here
+and only when the server starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import __version__, api
+from .errors import EXIT_INTERNAL, SnaplabError, UsageError
+
+INSTALL_HINT = "snaplab mcp needs the MCP SDK: pip install 'snapshot-lab[mcp]'"
+INSTRUCTIONS = (
+    "Answers from PyTorch CUDA memory snapshot files (torch.cuda.memory._dump_snapshot), offline. "
+    "Pass paths of snapshot files on this machine. Every tool returns the JSON of `snaplab <tool> --json`."
+)
+
+
+def _answer(compute: Callable[[], Any]) -> str:
+    """The JSON text of ``compute()``'s result, or a tool error with the one line the command
+    line prints (an error snaplab expected: its message; anything else: a one-line internal
+    error, as the command line says it without --debug)."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    try:
+        return api.json_text(compute().to_dict())
+    except SnaplabError as exc:
+        raise ToolError(exc.message()) from None
+    except Exception as exc:
+        raise ToolError(
+            f"internal error: {type(exc).__name__}: {str(exc)[:200]} (a bug, exit {EXIT_INTERNAL} on the command line)"
+        ) from None
+
+
+def stats(snapshot: str) -> str:
+    """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
+    dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
+    its cause, bytes by category: `snaplab stats --json`."""
+    return _answer(lambda: api.stats(snapshot))
+
+
+def findings(snapshot: str | list[str]) -> str:
+    """What is wrong, with evidence, the memory at stake and advice (OOM by fragmentation or capacity,
+    leaks, DDP duplicate gradients, cache churn, imbalance): `snaplab findings --json`. One file, or
+    several (the ranks of one job: each file's findings and those across the files)."""
+    paths = [snapshot] if isinstance(snapshot, str) else list(dict.fromkeys(snapshot))
+
+    def compute() -> Any:
+        if len(paths) == 1:
+            return api.findings(paths[0])
+        several = api.findings(paths)
+        if not several.files:
+            raise UsageError("; ".join(several.errors.values()) or "no snapshot files given")
+        return several
+
+    return _answer(compute)
+
+
+def fit(
+    snapshot: str,
+    memory_limit: str | None = None,
+    recorded_batch: int | None = None,
+    batch_scale: float = 1.0,
+    checkpointing: bool = False,
+    bf16: bool = False,
+    optimizer: str | None = None,
+) -> str:
+    """What makes this job fit: the whole step's peak under other batches and levers, and the largest
+    batch per lever under memory_limit (like '6GiB'; default: the limit the run ran out of, else the
+    device's capacity); recorded_batch (samples) gives answers in samples: `snaplab fit --json`."""
+    return _answer(
+        lambda: api.fit(
+            snapshot,
+            memory_limit=memory_limit,
+            recorded_batch=recorded_batch,
+            batch_scale=batch_scale,
+            checkpointing=checkpointing,
+            bf16=bf16,
+            optimizer=optimizer,
+        )
+    )
+
+
+def whatif(
+    snapshot: str, settings: list[str] | None = None, defaults: bool = False, memory_limit: str | None = None
+) -> str:
+    """Would other allocator settings have avoided the OOM: the trace replayed through a model of the
+    allocator. settings: KEY:VALUE as in PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, ...), one
+    combined scenario; none: a grid of alternatives: `snaplab whatif --json`."""
+    return _answer(lambda: api.whatif(snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit))
+
+
+def diff(before: str, after: str) -> str:
+    """What changed between two snapshots of one job: totals, categories, allocation sites, modules,
+    findings: `snaplab diff --json`."""
+    return _answer(lambda: api.diff(before, after))
+
+
+def ranks(snapshots: list[str], jobs: int | None = None) -> str:
+    """One row per rank file (peak, reserved, allocated, fragmentation, OOM), outliers flagged within
+    their pipeline stage; jobs: parallel worker processes on this machine: `snaplab ranks --json`."""
+
+    def compute() -> Any:
+        result = api.ranks(list(snapshots), jobs=jobs)
+        if not result.rows:
+            raise UsageError("; ".join(result.errors.values()) or "no snapshot files given")
+        return result
+
+    return _answer(compute)
+
+
+TOOLS: tuple[Callable[..., str], ...] = (stats, findings, fit, whatif, diff, ranks)
+
+
+def build_server() -> Any:
+    """The server, its tools registered (raises :class:`UsageError` without the SDK)."""
+    try:
+        from mcp.server.mcpserver import MCPServer
+    except ImportError:
+        raise UsageError(INSTALL_HINT) from None
+    server = MCPServer("snaplab", version=__version__, instructions=INSTRUCTIONS, log_level="WARNING")
+    for tool in TOOLS:
+        server.add_tool(tool, structured_output=False)
+    return server
+
+
+def serve() -> None:
+    """Answer MCP requests on stdin/stdout until the client closes them."""
+    build_server().run("stdio")
