@@ -291,7 +291,7 @@ def test_perfetto_trace_processor_loads_the_file(tmp_path):
     with tp_module.TraceProcessor(trace=str(out), config=config) as tp:
         peak = tp.query(
             "select max(c.value) as v from counter c join counter_track t on c.track_id = t.id"
-            " where t.name like 'allocated%'"
+            " where t.name like '%allocated%'"
         ).as_pandas_dataframe()
         slices = tp.query("select count(*) as n from slice where category = 'allocation'").as_pandas_dataframe()
     assert int(peak["v"][0]) == sample_truth("oom_fragmentation")["memory_stats"]["0"]["allocated_bytes.all.peak"]
