@@ -42,8 +42,10 @@ from .metrics.comparison.compare import (
     rank_rows,
     summarize,
 )
+from .metrics.comparison.stages import compare_stages
 from .metrics.diagnose import Diagnosis, device_whatifs, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
+from .metrics.history.stages import Stages, file_stages
 from .metrics.parallel.pipeline import PipelineSkew
 from .progress import NullProgress, ProgressSink
 from .render.perfetto import DEFAULT_MAX_SLICES
@@ -65,11 +67,15 @@ def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -
     return build_frames(snap, consume=True)
 
 
-def stats(snapshot: str | Path, *, progress: ProgressSink | None = None) -> SnapshotStats:
-    """Torch's memory counters, fragmentation and OOM cause for one snapshot file."""
+def stats(snapshot: str | Path, *, stages: bool = False, progress: ProgressSink | None = None) -> SnapshotStats:
+    """Torch's memory counters, fragmentation and OOM cause for one snapshot file; with
+    ``stages``, also memory by the file's ``record_function`` ranges (``result.stages``)."""
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
-    return notebook.Stats.of(compute_stats(frames))
+    result = compute_stats(frames)
+    if stages:
+        result = replace(result, stages=file_stages(frames))
+    return notebook.Stats.of(result)
 
 
 def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
@@ -218,20 +224,32 @@ def summarize_file(snapshot: str | Path, with_sites: bool = True) -> SnapshotSum
     return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites)
 
 
+def _summary_and_stages(snapshot: str | Path) -> tuple[SnapshotSummary, Stages | None]:
+    """A file's summary and the stages of its first device with ranges (its frames read once)."""
+    frames = load_frames(snapshot)
+    stats_ = compute_stats(frames)
+    summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False))
+    return summary, next((st for st in file_stages(frames).values() if st.ranges), None)
+
+
 def diff(
     before: str | Path,
     after: str | Path,
     *,
     output: str | Path | None = None,
+    stages: bool = False,
     progress: ProgressSink | None = None,
 ) -> SnapshotDiff:
-    """What changed between two snapshots of the same job; with ``output``, also written as HTML."""
+    """What changed between two snapshots of the same job; with ``output``, also written as HTML;
+    with ``stages``, also their ``record_function`` ranges compared by name (``result.stages``)."""
     progress = progress or NullProgress()
     progress.stage("Reading the first snapshot")
-    a = summarize_file(before)
+    a, stages_a = _summary_and_stages(before) if stages else (summarize_file(before), None)
     progress.stage("Reading the second snapshot")
-    b = summarize_file(after)
+    b, stages_b = _summary_and_stages(after) if stages else (summarize_file(after), None)
     result = diff_summaries(a, b)
+    if stages:
+        result = replace(result, stages=compare_stages(stages_a, stages_b))
     if output is not None:
         from . import __version__
         from .render.compare import render_diff_html

@@ -124,13 +124,24 @@ def _main(
     """snaplab reads snapshots offline: no GPU and no torch needed."""
 
 
+StagesOpt = Annotated[
+    bool, typer.Option("--stages", help="Also memory by the file's record_function ranges (peak, kept, by category).")
+]
+
+
 @app.command()
-def stats(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = False, debug: DebugOpt = False) -> None:
+def stats(
+    snapshot: SnapshotArg,
+    stages: StagesOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
     """Torch's memory counters (exactly as torch.cuda.memory_stats() had them), fragmentation and OOM cause."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.stats(snapshot, progress=progress)
+            result = api.stats(snapshot, stages=stages, progress=progress)
         if json_out:
             _print_json(result.to_dict())
         else:
@@ -208,6 +219,7 @@ def diff(
     before: Annotated[Path, typer.Argument(help="The earlier snapshot (baseline).", show_default=False)],
     after: Annotated[Path, typer.Argument(help="The later snapshot.", show_default=False)],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the diff as HTML.")] = None,
+    stages: StagesOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -216,13 +228,17 @@ def diff(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.diff(before, after, output=output, progress=progress)
+            result = api.diff(before, after, output=output, stages=stages, progress=progress)
         if json_out:
             _print_json(result.to_dict())
         else:
             from .render.compare import format_diff
 
             sys.stdout.write(format_diff(result))
+            if result.stages is not None:
+                from .render.stages import format_stages_diff
+
+                sys.stdout.write("\n" + format_stages_diff(result.stages))
         if output is not None:
             _wrote(output)
 

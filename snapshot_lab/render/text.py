@@ -131,6 +131,10 @@ def format_stats(s: SnapshotStats) -> str:
         parts.append(format_host(s.host))
     elif not s.devices:
         parts.append("(no segments: nothing was reserved on any device)")
+    if s.stages is not None:  # only when asked for (stats --stages)
+        from .stages import format_stages
+
+        parts.append(format_stages(s.stages).rstrip("\n"))
     return "\n\n".join(parts) + "\n"
 
 

@@ -33,6 +33,7 @@ from ..parallel.parallelism import (
 from ..parallel.pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
 from ..stats.summary import SnapshotStats
 from .snapshot_summary import SnapshotSummary
+from .stages import StagesDiff
 
 MiB = 1024 * 1024
 # buckets of the timelines a summary keeps for diff's overlaid chart
@@ -243,6 +244,7 @@ class SnapshotDiff:
     # the same way (both tagged, or both approximated from stacks)
     modules: list[SiteChange] = field(default_factory=list)
     modules_source: str = "none"
+    stages: StagesDiff | None = None  # stages of the two runs by name; only when asked for (diff --stages)
 
     def to_dict(self) -> dict[str, Any]:
         def ch(change: Change) -> dict[str, Any]:
@@ -267,6 +269,7 @@ class SnapshotDiff:
                 }
                 for module in self.modules
             ],
+            **({"stages": self.stages.to_dict()} if self.stages is not None else {}),
         }
 
 

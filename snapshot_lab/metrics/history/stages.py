@@ -351,3 +351,10 @@ def device_stages(frames: SnapshotFrames, device: int) -> Stages:
 def has_stages(frames: SnapshotFrames) -> bool:
     """Whether the file records any START/END range."""
     return bool(frames.annotations["stage"].isin(["START", "END"]).any())
+
+
+def file_stages(frames: SnapshotFrames) -> dict[int, Stages]:
+    """:func:`device_stages` of every device that has a trace or ranges, in device order."""
+    named = {int(d) for d in frames.annotations["device"].unique()}
+    devices = sorted(set(frames.info.trace_devices) | (named & set(frames.info.devices)))
+    return {d: device_stages(frames, d) for d in devices}

@@ -9,6 +9,7 @@ from ...frames import SnapshotFrames
 from ..attribution.modules import ModuleBreakdown, module_breakdown
 from ..categories import CATEGORIES, categories_at_peak, compute_categories
 from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
+from ..history.stages import Stages
 from ..parallel.parallelism import detect_parallel
 from ..recording import Recording, describe_recording
 from .fragmentation import PoolFragmentation, compute_fragmentation
@@ -68,6 +69,8 @@ class SnapshotStats:
     categories_requested: dict[str, int] | None = None
     parallel: dict[str, Any] | None = None  # the parallel layout (metrics.parallelism)
     host: HostMemory | None = None  # pinned host memory (torch >= 2.14), beside the devices'
+    # memory by record_function range, per device (metrics.history.stages); only when asked for
+    stages: dict[int, Stages] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -83,6 +86,8 @@ class SnapshotStats:
         }
         if self.host is not None:  # only files with host data carry the key
             out["host"] = self.host.to_dict()
+        if self.stages is not None:  # only when asked for (stats --stages)
+            out["stages"] = {str(d): st.to_dict() for d, st in self.stages.items()}
         return out
 
 
