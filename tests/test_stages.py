@@ -224,3 +224,32 @@ def test_diff_stages(json_out):
         assert "== stages by name" in res.stdout
     plain = CliRunner().invoke(app, ["diff", a, b, "-q", "--json"])
     assert "stages" not in json.loads(plain.stdout)
+
+
+# --------------------------------------------------------------------------- report section
+
+
+def _report_context(snap_file, annotations):
+    from snapshot_lab.metrics import compute_stats
+    from snapshot_lab.report import build_report_context
+
+    frames = build_frames(load_snapshot(snap_file(make_snapshot([], [TRACE], external_annotations=annotations))))
+    return frames, build_report_context(frames, compute_stats(frames))
+
+
+def test_report_section_only_with_ranges_and_escaped(snap_file):
+    from snapshot_lab.metrics.history.stages import file_stages, has_stages
+    from snapshot_lab.render.html import render_report
+    from snapshot_lab.render.stages import stages_view
+
+    frames, ctx = _report_context(
+        snap_file, [_ann("START", "<script>x</script>", 15), _ann("END", "<script>x</script>", 55)]
+    )
+    assert 'id="stages"' not in render_report(ctx)  # not filled: the section is left out
+    assert has_stages(frames)
+    ctx.stages = stages_view(file_stages(frames))
+    html = render_report(ctx)
+    assert 'id="stages"' in html and "Memory by stage" in html
+    assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
+    frames, ctx = _report_context(snap_file, [])
+    assert not has_stages(frames) and stages_view(file_stages(frames)) == []

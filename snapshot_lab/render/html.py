@@ -108,6 +108,8 @@ class ReportContext:
     csp: str = ""
     compare_svg: str = ""
     compare_rows: list[dict[str, Any]] = field(default_factory=list)
+    # memory by record_function range (render/stages.py stages_view); empty: the section is left out
+    stages: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _environment() -> jinja2.Environment:

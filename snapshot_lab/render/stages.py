@@ -3,6 +3,8 @@ runs' stages side by side (``diff --stages``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..metrics.comparison.stages import StagesDiff
 from ..metrics.history.stages import Stages
 from ..units import format_bytes
@@ -13,6 +15,10 @@ MAX_TEXT_ROWS = 60  # ranges printed per device; --json has them all
 
 def _flags(flags: tuple[str, ...]) -> str:
     return ", ".join(flags)
+
+
+def _categories(by_category: dict[str, int]) -> str:
+    return ", ".join(f"{c} {format_bytes(b)}" for c, b in sorted(by_category.items(), key=lambda x: -x[1]))
 
 
 def format_stages(stages: dict[int, Stages]) -> str:
@@ -33,7 +39,7 @@ def format_stages(stages: dict[int, Stages]) -> str:
                 format_bytes(r.live_at_end_bytes),
                 format_bytes(r.allocated_bytes),
                 format_bytes(r.kept_bytes),
-                ", ".join(f"{c} {format_bytes(b)}" for c, b in sorted(r.kept_by_category.items(), key=lambda x: -x[1])),
+                _categories(r.kept_by_category),
                 _flags(r.flags),
             ]
             for r in st.ranges[:MAX_TEXT_ROWS]
@@ -69,3 +75,33 @@ def format_stages_diff(d: StagesDiff) -> str:
     ]
     text = table(["stage", "ranges (before/after)", "peak before", "peak after", "peak change", "kept change"], rows)
     return f"== stages by name (device {d.device_before} -> {d.device_after})\n" + text + "\n"
+
+
+MAX_HTML_ROWS = 200  # ranges shown per device in the report
+
+
+def stages_view(stages: dict[int, Stages]) -> list[dict[str, Any]]:
+    """The report's "Memory by stage" section: per device with ranges, its rows and notes (an
+    empty list when no device has ranges: the section is left out)."""
+    out = []
+    for device, st in stages.items():
+        if not st.ranges:
+            continue
+        rows = [
+            {
+                "name": r.name,
+                "kind": r.kind,
+                "depth": r.depth,
+                "peak": r.peak_requested_bytes,
+                "start": r.live_at_start_bytes,
+                "end": r.live_at_end_bytes,
+                "allocated": r.allocated_bytes,
+                "kept": r.kept_bytes,
+                "kept_by_category": _categories(r.kept_by_category),
+                "flags": _flags(r.flags),
+            }
+            for r in st.ranges[:MAX_HTML_ROWS]
+        ]
+        notes = [*st.notes, st.threads]
+        out.append({"device": device, "rows": rows, "hidden": max(len(st.ranges) - MAX_HTML_ROWS, 0), "notes": notes})
+    return out
