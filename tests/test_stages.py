@@ -253,3 +253,15 @@ def test_report_section_only_with_ranges_and_escaped(snap_file):
     assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
     frames, ctx = _report_context(snap_file, [])
     assert not has_stages(frames) and stages_view(file_stages(frames)) == []
+
+
+def test_markdown_section_only_with_ranges_and_escaped(snap_file):
+    from snapshot_lab.metrics.history.stages import file_stages
+    from snapshot_lab.render.markdown import render_markdown
+    from snapshot_lab.render.stages import stages_view
+
+    frames, ctx = _report_context(snap_file, [_ann("START", "<b>|x", 15), _ann("END", "<b>|x", 55)])
+    assert "Memory by stage" not in render_markdown(ctx)
+    ctx.stages = stages_view(file_stages(frames))
+    text = render_markdown(ctx)
+    assert "### Memory by stage" in text and "&lt;b&gt;\\|x" in text and "<b>" not in text

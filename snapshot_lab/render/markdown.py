@@ -139,9 +139,34 @@ def _findings(ctx: ReportContext) -> list[str]:
     return [*out, ""]
 
 
+MD_STAGE_ROWS = 30  # ranges per device in the Markdown report (the HTML has more, --json all)
+
+
+def _stages(ctx: ReportContext) -> list[str]:
+    """Memory by stage (only when the file has record_function ranges)."""
+    out = []
+    for st in ctx.stages:
+        dev = f" (device {st['device']})" if len(ctx.stages) > 1 else ""
+        out += [
+            f"### Memory by stage{dev}",
+            "",
+            "| stage | kind | peak | at start | at end | allocated | kept | flags |",
+            "|---|---|--:|--:|--:|--:|--:|---|",
+        ]
+        for r in st["rows"][:MD_STAGE_ROWS]:
+            out.append(
+                f"| {'· ' * r['depth']}{md(r['name'])} | {r['kind']} | {format_bytes(r['peak'])} | "
+                f"{format_bytes(r['start'])} | {format_bytes(r['end'])} | {format_bytes(r['allocated'])} | "
+                f"{format_bytes(r['kept'])} | {md(r['flags'])} |"
+            )
+        more = len(st["rows"]) - MD_STAGE_ROWS + st["hidden"]
+        out += ([f"\n{more} more ranges: `snaplab stats --stages --json` lists every one."] if more > 0 else []) + [""]
+    return out
+
+
 def render_markdown(ctx: ReportContext, budget: int = BUDGET_CHARS) -> str:
     """The report as Markdown, always under GitHub's 65,536-character limit."""
-    head = _answer(ctx) + _numbers(ctx)
+    head = _answer(ctx) + _numbers(ctx) + _stages(ctx)
     tail = [
         *_findings(ctx),
         f"<sub>Made by snaplab {md(ctx.version)}; the HTML report has the timeline, layout and every stack.</sub>",
