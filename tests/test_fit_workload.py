@@ -86,6 +86,11 @@ TRAINING_KINDS = {
     "fit-precision-train",
     # one more than the largest batch under the cap: a whole step, then out of memory in the next
     "fit-oom-late",
+    # issue #37's strangers: steps recorded after warm-up, a step dumped before its backward
+    # (the trace holds whole steps before it), Megatron's DistributedOptimizer
+    "training-step-recorded-after-warmup",
+    "training-step-before-backward",
+    "megatron-distributed-optimizer",
 }
 # a backward ran and the truth names no optimizer and no optimizer state (no "optimizer" key, or
 # "optimizer": null for the benchmark): forward and backward without an optimizer step
@@ -110,13 +115,24 @@ FORWARD_ONLY_KINDS = {
     "fit-inference",
     # recorded to run out of memory in its first forward, it did in its second (its truth's note)
     "fit-inference-oom",
+    # no_grad forwards: a CUDA graph of one replayed beside a MemPool, weights in a MemPool
+    "cuda-graph-beside-mempool",
+    "weights-in-mempool",
 }
 # an inference job out of memory in its first forward shows no more than a training job's first
 # forward does (fit refuses the two of them: each ran out inside its first block)
 OOM_IN_FORWARD_KINDS = {"fit-oom-first-forward", "fit-inference-oom-first-forward"}
 # a training job dumped after a forward of a step whose start the trace does not hold; OOMs
 # provoked by raw allocations outside any model; a record_stream test; a trace without stacks
-TOO_LITTLE_KINDS = {"midrun-late", "oom-capacity", "oom-fragmentation", "record-stream", "transformer-state-only"}
+TOO_LITTLE_KINDS = {
+    "midrun-late",
+    "oom-capacity",
+    "oom-fragmentation",
+    "record-stream",
+    "transformer-state-only",
+    "state-only-weights",
+    "state-only-hook-leak",
+}
 CLAIMS_OF_OOM = ("ran out of memory", "forward failed", "ends in the first forward", "ends in an out-of-memory error")
 
 

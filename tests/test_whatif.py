@@ -74,7 +74,8 @@ def test_apply_conf():
 
 # --------------------------------------------------------------------------- replay check on real runs
 
-REPLAYABLE = [n for n in sample_names() if n not in ("state_only", "cuda_graph")]
+# private pools are not modelled: a CUDA graph's, and a MemPool's (issue #37's pool_* recordings)
+REPLAYABLE = [n for n in sample_names() if n not in ("state_only", "cuda_graph") and not n.startswith("pool_")]
 
 
 @pytest.mark.parametrize("name", REPLAYABLE)

@@ -489,7 +489,7 @@ def analyse_whatif(
     rec_reserved = sum(sum(s for s, _ in seg) for seg in recorded)
     rep_reserved = sum(sum(s for s, _ in seg) for seg in replayed)
     if frames.segments["is_private_pool"].any():
-        reasons.append("CUDA-graph private pools are not modelled (replayed in the default pool)")
+        reasons.append("private pools (CUDA graphs, MemPool) are not modelled (replayed in the default pool)")
     if rep_reserved != rec_reserved:
         reasons.append(f"reserved bytes differ: replayed {rep_reserved}, recorded {rec_reserved}")
     if len(replayed) != len(recorded):
