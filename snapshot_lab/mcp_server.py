@@ -6,8 +6,11 @@ An assistant asks the same questions as the command line, with the same answers:
 and take the Python API's parameters, less those that write files or reach other machines
 (``output``, ``scheduler``). The limits are the command line's: every file is read by the same
 loader (a restricted unpickler that refuses every global, the size and shape checks); a path
-that is missing, not a snapshot or unsafe is a tool error carrying the one line the command line
-would print, never a traceback; the server writes nothing.
+that is missing, not a snapshot or unsafe is a tool error of one line, never a traceback; the
+server writes nothing. Unlike the command line's, an error never quotes the file: the loader's
+reasons can quote a file's first bytes or a key read from it, which would let a client read a
+few bytes of any file this process can open, so quoted text is cut out (:func:`client_message`).
+A path that is not a regular file (a directory, a FIFO, a device) is refused before it is opened.
 
 The ``mcp`` SDK is an optional extra (``pip install "snapshot-lab[mcp]"``), imported only here
 and only when the server starts.
@@ -15,11 +18,14 @@ and only when the server starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import re
+import stat
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import __version__, api
-from .errors import EXIT_INTERNAL, SnaplabError, UsageError
+from .errors import EXIT_INTERNAL, SnaplabError, SnapshotFormatError, UsageError
 
 INSTALL_HINT = "snaplab mcp needs the MCP SDK: pip install 'snapshot-lab[mcp]'"
 INSTRUCTIONS = (
@@ -28,19 +34,47 @@ INSTRUCTIONS = (
 )
 
 
-def _answer(compute: Callable[[], Any]) -> str:
-    """The JSON text of ``compute()``'s result, or a tool error with the one line the command
-    line prints (an error snaplab expected: its message; anything else: a one-line internal
-    error, as the command line says it without --debug)."""
+# quoted text in a reason (a Python repr of bytes or str, either quote): it may come from the file
+_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
+_FILE_START = re.compile(r";? *file starts with .*$")
+
+
+def client_message(exc: SnaplabError) -> str:
+    """The one line a client is told: the command line's, with any quoted text of a snapshot
+    error (file bytes, keys read from the file) replaced by ``'…'``."""
+    if not isinstance(exc, SnapshotFormatError):
+        return exc.message()
+    reason = _QUOTED.sub("'…'", _FILE_START.sub("", exc.reason))
+    return f"{exc.path}: {reason}"
+
+
+def require_regular_files(paths: Iterable[str]) -> None:
+    """Refuse, before anything opens it, a path that exists but is not a regular file (a FIFO
+    would block the server, a device would stream forever); a missing path is left to the
+    loader's own message."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise SnapshotFormatError(path, "not a regular file")
+
+
+def _answer(compute: Callable[[], Any], paths: Iterable[str] = ()) -> str:
+    """The JSON text of ``compute()``'s result, or a tool error of one line (an error snaplab
+    expected: :func:`client_message`; anything else: the exception's type only, since its text
+    may quote what was read)."""
     from mcp.server.mcpserver.exceptions import ToolError
 
     try:
+        require_regular_files(paths)
         return api.json_text(compute().to_dict())
     except SnaplabError as exc:
-        raise ToolError(exc.message()) from None
+        raise ToolError(client_message(exc)) from None
     except Exception as exc:
         raise ToolError(
-            f"internal error: {type(exc).__name__}: {str(exc)[:200]} (a bug, exit {EXIT_INTERNAL} on the command line)"
+            f"internal error: {type(exc).__name__} (a bug, exit {EXIT_INTERNAL} on the command line)"
         ) from None
 
 
@@ -48,7 +82,7 @@ def stats(snapshot: str) -> str:
     """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
     dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
     its cause, bytes by category: `snaplab stats --json`."""
-    return _answer(lambda: api.stats(snapshot))
+    return _answer(lambda: api.stats(snapshot), [snapshot])
 
 
 def findings(snapshot: str | list[str]) -> str:
@@ -65,7 +99,7 @@ def findings(snapshot: str | list[str]) -> str:
             raise UsageError("; ".join(several.errors.values()) or "no snapshot files given")
         return several
 
-    return _answer(compute)
+    return _answer(compute, paths)
 
 
 def fit(
@@ -89,7 +123,8 @@ def fit(
             checkpointing=checkpointing,
             bf16=bf16,
             optimizer=optimizer,
-        )
+        ),
+        [snapshot],
     )
 
 
@@ -99,13 +134,15 @@ def whatif(
     """Would other allocator settings have avoided the OOM: the trace replayed through a model of the
     allocator. settings: KEY:VALUE as in PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, ...), one
     combined scenario; none: a grid of alternatives: `snaplab whatif --json`."""
-    return _answer(lambda: api.whatif(snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit))
+    return _answer(
+        lambda: api.whatif(snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit), [snapshot]
+    )
 
 
 def diff(before: str, after: str) -> str:
     """What changed between two snapshots of one job: totals, categories, allocation sites, modules,
     findings: `snaplab diff --json`."""
-    return _answer(lambda: api.diff(before, after))
+    return _answer(lambda: api.diff(before, after), [before, after])
 
 
 def ranks(snapshots: list[str], jobs: int | None = None) -> str:
@@ -118,7 +155,7 @@ def ranks(snapshots: list[str], jobs: int | None = None) -> str:
             raise UsageError("; ".join(result.errors.values()) or "no snapshot files given")
         return result
 
-    return _answer(compute)
+    return _answer(compute, snapshots)
 
 
 TOOLS: tuple[Callable[..., str], ...] = (stats, findings, fit, whatif, diff, ranks)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +16,7 @@ from typer.testing import CliRunner
 
 from snapshot_lab import api, mcp_server
 from snapshot_lab.cli import app
-from snapshot_lab.errors import EXIT_USAGE
+from snapshot_lab.errors import EXIT_USAGE, SnapshotFormatError, UsageError
 
 from .conftest import ROOT, sample_path, sample_truth
 
@@ -59,6 +62,12 @@ async def _conversation() -> dict[str, Any]:
             out["bad_option"] = await client.call_tool(
                 "whatif", {"snapshot": str(sample_path("oom_fragmentation")), "settings": ["x"]}
             )
+            with tempfile.TemporaryDirectory() as tmp:
+                secret = Path(tmp) / "credentials.txt"
+                secret.write_text(f"{SECRET}\n")
+                out["secret"] = await client.call_tool("stats", {"snapshot": str(secret)})
+                out["directory"] = await client.call_tool("stats", {"snapshot": tmp})
+                out["diff_secret"] = await client.call_tool("diff", {"before": str(secret), "after": str(secret)})
     return out
 
 
@@ -106,3 +115,44 @@ def test_errors_are_tool_errors_of_one_line(conversation):
         assert result.is_error, name
         text = result.content[0].text
         assert words in text and "\n" not in text and "Traceback" not in text
+
+
+SECRET = "tok=hunter2"  # short enough that the loader's 8 quoted bytes hold most of it
+
+
+def test_an_error_never_quotes_the_file(conversation, tmp_path):
+    """The CLI's message quotes a non-snapshot file's first bytes; over MCP they would let a
+    client read a few bytes of any file, so the tool error leaves them out."""
+    for name in ("secret", "diff_secret"):
+        result = conversation[name]
+        assert result.is_error, name
+        text = result.content[0].text
+        assert "not a PyTorch memory snapshot" in text
+        assert "tok=" not in text and "hunter" not in text and "starts with" not in text
+    cli_message = CliRunner().invoke(app, ["stats", str(_write(tmp_path / "s.txt", SECRET))]).stderr
+    assert "tok=hunt" in cli_message  # the command line's message stays as pinned
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused(conversation, tmp_path):
+    result = conversation["directory"]
+    assert result.is_error and "not a regular file" in result.content[0].text
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(SnapshotFormatError, match="not a regular file"):
+        mcp_server.require_regular_files([str(fifo)])  # refused before anything opens it (would block)
+
+
+def test_client_message_cuts_quoted_text():
+    error = SnapshotFormatError(
+        "/f", "not a PyTorch memory snapshot: neither a pickle nor JSON; file starts with b'ab'"
+    )
+    assert mcp_server.client_message(error) == "/f: not a PyTorch memory snapshot: neither a pickle nor JSON"
+    assert (
+        mcp_server.client_message(SnapshotFormatError("/f", "invalid load key, 'x'.")) == "/f: invalid load key, '…'."
+    )
+    assert mcp_server.client_message(UsageError("bad option")) == UsageError("bad option").message()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

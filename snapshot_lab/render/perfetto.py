@@ -26,7 +26,7 @@ level that lasted less than 1 µs (often the peak) still shows. A snapshot witho
 places its events 1 µs apart in trace order and says so in ``otherData.clock``.
 
 Everything is read from metric results (the trace replays of :mod:`..metrics.history.timeline`
-and :mod:`..metrics.allocator.state`, the lifetimes, the categories), not from the snapshot file.
+and :mod:`..metrics.history.allocated`, the lifetimes, the categories), not from the snapshot file.
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
-from ..metrics.allocator.model import SMALL_BUFFER, CachingAllocatorModel, recorded_settings, round_size
-from ..metrics.allocator.state import _next_alloc_small, seed, start_state
 from ..metrics.attribution.sites import classify_frames, frame_label
 from ..metrics.categories import category_timeline
 from ..metrics.categories.assign import categorize
 from ..metrics.categories.rules import CATEGORIES
+from ..metrics.history.allocated import allocated_levels
 from ..metrics.history.lifetimes import device_lifetimes
 from ..metrics.history.timeline import Timeline, device_timeline
 from ..metrics.stats.torch_stats import compute_torch_stats
@@ -71,78 +70,6 @@ class DeviceMemory:
     lifetime_categories: np.ndarray  # category name per row of ``lifetimes``
 
 
-# --------------------------------------------------------------------------- the allocated series
-
-
-def allocated_series(frames: SnapshotFrames, device: int, allocated_at_end: int) -> np.ndarray:
-    """torch's ``allocated_bytes.all.current`` after every trace event of ``device``.
-
-    The trace records requests before rounding, but the allocator counts whole blocks, and a
-    block can be up to 1 MiB larger than the rounded request (a cached block whose remainder
-    was too small to split). The trace is therefore followed through the allocator model as
-    recorded (:func:`~snapshot_lab.metrics.allocator.state.start_state`, the model's
-    ``follow_*``), which knows each block's real size. A block counts from its ``alloc`` to its
-    ``free_requested`` (torch subtracts it there, not when a stream's use ends). The series is
-    anchored at the dump's exact value."""
-    settings = recorded_settings(frames.info.allocator_settings)
-    model = CachingAllocatorModel(settings, None, follows_trace=True)
-    live = dict(seed(model, start_state(frames, device, settings)))
-    ev = frames.events[frames.events["device"] == device]
-    changes = _Follower(model, live, settings).changes(
-        ev["action"].astype(str).to_numpy(),
-        ev["address"].to_numpy(dtype=np.int64, na_value=-1),
-        ev["size_bytes"].to_numpy(dtype=np.int64),
-        ev["stream"].to_numpy(dtype=np.int64),
-    )
-    series = np.cumsum(changes)
-    if series.size:
-        series += allocated_at_end - int(series[-1])
-    return series
-
-
-class _Follower:
-    """The allocator model stepped through the trace, saying by how much each event changed
-    the allocated bytes."""
-
-    def __init__(self, model: CachingAllocatorModel, live: dict[int, Any], settings: Any) -> None:
-        self.model, self.live, self.settings = model, live, settings
-        self.released: set[int] = set()  # addresses already subtracted at their free_requested
-
-    def _size(self, address: int, requested: int) -> int:
-        block = self.live.get(address)
-        return int(block.size) if block is not None else round_size(requested, self.settings)
-
-    def changes(self, actions: np.ndarray, address: np.ndarray, size: np.ndarray, stream: np.ndarray) -> np.ndarray:
-        out = np.zeros(actions.size, dtype=np.int64)
-        model = self.model
-        for i in range(actions.size):
-            act, a, n = actions[i], int(address[i]), int(size[i])
-            if act == "alloc":
-                block = model.follow_alloc(a, n)
-                if block is not None:
-                    self.live[a] = block
-                out[i] = block.size if block is not None else round_size(n, self.settings)
-            elif act == "free_requested":
-                out[i] = -self._size(a, n)
-                self.released.add(a)
-            elif act == "free_completed":
-                if a not in self.released:
-                    out[i] = -self._size(a, n)
-                self.released.discard(a)
-                block = self.live.pop(a, None)
-                if block is not None:
-                    model.free(block)
-            elif act == "segment_alloc":
-                model.follow_segment_alloc(a, n, int(stream[i]), n == SMALL_BUFFER)
-            elif act == "segment_free":
-                model.follow_segment_free(a)
-            elif act == "segment_map":
-                model.follow_map(a, n, int(stream[i]), _next_alloc_small(actions, size, i))
-            elif act == "segment_unmap":
-                model.follow_unmap(a, n)
-        return out
-
-
 # --------------------------------------------------------------------------- reading the metrics
 
 
@@ -164,7 +91,7 @@ def device_memory(frames: SnapshotFrames, device: int) -> DeviceMemory | None:
         device=device,
         events=frames.events[frames.events["device"] == device],
         timeline=timeline,
-        allocated_bytes=allocated_series(frames, device, counters["allocated_bytes.all.current"]),
+        allocated_bytes=allocated_levels(frames, device, counters["allocated_bytes.all.current"]),
         categories=category_timeline(frames, device),
         lifetimes=lifetimes,
         lifetime_categories=names,

@@ -259,8 +259,10 @@ def place_from_empty(model: CachingAllocatorModel, blocks: list[tuple[int, int, 
     return {address: model.malloc(size, stream) for address, size, stream in blocks}
 
 
-def _next_alloc_small(actions: np.ndarray, sizes: np.ndarray, i: int) -> bool:
-    """The pool of the allocation a mapping was made for: the next ``alloc`` after it."""
+def next_alloc_small(actions: np.ndarray, sizes: np.ndarray, i: int) -> bool:
+    """Whether the mapping at trace position ``i`` was made for the small pool: the pool of the
+    allocation it was made for, the next ``alloc`` after it (within 64 entries; large when
+    none). ``actions`` and ``sizes`` are the trace's columns, in trace order."""
     for j in range(i + 1, min(i + 64, actions.size)):
         if actions[j] == "alloc":
             return bool(sizes[j] <= SMALL_SIZE)
@@ -309,7 +311,7 @@ def follow(frames: SnapshotFrames, device: int, settings: AllocatorSettings, sto
         elif act == "segment_free":
             mismatches += not model.follow_segment_free(a)
         elif act == "segment_map":
-            small = _next_alloc_small(actions, size, i)
+            small = next_alloc_small(actions, size, i)
             mismatches += not model.follow_map(a, int(size[i]), int(stream[i]), small)
         elif act == "segment_unmap":
             mismatches += not model.follow_unmap(a, int(size[i]))
