@@ -13,5 +13,7 @@ CATEGORY_COLORS = {
     "comm_buffer": "#edc948",
     "ddp_bucket": "#b07aa1",
     "cuda_graph_pool": "#9c755f",
+    "private_pool": "#d4a373",
+    "unknown": "#dcd7d2",
     "other": "#bab0ac",
 }

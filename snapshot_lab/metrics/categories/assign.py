@@ -23,14 +23,16 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..history.lifetimes import device_lifetimes
+from .frameworks import framework_stack_categories
 from .grad_forward import grad_forward_mask
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
 from .parallel import inflight_mask, parallel_stack_categories, pipeline_forward_stacks, reduce_scatter_stacks
+from .pools import pool_rules
 from .pretrace import MIRROR_COVERAGE, WORKSPACE_SIZES, PreTraceBlocks, TraceFacts, judge_pre_trace, mirrored_sizes
 from .rules import CATEGORIES, CODES, NONE, RULE_CODES, RULES, StackFacts
 from .stacks import cache_stacks, stack_categories, stack_threads, stacks_with_frame
 
-__all__ = ["CATEGORIES", "CODES", "RULES", "Categorization", "categorize", "in_private_pool"]
+__all__ = ["CATEGORIES", "CODES", "RULES", "Categorization", "categorize"]
 
 
 @dataclass(frozen=True)
@@ -59,25 +61,12 @@ def _codes(stack_ids: np.ndarray, stack_cat: pd.Series) -> np.ndarray:
     return table[stack_ids]  # stack id -1 reads the last slot: no stack
 
 
-def in_private_pool(addresses: np.ndarray, segments: pd.DataFrame) -> np.ndarray:
-    """Addresses that fall inside a private pool's segment (CUDA graphs, MemPool)."""
-    priv = segments[segments["is_private_pool"]].sort_values("address")
-    if priv.empty or addresses.size == 0:
-        return np.zeros(addresses.size, dtype=bool)
-    starts = priv["address"].to_numpy()
-    ends = starts + priv["total_size_bytes"].to_numpy()
-    i = np.searchsorted(starts, addresses, side="right") - 1
-    ok = i >= 0
-    inside = np.zeros(addresses.size, dtype=bool)
-    inside[ok] = addresses[ok] < ends[i[ok]]
-    return inside
-
-
 class _DeviceCategories:
     """The categories of one device, in named steps: the trace's allocations first, then the
     blocks at the dump, then what the trace freed of the time before it."""
 
     def __init__(self, frames: SnapshotFrames, device: int, facts: StackFacts) -> None:
+        self.frames, self.device = frames, device
         self.facts = facts
         self.lt = device_lifetimes(frames, device)
         self.ev = frames.events[frames.events["device"] == device]
@@ -125,6 +114,33 @@ class _DeviceCategories:
             | set(self.block_req[live & (base == CODES["optimizer_state"])].tolist())
         ) - {-1}
 
+    def _gradient_sizes(self) -> set[int]:
+        """Sizes a gradient may have: the parameters' known from the trace or, when the trace made
+        neither parameters nor optimizer state (recording began after warm-up), the sizes that
+        several stackless blocks older than it share, the copies of the parameters
+        (``warm_torch_none_python_afterstep``: the last backward's gradients were activations)."""
+        if self.param_sizes:
+            return set(self.param_sizes)
+        return set(mirrored_sizes(self.block_req[self.older & (self.block_sid < 0)]).tolist())
+
+    def _parameter_counts(self, grad: np.ndarray) -> dict[int, int]:
+        """Size -> the most gradients of that size alive at once in the trace: how many
+        parameters have it (one backward makes one gradient per parameter)."""
+        if not grad.any():
+            return {}
+        start = self.lt["event_index"].to_numpy(dtype=np.int64)[grad]
+        end = self.lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)[grad]
+        sizes = self.sizes[grad]
+        steps = pd.DataFrame(
+            {
+                "size": np.concatenate([sizes, sizes]),
+                "at": np.concatenate([start, end]),
+                "delta": np.concatenate([np.ones(sizes.size, np.int64), -np.ones(sizes.size, np.int64)]),
+            }
+        ).sort_values(["size", "at", "delta"], kind="stable")
+        live = steps.groupby("size")["delta"].cumsum()
+        return {int(size): int(n) for size, n in live.groupby(steps["size"]).max().items()}
+
     def _alive_during_backward(self) -> np.ndarray:
         """Allocations alive at some allocation of autograd's thread (or one without a stack)."""
         threads = thread_codes(self.sid, self.facts.threads)
@@ -144,7 +160,7 @@ class _DeviceCategories:
     def in_trace(self) -> np.ndarray:
         """The rules for the trace's own allocations; returns the gradient mask."""
         facts, lt, ev = self.facts, self.lt, self.ev
-        grad = gradient_mask(lt, ev, facts.threads, facts.eligible, set(self.param_sizes), facts.zero_grad)
+        grad = gradient_mask(lt, ev, facts.threads, facts.eligible, self._gradient_sizes(), facts.zero_grad)
         self._set(grad, "gradient", "gradient_lifetime")
         if facts.reduce_scatter:
             sharded = gradient_mask(lt, ev, facts.threads, facts.reduce_scatter, None, set()) & ~grad
@@ -161,8 +177,25 @@ class _DeviceCategories:
         stackless = (self.code == NONE) & ~grad
         self._set(stackless & ~self.surviving, "activation", "backward_temporary")  # made and freed again
         self._set(stackless & self.surviving, "other", "stackless_survivor")
-        self._set(in_private_pool(lt["address"].to_numpy(dtype=np.int64), self.seg), "cuda_graph_pool", "private_pool")
+        self.code, self.rule = self._private_pools(lt["address"].to_numpy(dtype=np.int64), self.code, self.rule)
         return grad
+
+    def _private_pools(
+        self, addresses: np.ndarray, code: np.ndarray, rule: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What lies in a private pool (:mod:`.pools`): a CUDA graph's is ``cuda_graph_pool``
+        whole; in a pool whose owner is unknown, what its own stack does not decide (``other``,
+        ``unknown`` or no category) is ``private_pool``."""
+        if not self.seg["is_private_pool"].any():
+            return code, rule
+        code, rule = code.copy(), rule.copy()
+        evidence = pool_rules(self.frames, self.device, addresses)
+        graph = np.isin(evidence, ["graph_pool_id", "graph_capture_stack"])
+        undecided = np.isin(code, [NONE, CODES["other"], CODES["unknown"]]) & (evidence == "private_pool")
+        for mask, category in ((graph, "cuda_graph_pool"), (undecided, "private_pool")):
+            code[mask] = CODES[category]
+            rule[mask] = np.array([RULE_CODES[r] for r in evidence[mask]], dtype=np.int64)
+        return code, rule
 
     def _kv_cache_replaced(self) -> None:
         """A tensor that a KV cache frees while it allocates (``DynamicCache.update``'s
@@ -217,9 +250,7 @@ class _DeviceCategories:
         before = np.flatnonzero(self.older)
         if before.size:
             out[before], rule[before] = pre_trace.judge_blocks(before)
-        private = self.blocks["is_private_pool"].to_numpy()
-        out[private] = CODES["cuda_graph_pool"]
-        rule[private] = RULE_CODES["private_pool"]
+        out, rule = self._private_pools(self.blocks["address"].to_numpy(dtype=np.int64), out, rule)
         return out, rule, self.older
 
     def pre_trace(self, grad: np.ndarray) -> PreTraceBlocks:
@@ -231,8 +262,10 @@ class _DeviceCategories:
     def trace_facts(self, grad: np.ndarray) -> TraceFacts:
         threads = thread_codes(self.sid, self.facts.threads)
         backward = (threads == THREAD_CODES["autograd"]) | (threads == THREAD_CODES["none"])
+        kept_state = (self.code == CODES["optimizer_state"]) & self.surviving
         return TraceFacts(
-            param_sizes=self.param_sizes,
+            # with what the trace's rules found: gradients and optimizer state mirror the parameters
+            param_sizes=self.param_sizes | frozenset(self.sizes[grad | kept_state].tolist()),
             params_have_stacks=bool(
                 (self.code == CODES["parameter"]).any()
                 or (self.block_live & (self.block_base == CODES["parameter"])).any()
@@ -243,6 +276,8 @@ class _DeviceCategories:
             has_forward=bool((self.code == CODES["activation"]).any()),
             optimizer_state_sizes=self.sizes[(self.code == CODES["optimizer_state"]) & self.surviving],
             trace_gradient_sizes=self.sizes[grad],
+            param_counts=self._parameter_counts(grad) if not self.param_sizes else {},
+            has_trace=bool(len(self.ev)),
         )
 
 
@@ -253,10 +288,10 @@ def categorize(frames: SnapshotFrames) -> Categorization:
 
 def _stack_facts(frames: SnapshotFrames) -> StackFacts:
     generic = stack_categories(frames)
-    library = parallel_stack_categories(frames)
     stack_cat = generic.copy()
-    if len(library):
-        stack_cat.loc[library.index] = library.to_numpy()
+    for library in (framework_stack_categories(frames), parallel_stack_categories(frames)):  # the last wins
+        if len(library):
+            stack_cat.loc[library.index] = library.to_numpy()
     caches = cache_stacks(frames)
     eligible = set(stack_cat.index[stack_cat.isin(["activation", "other", "gradient"])].astype(int)) - caches
     return StackFacts(

@@ -20,7 +20,7 @@ Every label given here is inferred, and says by which rule (:data:`.rules.RULE_H
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -60,6 +60,10 @@ class TraceFacts:
     trace_gradient_sizes: np.ndarray  # sizes of the gradients the trace allocated (kept or freed since)
     mirror_stacks: frozenset[int] = frozenset()  # a hand-written optimizer's stacks (rule parameter_mirror)
     workspace_in_trace: bool = False  # a block of a cuBLAS workspace's size was made in the trace and kept
+    # size -> how many parameters have it: the most gradients of that size the trace held at once
+    # (one backward makes one per parameter); empty when the trace made no gradient
+    param_counts: dict[int, int] = field(default_factory=dict)
+    has_trace: bool = True  # the device's trace holds any event (a state-only file has none)
 
     def possible_roles(self) -> list[tuple[str, ...]]:
         """The role patterns the trace allows for the copies older than it: a backward that made
@@ -111,6 +115,29 @@ def copies_per_parameter(sizes: np.ndarray, patterns: list[tuple[str, ...]]) -> 
     return ("parameter",)
 
 
+def copies_by_parameter_count(
+    sizes: np.ndarray, counts: dict[int, int], patterns: list[tuple[str, ...]]
+) -> tuple[str, ...] | None:
+    """The role pattern that explains the most bytes of the stackless blocks older than the trace
+    when the trace's gradients say how many parameters have each size: ``k`` copies of a size
+    need ``k`` times its parameters' count, and what is left over (a BatchNorm's running
+    statistics share its weight's size: ``vgg_prebwd_late_python``) is no copy. None when no
+    older size is a parameter's."""
+    values, have = np.unique(sizes, return_counts=True)
+    known = np.isin(values, np.fromiter(counts, dtype=np.int64, count=len(counts)))
+    if not known.any():
+        return None
+    values, have = values[known], have[known]
+    params = np.array([counts[int(v)] for v in values], dtype=np.int64)
+
+    def explained(roles: tuple[str, ...]) -> int:
+        need = len(roles) * params
+        return int((values * need)[have >= need].sum())
+
+    best = max(patterns, key=lambda roles: (explained(roles), len(roles)))
+    return best if explained(best) else None
+
+
 class PreTraceBlocks:
     """The judge of one device's memory older than its trace."""
 
@@ -134,7 +161,9 @@ class PreTraceBlocks:
         sizes = trace.param_sizes
         self.param_size_array = np.fromiter(sizes, dtype=np.int64, count=len(sizes))
         self.older_stackless_sizes = self.block_req[older & (block_sid < 0)]
-        self.roles = copies_per_parameter(self._without_workspaces(self.older_stackless_sizes), trace.possible_roles())
+        candidates = self._without_workspaces(self.older_stackless_sizes)
+        counted = copies_by_parameter_count(candidates, trace.param_counts, trace.possible_roles())
+        self.roles = counted or copies_per_parameter(candidates, trace.possible_roles())
 
     @property
     def training(self) -> bool:
@@ -172,7 +201,7 @@ class PreTraceBlocks:
         block is a parameter (``late_gpt2_python``, where "every stackless parameter-sized block
         is a gradient" called every parameter a gradient), and in an inference trace every one is
         a weight; with more, each size's copies are split by role."""
-        code = np.full(sizes.size, CODES["other"], dtype=np.int64)
+        code = np.full(sizes.size, CODES["unknown"], dtype=np.int64)
         rule = np.full(sizes.size, RULE_CODES["pre_trace_other"], dtype=np.int64)
         shaped = self._shaped(sizes)
         if self.trace.params_have_stacks:
@@ -184,6 +213,20 @@ class PreTraceBlocks:
             code[shaped], rule[shaped] = CODES["parameter"], RULE_CODES["pre_trace_parameter_sized"]
         elif self.trace.has_forward and not self.trace.has_backward and not self.trace.optimizer_state_sizes.size:
             return self._weights(sizes)
+        elif not self.trace.has_trace:
+            return self._state_only_weights(sizes)
+        return code, rule
+
+    def _state_only_weights(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A file with no trace and no stacks (``_snapshot()`` pickled, or recording switched on
+        with no history): a size that several blocks share is a weight repeated once per layer
+        (a Llama's projections, norms, embedding and untied head: ``state_llama_fp16``, where its
+        rotary embedding's two 64-byte buffers are taken along: sizes cannot tell a buffer from a
+        weight); a size of its own stays unknown (a buffer, an input, a workspace)."""
+        code = np.full(sizes.size, CODES["unknown"], dtype=np.int64)
+        rule = np.full(sizes.size, RULE_CODES["pre_trace_other"], dtype=np.int64)
+        repeated = np.isin(sizes, mirrored_sizes(sizes))
+        code[repeated], rule[repeated] = CODES["parameter"], RULE_CODES["state_only_weights"]
         return code, rule
 
     def _weights(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,20 +259,34 @@ class PreTraceBlocks:
     def _split_copies(self, sizes: np.ndarray, roles: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Each size whose count the number of copies divides: its blocks split evenly between
         the roles (equal sizes: which block plays which role does not change any total)."""
-        code = np.full(sizes.size, CODES["other"], dtype=np.int64)
+        code = np.full(sizes.size, CODES["unknown"], dtype=np.int64)
         rule = np.full(sizes.size, RULE_CODES["pre_trace_other"], dtype=np.int64)
         workspace = self._workspace_mask(sizes)
-        rule[workspace] = RULE_CODES["pre_trace_workspace"]
+        code[workspace], rule[workspace] = CODES["other"], RULE_CODES["pre_trace_workspace"]
         k = len(roles)
+        counts = self.trace.param_counts
         for size in np.unique(sizes[~workspace]):
             members = np.flatnonzero((sizes == size) & ~workspace)
-            if members.size % k:
+            if counts:
+                if int(size) not in counts:
+                    continue
+                members = self._counted_copies(members, counts[int(size)] * k, rule)
+            if not members.size or members.size % k:
                 continue
             per_role = members.size // k
             for i, role in enumerate(roles):
                 code[members[i * per_role : (i + 1) * per_role]] = CODES[role]
             rule[members] = RULE_CODES["pre_trace_copies"]
         return code, rule
+
+    @staticmethod
+    def _counted_copies(members: np.ndarray, copies: int, rule: np.ndarray) -> np.ndarray:
+        """The first ``copies`` blocks of one size, the parameters' copies; the rest are marked
+        as extra (equal sizes: which block plays which role changes no total)."""
+        if members.size < copies:
+            return members[:0]
+        rule[members[copies:]] = RULE_CODES["pre_trace_extra_copy"]
+        return members[:copies]
 
     def freed_in_trace(self) -> pd.DataFrame:
         """The trace's frees of allocations older than it, with category and rule codes."""
@@ -301,6 +358,7 @@ __all__ = [
     "WORKSPACE_SIZES",
     "PreTraceBlocks",
     "TraceFacts",
+    "copies_by_parameter_count",
     "copies_per_parameter",
     "judge_pre_trace",
     "mirrored_sizes",

@@ -18,7 +18,9 @@ CATEGORIES = (
     "comm_buffer",
     "ddp_bucket",
     "cuda_graph_pool",
-    "other",
+    "private_pool",
+    "unknown",
+    "other",  # last: code -1 (no category) reads as "other" wherever codes index this tuple
 )
 CODES = {c: i for i, c in enumerate(CATEGORIES)}
 NONE = -1  # no category yet
@@ -37,7 +39,11 @@ RULE_HELP = {
     "parameter_mirror": "one stack of the program's own code whose allocations mirror the parameters",
     "backward_temporary": "no stack (autograd's thread), made and freed in the trace",
     "stackless_survivor": "no stack, made in the trace and alive at the end",
-    "private_pool": "inside a CUDA graph's / MemPool's private pool",
+    "graph_pool_id": "inside a pool a CUDA graph made for itself (pool id (n, 0))",
+    "graph_capture_stack": (
+        "inside a private pool that graph-capture code allocated in (torch.cuda.graphs, cudagraph trees)"
+    ),
+    "private_pool": "inside a private memory pool (torch.cuda.MemPool or a shared graph pool), owner unknown",
     "pre_trace_autograd_gradient": "older than the trace, made on autograd's thread, parameter-sized",
     "pre_trace_parameter_sized": "older than the trace, no stack, parameter-sized",
     "pre_trace_copies": "older than the trace, no stack: the copies of each parameter size split by role",
@@ -47,6 +53,8 @@ RULE_HELP = {
     "pre_trace_freed_by_optimizer": "older than the trace, freed by the optimizer that replaced it",
     "pre_trace_freed": "older than the trace, freed in it",
     "pre_trace_other": "older than the trace, no stack, no other evidence",
+    "pre_trace_extra_copy": "older than the trace, no stack, a parameter's size beyond its copies (a buffer?)",
+    "state_only_weights": "no trace, no stack: sizes repeated once per layer, as a model's weights are",
 }
 RULES = tuple(RULE_HELP)
 RULE_CODES = {r: i for i, r in enumerate(RULES)}

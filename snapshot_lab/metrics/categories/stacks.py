@@ -73,6 +73,7 @@ _OPTIMIZER_PATHS = (
     "/deepspeed/ops/adam/",
     "/deepspeed/ops/lamb/",
     "/transformers/optimization.py",
+    "/megatron/core/optimizer/",
 )
 # KV caches: transformers' cache classes (DynamicCache, StaticCache, ...), vLLM's cache engine
 # and model runners' preallocation of the cache blocks
@@ -100,6 +101,9 @@ def _frame_flags(rows: pd.DataFrame) -> pd.DataFrame:
     generated = pd.Series(False, index=rows.index)
     for part in _GENERATED_PARTS:
         generated |= fn.str.contains(part, regex=False)
+    # Python source, not CPython's own C files (a conda build records them with line numbers)
+    source = fn.str.endswith(".py") | fn.str.startswith("<")
+    optim |= _own_optimizer_step(rows, fn, source)
     return pd.DataFrame(
         {
             "gradient": nm.str.contains("AccumulateGrad|accumulate_grad", regex=True),
@@ -115,9 +119,39 @@ def _frame_flags(rows: pd.DataFrame) -> pd.DataFrame:
             | nm.str.contains("autograd::Engine", regex=False),
             "cache": cache,
             "reducer": nm.str.contains("Reducer::", regex=False),
-            "foreign": python & ~fn.str.contains("/torch/", regex=False) & ~optim & ~generated,
+            "foreign": python & source & ~fn.str.contains("/torch/", regex=False) & ~optim & ~generated,
         }
     )
+
+
+# decorators between torch's step wrapper and a subclass's step (``@torch.no_grad()``, dynamo's
+# ``disable``): they pass the call through
+_DECORATOR_FILES = (
+    "torch/utils/_contextlib.py",
+    "torch/autograd/grad_mode.py",
+    "torch/_dynamo/eval_frame.py",
+    "torch/_compile.py",
+)
+
+
+def _own_optimizer_step(rows: pd.DataFrame, fn: pd.Series, source: pd.Series) -> pd.Series:
+    """Frames of an optimizer written by hand: a ``torch.optim.Optimizer`` subclass's own code,
+    called straight from torch's step wrapper (``optimizer.py``'s ``wrapper``, which every
+    subclass's ``step`` is wrapped in), through decorators at most (``_DECORATOR_FILES``). Its
+    state, made in its first ``step()``, was ``other`` (course assignments' AdamW). A closure
+    that an optimizer calls runs inside the optimizer's own ``step`` (``adamw.py``,
+    ``lbfgs.py``), never straight from the wrapper."""
+    py = rows[source & ~fn.str.contains("/torch/", regex=False)].index
+    passing = pd.Series(False, index=rows.index)
+    for part in _DECORATOR_FILES:
+        passing |= fn.str.endswith(part)
+    source = source & ~passing
+    src = rows.loc[source, ["stack_id", "depth"]].assign(wrapper=fn[source].str.endswith("torch/optim/optimizer.py"))
+    src = src.sort_values(["stack_id", "depth"])
+    outer_is_wrapper = src.groupby("stack_id")["wrapper"].shift(-1, fill_value=False).astype(bool)
+    hit = pd.Series(False, index=rows.index)
+    hit[outer_is_wrapper.index[outer_is_wrapper.to_numpy()]] = True
+    return hit & rows.index.isin(py)
 
 
 def _innermost_decisive(rows: pd.DataFrame, flags: pd.DataFrame) -> pd.Series:

@@ -20,12 +20,17 @@ def _cause(overflowed: bool | None, max_entries: int | None) -> str:
 def find(ctx: FindingContext) -> list[Finding]:
     rec = ctx.stats.recording
     out = []
-    if rec.mode == "state":
+    if rec.mode in ("state", "none"):
         out.append(
             Finding(
                 id="no-trace",
                 severity="info",
-                title="State-only recording: no allocation history, so no timeline or peak analysis",
+                title=(
+                    "State-only recording: no allocation history, so no timeline or peak analysis"
+                    if rec.mode == "state"
+                    else "Nothing was recorded: no allocation history and no stacks, so every category is "
+                    "inferred from the blocks' sizes alone"
+                ),
                 advice=(
                     "Record with torch.cuda.memory._record_memory_history(max_entries=100000) "
                     "(enabled='all', the default) to get the event history."

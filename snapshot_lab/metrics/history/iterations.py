@@ -37,6 +37,9 @@ _ANNOTATION_PATTERNS = (
     (r"step|iter", "step annotations"),
 )
 MIN_ITERATIONS = 3
+# collectives torch records among the annotations (NCCL's ``nccl:all_gather``, ...): they run many
+# times a step, and mark no iteration
+_COLLECTIVE_PREFIXES = ("nccl:", "gloo:", "c10d::", "ncclKernel", "nccl_")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ def _from_annotations(
         return None, False
     # annotations are per process, not per device: one process's iterations span all its devices
     starts = annotations[(annotations["stage"] == "START") & annotations["time_us"].notna()]
+    starts = starts[~starts["name"].astype(str).str.startswith(_COLLECTIVE_PREFIXES)]
     names = starts["name"].astype(str)
     times = events["time_us"].to_numpy(dtype=np.int64)
     seen = False

@@ -128,6 +128,8 @@ RECORDED_RULES = {
     "comm_buffer": "communication buffers, as recorded",
     "ddp_bucket": "DDP buckets, as recorded",
     "cuda_graph_pool": "CUDA-graph pool, as recorded",
+    "private_pool": "private memory pool (owner unknown), as recorded",
+    "unknown": "memory older than the trace (unknown), as recorded",
     "other": "other allocations (inputs, caches, workspaces), as recorded",
 }
 OOM_REQUEST = "the request that ran out of memory, as recorded"

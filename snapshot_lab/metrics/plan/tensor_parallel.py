@@ -107,7 +107,7 @@ class _Allocations:
             param=allocs["param"].to_numpy(),
             is_linear=is_linear,
             linear_call=linear_call,
-            activation_like=np.isin(code, [CODES["activation"], CODES["other"]]),
+            activation_like=np.isin(code, [CODES["activation"], CODES["unknown"], CODES["other"]]),
             stacks=stacks,
         )
 
