@@ -78,11 +78,12 @@ def _answer(compute: Callable[[], Any], paths: Iterable[str] = ()) -> str:
         ) from None
 
 
-def stats(snapshot: str) -> str:
+def stats(snapshot: str, stages: bool = False) -> str:
     """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
     dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
-    its cause, bytes by category: `snaplab stats --json`."""
-    return _answer(lambda: api.stats(snapshot), [snapshot])
+    its cause, bytes by category; stages: also memory by the file's record_function ranges:
+    `snaplab stats --json [--stages]`."""
+    return _answer(lambda: api.stats(snapshot, stages=stages), [snapshot])
 
 
 def findings(snapshot: str | list[str]) -> str:
@@ -139,10 +140,11 @@ def whatif(
     )
 
 
-def diff(before: str, after: str) -> str:
+def diff(before: str, after: str, stages: bool = False) -> str:
     """What changed between two snapshots of one job: totals, categories, allocation sites, modules,
-    findings: `snaplab diff --json`."""
-    return _answer(lambda: api.diff(before, after), [before, after])
+    findings; stages: also the record_function ranges of the two compared by name:
+    `snaplab diff --json [--stages]`."""
+    return _answer(lambda: api.diff(before, after, stages=stages), [before, after])
 
 
 def ranks(snapshots: list[str], jobs: int | None = None) -> str:

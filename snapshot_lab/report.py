@@ -35,6 +35,7 @@ from .metrics.fit import compute_fit
 from .metrics.fit.model import FitUnsupported, FitUnsupportedOom
 from .metrics.fit.result import HEADLINE_LEVERS
 from .metrics.history.moments import Moment, oom_moment
+from .metrics.history.stages import file_stages, has_stages
 from .metrics.history.timeline import Timeline
 from .metrics.leaks import LeakAnalysis
 from .metrics.stats.fragmentation import compute_fragmentation
@@ -49,6 +50,7 @@ from .render.fit import batch_range_note
 from .render.fit import headline as fit_headline
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.markdown import render_markdown
+from .render.stages import stages_view
 from .render.text import whatif_view
 from .units import format_bytes, format_percent
 
@@ -197,7 +199,9 @@ CATEGORY_HELP = {
     "fsdp_unsharded_params": "FSDP's all-gathered (unsharded) parameters, alive until the unit reshards",
     "comm_buffer": "buffers of collectives: FSDP all-gather/reduce-scatter, tensor-parallel and pipeline transfers",
     "ddp_bucket": "DistributedDataParallel's gradient buckets",
-    "cuda_graph_pool": "private pools of CUDA graphs / MemPool",
+    "cuda_graph_pool": "private pools a CUDA graph made or allocated in",
+    "private_pool": "a private memory pool (torch.cuda.MemPool, a shared graph pool) whose owner is unknown",
+    "unknown": "older than the trace, and nothing in the file says what it holds",
     "other": "everything else, including blocks with no recorded stack",
 }
 
@@ -786,6 +790,8 @@ def build_report_context(
         source=_source_file(frames),
         explorer_json=payload.to_json(),
     )
+    if has_stages(frames):
+        ctx.stages = stages_view(file_stages(frames))
     if len(sections) > 1:
         rows = []
         for dev, device_stats in stats.devices.items():
