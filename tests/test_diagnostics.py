@@ -15,6 +15,7 @@ from snapshot_lab.metrics.diagnose import diagnose
 from snapshot_lab.metrics.leaks import find_leaks
 
 from .conftest import SAMPLES, sample_names, sample_path, sample_truth
+from .test_strangers import WARM as LATE_STRANGERS
 
 runner = CliRunner()
 
@@ -37,19 +38,7 @@ EXPECTED = {
     "cuda_graph": {"cuda-graph-pool"},
     # issue #37's strangers (sample_snapshots/workloads_strangers.py): recorded after warm-up, or
     # before the backward of a step whose start the trace holds
-    **{
-        name: {"history-incomplete"}
-        for name in (
-            "warm_hand_none_python_afterstep",
-            "warm_hand_none_all_afterstep",
-            "warm_torch_keep_python_afterfwd",
-            "warm_hand_none_bf16_python_afterfwd",
-            "warm_hand_none_step0_python_afterstep",
-            "warm_hand_none_step0_all_afterfwd",
-            "vgg_prebwd_late_python",
-            "vgg_prebwd_late_all",
-        )
-    },
+    **{name: {"history-incomplete"} for name in LATE_STRANGERS},
     "pool_graph_mempool_python": {"cuda-graph-pool", "private-pool"},
     "pool_graph_mempool_all": {"cuda-graph-pool", "private-pool"},
     "pool_mempool_weights_python": {"private-pool"},
