@@ -28,6 +28,7 @@ from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
 from .load import load_snapshot
+from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats, compute_stats
 from .metrics.allocator.whatif import MemoryLimit
 from .metrics.comparison.compare import (
@@ -146,10 +147,15 @@ def report(
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
     format: str = "html",
+    memory_limit: str | None = None,
+    recorded_batch: int | None = None,
 ) -> Path:
     """Write the report of a snapshot; returns the path written. ``format``: ``"html"`` (one
     self-contained page), ``"md"`` (GitHub-flavoured Markdown for a ticket, under 65,536
-    characters) or ``"png"`` (the first screen as an image).
+    characters) or ``"png"`` (the first screen as an image). ``memory_limit`` (like ``6GiB``) and
+    ``recorded_batch`` (the recorded batch in samples) are :func:`fit`'s: the answer the report
+    leads with says what fits under that limit, in samples (both default to what the capture
+    sidecar recorded, else the limit the run ran out of and multiples of the recorded batch).
 
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
@@ -162,23 +168,32 @@ def report(
         raise ParameterError(
             "format", "{format} must be one of {choices}, not {got!r}", choices=", ".join(REPORT_FORMATS), got=format
         )
+    limit, batch = _fit_inputs(memory_limit, recorded_batch)
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     drawer = Worker(DRAWN)
     try:
-        write_atomic(out, _report_content(snapshot, progress, format, drawer))
+        write_atomic(out, _report_content(snapshot, progress, format, drawer, (batch, limit)))
     finally:
         drawer.close()
     return notebook.ReportFile(out)
 
 
-def _report_content(snapshot: str | Path, progress: ProgressSink | None, format: str, drawer: Worker) -> str | bytes:
-    """What :func:`report` writes, the figures drawn by ``drawer``."""
+def _report_content(
+    snapshot: str | Path,
+    progress: ProgressSink | None,
+    format: str,
+    drawer: Worker,
+    batch_and_limit: tuple[int | None, int | None] = (None, None),
+) -> str | bytes:
+    """What :func:`report` writes, the figures drawn by ``drawer``; ``batch_and_limit``: the
+    recorded batch and the memory limit fit's answer is given (None: the sidecar's, fit's own)."""
     from .report import build_report, fit_summary
 
     frames = load_frames(snapshot, progress=progress)
+    batch, limit = batch_and_limit
     # fit's answer is needed last and the what-if replays only by the findings: each computed
     # beside the rest, in a forked child (aside.py), where the machine has a CPU to spare
-    fit_answer = Aside(lambda: fit_summary(frames))
+    fit_answer = Aside(lambda: fit_summary(frames, recorded_batch=batch, memory_limit=limit))
     (progress or NullProgress()).stage("Computing statistics")
     stats_ = compute_stats(frames)
     whatifs = Aside(lambda: device_whatifs(frames, stats_))
@@ -519,6 +534,7 @@ def run(
     every_n_steps: int | None = CAPTURE_DEFAULTS.every_n_steps,
     prefix: str = CAPTURE_DEFAULTS.prefix,
     tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
+    batch_size: int | None = CAPTURE_DEFAULTS.batch_size,
 ) -> int:
     """Run a Python program (``python target args...``, or ``python -m target`` with ``module``)
     with memory recording on; returns its exit code. Snapshots go to ``out``; the recording
@@ -536,7 +552,7 @@ def run(
         sys.path.insert(0, str(Path(target).resolve().parent))
     code = 0
     try:
-        options = CaptureOptions(max_entries, stacks, context, on_oom, every_n_steps, prefix, tag_modules)
+        options = CaptureOptions(max_entries, stacks, context, on_oom, every_n_steps, prefix, tag_modules, batch_size)
         with recording.from_options(out, options) as rec:
             try:
                 if module:
@@ -572,6 +588,14 @@ def _size_or_none(text: str | None, parameter: str) -> int | None:
         return parse_bytes(text)
     except ValueError as exc:
         raise ParameterError(parameter, "{" + parameter + "}: {problem}", problem=exc) from None
+
+
+def _fit_inputs(memory_limit: str | None, recorded_batch: int | None) -> tuple[int | None, int | None]:
+    """:func:`fit`'s and :func:`report`'s ``memory_limit`` in bytes and ``recorded_batch``, checked."""
+    limit = _size_or_none(memory_limit, "memory_limit")
+    if recorded_batch is not None and recorded_batch < 1:
+        raise ParameterError("recorded_batch", "{recorded_batch} must be at least 1")
+    return limit, recorded_batch
 
 
 def whatif(
@@ -725,14 +749,13 @@ def fit(
     optimizer step) predicted at ``batch_scale`` times the recorded batch under the levers asked
     for (``checkpointing``, ``bf16``), and, under ``memory_limit`` (like ``6GiB``; default: the
     limit the recorded run ran out of, else the device's capacity), the largest batch per lever,
-    in samples when ``recorded_batch`` is given. ``optimizer`` (``adamw``, ``sgd-momentum``...)
+    in samples when ``recorded_batch`` is given (default: the batch size the capture sidecar
+    recorded, if any). ``optimizer`` (``adamw``, ``sgd-momentum``...)
     when the stacks do not name it (a run that failed before its first step)."""
     from .metrics.fit import compute_fit
     from .metrics.fit.model import FitUnsupported
 
-    limit = _size_or_none(memory_limit, "memory_limit")
-    if recorded_batch is not None and recorded_batch < 1:
-        raise ParameterError("recorded_batch", "{recorded_batch} must be at least 1")
+    limit, batch = _fit_inputs(memory_limit, recorded_batch)
     if not batch_scale > 0:
         raise ParameterError("batch_scale", "{batch_scale} must be positive")
     frames = load_frames(snapshot, progress=progress)
@@ -741,7 +764,7 @@ def fit(
         return compute_fit(
             frames,
             memory_limit=limit,
-            recorded_batch=recorded_batch,
+            recorded_batch=batch if batch is not None else sidecar_batch_size(frames.info.capture),
             batch_scale=batch_scale,
             checkpointing=checkpointing,
             bf16=bf16,

@@ -147,6 +147,9 @@ class CaptureOptions:
     prefix: str = "snapshot"
     #: tag allocations with the module that made them, for memory by module (torch >= 2.10)
     tag_modules: bool = True
+    #: the batch size in samples, written to the sidecar so that reports give batches in samples
+    #: (None: unknown; the framework callbacks read it from the trainer where they can)
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.stacks not in STACKS:
@@ -157,6 +160,8 @@ class CaptureOptions:
             raise CaptureError("max_entries must be at least 1")
         if self.every_n_steps is not None and self.every_n_steps < 1:
             raise CaptureError("every_n_steps must be at least 1")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise CaptureError("batch_size must be at least 1")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -211,6 +216,7 @@ class recording(ContextDecorator):
         prefix: str = CAPTURE_DEFAULTS.prefix,
         dump_on_exit: bool = True,
         tag_modules: bool = CAPTURE_DEFAULTS.tag_modules,
+        batch_size: int | None = CAPTURE_DEFAULTS.batch_size,
         model: Any = None,
     ) -> None:
         """The options are :class:`CaptureOptions`'s; ``dump_on_exit``: dump when the block
@@ -224,8 +230,11 @@ class recording(ContextDecorator):
             every_n_steps=every_n_steps,
             prefix=prefix,
             tag_modules=tag_modules,
+            batch_size=batch_size,
         )
         self.out_dir = Path(out_dir)
+        # what the sidecar says of the batch: the option, or what a framework callback read
+        self.batch_size = batch_size
         self.dump_on_exit = dump_on_exit
         self.model = model
         self._tags: Any = None
@@ -416,6 +425,7 @@ class recording(ContextDecorator):
             "module_tags": self._tags.describe() if self._tags is not None else None,
             "memory_stats": stats,
             "device_total_bytes": totals,
+            **({"batch_size": self.batch_size} if self.batch_size is not None else {}),
             "parallel": _parallel_layout_or_error(rank, world),
             **extra,
         }

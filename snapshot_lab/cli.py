@@ -45,6 +45,23 @@ SnapshotArg = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the Python traceback of an error.")]
+# fit's inputs, which the report's answer takes too
+FitMemoryLimitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-limit",
+        help="Memory to fit in, e.g. 6GiB [default: the limit the recorded run ran out of, else the device's "
+        "capacity].",
+    ),
+]
+RecordedBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--recorded-batch",
+        "--batch",
+        help="The recorded batch in samples (answers in samples, not fractions) [default: the capture sidecar's].",
+    ),
+]
 
 
 @functools.cache
@@ -448,13 +465,23 @@ def report(
             "--format", help="html: one self-contained page; md: Markdown for a ticket; png: the first screen."
         ),
     ] = ReportFormat.html,
+    memory_limit: FitMemoryLimitOpt = None,
+    recorded_batch: RecordedBatchOpt = None,
 ) -> None:
     """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings),
-    or with --format md|png the answer for a ticket."""
+    or with --format md|png the answer for a ticket. It leads with what fits: under --memory-limit,
+    in samples with --batch (both default to what the capture recorded)."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            path = api.report(snapshot, output=output, progress=progress, format=format.value)
+            path = api.report(
+                snapshot,
+                output=output,
+                progress=progress,
+                format=format.value,
+                memory_limit=memory_limit,
+                recorded_batch=recorded_batch,
+            )
         _wrote(path)
 
     _run(work, debug)
@@ -493,6 +520,10 @@ def run(
             help="Tag allocations with the module that made them, for memory by module (torch >= 2.10).",
         ),
     ] = CAPTURE_DEFAULTS.tag_modules,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(help="The batch size in samples, written beside each snapshot: reports give batches in samples."),
+    ] = CAPTURE_DEFAULTS.batch_size,
     debug: DebugOpt = False,
 ) -> None:
     """Run a training program with memory recording; dumps on exit and on OOM, one file per rank.
@@ -513,6 +544,7 @@ def run(
             every_n_steps=every_n_steps,
             prefix=prefix,
             tag_modules=tag_modules,
+            batch_size=batch_size,
         ),
         debug,
     )
@@ -597,16 +629,8 @@ def plan(
 @app.command()
 def fit(
     snapshot: SnapshotArg,
-    memory_limit: Annotated[
-        str | None,
-        typer.Option(
-            help="Memory to fit in, e.g. 6GiB [default: the limit the recorded run ran out of, else the device's "
-            "capacity]."
-        ),
-    ] = None,
-    recorded_batch: Annotated[
-        int | None, typer.Option(help="The recorded batch in samples (answers in samples, not fractions).")
-    ] = None,
+    memory_limit: FitMemoryLimitOpt = None,
+    recorded_batch: RecordedBatchOpt = None,
     batch_scale: Annotated[float, typer.Option(help="The batch to predict, as a multiple of the recorded one.")] = 1.0,
     checkpointing: Annotated[
         bool, typer.Option("--checkpointing", help="Predict with activation checkpointing of every repeated block.")

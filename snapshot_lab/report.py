@@ -14,6 +14,7 @@ import pandas as pd
 from . import __version__
 from .aside import Aside, Worker
 from .frames import SnapshotFrames
+from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats
 from .metrics.allocator.whatif import WhatIf
 from .metrics.attribution.composition import compose
@@ -46,7 +47,7 @@ from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
-from .render.fit import batch_range_note
+from .render.fit import answer_sentence, batch_range_note, samples_note
 from .render.fit import headline as fit_headline
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.markdown import render_markdown
@@ -660,7 +661,7 @@ def _headline(stats: SnapshotStats, findings: list[Any]) -> str:
 REPORT_FORMATS = ("html", "md", "png")
 FIT_HOW = (
     "Predicted by snaplab fit from the step this trace recorded, replayed through the allocator model; "
-    "`snaplab fit SNAP --memory-limit SIZE --recorded-batch N` gives every lever, its assumption, and batches "
+    "`snaplab fit SNAP --memory-limit SIZE --batch N` gives every lever, its assumption, and batches "
     "in samples."
 )
 
@@ -668,20 +669,48 @@ FIT_HOW = (
 FIT_REFUSED = "What would make it fit: snaplab fit cannot size the whole step from this trace"
 
 
-def fit_summary(frames: SnapshotFrames) -> FitSummary | None:
-    """``snaplab fit``'s answer for the first screen, under the limit the run ran out of (else the
-    device's capacity); None when the trace shows no step to build on."""
+def fit_summary(
+    frames: SnapshotFrames, *, recorded_batch: int | None = None, memory_limit: int | None = None
+) -> FitSummary | None:
+    """``snaplab fit``'s answer for the first screen, of the device that ran out of memory (else
+    fit's device), under ``memory_limit`` (else the limit the run ran out of, else the device's
+    capacity), in samples where the recorded batch is known (``recorded_batch``, else the capture
+    sidecar's); None when the trace shows no step to build on."""
+    batch = recorded_batch if recorded_batch is not None else sidecar_batch_size(frames.info.capture)
     try:
-        result = compute_fit(frames, levers=HEADLINE_LEVERS)
+        result = compute_fit(
+            frames,
+            levers=HEADLINE_LEVERS,
+            memory_limit=memory_limit,
+            recorded_batch=batch,
+            device=_failing_device(frames),
+            parallel=False,
+        )
     except FitUnsupportedOom as why:
         return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), last=True)
     except (FitUnsupported, ValueError):
         return None
     ranges = batch_range_note(result)
-    steps = (*([ranges] if ranges else []), *map(_sentence, result.notes), FIT_HOW)
+    samples = samples_note(result)
+    steps = (*([ranges] if ranges else []), *map(_sentence, result.notes), *([samples] if samples else []), FIT_HOW)
     # a request no step made, larger than the limit: the OOM finding's advice comes first
     verdict = fit_headline(result, range_note=False)
-    return FitSummary(verdict=verdict, steps=steps, last=result.oom_request_over_limit is not None)
+    several = len(frames.info.devices) > 1
+    return FitSummary(
+        verdict=verdict,
+        steps=steps,
+        last=result.oom_request_over_limit is not None,
+        answer=answer_sentence(result, several),
+    )
+
+
+def _failing_device(frames: SnapshotFrames) -> int | None:
+    """The device of the last out-of-memory error in the trace (None: none, fit picks the device)."""
+    events = frames.events
+    if not len(events):
+        return None
+    ooms = events.loc[events["action"] == "oom", "device"]
+    return int(ooms.iloc[-1]) if len(ooms) else None
 
 
 def _sentence(note: str) -> str:
@@ -884,6 +913,8 @@ def _first_screen(
             if section is not main and section.composition is not None
         ],
         fit_answer=fit,
+        answer=fit.answer if fit is not None and fit.answer and not fit.last else said,
+        method=(fit.verdict, *fit.steps) if fit is not None and fit.answer and not fit.last else (),
     )
 
 

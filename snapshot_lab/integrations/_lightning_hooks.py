@@ -30,6 +30,7 @@ class LightningHooks(SessionCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # resumed runs start past 0
         self._last_step = int(getattr(trainer, "global_step", 0))
+        self.session.saw_batch_size(*_batch_size_holders(trainer, pl_module))
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -69,3 +70,18 @@ class LightningHooks(SessionCallback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: Any) -> None:
         self.session.stop()  # a no-op unless the run ended before its end hook
+
+
+def _batch_size_holders(trainer: Any, pl_module: Any) -> list[Any]:
+    """Where a Lightning job keeps its batch size, surest first: the training dataloader (and its
+    batch sampler), the datamodule and its hyperparameters, the module's hyperparameters."""
+    holders: list[Any] = []
+    for owner, name in ((trainer, "train_dataloader"), (trainer, "datamodule")):
+        try:
+            holder = getattr(owner, name, None)
+        except Exception:  # a trainer property that cannot answer here
+            continue
+        if holder is not None:
+            holders += [holder, getattr(holder, "batch_sampler", None), getattr(holder, "hparams", None)]
+    holders.append(getattr(pl_module, "hparams", None))
+    return [holder for holder in holders if holder is not None]

@@ -85,6 +85,16 @@ class CaptureSession:
             atexit.register(self.stop)
             self._atexit = True
 
+    def saw_batch_size(self, *holders: Any) -> None:
+        """The batch size the framework knows (the first readable ``batch_size`` of ``holders``:
+        a dataloader, a datamodule, hyperparameters...), for the sidecar; the ``batch_size``
+        option, when given, wins. A no-op when not recording or when none is readable."""
+        if self.rec is None or self.options.batch_size is not None:
+            return
+        found = readable_batch_size(*holders)
+        if found is not None:
+            self.rec.batch_size = found
+
     def step(self) -> None:
         """One optimizer step (dumps every ``every_n_steps``)."""
         if self.rec is not None:
@@ -125,6 +135,19 @@ class CaptureSession:
         self.reports.append(path)
         log.info("snaplab: wrote %s", path)
         return path
+
+
+def readable_batch_size(*holders: Any) -> int | None:
+    """The first ``batch_size`` of ``holders`` (an attribute or a mapping's key) that is a
+    positive int; reading never fails (a property that raises counts as unreadable)."""
+    for holder in holders:
+        try:
+            value = holder.get("batch_size") if isinstance(holder, dict) else getattr(holder, "batch_size", None)
+        except Exception:  # a framework property that cannot answer yet
+            continue
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 class SessionCallback:

@@ -38,6 +38,8 @@ class SnaplabCallback(SessionCallback, TrainerCallback):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         self.session.start(model)
+        # the batch one forward sees on this device: the recorded batch, in samples
+        self.session.saw_batch_size({"batch_size": getattr(args, "per_device_train_batch_size", None)})
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.session.step()

@@ -47,9 +47,19 @@ def _checked(meta: dict[str, Any]) -> dict[str, Any]:
         elif key == "oom":
             if type(v) is dict and all(type(k) is str and _plain(x) for k, x in v.items()):
                 out[key] = v
+        elif key == "batch_size":
+            if type(v) is int and v > 0:
+                out[key] = v
         elif key in ("incident", "module_tags", "parallel"):
             if type(v) is dict:
                 out[key] = v  # read defensively where read (metrics.parallelism) or only shown
         elif key in ("memory_stats", "device_total_bytes", "recording") or _plain(v):
             out[key] = v  # the first three are only passed through
     return out
+
+
+def sidecar_batch_size(capture: dict[str, Any] | None) -> int | None:
+    """The batch size, in samples, that the capture recorded (``recording(batch_size=...)``, a
+    framework callback that read it), or None when the sidecar has none."""
+    value = capture.get("batch_size") if isinstance(capture, dict) else None
+    return value if type(value) is int and value > 0 else None

@@ -29,6 +29,9 @@ class FitSummary:
     # listed after the findings' advice: fit could not size the step, or the request that failed
     # is not the step's (verdict and steps say which)
     last: bool = False
+    # what fits, in one sentence of at most 45 words (render/fit.py answer_sentence): the first
+    # screen leads with it, verdict and steps folded under it ("": the verdict is the answer)
+    answer: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,20 @@ class FirstScreen:
     # one line per further device
     others: list[str] = field(default_factory=list)
     fit_answer: FitSummary | None = None
+    # the one bold sentence the screen leads with (fit's answer, else the verdict), and what
+    # folds under it: how it was found, what it assumes
+    answer: str = ""
+    method: tuple[str, ...] = ()
+
+    @property
+    def answered_by_fit(self) -> bool:
+        """Whether fit's answer leads (its lever is then not listed again under the levers)."""
+        return self.fit_answer is not None and bool(self.fit_answer.answer) and not self.fit_answer.last
+
+    @property
+    def shown_levers(self) -> list[Lever]:
+        """The levers listed under "What to change": fit's is the answer where it leads."""
+        return [lever for lever in self.levers if not (self.answered_by_fit and lever.source == "fit")]
 
 
 def _parts(parts: tuple[Part, ...], limit: int = 4) -> str:

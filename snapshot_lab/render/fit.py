@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..metrics.fit import FitResult, LeverOutcome
 from ..metrics.fit import workload as wl
-from ..metrics.fit.result import HEADLINE_LEVERS
+from ..metrics.fit.result import AS_RECORDED, HEADLINE_LEVERS
 from ..units import format_bytes
 from .text import table
 
@@ -165,6 +165,69 @@ def _step_headline(r: FitResult) -> str:
         return first
     listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     return first + f" Under {format_bytes(r.memory_limit_bytes, 1)}, batch {listed} fits."
+
+
+# the report's one-sentence answer (at most ANSWER_WORDS words), batches in samples where the
+# recorded batch is known; the method, assumptions and caveats follow it folded (answer_method)
+ANSWER_WORDS = 45
+ANSWER_LEVERS = {"checkpointing": "with checkpointing", "bf16": "with bf16 autocast", "checkpointing+bf16": "with both"}
+ANSWER_FITS = "{batch} fits in {limit}{workload}{where}{ran}{rest}."
+ANSWER_NONE_AS_IS = "No batch fits in {limit}{workload}{where} as is{ran}{rest}."
+ANSWER_NOTHING = "No batch fits in {limit}{workload}{where}{ran}, with or without checkpointing or bf16 autocast."
+ANSWER_NO_LIMIT = (
+    "{job} about {peak} at {batch}{where}; no memory limit is known: give one for the largest batch that fits."
+)
+ANSWER_JOBS = {wl.FORWARD_ONLY: "The recorded inference forwards need", wl.NO_OPTIMIZER: "A forward and backward need"}
+ANSWER_IN_SAMPLES = (
+    "Batches are multiples of the recorded batch: give the recorded batch (--batch N; batch_size= when recording) "
+    "for batches in samples."
+)
+
+
+def _short_range(r: FitResult, outcome: LeverOutcome) -> str:
+    """The largest batch of a lever in few words: ``15–21`` (samples) or ``0.79x–0.95x``."""
+    best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
+    shown = [best] if sure is None or sure == best else [sure, best]
+    return "–".join(f"{int(b)}" if r.recorded_batch else f"{b:g}x" for b in shown if b is not None)
+
+
+def _size(nbytes: int) -> str:
+    """A memory limit as people say it: ``6 GiB``, ``79.2 GiB``."""
+    text = format_bytes(nbytes, 1)
+    return text.replace(".0 ", " ")
+
+
+def answer_sentence(r: FitResult, several_devices: bool = False) -> str:
+    """What fits, in one sentence of at most :data:`ANSWER_WORDS` words: the largest batch as
+    is, in samples where the recorded batch is known (you ran N), then with each lever that
+    changes it. ``several_devices``: the file has more than one, so the sentence names this one's."""
+    where = f" on device {r.device}" if several_devices else ""
+    ran = f" (you ran {r.recorded_batch})" if r.recorded_batch else ""
+    workload = " for inference" if r.workload == wl.FORWARD_ONLY else ""
+    outcomes = {o.lever: o for o in r.levers if o.lever in HEADLINE_LEVERS}
+    if r.memory_limit_bytes is None:
+        job = ANSWER_JOBS.get(r.workload, ANSWER_JOBS.get(r.optimizer, "A whole step needs"))
+        batch = f"batch {r.recorded_batch}" if r.recorded_batch else "the recorded batch"
+        return ANSWER_NO_LIMIT.format(job=job, peak=format_bytes(r.peak_allocated_bytes, 1), batch=batch, where=where)
+    limit = _size(r.memory_limit_bytes)
+    others = [
+        f"{words} {_short_range(r, outcomes[name])}"
+        for name, words in ANSWER_LEVERS.items()
+        if name in outcomes and outcomes[name].largest_batch
+    ]
+    rest = "; " + ", ".join(others) if others else ""
+    as_is = outcomes.get(AS_RECORDED)
+    if as_is is not None and as_is.largest_batch:
+        shown = _short_range(r, as_is)
+        batch = f"Batch {shown}" if r.recorded_batch else f"{shown} the recorded batch"
+        return ANSWER_FITS.format(batch=batch, limit=limit, workload=workload, where=where, ran=ran, rest=rest)
+    template = ANSWER_NONE_AS_IS if others else ANSWER_NOTHING
+    return template.format(limit=limit, workload=workload, where=where, ran=ran, rest=rest)
+
+
+def samples_note(r: FitResult) -> str | None:
+    """:data:`ANSWER_IN_SAMPLES` where the answer gives batches as multiples of the recorded one."""
+    return ANSWER_IN_SAMPLES if r.memory_limit_bytes is not None and not r.recorded_batch else None
 
 
 def _row(result: FitResult, outcome: LeverOutcome) -> list[str]:

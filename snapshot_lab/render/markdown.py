@@ -66,16 +66,22 @@ def _answer(ctx: ReportContext) -> list[str]:
     if first is None:
         return [*out, md_line(ctx.headline), ""]
     mark = {"critical": "🔴", "warning": "🟠", "ok": "🟢"}.get(first.status, "")
-    out += [f"**{mark} {md(first.verdict)}**", ""]
-    if first.cause:
-        out += [md_line(first.cause), ""]
+    out += [f"**{mark} {md(first.answer)}**", ""]
+    if first.method:
+        # GitHub folds a <details> element; a blank line after <summary> lets Markdown in
+        out += ["<details>", "<summary>How snaplab fit found it, and what it assumes</summary>", ""]
+        out += [line for sentence in first.method for line in (md_line(sentence), "")]
+        out += ["</details>", ""]
+    said = [first.verdict] if first.answered_by_fit else []
+    if said or first.cause:
+        out += [md_line(" ".join([*said, first.cause]).strip()), ""]
     out += [f"### What the memory was: {md(first.made_of_title)}", "", "| | |", "|---|---|"]
     out += [f"| {md(label)} | {md(value)} |" for label, value in first.made_of]
     out += [f"| | {md(line)} |" for line in first.others]
     out += ["", "### What to change", ""]
-    if not first.levers:
+    if not first.shown_levers:
         out.append("Nothing to change: no finding calls for it.")
-    for i, lever in enumerate(first.levers, start=1):
+    for i, lever in enumerate(first.shown_levers, start=1):
         stake = f" (at stake: {lever.stake})" if lever.stake else ""
         out.append(f"{i}. **{md(lever.title)}**{stake}  ")
         out.append(f"   {md(lever.detail)}")
