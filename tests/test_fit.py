@@ -28,6 +28,7 @@ from snapshot_lab.metrics.fit.tape import NEVER, make_tape, peak_allocated, simu
 from snapshot_lab.render.fit import format_fit
 
 from .conftest import SAMPLES, sample_path
+from .fit_known_misses import IN_DOCS, TALLIES, BatchMiss, Tally, check_exact, check_tally, tally
 
 runner = CliRunner()
 TRUTH = json.loads((SAMPLES / "fit_truth.json").read_text())
@@ -193,15 +194,67 @@ EXACT = {  # (snapshot, lever) the model gets exactly right today
 # whole-step peak allocated is within 0.4% of the real run's, and the allocator replayed places one less
 
 
+_NOT_EXACT = "the allocator under the cap is not exact yet"
+_WORKSPACES = (
+    "cuDNN's workspaces: the replay fails the step on a convolution's workspace, where the real run catches the "
+    "error and runs another algorithm (docs/fit.md, Known gaps)"
+)
+NOT_EXACT = {  # (snapshot, lever) -> the known miss: today's answer and the real run's largest batch
+    ("fit_gpt2_b4_complete_python", "ckpt"): BatchMiss(28, 27, _NOT_EXACT),
+    ("fit_gpt2_b4_complete_python", "ckpt+bf16"): BatchMiss(29, 28, _NOT_EXACT),
+    ("fit_gpt2_b32_oom_python", "ckpt"): BatchMiss(29, 27, _NOT_EXACT),
+    ("fit_gpt2_b32_oom_python", "ckpt+bf16"): BatchMiss(30, 28, _NOT_EXACT),
+    ("fit_resnet50_b16_complete_python", "plain"): BatchMiss(68, 69, _NOT_EXACT),
+    ("fit_resnet50_b16_complete_python", "ckpt"): BatchMiss(154, 162, _WORKSPACES),
+    ("fit_resnet50_b16_complete_python", "bf16"): BatchMiss(133, 134, _NOT_EXACT),
+    ("fit_resnet50_b16_complete_python", "ckpt+bf16"): BatchMiss(269, 299, _NOT_EXACT),
+    ("fit_resnet50_b512_oom_python", "ckpt"): BatchMiss(160, 162, _NOT_EXACT),
+    ("fit_resnet50_b512_oom_python", "bf16"): BatchMiss(135, 134, _NOT_EXACT),
+    ("fit_resnet50_b512_oom_python", "ckpt+bf16"): BatchMiss(310, 299, _NOT_EXACT),
+}
+
+
 @pytest.mark.parametrize("lever", list(LEVERS))
 @pytest.mark.parametrize("name", [v[0] for v in [*COMPLETE.values(), *OOM.values()]])
 def test_largest_batch_under_the_cap_exactly(under_the_cap, name, lever):
+    """Exactly, but the known misses, each no further from the real run than today (and a miss
+    that becomes exact says so)."""
     family, r = under_the_cap[name]
     measured = TRUTH["families"][family]["levers"][lever]["largest_batch_under_cap"]
     predicted = r.largest_batch[OUR_NAMES[lever]]
-    if (name, lever) not in EXACT and predicted != measured:
-        pytest.xfail(f"predicted {predicted}, measured {measured}: the allocator under the cap is not exact yet")
-    assert predicted == measured
+    assert not (EXACT & set(NOT_EXACT))
+    check_exact(predicted, measured, NOT_EXACT.get((name, lever)), f"{name}, {lever}")
+    if (name, lever) in EXACT:
+        assert predicted == measured
+
+
+def test_the_largest_batch_tables_counts(under_the_cap):
+    """GPT-2's and ResNet-50's rows of docs/fit.md's table: exact, within one, in the range."""
+    rows = []
+    for family, r in under_the_cap.values():
+        for lever in LEVERS:
+            real = TRUTH["families"][family]["levers"][lever]["largest_batch_under_cap"]
+            rows.append((r.largest_batch_no_retry.get(OUR_NAMES[lever]), r.largest_batch[OUR_NAMES[lever]], real))
+    check_tally(tally(rows), TALLIES["tests/test_fit.py"], "GPT-2 and ResNet-50")
+
+
+def test_the_pinned_counts_are_the_docs():
+    """docs/fit.md's sentences on its table of largest batches are the sum of the tables' pins
+    (tests/fit_known_misses.py), each pinned where its answers are checked."""
+    import re
+
+    text = " ".join((SAMPLES.parent / "docs" / "fit.md").read_text().split())
+    total = sum((TALLIES[table] for table in IN_DOCS), Tally())
+    said = re.search(r"Of these (\d+) answers, (\d+) are exact \(bold\) and (\d+) more within one batch", text)
+    assert said and tuple(map(int, said.groups())) == (total.answers, total.exact, total.within_one), total
+    ranges = re.search(
+        r"the real run's largest batch lies within the range in (\d+), and at or above the range's "
+        r"first batch in (\d+)",
+        text,
+    )
+    assert ranges and tuple(map(int, ranges.groups())) == (total.in_range, total.sure_runs), total
+    below = re.search(r"In (\d+) of the (\d+) answers the real run's largest batch is below", text)
+    assert below and tuple(map(int, below.groups())) == (total.answers - total.sure_runs, total.answers), total
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))

@@ -33,6 +33,7 @@ from snapshot_lab.metrics.fit.weight_copies import weight_sizes
 from snapshot_lab.metrics.plan.structure import training_structure
 
 from .conftest import SAMPLES, sample_truth
+from .fit_known_misses import BatchMiss, PeakMiss, Tally, check_largest, check_peak, check_tally, tally
 
 FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
 CAP = 6 << 30
@@ -58,14 +59,23 @@ _WORKSPACE = (
     "the real run at {batch} does not hold {times}x it (a convolution's or attention's backward workspace, "
     "which one recording cannot tell from an activation)"
 )
-OUTSIDE = {  # (recording, batch or None for the largest batch) -> why, with the numbers of this commit
-    ("fit_convnext_b16_ckpt_bf16_complete_python", 32): _WORKSPACE.format(mib=132, batch=32, times=2) + ": +9.3%",
-    ("fit_convnext_b16_ckpt_bf16_complete_python", 64): _WORKSPACE.format(mib=132, batch=64, times=4) + ": +12.3%",
-    ("fit_convnext_b16_ckpt_bf16_complete_python", 128): _WORKSPACE.format(mib=132, batch=128, times=8) + ": +14.9%",
-    ("fit_convnext_b16_ckpt_bf16_complete_python", None): _WORKSPACE.format(mib=132, batch=296, times=18.5),
-    ("fit_vit_b8_ckpt_bf16_complete_python", 64): _WORKSPACE.format(mib=37.5, batch=64, times=8) + ": +6.5%",
-    ("fit_vit_b8_ckpt_bf16_complete_python", None): _WORKSPACE.format(mib=37.5, batch=327, times=41),
+OUTSIDE = {  # (recording, batch) -> the known miss of the peak; (recording, None) -> of the largest batch
+    **{
+        ("fit_convnext_b16_ckpt_bf16_complete_python", batch): PeakMiss(
+            error, _WORKSPACE.format(mib=132, batch=batch, times=batch // 16)
+        )
+        for batch, error in ((32, +0.0934), (64, +0.1234), (128, +0.1494))
+    },
+    ("fit_convnext_b16_ckpt_bf16_complete_python", None): BatchMiss(
+        188, 296, _WORKSPACE.format(mib=132, batch=296, times=18.5)
+    ),
+    ("fit_vit_b8_ckpt_bf16_complete_python", 64): PeakMiss(+0.0649, _WORKSPACE.format(mib=37.5, batch=64, times=8)),
+    ("fit_vit_b8_ckpt_bf16_complete_python", None): BatchMiss(
+        235, 327, _WORKSPACE.format(mib=37.5, batch=327, times=41)
+    ),
 }
+# the largest batches as recorded (under autocast) from these recordings: exact, within one, in the range
+TALLY = Tally(answers=37, exact=19, within_one=4, in_range=21, sure_runs=37)
 
 
 def _copies(frames):
@@ -138,28 +148,48 @@ def test_whole_step_from_a_recording_under_autocast(real_frames, name, batch):
     family, lever = RECORDINGS[name]
     allocated, _ = predict_step(real_frames(name), batch_scale=batch / RECORDED[family])
     measured = FAMILIES[family]["levers"][lever]["uncapped"][str(batch)]["peak_process_bytes"]
-    error = allocated / measured - 1
-    if abs(error) > BOUND and (name, batch) in OUTSIDE:
-        pytest.xfail(f"{error:+.1%}: {OUTSIDE[name, batch]}")
-    assert abs(error) <= BOUND, (allocated, measured, f"{error:+.1%}")
+    check_peak(allocated / measured - 1, BOUND, OUTSIDE.get((name, batch)), f"{name} at {batch}")
+
+
+def test_every_known_miss_is_a_case_of_these_tests():
+    for name, batch in OUTSIDE:
+        assert (name, batch) in _cases() if batch is not None else name in RECORDINGS, (name, batch)
+        assert isinstance(OUTSIDE[name, batch], BatchMiss if batch is None else PeakMiss), (name, batch)
+
+
+@pytest.fixture(scope="module")
+def autocast_fits(real_frames):
+    out = {}
+    for name, (family, _) in RECORDINGS.items():
+        cap = FAMILIES[family]["levers"]["plain"].get("cap_bytes", CAP)  # gpt2m: 8 GiB
+        out[name] = compute_fit(
+            real_frames(name),
+            memory_limit=cap,
+            recorded_batch=RECORDED[family],
+            parallel=False,
+            levers=("as recorded",),
+        )
+    return out
 
 
 @pytest.mark.parametrize("name", list(RECORDINGS))
-def test_largest_batch_from_a_recording_under_autocast(real_frames, name):
+def test_largest_batch_from_a_recording_under_autocast(autocast_fits, name):
     """Within 15% of the real runs, or two batches (the rest are within 2: GPT-2 5 / 5 and 28 / 28,
     ResNet-50 133 / 134 and 269 / 299, Llama 8 / 8 and 18 / 16, ViT 69 / 71, BERT 10 / 10, T5
     24 / 24 and 67 / 70, NeoX 9 / 9 and 32 / 32, OPT 11 / 11 and 31 / 32)."""
     family, lever = RECORDINGS[name]
-    cap = FAMILIES[family]["levers"]["plain"].get("cap_bytes", CAP)  # gpt2m: 8 GiB
-    fit = compute_fit(
-        real_frames(name), memory_limit=cap, recorded_batch=RECORDED[family], parallel=False, levers=("as recorded",)
-    )
-    predicted = fit.largest_batch["as recorded"]
+    predicted = autocast_fits[name].largest_batch["as recorded"]
     measured = FAMILIES[family]["levers"][lever]["largest_batch_under_cap"]
-    close = abs(predicted - measured) <= max(2, 0.15 * measured)
-    if not close and (name, None) in OUTSIDE:
-        pytest.xfail(f"predicted {predicted:g}, real {measured}: {OUTSIDE[name, None]}")
-    assert close, (predicted, measured)
+    check_largest(predicted, measured, max(2, 0.15 * measured), OUTSIDE.get((name, None)), name)
+
+
+def test_the_largest_batch_tables_counts(autocast_fits):
+    rows = []
+    for name, (family, lever) in RECORDINGS.items():
+        fit = autocast_fits[name]
+        real = FAMILIES[family]["levers"][lever]["largest_batch_under_cap"]
+        rows.append((fit.largest_batch_no_retry.get("as recorded"), fit.largest_batch["as recorded"], real))
+    check_tally(tally(rows), TALLY, "the largest batches from recordings under autocast")
 
 
 # --------------------------------------------------------------------------- recorded after the rule

@@ -19,6 +19,7 @@ import pytest
 from snapshot_lab.metrics.fit import compute_fit, predict_step
 
 from .conftest import SAMPLES
+from .fit_known_misses import TALLIES, check_tally, tally
 
 TRUTH = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]["vit"]["levers"]
 CAP = 6 << 30
@@ -70,6 +71,17 @@ def test_largest_batch_under_the_cap_near_the_real_runs(under_the_cap, name, lev
     measured = TRUTH[lever]["largest_batch_under_cap"]
     assert predicted is not None
     assert abs(predicted - measured) <= max(1, 0.4 * measured), (predicted, measured)
+
+
+def test_the_largest_batch_tables_counts(under_the_cap):
+    """ViT's rows of docs/fit.md's table: exact, within one, the real run in the range."""
+    rows = [
+        (fit.largest_batch_no_retry.get(OUR_NAMES[lever]), fit.largest_batch[OUR_NAMES[lever]], real)
+        for fit in under_the_cap.values()
+        for lever in LEVERS
+        for real in [TRUTH[lever]["largest_batch_under_cap"]]
+    ]
+    check_tally(tally(rows), TALLIES["tests/test_fit_holdout.py"], "ViT-B/16")
 
 
 def _outputs_kept_at_the_first_block_backward(frames, recorded: int, optimizer: str | None) -> int:
