@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..metrics.attribution.annotations import AnnotatedAllocation
 from ..metrics.explore import Exploration
 from ..metrics.stats.layout import PoolLayout
 from ..plots.palette import CATEGORY_COLORS
@@ -37,6 +38,9 @@ class Payload:
     frames: list[str] = field(default_factory=list)
     stacks: dict[str, list[int]] = field(default_factory=dict)
     _frame_ids: dict[str, int] = field(default_factory=dict)
+    # annotated allocations (_annotate_tensor, torch >= 2.14), from :func:`annotation_data`; the
+    # key is written only when there are some, so other files' pages stay as they were
+    annotations: list[dict[str, Any]] = field(default_factory=list)
 
     def add_stack(self, stack_id: int, frames: list[dict[str, Any]]) -> None:
         if str(stack_id) in self.stacks:
@@ -59,7 +63,14 @@ class Payload:
             "states": list(STATES),
             "colors": CATEGORY_COLORS,
         }
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).translate(_JSON_ESCAPES)
+        if self.annotations:
+            body["annotations"] = self.annotations
+        return escaped_json(body)
+
+
+def escaped_json(body: dict[str, Any]) -> str:
+    """``body`` as compact JSON that no string in it can break out of ``<script>`` with."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).translate(_JSON_ESCAPES)
 
 
 def _round(values: np.ndarray) -> list[float]:
@@ -106,6 +117,24 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
         "ooms": list(ex.oom_x),
         "markers": [[marker_x, label] for marker_x, label in ex.markers],
     }
+
+
+def annotation_data(annotated: list[AnnotatedAllocation]) -> list[dict[str, Any]]:
+    """The explorer's record of each annotated allocation: device, address (as the layout's
+    ``addr``), size, the allocation's stack and event index (null: made before the trace), its
+    site and the annotation text, escaped with the rest of the JSON."""
+    return [
+        {
+            "device": item.device,
+            "addr": f"0x{item.address:x}",
+            "size": item.size_bytes,
+            "stack": item.stack_id if item.stack_id is not None else -1,
+            "event": item.alloc_event_index,
+            "site": item.site,
+            "text": item.annotation,
+        }
+        for item in annotated
+    ]
 
 
 def layout_data(layouts: list[PoolLayout]) -> list[dict[str, Any]]:

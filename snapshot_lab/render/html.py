@@ -110,6 +110,11 @@ class ReportContext:
     compare_rows: list[dict[str, Any]] = field(default_factory=list)
     # memory by record_function range (render/stages.py stages_view); empty: the section is left out
     stages: list[dict[str, Any]] = field(default_factory=list)
+    # pinned host memory (render/host.py host_view); empty: the section is left out
+    host: dict[str, Any] = field(default_factory=dict)
+    # site label -> the annotations (_annotate_tensor) of its allocations
+    # (metrics/attribution/annotations.py site_annotations); empty: the tables are as before
+    site_annotations: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _environment() -> jinja2.Environment:

@@ -130,6 +130,9 @@ def _sites(ctx: ReportContext, sites: int, frames: int) -> list[str]:
                 f"<code>{html.escape(site.label)}</code> — {format_bytes(site.bytes)} ({format_percent(site.share)}), "
                 f"{site.count:,} block{'s' if site.count != 1 else ''}"
             )
+            texts = ctx.site_annotations.get(site.label)
+            if texts:
+                summary += " — annotated: " + ", ".join(f"<code>{md(text)}</code>" for text in texts)
             body = _fence(_stack_lines(view, frames)) if view.stack else "No stack was recorded for these blocks."
             out += ["<details>", f"<summary>{summary}</summary>", "", body, "", "</details>", ""]
     return out
@@ -170,9 +173,28 @@ def _stages(ctx: ReportContext) -> list[str]:
     return out
 
 
+def _host(ctx: ReportContext) -> list[str]:
+    """Pinned host memory beside device memory (only when the file records it)."""
+    if not ctx.host:
+        return []
+    out = ["### Pinned host memory", "", "| memory | reserved | allocated |", "|---|--:|--:|"]
+    out += [
+        f"| {md(row['memory'])} | {format_bytes(row['reserved'])} | {format_bytes(row['allocated'])} |"
+        for row in ctx.host["rows"]
+    ]
+    out += ["", "| | |", "|---|--:|"]
+    out += [f"| {md(t['label'])} | {format_bytes(t['bytes'])} |" for t in ctx.host["totals"]]
+    if ctx.host["peak"] is not None:
+        out.append(f"| peak allocated in the host trace | {format_bytes(ctx.host['peak'])} |")
+    if ctx.host["sites"]:
+        out += ["", "| host allocation site | allocated | blocks |", "|---|--:|--:|"]
+        out += [f"| {md(s['frame'])} | {format_bytes(s['bytes'])} | {s['blocks']:,} |" for s in ctx.host["sites"]]
+    return [*out, ""]
+
+
 def render_markdown(ctx: ReportContext, budget: int = BUDGET_CHARS) -> str:
     """The report as Markdown, always under GitHub's 65,536-character limit."""
-    head = _answer(ctx) + _numbers(ctx) + _stages(ctx)
+    head = _answer(ctx) + _numbers(ctx) + _host(ctx) + _stages(ctx)
     tail = [
         *_findings(ctx),
         f"<sub>Made by snaplab {md(ctx.version)}; the HTML report has the timeline, layout and every stack.</sub>",
