@@ -68,14 +68,26 @@ def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -
     return build_frames(snap, consume=True)
 
 
-def stats(snapshot: str | Path, *, stages: bool = False, progress: ProgressSink | None = None) -> SnapshotStats:
+def stats(
+    snapshot: str | Path,
+    *,
+    stages: bool = False,
+    compiled_regions: bool = False,
+    progress: ProgressSink | None = None,
+) -> SnapshotStats:
     """Torch's memory counters, fragmentation and OOM cause for one snapshot file; with
-    ``stages``, also memory by the file's ``record_function`` ranges (``result.stages``)."""
+    ``stages``, also memory by the file's ``record_function`` ranges (``result.stages``); with
+    ``compiled_regions``, memory by ``torch.compile``'d region (``result.compiled_regions``: what
+    each allocated and its peak, from trace entries recorded with ``compile_context=True``)."""
+    from .metrics.history.compiled import compiled_regions as regions_of
+
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
     result = compute_stats(frames)
     if stages:
         result = replace(result, stages=file_stages(frames))
+    if compiled_regions:
+        result = replace(result, compiled_regions=regions_of(frames))
     return notebook.Stats.of(result)
 
 

@@ -150,6 +150,13 @@ StagesOpt = Annotated[
 def stats(
     snapshot: SnapshotArg,
     stages: StagesOpt = False,
+    compiled_regions: Annotated[
+        bool,
+        typer.Option(
+            "--compiled-regions",
+            help="Also memory by torch.compile'd region (recorded with compile_context=True): allocated, peak.",
+        ),
+    ] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -158,7 +165,7 @@ def stats(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.stats(snapshot, stages=stages, progress=progress)
+            result = api.stats(snapshot, stages=stages, compiled_regions=compiled_regions, progress=progress)
         if json_out:
             _print_json(result.to_dict())
         else:

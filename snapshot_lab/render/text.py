@@ -135,6 +135,10 @@ def format_stats(s: SnapshotStats) -> str:
         from .stages import format_stages
 
         parts.append(format_stages(s.stages).rstrip("\n"))
+    if s.compiled_regions is not None:  # only when asked for (stats --compiled-regions)
+        from .compiled import format_compiled_regions
+
+        parts.append(format_compiled_regions(s.compiled_regions).rstrip("\n"))
     return "\n\n".join(parts) + "\n"
 
 

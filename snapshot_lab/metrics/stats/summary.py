@@ -9,6 +9,7 @@ from ...frames import SnapshotFrames
 from ..attribution.modules import ModuleBreakdown, module_breakdown
 from ..categories import CATEGORIES, categories_at_peak, compute_categories
 from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
+from ..history.compiled import CompiledRegion
 from ..history.stages import Stages
 from ..parallel.parallelism import detect_parallel
 from ..recording import Recording, describe_recording
@@ -71,9 +72,11 @@ class SnapshotStats:
     host: HostMemory | None = None  # pinned host memory (torch >= 2.14), beside the devices'
     # memory by record_function range, per device (metrics.history.stages); only when asked for
     stages: dict[int, Stages] | None = None
+    # memory by compiled region (metrics.history.compiled); only when asked for
+    compiled_regions: list[CompiledRegion] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "file": self.file,
             "recording": self.recording.to_dict(),
             "torch_stats": self.torch_stats,
@@ -88,6 +91,8 @@ class SnapshotStats:
             out["host"] = self.host.to_dict()
         if self.stages is not None:  # only when asked for (stats --stages)
             out["stages"] = {str(d): st.to_dict() for d, st in self.stages.items()}
+        if self.compiled_regions is not None:  # only when asked for (stats --compiled-regions)
+            out["compiled_regions"] = [region.to_dict() for region in self.compiled_regions]
         return out
 
 
