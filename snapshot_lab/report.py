@@ -700,7 +700,7 @@ def fit_summary(
         verdict=verdict,
         steps=steps,
         last=result.oom_request_over_limit is not None,
-        answer=answer_sentence(result, several),
+        answer=answer_sentence(result, several) or "",
     )
 
 

@@ -14,6 +14,7 @@ import lzma
 import pickle
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +26,9 @@ from snapshot_lab.capture import recording
 from snapshot_lab.cli import app
 from snapshot_lab.errors import ParameterError
 from snapshot_lab.load.sidecar import load_sidecar
-from snapshot_lab.render.fit import ANSWER_WORDS
+from snapshot_lab.metrics.fit import compute_fit
+from snapshot_lab.metrics.fit.result import HEADLINE_LEVERS
+from snapshot_lab.render.fit import ANSWER_WORDS, answer_sentence
 from snapshot_lab.report import build_report, fit_summary
 
 from .conftest import sample_path, sample_truth
@@ -98,6 +101,27 @@ def test_without_the_recorded_batch_the_answer_is_short_and_says_how_to_get_samp
     assert summary.answer.startswith("0.11x the recorded batch fits in 6 GiB; with checkpointing 0.79x–0.95x")
     assert _words(summary.answer) <= ANSWER_WORDS
     assert any("--batch N" in step for step in summary.steps)
+
+
+def test_without_a_memory_limit_the_verdict_leads(real_frames):
+    """A run that did not run out of memory, with no limit known: nothing to fit in, so no
+    sentence of what fits (fit's step stays among the levers)."""
+    summary = fit_summary(real_frames(GPT2_COMPLETE), recorded_batch=4)
+    assert summary is not None and summary.answer == "" and "No memory limit is known" in summary.verdict
+
+
+def test_where_no_batch_fits_the_sentence_says_so(real_frames):
+    fit = compute_fit(real_frames(GPT2_OOM), memory_limit=6 << 30, recorded_batch=32, levers=HEADLINE_LEVERS)
+    none_as_is = replace(
+        fit, levers=tuple(replace(o, largest_batch=0) if o.lever == "as recorded" else o for o in fit.levers)
+    )
+    said = answer_sentence(none_as_is)
+    assert said is not None and said.startswith("No batch fits in 6 GiB as is (you ran 32); with checkpointing 25")
+    nothing = replace(fit, levers=tuple(replace(o, largest_batch=0, largest_batch_no_retry=0) for o in fit.levers))
+    assert answer_sentence(nothing, several_devices=True) == (
+        "No batch fits in 6 GiB on device 0 (you ran 32), with or without checkpointing or bf16 autocast."
+    )
+    assert all(_words(text or "") <= ANSWER_WORDS for text in (said, answer_sentence(nothing)))
 
 
 def _dataparallel_oom_on_device_1(tmp_path: Path) -> Path:

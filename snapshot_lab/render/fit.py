@@ -174,10 +174,6 @@ ANSWER_LEVERS = {"checkpointing": "with checkpointing", "bf16": "with bf16 autoc
 ANSWER_FITS = "{batch} fits in {limit}{workload}{where}{ran}{rest}."
 ANSWER_NONE_AS_IS = "No batch fits in {limit}{workload}{where} as is{ran}{rest}."
 ANSWER_NOTHING = "No batch fits in {limit}{workload}{where}{ran}, with or without checkpointing or bf16 autocast."
-ANSWER_NO_LIMIT = (
-    "{job} about {peak} at {batch}{where}; no memory limit is known: give one for the largest batch that fits."
-)
-ANSWER_JOBS = {wl.FORWARD_ONLY: "The recorded inference forwards need", wl.NO_OPTIMIZER: "A forward and backward need"}
 ANSWER_IN_SAMPLES = (
     "Batches are multiples of the recorded batch: give the recorded batch (--batch N; batch_size= when recording) "
     "for batches in samples."
@@ -197,18 +193,18 @@ def _size(nbytes: int) -> str:
     return text.replace(".0 ", " ")
 
 
-def answer_sentence(r: FitResult, several_devices: bool = False) -> str:
+def answer_sentence(r: FitResult, several_devices: bool = False) -> str | None:
     """What fits, in one sentence of at most :data:`ANSWER_WORDS` words: the largest batch as
     is, in samples where the recorded batch is known (you ran N), then with each lever that
-    changes it. ``several_devices``: the file has more than one, so the sentence names this one's."""
+    changes it; None without a memory limit (nothing to fit in). ``several_devices``: the file
+    has more than one, so the sentence names this one's."""
+    if r.memory_limit_bytes is None:
+        return None
     where = f" on device {r.device}" if several_devices else ""
     ran = f" (you ran {r.recorded_batch})" if r.recorded_batch else ""
+    # "inference" only where fit's evidence says the trace holds forward passes alone
     workload = " for inference" if r.workload == wl.FORWARD_ONLY else ""
     outcomes = {o.lever: o for o in r.levers if o.lever in HEADLINE_LEVERS}
-    if r.memory_limit_bytes is None:
-        job = ANSWER_JOBS.get(r.workload, ANSWER_JOBS.get(r.optimizer, "A whole step needs"))
-        batch = f"batch {r.recorded_batch}" if r.recorded_batch else "the recorded batch"
-        return ANSWER_NO_LIMIT.format(job=job, peak=format_bytes(r.peak_allocated_bytes, 1), batch=batch, where=where)
     limit = _size(r.memory_limit_bytes)
     others = [
         f"{words} {_short_range(r, outcomes[name])}"
