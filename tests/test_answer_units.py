@@ -240,3 +240,21 @@ def test_report_and_fit_refuse_a_batch_below_one():
         api.report(sample_path(GPT2_OOM), recorded_batch=0)
     r = CliRunner().invoke(app, ["report", str(sample_path(GPT2_OOM)), "--batch", "0", "-q"])
     assert r.exit_code != 0 and "must be at least 1" in r.stderr
+
+
+def test_a_range_from_nothing_says_none_without_a_retry():
+    """Issue #37: a range printed "0–4" read as batches from 0 to 4; its first number says that no
+    batch fits without the allocator's retry."""
+    from types import SimpleNamespace
+
+    from snapshot_lab.render.fit import _batch_range
+
+    samples = SimpleNamespace(recorded_batch=64)
+    assert _batch_range(samples, SimpleNamespace(largest_batch=4, largest_batch_no_retry=0)) == (
+        "none without a retry, up to 4 with one"
+    )
+    assert _batch_range(samples, SimpleNamespace(largest_batch=4, largest_batch_no_retry=2)) == "2–4"
+    multiples = SimpleNamespace(recorded_batch=None)
+    assert _batch_range(multiples, SimpleNamespace(largest_batch=0.5, largest_batch_no_retry=0.0)) == (
+        "none without a retry, up to 0.5x the recorded batch with one"
+    )

@@ -39,6 +39,7 @@ def test_the_defaults_are_the_dataclass_defaults():
         "every_n_steps",
         "prefix",
         "tag_modules",
+        "batch_size",
     )
 
 

@@ -84,6 +84,8 @@ def _batch_range(result: FitResult, outcome: LeverOutcome) -> str:
     best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
     if best is None or sure is None or sure == best:
         return _batch_words(result, best)
+    if not sure:  # "0–4" read as a range that starts at a batch of nothing
+        return f"none without a retry, up to {_batch_words(result, best)} with one"
     if result.recorded_batch:
         return f"{int(sure)}–{int(best)}"
     return f"{sure:g}x–{best:g}x the recorded batch"
