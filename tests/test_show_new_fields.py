@@ -84,6 +84,22 @@ def test_annotation_of_an_allocation_older_than_the_trace_takes_the_dumped_block
     assert (item.alloc_event_index, item.size_bytes, item.site) == (None, 1024, "model.py:12 in forward")
 
 
+def test_stats_json_and_text_carry_annotations_only_when_present(tmp_path: Path) -> None:
+    path = str(_write(tmp_path, ANNOTATED))
+    out = CliRunner().invoke(app, ["stats", "--json", "-q", path])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)["annotations"]
+    assert [(r["annotation"], r["site"], r["size_bytes"]) for r in rows] == [
+        (HOSTILE, "model.py:12 in forward", 1024),
+        ("kv cache", "model.py:12 in forward", 1024),
+    ]
+    text = CliRunner().invoke(app, ["stats", path]).stdout
+    assert "== annotated allocations (2)" in text and "kv cache" in text
+    plain = str(_write(tmp_path, PLAIN, "p.pickle"))
+    assert "annotations" not in json.loads(CliRunner().invoke(app, ["stats", "--json", "-q", plain]).stdout)
+    assert "annotated allocations" not in CliRunner().invoke(app, ["stats", plain]).stdout
+
+
 def test_report_shows_annotations_on_the_site_escaped(tmp_path: Path) -> None:
     ctx = _context(tmp_path, ANNOTATED)
     assert ctx.site_annotations == {"model.py:12 in forward": [HOSTILE, "kv cache"]}

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..metrics import SnapshotStats
 from ..metrics.allocator.whatif import START_STEADY, ScenarioResult, WhatIf, settings_label
+from ..metrics.attribution.annotations import AnnotatedAllocation
 from ..metrics.attribution.modules import ModuleBreakdown
 from ..metrics.findings import Finding, FleetFindings
 from ..metrics.leaks import STATE_SOURCE, LeakAnalysis
@@ -131,6 +132,8 @@ def format_stats(s: SnapshotStats) -> str:
         parts.append(format_host(s.host))
     elif not s.devices:
         parts.append("(no segments: nothing was reserved on any device)")
+    if s.annotations:  # only files with annotate entries (_annotate_tensor)
+        parts.append(format_annotations(s.annotations))
     if s.stages is not None:  # only when asked for (stats --stages)
         from .stages import format_stages
 
@@ -140,6 +143,27 @@ def format_stats(s: SnapshotStats) -> str:
 
         parts.append(format_compiled_regions(s.compiled_regions).rstrip("\n"))
     return "\n\n".join(parts) + "\n"
+
+
+MAX_ANNOTATION_ROWS = 20  # annotated allocations printed; --json has them all
+
+
+def format_annotations(annotated: list[AnnotatedAllocation]) -> str:
+    """The annotated allocations (torch >= 2.14's ``_annotate_tensor``): each allocation's size,
+    site and annotation, on one line each."""
+    rows = [
+        [
+            str(item.device),
+            format_bytes(item.size_bytes) if item.size_bytes is not None else "?",
+            item.site,
+            " ".join(item.annotation.split())[:120],
+        ]
+        for item in annotated[:MAX_ANNOTATION_ROWS]
+    ]
+    more = len(annotated) - MAX_ANNOTATION_ROWS
+    tail = f"\n  ... {more} more (--json has them all)" if more > 0 else ""
+    head = f"== annotated allocations ({len(annotated)})\n"
+    return head + table(["device", "size", "allocation site", "annotation"], rows) + tail
 
 
 def format_host(host: HostMemory) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...frames import SnapshotFrames
+from ..attribution.annotations import AnnotatedAllocation, annotated_allocations
 from ..attribution.modules import ModuleBreakdown, module_breakdown
 from ..categories import CATEGORIES, categories_at_peak, compute_categories
 from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
@@ -74,6 +75,8 @@ class SnapshotStats:
     stages: dict[int, Stages] | None = None
     # memory by compiled region (metrics.history.compiled); only when asked for
     compiled_regions: list[CompiledRegion] | None = None
+    # what _annotate_tensor attached to allocations (torch >= 2.14); None: the file has none
+    annotations: list[AnnotatedAllocation] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -93,6 +96,8 @@ class SnapshotStats:
             out["stages"] = {str(d): st.to_dict() for d, st in self.stages.items()}
         if self.compiled_regions is not None:  # only when asked for (stats --compiled-regions)
             out["compiled_regions"] = [region.to_dict() for region in self.compiled_regions]
+        if self.annotations:  # only files with annotate entries carry the key
+            out["annotations"] = [item.to_dict() for item in self.annotations]
         return out
 
 
@@ -202,4 +207,5 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         },
         parallel=detect_parallel(frames).to_dict(),
         host=compute_host_memory(frames),
+        annotations=annotated_allocations(frames) or None,
     )
