@@ -54,8 +54,8 @@ def _context(tmp_path: Path, obj: dict[str, Any]) -> ReportContext:
     frames = build_frames(load_snapshot(_write(tmp_path, obj)))
     stats = compute_stats(frames)
     ctx = build_report_context(frames, stats)
-    if annotated := annotated_allocations(frames):
-        show_annotations(ctx, annotated)
+    if stats.annotations:
+        show_annotations(ctx, stats.annotations)
     ctx.host = host_view(stats)
     return ctx
 
