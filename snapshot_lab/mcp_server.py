@@ -78,12 +78,13 @@ def _answer(compute: Callable[[], Any], paths: Iterable[str] = ()) -> str:
         ) from None
 
 
-def stats(snapshot: str, stages: bool = False) -> str:
+def stats(snapshot: str, stages: bool = False, compiled_regions: bool = False) -> str:
     """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
     dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
-    its cause, bytes by category; stages: also memory by the file's record_function ranges:
-    `snaplab stats --json [--stages]`."""
-    return _answer(lambda: api.stats(snapshot, stages=stages), [snapshot])
+    its cause, bytes by category; stages: also memory by the file's record_function ranges;
+    compiled_regions: also memory by torch.compile'd region: `snaplab stats --json [--stages]
+    [--compiled-regions]`."""
+    return _answer(lambda: api.stats(snapshot, stages=stages, compiled_regions=compiled_regions), [snapshot])
 
 
 def findings(snapshot: str | list[str]) -> str:

@@ -45,10 +45,12 @@ from .metrics.stats.summary import DeviceStats
 from .module_tags import parent_fqn
 from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
+from .render.annotations import show_annotations
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
 from .render.explorer import Payload, layout_data, timeline_data
 from .render.fit import answer_sentence, batch_range_note, samples_note
 from .render.fit import headline as fit_headline
+from .render.host import host_view
 from .render.html import Card, DeviceSection, ReportContext, Row, SiteView, render_report
 from .render.markdown import render_markdown
 from .render.stages import stages_view
@@ -821,6 +823,9 @@ def build_report_context(
     )
     if has_stages(frames):
         ctx.stages = stages_view(file_stages(frames))
+    if stats.annotations:
+        show_annotations(ctx, stats.annotations)
+    ctx.host = host_view(stats)
     if len(sections) > 1:
         rows = []
         for dev, device_stats in stats.devices.items():

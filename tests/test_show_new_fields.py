@@ -19,7 +19,6 @@ from snapshot_lab.load import load_snapshot
 from snapshot_lab.metrics import compute_stats
 from snapshot_lab.metrics.attribution.annotations import annotated_allocations, site_annotations
 from snapshot_lab.metrics.history.compiled import compiled_regions
-from snapshot_lab.render.annotations import show_annotations
 from snapshot_lab.render.host import host_view
 from snapshot_lab.render.html import ReportContext, render_report
 from snapshot_lab.render.markdown import render_markdown
@@ -48,16 +47,11 @@ def _write(tmp_path: Path, obj: dict[str, Any], name: str = "s.pickle") -> Path:
 
 
 def _context(tmp_path: Path, obj: dict[str, Any]) -> ReportContext:
-    """The report's context, with what report.py's build_report_context is to add for #38."""
+    """The report's context as ``report`` builds it (annotations and host memory included)."""
     from snapshot_lab.report import build_report_context
 
     frames = build_frames(load_snapshot(_write(tmp_path, obj)))
-    stats = compute_stats(frames)
-    ctx = build_report_context(frames, stats)
-    if stats.annotations:
-        show_annotations(ctx, stats.annotations)
-    ctx.host = host_view(stats)
-    return ctx
+    return build_report_context(frames, compute_stats(frames))
 
 
 # --------------------------------------------------------------------------- annotations
