@@ -194,7 +194,7 @@ class _DeviceCategories:
         undecided = np.isin(code, [NONE, CODES["other"], CODES["unknown"]]) & (evidence == "private_pool")
         for mask, category in ((graph, "cuda_graph_pool"), (undecided, "private_pool")):
             code[mask] = CODES[category]
-            rule[mask] = np.array([RULE_CODES[r] for r in evidence[mask]], dtype=np.int64)
+            rule[mask] = pd.Series(evidence[mask], dtype=object).map(RULE_CODES).to_numpy(dtype=np.int64)
         return code, rule
 
     def _kv_cache_replaced(self) -> None:
@@ -274,7 +274,7 @@ class _DeviceCategories:
             mirror_stacks=frozenset(np.unique(self.sid[self.rule == RULE_CODES["parameter_mirror"]]).tolist()),
             workspace_in_trace=bool((self.surviving & np.isin(self.sizes, list(WORKSPACE_SIZES))).any()),
             has_forward=bool((self.code == CODES["activation"]).any()),
-            optimizer_state_sizes=self.sizes[(self.code == CODES["optimizer_state"]) & self.surviving],
+            optimizer_state_sizes=self.sizes[kept_state],
             trace_gradient_sizes=self.sizes[grad],
             param_counts=self._parameter_counts(grad) if not self.param_sizes else {},
             has_trace=bool(len(self.ev)),
