@@ -258,7 +258,9 @@ class PreTraceBlocks:
 
     def _split_copies(self, sizes: np.ndarray, roles: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Each size whose count the number of copies divides: its blocks split evenly between
-        the roles (equal sizes: which block plays which role does not change any total)."""
+        the roles (equal sizes: which block plays which role does not change any total). When
+        the trace's gradients count the parameters of each size, only that many copies are
+        split, of parameters' sizes only; the rest stays ``unknown``."""
         code = np.full(sizes.size, CODES["unknown"], dtype=np.int64)
         rule = np.full(sizes.size, RULE_CODES["pre_trace_other"], dtype=np.int64)
         workspace = self._workspace_mask(sizes)
