@@ -17,6 +17,7 @@ from .frames import SnapshotFrames
 from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats
 from .metrics.allocator.whatif import WhatIf
+from .metrics.attribution.annotations import AnnotatedAllocation
 from .metrics.attribution.composition import compose
 from .metrics.attribution.modules import ModuleBreakdown, ModuleRow
 from .metrics.attribution.sites import (
@@ -47,7 +48,7 @@ from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
 from .render.annotations import show_annotations
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
-from .render.explorer import Payload, layout_data, timeline_data
+from .render.explorer import Payload, allocation_notes, layout_data, timeline_data
 from .render.fit import answer_sentence, batch_range_note, samples_note
 from .render.fit import headline as fit_headline
 from .render.host import host_view
@@ -803,7 +804,7 @@ def build_report_context(
     _would_it_fit(frames, stats, sections)
     if isinstance(fit_answer, Aside):
         fit_answer = fit_answer.result()
-    payload = _payload(frames, sections)
+    payload = _payload(frames, sections, stats.annotations or [])
     figures.resolve()  # the first screen's chart is one of them
     first = _first_screen(stats, findings, sections, fit_answer)
     progress.stage("Rendering")
@@ -845,8 +846,9 @@ def build_report_context(
     return ctx
 
 
-def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
-    """The explorer's data for every device, with the stacks it refers to (display frames only)."""
+def _payload(frames: SnapshotFrames, sections: list[DeviceSection], annotated: list[AnnotatedAllocation]) -> Payload:
+    """The explorer's data for every device, with the stacks it refers to (display frames only)
+    and, for a file with annotations, the annotations of its listed allocations."""
     payload = Payload()
     for section in sections:
         data: dict[str, Any] = {"device": section.device, "segments": section.layout_data}
@@ -858,6 +860,8 @@ def _payload(frames: SnapshotFrames, sections: list[DeviceSection]) -> Payload:
         if section.exploration is not None:
             data.update(timeline_data(section.exploration))
             stack_ids += section.exploration.allocations["stack_id"].tolist()
+            if notes := allocation_notes(section.exploration, annotated):
+                data["allocs"]["notes"] = notes
         shown = [sid for sid in sorted(set(stack_ids)) if sid >= 0]
         for sid, stack in zip(shown, _display_stacks([frames.stack(sid) for sid in shown]), strict=True):
             payload.add_stack(sid, stack)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def test_report_shows_annotations_on_the_site_escaped(tmp_path: Path) -> None:
 def test_no_annotations_no_change(tmp_path: Path) -> None:
     ctx = _context(tmp_path, PLAIN)
     assert ctx.site_annotations == {} and "annotations" not in json.loads(ctx.explorer_json)
-    html = render_report(ctx)
+    html = re.sub(r"<script.*?</script>", "", render_report(ctx), flags=re.S)  # the explorer's code names it
     assert "annotated:" not in html and 'id="host"' not in html
 
 
@@ -204,3 +205,21 @@ def test_new_files_report_end_to_end(tmp_path: Path, obj: dict[str, Any]) -> Non
     """The report (as report.py writes it today) still renders these files."""
     out = api.report(_write(tmp_path, obj), output=tmp_path / "r.html")
     assert Path(out).read_text("utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_explorer_shows_an_annotation_on_its_allocation(tmp_path: Path) -> None:
+    """The explorer's allocation carries its annotations (matched by the event that made it), so
+    its tooltip and detail show them; escaped inside the page's JSON."""
+    later = [
+        entry("alloc", DEV + 1024, 512, 4, frames=[SITE]),
+        entry("free_requested", DEV + 1024, 512, 5, frames=[SITE]),
+        entry("free_completed", DEV + 1024, 512, 6, frames=[SITE]),
+    ]
+    blocks = [device_segment([(1024, "active_allocated"), (512, "inactive")])]
+    ctx = _context(tmp_path, make_snapshot(blocks, [[*ANNOTATED_TRACE, *later]]))
+    (device,) = json.loads(ctx.explorer_json)["devices"]
+    assert device["allocs"]["notes"] == {"0": [HOSTILE, "kv cache"]}
+    assert HOSTILE not in render_report(ctx)
+    plain = _context(tmp_path, make_snapshot(blocks, [[ANNOTATED_TRACE[0], *later]]))
+    (device,) = json.loads(plain.explorer_json)["devices"]
+    assert len(device["allocs"]["size"]) == 2 and "notes" not in device["allocs"]

@@ -169,6 +169,7 @@ def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit:
             "site": site_code[chosen],
             "module": module[chosen],
             "stack_id": sid[chosen],
+            "event_index": lt["event_index"].to_numpy(dtype=np.int64)[chosen],
         }
     )
     return Exploration(

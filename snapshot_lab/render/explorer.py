@@ -137,6 +137,21 @@ def annotation_data(annotated: list[AnnotatedAllocation]) -> list[dict[str, Any]
     ]
 
 
+def allocation_notes(ex: Exploration, annotated: list[AnnotatedAllocation]) -> dict[str, list[str]]:
+    """The annotations of the explorer's listed allocations of one device: row (as text) -> the
+    annotation texts, matched by the event that made the allocation (escaped with the rest of
+    the JSON)."""
+    rows = {int(e): i for i, e in enumerate(ex.allocations["event_index"].tolist())}
+    notes: dict[str, list[str]] = {}
+    for item in annotated:
+        if item.device != ex.device or item.alloc_event_index is None:
+            continue  # another device's, or made before the trace (not on the timeline)
+        row = rows.get(item.alloc_event_index)
+        if row is not None:
+            notes.setdefault(str(row), []).append(item.annotation)
+    return notes
+
+
 def layout_data(layouts: list[PoolLayout]) -> list[dict[str, Any]]:
     """The drawn segments and their blocks: [offset, size, state code, stack id (-1: none)]."""
     out = []

@@ -284,7 +284,8 @@
     return [fmtBytes(a.size[i]) + " · " + dev.cats[a.cat[i]],
       "lifetime: " + fmtSpan(dev, a.x0[i], a.x1[i]),
       "site: " + dev.siteNames[a.site[i]],
-      "module: " + (a.mod[i] >= 0 ? dev.modNames[a.mod[i]] : "none recorded")];
+      "module: " + (a.mod[i] >= 0 ? dev.modNames[a.mod[i]] : "none recorded")]
+      .concat(((a.notes && a.notes[String(i)]) || []).map(function (t) { return "annotated: " + t; }));
   };
   Explorer.prototype.hoverAlloc = function (ev) {
     var i = this.allocAt(ev);
