@@ -47,7 +47,7 @@ def _words(text: str) -> int:
 def _html_answer(html: str) -> str:
     """The bold sentence the first screen leads with (tags stripped)."""
     section = html[html.index('id="answer"') : html.index('id="findings"')]
-    found = re.search(r'<p class="verdict"><b>(.*?)</b></p>', section, re.S)
+    found = re.search(r'<p class="verdict[^"]*"><b>(.*?)</b></p>', section, re.S)
     assert found is not None, section[:500]
     return re.sub(r"<[^>]+>", "", found.group(1))
 

@@ -245,14 +245,13 @@ def test_report_section_only_with_ranges_and_escaped(snap_file):
     frames, ctx = _report_context(
         snap_file, [_ann("START", "<script>x</script>", 15), _ann("END", "<script>x</script>", 55)]
     )
-    assert 'id="stages"' not in render_report(ctx)  # not filled: the section is left out
-    assert has_stages(frames)
-    ctx.stages = stages_view(file_stages(frames))
+    assert has_stages(frames) and ctx.stages == stages_view(file_stages(frames))  # the report fills it
     html = render_report(ctx)
     assert 'id="stages"' in html and "Memory by stage" in html
     assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
     frames, ctx = _report_context(snap_file, [])
-    assert not has_stages(frames) and stages_view(file_stages(frames)) == []
+    assert not has_stages(frames) and stages_view(file_stages(frames)) == [] == ctx.stages
+    assert 'id="stages"' not in render_report(ctx)  # no ranges: the section is left out
 
 
 def test_markdown_section_only_with_ranges_and_escaped(snap_file):
@@ -261,7 +260,7 @@ def test_markdown_section_only_with_ranges_and_escaped(snap_file):
     from snapshot_lab.render.stages import stages_view
 
     frames, ctx = _report_context(snap_file, [_ann("START", "<b>|x", 15), _ann("END", "<b>|x", 55)])
-    assert "Memory by stage" not in render_markdown(ctx)
-    ctx.stages = stages_view(file_stages(frames))
+    assert ctx.stages == stages_view(file_stages(frames))
+    assert "Memory by stage" not in render_markdown(_report_context(snap_file, [])[1])
     text = render_markdown(ctx)
     assert "### Memory by stage" in text and "&lt;b&gt;\\|x" in text and "<b>" not in text
