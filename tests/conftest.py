@@ -104,6 +104,18 @@ def snap_file(tmp_path: Path):
     return make
 
 
+@pytest.fixture
+def torch(monkeypatch):
+    """The stand-in torch of the capture side (tests/fake_torch.py), installed for one test, with
+    the OOM observer not yet attached."""
+    from .fake_torch import FakeTorch
+
+    fake = FakeTorch()
+    fake.install(monkeypatch)
+    monkeypatch.setattr("snapshot_lab.capture._OBSERVER_ATTACHED", False)
+    return fake
+
+
 def sample_names() -> list[str]:
     return sorted(p.name[: -len(".truth.json")] for p in SAMPLES.glob("*.truth.json"))
 

@@ -33,7 +33,6 @@ from snapshot_lab.report import build_report, fit_summary
 
 from .conftest import sample_path, sample_truth
 from .fake_frameworks import FakeLightningModule, install_fake_lightning, install_fake_transformers
-from .fake_torch import FakeTorch
 
 GPT2_OOM = "fit_gpt2_b32_oom_python"  # batch 32, under a 6 GiB cap (its truth.json)
 GPT2_COMPLETE = "fit_gpt2_b4_complete_python"  # batch 4, two whole steps, no OOM
@@ -159,14 +158,6 @@ def test_a_dataparallel_oom_on_device_1_is_answered_for_device_1(tmp_path):
 
 
 # --------------------------------------------------------------------------- the sidecar
-
-
-@pytest.fixture
-def torch(monkeypatch):
-    fake = FakeTorch()
-    fake.install(monkeypatch)
-    monkeypatch.setattr("snapshot_lab.capture._OBSERVER_ATTACHED", False)
-    return fake
 
 
 def test_recording_writes_the_batch_and_the_device_memory_and_the_loader_reads_them(torch, tmp_path):

@@ -24,14 +24,6 @@ runner = CliRunner()
 NAME_RE = re.compile(r"^snapshot_rank(\d+)_([A-Za-z0-9.-]+)_(\d{8}-\d{6})(?:_([a-z0-9]+))?\.pickle$")
 
 
-@pytest.fixture
-def torch(monkeypatch):
-    fake = FakeTorch()
-    fake.install(monkeypatch)
-    monkeypatch.setattr("snapshot_lab.capture._OBSERVER_ATTACHED", False)
-    return fake
-
-
 def test_names():
     n = snapshot_name("snapshot", 3, "node 7/a", 0.0, "oom")
     assert NAME_RE.match(n) and n.startswith("snapshot_rank3_node-7-a_") and n.endswith("_oom.pickle")

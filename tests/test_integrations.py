@@ -24,14 +24,6 @@ from .fake_torch import FakeTorch
 NAME_RE = re.compile(r"^snapshot_rank(\d+)_[A-Za-z0-9.-]+_\d{8}-\d{6}(?:_([a-z0-9]+))?\.pickle$")
 
 
-@pytest.fixture
-def torch(monkeypatch):
-    fake = FakeTorch()
-    fake.install(monkeypatch)
-    monkeypatch.setattr("snapshot_lab.capture._OBSERVER_ATTACHED", False)
-    return fake
-
-
 def _whys(paths):
     return [NAME_RE.match(p.name).group(2) for p in paths]
 
