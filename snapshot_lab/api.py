@@ -31,6 +31,7 @@ from .load import load_snapshot
 from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats, compute_stats
 from .metrics.allocator.whatif import MemoryLimit
+from .metrics.categories.custom import CategoryRuleError, CategoryRules, category_rules, parse_rule, rules_from_mapping
 from .metrics.comparison.compare import (
     Limits,
     RankRow,
@@ -68,22 +69,78 @@ def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -
     return build_frames(snap, consume=True)
 
 
+def _read_rules_file(path: str | Path) -> object:
+    """A rules file's content: TOML (``.toml``) or JSON (any other name)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else "cannot read it as UTF-8 text"
+        raise ParameterError(
+            "categories_file", "{categories_file} {path}: {problem}", path=str(path), problem=problem
+        ) from None
+    try:
+        if str(path).endswith(".toml"):
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ParameterError("categories_file", "{categories_file}: TOML needs Python 3.11; use JSON") from None
+            return tomllib.loads(text)
+        return json.loads(text)
+    except ValueError as exc:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        if isinstance(exc, ParameterError):
+            raise
+        problem = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ParameterError(
+            "categories_file", "{categories_file} {path}: {problem}", path=str(path), problem=problem
+        ) from None
+
+
+def rules_of(category: list[str] | None = None, categories_file: str | Path | None = None) -> CategoryRules | None:
+    """The user's category rules (:mod:`snapshot_lab.metrics.categories.custom`): each of
+    ``category`` (``NAME=KIND:PATTERN``) in order, then those of ``categories_file``; None when
+    neither is given (the built-in categories alone). A bad rule is a :class:`ParameterError`."""
+    rules = []
+    for text in category or []:
+        try:
+            rules.append(parse_rule(text))
+        except CategoryRuleError as exc:
+            raise ParameterError("category", "{category}: {problem}", problem=exc) from None
+    if categories_file is not None:
+        content = _read_rules_file(categories_file)
+        try:
+            rules += rules_from_mapping(content, Path(categories_file).name)
+        except CategoryRuleError as exc:
+            raise ParameterError("categories_file", "{categories_file}: {problem}", problem=exc) from None
+    try:
+        return category_rules(rules)
+    except CategoryRuleError as exc:
+        raise ParameterError("category", "{category}: {problem}", problem=exc) from None
+
+
 def stats(
     snapshot: str | Path,
     *,
     stages: bool = False,
     compiled_regions: bool = False,
+    category: list[str] | None = None,
+    categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
 ) -> SnapshotStats:
     """Torch's memory counters, fragmentation and OOM cause for one snapshot file; with
     ``stages``, also memory by the file's ``record_function`` ranges (``result.stages``); with
     ``compiled_regions``, memory by ``torch.compile``'d region (``result.compiled_regions``: what
-    each allocated and its peak, from trace entries recorded with ``compile_context=True``)."""
+    each allocated and its peak, from trace entries recorded with ``compile_context=True``).
+    ``category``/``categories_file``: your own categories, rules on the allocations' stacks tried
+    before the built-in ones (:func:`rules_of`; ``result.categories`` and the devices' show them)."""
     from .metrics.history.compiled import compiled_regions as regions_of
+    from .metrics.stats.summary import with_category_rules
 
+    rules = rules_of(category, categories_file)
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
     result = compute_stats(frames)
+    if rules is not None:
+        result = with_category_rules(result, frames, rules)
     if stages:
         result = replace(result, stages=file_stages(frames))
     if compiled_regions:
@@ -161,6 +218,8 @@ def report(
     format: str = "html",
     memory_limit: str | None = None,
     recorded_batch: int | None = None,
+    category: list[str] | None = None,
+    categories_file: str | Path | None = None,
 ) -> Path:
     """Write the report of a snapshot; returns the path written. ``format``: ``"html"`` (one
     self-contained page), ``"md"`` (GitHub-flavoured Markdown for a ticket, under 65,536
@@ -168,6 +227,8 @@ def report(
     ``recorded_batch`` (the recorded batch in samples) are :func:`fit`'s: the answer the report
     leads with says what fits under that limit, in samples (both default to what the capture
     sidecar recorded, else the limit the run ran out of and multiples of the recorded batch).
+    ``category``/``categories_file``: your own categories in the category table and figure
+    (:func:`rules_of`).
 
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
@@ -181,10 +242,11 @@ def report(
             "format", "{format} must be one of {choices}, not {got!r}", choices=", ".join(REPORT_FORMATS), got=format
         )
     limit, batch = _fit_inputs(memory_limit, recorded_batch)
+    rules = rules_of(category, categories_file)
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     drawer = Worker(DRAWN)
     try:
-        write_atomic(out, _report_content(snapshot, progress, format, drawer, (batch, limit)))
+        write_atomic(out, _report_content(snapshot, progress, format, drawer, (batch, limit), rules))
     finally:
         drawer.close()
     return notebook.ReportFile(out)
@@ -196,9 +258,11 @@ def _report_content(
     format: str,
     drawer: Worker,
     batch_and_limit: tuple[int | None, int | None] = (None, None),
+    rules: CategoryRules | None = None,
 ) -> str | bytes:
     """What :func:`report` writes, the figures drawn by ``drawer``; ``batch_and_limit``: the
-    recorded batch and the memory limit fit's answer is given (None: the sidecar's, fit's own)."""
+    recorded batch and the memory limit fit's answer is given (None: the sidecar's, fit's own);
+    ``rules``: the user's category rules (None: the built-in categories alone)."""
     from .report import build_report, fit_summary
 
     frames = load_frames(snapshot, progress=progress)
@@ -209,7 +273,9 @@ def _report_content(
     (progress or NullProgress()).stage("Computing statistics")
     stats_ = compute_stats(frames)
     whatifs = Aside(lambda: device_whatifs(frames, stats_))
-    return build_report(frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result, drawer=drawer)
+    return build_report(
+        frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result, drawer=drawer, category_rules=rules
+    )
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:
@@ -243,19 +309,24 @@ def write_atomic(path: Path, text: str | bytes) -> None:
 # --------------------------------------------------------------------------- comparing
 
 
-def summarize_file(snapshot: str | Path, with_sites: bool = True) -> SnapshotSummary:
+def summarize_file(
+    snapshot: str | Path, with_sites: bool = True, rules: CategoryRules | None = None
+) -> SnapshotSummary:
     """The small summary ``diff``, ``ranks`` and ``check`` compare (module-level, so a process
-    pool or a Dask worker can run it and send back only the summary)."""
+    pool or a Dask worker can run it and send back only the summary); ``rules``: the user's
+    category rules for its categories (:func:`rules_of`)."""
     frames = load_frames(snapshot)
     stats_ = compute_stats(frames)
-    return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites)
+    return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites, rules)
 
 
-def _summary_and_stages(snapshot: str | Path) -> tuple[SnapshotSummary, Stages | None]:
+def _summary_and_stages(
+    snapshot: str | Path, rules: CategoryRules | None = None
+) -> tuple[SnapshotSummary, Stages | None]:
     """A file's summary and the stages of its first device with ranges (its frames read once)."""
     frames = load_frames(snapshot)
     stats_ = compute_stats(frames)
-    summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False))
+    summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
     return summary, next((st for st in file_stages(frames).values() if st.ranges), None)
 
 
@@ -265,15 +336,20 @@ def diff(
     *,
     output: str | Path | None = None,
     stages: bool = False,
+    category: list[str] | None = None,
+    categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
 ) -> SnapshotDiff:
     """What changed between two snapshots of the same job; with ``output``, also written as HTML;
-    with ``stages``, also their ``record_function`` ranges compared by name (``result.stages``)."""
+    with ``stages``, also their ``record_function`` ranges compared by name (``result.stages``);
+    ``category``/``categories_file``: your own categories, compared like the built-in ones
+    (:func:`rules_of`)."""
+    rules = rules_of(category, categories_file)
     progress = progress or NullProgress()
     progress.stage("Reading the first snapshot")
-    a, stages_a = _summary_and_stages(before) if stages else (summarize_file(before), None)
+    a, stages_a = _summary_and_stages(before, rules) if stages else (summarize_file(before, True, rules), None)
     progress.stage("Reading the second snapshot")
-    b, stages_b = _summary_and_stages(after) if stages else (summarize_file(after), None)
+    b, stages_b = _summary_and_stages(after, rules) if stages else (summarize_file(after, True, rules), None)
     result = diff_summaries(a, b)
     if stages:
         result = replace(result, stages=compare_stages(stages_a, stages_b))
@@ -449,6 +525,8 @@ def export(
     output: str | Path | None = None,
     format: str = "parquet",
     max_slices: int = DEFAULT_MAX_SLICES,
+    category: list[str] | None = None,
+    categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
 ) -> list[Path]:
     """Write the frames (segments, blocks, events, stack_frames, stacks, annotations) to
@@ -457,15 +535,19 @@ def export(
     ``chrome://tracing`` open (``output``: the file; default
     ``reports/<snapshot name>.perfetto.json``): counters of allocated, reserved and requested
     bytes and of each category, and a slice per allocation with its stack, at most
-    ``max_slices`` per device (those alive at the peak first, then the largest). Returns the
-    files written."""
+    ``max_slices`` per device (those alive at the peak first, then the largest); with
+    ``category``/``categories_file``, your own categories' counters and slices (:func:`rules_of`;
+    Perfetto only: the tables hold no categories). Returns the files written."""
     if format not in EXPORT_FORMATS:
         raise ParameterError("format", "{format} must be one of {choices}", choices=", ".join(EXPORT_FORMATS))
     if max_slices < 0:
         raise ParameterError("max_slices", "{max_slices} must be 0 or more")
+    rules = rules_of(category, categories_file)
+    if rules is not None and format != "perfetto":
+        raise ParameterError("category", "{category} needs {format:perfetto} (the tables hold no categories)")
     if format == "perfetto":
         out = Path(output) if output is not None else default_report_path(snapshot, "perfetto.json")
-        return [_export_perfetto(snapshot, out, max_slices, progress)]
+        return [_export_perfetto(snapshot, out, max_slices, progress, rules)]
     if output is None:
         raise ParameterError("output", "{output} is needed: the folder to write the tables into")
     if format == "parquet":
@@ -504,7 +586,13 @@ def _write_tables(frames: SnapshotFrames, out: Path, format: str) -> list[Path]:
     return written
 
 
-def _export_perfetto(snapshot: str | Path, out: Path, max_slices: int, progress: ProgressSink | None) -> Path:
+def _export_perfetto(
+    snapshot: str | Path,
+    out: Path,
+    max_slices: int,
+    progress: ProgressSink | None,
+    rules: CategoryRules | None = None,
+) -> Path:
     """The Perfetto trace of ``snapshot`` written to ``out`` (:mod:`snapshot_lab.render.perfetto`)."""
     import json
 
@@ -513,7 +601,9 @@ def _export_perfetto(snapshot: str | Path, out: Path, max_slices: int, progress:
 
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Building the trace")
-    trace = build_perfetto_trace(frames, source=Path(snapshot).name, version=__version__, max_slices=max_slices)
+    trace = build_perfetto_trace(
+        frames, source=Path(snapshot).name, version=__version__, max_slices=max_slices, category_rules=rules
+    )
     write_atomic(out, json.dumps(trace, separators=(",", ":"), ensure_ascii=False))
     return out
 

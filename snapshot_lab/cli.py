@@ -144,6 +144,27 @@ def _main(
 StagesOpt = Annotated[
     bool, typer.Option("--stages", help="Also memory by the file's record_function ranges (peak, kept, by category).")
 ]
+# your own categories, wherever categories are shown (stats, report, diff, export --format perfetto)
+CategoryOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--category",
+        metavar="NAME=KIND:PATTERN",
+        help="Your own category, tried before the built-in ones: allocations with a stack frame that PATTERN "
+        "matches (KIND file:GLOB on its path, func:GLOB on its function, frame:GLOB or re:REGEX on "
+        "file:line:function); repeat it, the first rule that matches wins. A built-in name forces that category.",
+        show_default=False,
+    ),
+]
+CategoriesFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--categories-file",
+        help='Rules of --category from a file: TOML (.toml) or JSON, NAME = "KIND:PATTERN" (or a list), '
+        "tried in the file's order after the --category rules.",
+        show_default=False,
+    ),
+]
 
 
 @app.command()
@@ -157,6 +178,8 @@ def stats(
             help="Also memory by torch.compile'd region (recorded with compile_context=True): allocated, peak.",
         ),
     ] = False,
+    category: CategoryOpt = None,
+    categories_file: CategoriesFileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -165,7 +188,14 @@ def stats(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.stats(snapshot, stages=stages, compiled_regions=compiled_regions, progress=progress)
+            result = api.stats(
+                snapshot,
+                stages=stages,
+                compiled_regions=compiled_regions,
+                category=category,
+                categories_file=categories_file,
+                progress=progress,
+            )
         if json_out:
             _print_json(result.to_dict())
         else:
@@ -244,6 +274,8 @@ def diff(
     after: Annotated[Path, typer.Argument(help="The later snapshot.", show_default=False)],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the diff as HTML.")] = None,
     stages: StagesOpt = False,
+    category: CategoryOpt = None,
+    categories_file: CategoriesFileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -252,7 +284,15 @@ def diff(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.diff(before, after, output=output, stages=stages, progress=progress)
+            result = api.diff(
+                before,
+                after,
+                output=output,
+                stages=stages,
+                category=category,
+                categories_file=categories_file,
+                progress=progress,
+            )
         if json_out:
             _print_json(result.to_dict())
         else:
@@ -395,6 +435,8 @@ def export(
             help="perfetto: allocation slices per device at most (those alive at the peak first, then the largest)."
         ),
     ] = api.DEFAULT_MAX_SLICES,
+    category: CategoryOpt = None,
+    categories_file: CategoriesFileOpt = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -403,7 +445,15 @@ def export(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            written = api.export(snapshot, output=output, format=format, max_slices=max_slices, progress=progress)
+            written = api.export(
+                snapshot,
+                output=output,
+                format=format,
+                max_slices=max_slices,
+                category=category,
+                categories_file=categories_file,
+                progress=progress,
+            )
         for p in written:
             typer.echo(str(p))
 
@@ -474,6 +524,8 @@ def report(
     ] = ReportFormat.html,
     memory_limit: FitMemoryLimitOpt = None,
     recorded_batch: RecordedBatchOpt = None,
+    category: CategoryOpt = None,
+    categories_file: CategoriesFileOpt = None,
 ) -> None:
     """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings),
     or with --format md|png the answer for a ticket. It leads with what fits: under --memory-limit,
@@ -488,6 +540,8 @@ def report(
                 format=format.value,
                 memory_limit=memory_limit,
                 recorded_batch=recorded_batch,
+                category=category,
+                categories_file=categories_file,
             )
         _wrote(path)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import __version__, api
-from .errors import EXIT_INTERNAL, SnaplabError, SnapshotFormatError, UsageError
+from .errors import EXIT_INTERNAL, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 
 INSTALL_HINT = "snaplab mcp needs the MCP SDK: pip install 'snapshot-lab[mcp]'"
 INSTRUCTIONS = (
@@ -41,7 +41,10 @@ _FILE_START = re.compile(r";? *file starts with .*$")
 
 def client_message(exc: SnaplabError) -> str:
     """The one line a client is told: the command line's, with any quoted text of a snapshot
-    error (file bytes, keys read from the file) replaced by ``'…'``."""
+    error (file bytes, keys read from the file) replaced by ``'…'``; a rules file's error is not
+    told at all (it would quote the file's keys)."""
+    if isinstance(exc, ParameterError) and exc.parameter == "categories_file":
+        return "categories_file: not a rules file snaplab can use (`snaplab stats --categories-file` says why)"
     if not isinstance(exc, SnapshotFormatError):
         return exc.message()
     reason = _QUOTED.sub("'…'", _FILE_START.sub("", exc.reason))
@@ -78,13 +81,30 @@ def _answer(compute: Callable[[], Any], paths: Iterable[str] = ()) -> str:
         ) from None
 
 
-def stats(snapshot: str, stages: bool = False, compiled_regions: bool = False) -> str:
+def stats(
+    snapshot: str,
+    stages: bool = False,
+    compiled_regions: bool = False,
+    category: list[str] | None = None,
+    categories_file: str | None = None,
+) -> str:
     """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
     dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
     its cause, bytes by category; stages: also memory by the file's record_function ranges;
-    compiled_regions: also memory by torch.compile'd region: `snaplab stats --json [--stages]
-    [--compiled-regions]`."""
-    return _answer(lambda: api.stats(snapshot, stages=stages, compiled_regions=compiled_regions), [snapshot])
+    compiled_regions: also memory by torch.compile'd region; category: your own categories,
+    NAME=KIND:PATTERN (kinds file:, func:, frame: globs, re: a regex on file:line:function), tried before
+    the built-in ones (categories_file: a TOML or JSON file of them): `snaplab stats --json [--stages]
+    [--compiled-regions] [--category ...]`."""
+    return _answer(
+        lambda: api.stats(
+            snapshot,
+            stages=stages,
+            compiled_regions=compiled_regions,
+            category=category,
+            categories_file=categories_file,
+        ),
+        [snapshot],
+    )
 
 
 def findings(snapshot: str | list[str]) -> str:
@@ -141,11 +161,20 @@ def whatif(
     )
 
 
-def diff(before: str, after: str, stages: bool = False) -> str:
+def diff(
+    before: str,
+    after: str,
+    stages: bool = False,
+    category: list[str] | None = None,
+    categories_file: str | None = None,
+) -> str:
     """What changed between two snapshots of one job: totals, categories, allocation sites, modules,
-    findings; stages: also the record_function ranges of the two compared by name:
-    `snaplab diff --json [--stages]`."""
-    return _answer(lambda: api.diff(before, after, stages=stages), [before, after])
+    findings; stages: also the record_function ranges of the two compared by name; category and
+    categories_file: your own categories, as in stats: `snaplab diff --json [--stages] [--category ...]`."""
+    return _answer(
+        lambda: api.diff(before, after, stages=stages, category=category, categories_file=categories_file),
+        [before, after],
+    )
 
 
 def ranks(snapshots: list[str], jobs: int | None = None) -> str:

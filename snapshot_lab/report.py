@@ -29,7 +29,16 @@ from .metrics.attribution.sites import (
     snapshot_sites,
     top_sites,
 )
-from .metrics.categories import CATEGORIES, INFERRED_RULES, RULE_HELP, CategoryBreakdown, categorize
+from .metrics.categories import (
+    CATEGORIES,
+    INFERRED_RULES,
+    RULE_HELP,
+    CategoryBreakdown,
+    CategoryRules,
+    categorize,
+    compute_categories,
+)
+from .metrics.categories.custom import USER_RULE_PREFIX
 from .metrics.categories.kv_cache import KvCacheGrowth
 from .metrics.diagnose import diagnose
 from .metrics.explore import explore
@@ -211,6 +220,8 @@ CATEGORY_HELP = {
 
 
 def _category_rows(cats: CategoryBreakdown) -> list[Row]:
+    """One row per category with blocks at the dump: the built-in ones, then the user's (the
+    breakdown's own order)."""
     total = sum(cats.live_bytes.values()) or 1
     return [
         Row(
@@ -220,11 +231,35 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
                 f"{cats.live_blocks[category]:,}",
                 format_percent(cats.live_bytes[category] / total),
             ],
-            CATEGORY_HELP[category] + _labelled_by(cats.live_requested_by_rule.get(category, {})),
+            _category_help(category, cats.live_requested_by_rule.get(category, {})),
         )
-        for category in CATEGORIES
+        for category in cats.live_bytes
         if cats.live_blocks[category]
     ]
+
+
+def _shown_categories(
+    frames: SnapshotFrames, dev: int, builtin: CategoryBreakdown, rules: CategoryRules | None
+) -> CategoryBreakdown:
+    """The categories the table and the figure show: the built-in ones, or the user's rules first."""
+    return builtin if rules is None else compute_categories(frames, dev, with_timeline=True, rules=rules)
+
+
+def _category_help(category: str, by_rule: dict[str, int]) -> str:
+    """What a category holds (a user's category: the rules that labelled it), and which rules
+    labelled its bytes when they are not its own stack's built-in rule."""
+    yours = {rule.removeprefix(USER_RULE_PREFIX): n for rule, n in by_rule.items() if rule.startswith(USER_RULE_PREFIX)}
+    if category not in CATEGORY_HELP:
+        return "your category, labelled by your rule " + ", ".join(yours) if yours else "your category"
+    return CATEGORY_HELP[category] + _labelled_by(by_rule) + _by_your_rules(yours)
+
+
+def _by_your_rules(yours: dict[str, int]) -> str:
+    """The bytes of a built-in category that the user's rules forced into it."""
+    if not yours:
+        return ""
+    parts = [f"{format_bytes(nbytes)} by your rule {rule}" for rule, nbytes in yours.items()]
+    return ". Labelled " + "; ".join(parts)
 
 
 def _labelled_by(by_rule: dict[str, int]) -> str:
@@ -729,18 +764,21 @@ def build_report(
     format: str = "html",
     whatifs: Callable[[], dict[int, WhatIf]] | None = None,
     drawer: Worker | None = None,
+    category_rules: CategoryRules | None = None,
 ) -> str | bytes:
     """The whole report for one snapshot: an HTML page (``format="html"``), GitHub-flavoured
     Markdown for a ticket (``"md"``) or the first screen as a PNG image (``"png"``, bytes);
     ``fit_answer`` (what ``snaplab fit`` concluded, or the :class:`Aside` computing it) leads the
     levers when given; ``whatifs``, the what-if replays when they are computed elsewhere
     (:func:`~snapshot_lab.metrics.diagnose.diagnose`); ``drawer``, the worker that draws the
-    figures (:data:`DRAWN`), started before the snapshot was read (else one is started here)."""
+    figures (:data:`DRAWN`), started before the snapshot was read (else one is started here);
+    ``category_rules``, the user's categories for the category table and figure (the rest of the
+    report reads the built-in ones)."""
     if format not in REPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(REPORT_FORMATS)}, not {format!r}")
     if fit_answer is None:
         fit_answer = fit_summary(frames)
-    ctx = build_report_context(frames, stats, progress, fit_answer, whatifs, drawer)
+    ctx = build_report_context(frames, stats, progress, fit_answer, whatifs, drawer, category_rules)
     if format == "md":
         return render_markdown(ctx)
     if format == "png":
@@ -778,8 +816,10 @@ def build_report_context(
     fit_answer: FitSummary | Aside[FitSummary | None] | None = None,
     whatifs: Callable[[], dict[int, WhatIf]] | None = None,
     drawer: Worker | None = None,
+    category_rules: CategoryRules | None = None,
 ) -> ReportContext:
-    """Everything every format of the report shows, computed once (the figures by ``drawer``)."""
+    """Everything every format of the report shows, computed once (the figures by ``drawer``);
+    the category table and figure by ``category_rules`` first when given."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
     diagnosis = diagnose(frames, stats, whatifs=whatifs)
@@ -794,7 +834,7 @@ def build_report_context(
                 stats,
                 dev,
                 timelines[dev],
-                diagnosis.categories[dev],
+                _shown_categories(frames, dev, diagnosis.categories[dev], category_rules),
                 diagnosis.leaks[dev],
                 diagnosis.lifetimes[dev],
                 diagnosis.whatifs.get(dev),

@@ -40,9 +40,9 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from ..metrics.attribution.sites import classify_frames, frame_label
-from ..metrics.categories import category_timeline
+from ..metrics.categories import CategoryRules, category_timeline
 from ..metrics.categories.assign import categorize
-from ..metrics.categories.rules import CATEGORIES
+from ..metrics.categories.rules import CODES
 from ..metrics.history.allocated import allocated_levels
 from ..metrics.history.lifetimes import device_lifetimes
 from ..metrics.history.timeline import Timeline, device_timeline
@@ -73,9 +73,9 @@ class DeviceMemory:
 # --------------------------------------------------------------------------- reading the metrics
 
 
-def device_memory(frames: SnapshotFrames, device: int) -> DeviceMemory | None:
+def device_memory(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> DeviceMemory | None:
     """The metric results one device's tracks are drawn from (None: fewer than two trace
-    entries)."""
+    entries); ``rules``: the user's categories first."""
     counters = compute_torch_stats(
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
     )
@@ -85,14 +85,15 @@ def device_memory(frames: SnapshotFrames, device: int) -> DeviceMemory | None:
     if timeline is None:
         return None
     lifetimes = device_lifetimes(frames, device)
-    codes = categorize(frames).alloc_codes[device]
-    names = np.array(CATEGORIES, dtype=object)[np.where(codes < 0, len(CATEGORIES) - 1, codes)]
+    labels = categorize(frames, rules)
+    codes = labels.alloc_codes[device]
+    names = np.array(labels.names, dtype=object)[np.where(codes < 0, CODES["other"], codes)]
     return DeviceMemory(
         device=device,
         events=frames.events[frames.events["device"] == device],
         timeline=timeline,
         allocated_bytes=allocated_levels(frames, device, counters["allocated_bytes.all.current"]),
-        categories=category_timeline(frames, device),
+        categories=category_timeline(frames, device, rules),
         lifetimes=lifetimes,
         lifetime_categories=names,
     )
@@ -310,21 +311,27 @@ def device_trace(
 
 
 def build_perfetto_trace(
-    frames: SnapshotFrames, *, source: str, version: str, max_slices: int = DEFAULT_MAX_SLICES
+    frames: SnapshotFrames,
+    *,
+    source: str,
+    version: str,
+    max_slices: int = DEFAULT_MAX_SLICES,
+    category_rules: CategoryRules | None = None,
 ) -> dict[str, Any]:
-    """The whole trace (see the module docstring) as a JSON-ready dict."""
+    """The whole trace (see the module docstring) as a JSON-ready dict; ``category_rules``: the
+    user's categories, counted and named like the built-in ones."""
     times = frames.events["time_us"]
     origin = int(times.min()) if len(times) and times.notna().all() else None
     events: list[dict[str, Any]] = []
     devices: dict[str, Any] = {}
     for device in frames.info.trace_devices:
-        mem = device_memory(frames, device)
+        mem = device_memory(frames, device, category_rules)
         if mem is None:
             devices[str(device)] = {"note": "fewer than two trace entries: nothing over time"}
             continue
         device_events, devices[str(device)] = device_trace(frames, mem, origin, source, max_slices)
         events += device_events
-    other = {
+    other: dict[str, Any] = {
         "generator": f"snaplab {version}",
         "snapshot": source,
         "clock": WALL_CLOCK if origin is not None else EVENT_ORDER_CLOCK,
@@ -333,4 +340,6 @@ def build_perfetto_trace(
         "counters": f"one point per change; over {MAX_COUNTER_POINTS} changes, each run's lowest and highest",
         "devices": devices,
     }
+    if category_rules is not None:  # only when asked for (export --category)
+        other["category_rules"] = category_rules.to_dict()
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

@@ -142,7 +142,32 @@ def format_stats(s: SnapshotStats) -> str:
         from .compiled import format_compiled_regions
 
         parts.append(format_compiled_regions(s.compiled_regions).rstrip("\n"))
+    if s.category_rules is not None:  # only when asked for (stats --category)
+        parts.append(format_categories(s))
     return "\n\n".join(parts) + "\n"
+
+
+def format_categories(s: SnapshotStats) -> str:
+    """Bytes by category at the dump (all devices) and at each device's peak, the user's rules
+    first: every category with bytes, the built-in ones then the user's."""
+    peaks = [ds.categories_at_peak for ds in s.devices.values() if ds.categories_at_peak is not None]
+    total = sum(s.categories.values()) or 1
+    rows = [
+        [
+            name,
+            format_bytes(nbytes),
+            format_percent(nbytes / total),
+            format_bytes((s.categories_requested or {}).get(name, 0)),
+            format_bytes(sum(peak.get(name, 0) for peak in peaks)) if peaks else "",
+        ]
+        for name, nbytes in s.categories.items()
+        if nbytes or any(peak.get(name, 0) for peak in peaks)
+    ]
+    rules = s.category_rules.rules if s.category_rules is not None else ()
+    head = "categories, your rules first (the first that matches an allocation's stack wins): " + "; ".join(
+        rule.spec for rule in rules
+    )
+    return head + "\n" + table(["category", "allocated", "share", "requested", "at the peak"], rows)
 
 
 MAX_ANNOTATION_ROWS = 20  # annotated allocations printed; --json has them all

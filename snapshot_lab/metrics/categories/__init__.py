@@ -18,6 +18,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ..history.lifetimes import device_lifetimes
 from .assign import Categorization, categorize
+from .custom import CategoryRule, CategoryRuleError, CategoryRules
 from .rules import CATEGORIES, CODES, INFERRED_RULES, RULE_HELP, RULES
 from .stacks import stack_categories, stack_threads
 
@@ -46,17 +47,19 @@ def categorize_blocks(frames: SnapshotFrames) -> pd.Series:
     return categorize(frames).block_category
 
 
-def category_timeline(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
-    """Requested bytes per category after every event of the device (columns = categories);
-    each free counts against the category of the allocation it releases."""
+def category_timeline(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> pd.DataFrame | None:
+    """Requested bytes per category after every event of the device (columns = categories, the
+    user's ``rules``' after the built-in ones); each free counts against the category of the
+    allocation it releases."""
     ev = frames.events[frames.events["device"] == device]
     if len(ev) < 2:
         return None
     lifetimes = device_lifetimes(frames, device)
-    code = categorize(frames).alloc_codes[device]
+    result = categorize(frames, rules)
+    code = result.alloc_codes[device]
     base = int(ev["event_index"].iloc[0])
     size = lifetimes["size_bytes"].to_numpy()
-    mat = np.zeros((len(ev), len(CATEGORIES)), dtype=np.int64, order="F")  # column-major: no copy into pandas
+    mat = np.zeros((len(ev), len(result.names)), dtype=np.int64, order="F")  # column-major: no copy into pandas
     mat[lifetimes["event_index"].to_numpy() - base, code] = size
     free_at = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
     freed = free_at >= 0
@@ -64,10 +67,12 @@ def category_timeline(frames: SnapshotFrames, device: int) -> pd.DataFrame | Non
     levels = np.cumsum(mat, axis=0, out=mat)
     # allocations older than the trace are not in it: anchor each category at zero
     levels -= np.minimum(levels.min(axis=0), 0)
-    return pd.DataFrame(levels, columns=list(CATEGORIES), copy=False)
+    return pd.DataFrame(levels, columns=list(result.names), copy=False)
 
 
-def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) -> dict[str, int]:
+def category_levels_at(
+    frames: SnapshotFrames, device: int, event_index: int, rules: CategoryRules | None = None
+) -> dict[str, int]:
     """Requested bytes per category just after event ``event_index`` of ``device``: the row of
     :func:`category_timeline` at that event, from the allocations alive then, without building
     the whole timeline (``ranks`` wants one row, at the peak, of every rank's file)."""
@@ -76,11 +81,12 @@ def category_levels_at(frames: SnapshotFrames, device: int, event_index: int) ->
         lifetimes["free_index"].isna() | (lifetimes["free_index"] > event_index)
     )
     mask = alive.to_numpy(dtype=bool)
-    code = categorize(frames).alloc_codes[device][mask]
-    code = np.where(code < 0, len(CATEGORIES) - 1, code)  # as the timeline indexes it
-    sums = np.zeros(len(CATEGORIES), dtype=np.int64)
+    result = categorize(frames, rules)
+    code = result.alloc_codes[device][mask]
+    code = np.where(code < 0, CODES["other"], code)  # as the timeline indexes it
+    sums = np.zeros(len(result.names), dtype=np.int64)
     np.add.at(sums, code, lifetimes["size_bytes"].to_numpy(dtype=np.int64)[mask])
-    return {c: int(sums[i]) for i, c in enumerate(CATEGORIES)}
+    return {c: int(sums[i]) for i, c in enumerate(result.names)}
 
 
 def _peak_index(frames: SnapshotFrames, device: int) -> int | None:
@@ -95,29 +101,31 @@ def _peak_index(frames: SnapshotFrames, device: int) -> int | None:
     return None if tl is None else tl.peak_index
 
 
-def _labelled(address: np.ndarray, size: np.ndarray, code: np.ndarray, rule: np.ndarray, older: bool) -> pd.DataFrame:
-    names, rules = np.array(CATEGORIES, dtype=object), np.array(RULES, dtype=object)
+def _labelled(
+    address: np.ndarray, size: np.ndarray, code: np.ndarray, rule: np.ndarray, older: bool, result: Categorization
+) -> pd.DataFrame:
+    names, rules = np.array(result.names, dtype=object), np.array(result.rule_names, dtype=object)
     return pd.DataFrame(
         {
             "address": address.astype(np.int64),
             "size_bytes": size.astype(np.int64),
-            "category": names[np.where(code < 0, len(CATEGORIES) - 1, code)],
+            "category": names[np.where(code < 0, CODES["other"], code)],
             "rule": rules[rule],
             "before_trace": older,
         }
     )
 
 
-def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
+def blocks_at_peak(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> pd.DataFrame | None:
     """Every allocation alive at the device's peak (the requested peak of its timeline), with
     its category and the rule that gave it: the trace's own allocations alive then, blocks alive
     at the dump that the trace did not make, and older allocations the trace frees after the
     peak. Columns: address, size_bytes (requested), category, rule, before_trace. None without a
-    trace."""
+    trace. With ``rules``, the user's categories first (:mod:`.custom`)."""
     peak = _peak_index(frames, device)
     if peak is None:
         return None
-    result = categorize(frames)
+    result = categorize(frames, rules)
     lt = device_lifetimes(frames, device)
     free_at = lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max)
     alive = (lt["event_index"].to_numpy() <= peak) & (free_at > peak)
@@ -128,14 +136,23 @@ def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
             result.alloc_codes[device][alive],
             result.alloc_rules[device][alive],
             older=False,
+            result=result,
         )
     ]
     b = frames.blocks
     older = (b["device"] == device).to_numpy() & result.block_before_trace.to_numpy(dtype=bool)
-    codes = result.block_category[older].map(CODES).fillna(CODES["other"]).to_numpy(dtype=np.int64)
-    rules = result.block_rule[older].map({r: i for i, r in enumerate(RULES)}).to_numpy(dtype=np.int64)
+    name_codes = {c: i for i, c in enumerate(result.names)}
+    codes = result.block_category[older].map(name_codes).fillna(CODES["other"]).to_numpy(dtype=np.int64)
+    rule_codes = result.block_rule[older].map({r: i for i, r in enumerate(result.rule_names)})
     parts.append(
-        _labelled(b["address"].to_numpy()[older], b["requested_size_bytes"].to_numpy()[older], codes, rules, True)
+        _labelled(
+            b["address"].to_numpy()[older],
+            b["requested_size_bytes"].to_numpy()[older],
+            codes,
+            rule_codes.to_numpy(dtype=np.int64),
+            True,
+            result,
+        )
     )
     frees = result.pre_trace_frees.get(device)
     if frees is not None and len(frees):
@@ -143,24 +160,30 @@ def blocks_at_peak(frames: SnapshotFrames, device: int) -> pd.DataFrame | None:
         address, size, code, rule = (
             later[c].to_numpy(dtype=np.int64) for c in ("address", "size_bytes", "code", "rule")
         )
-        parts.append(_labelled(address, size, code, rule, older=True))
+        parts.append(_labelled(address, size, code, rule, older=True, result=result))
     return pd.concat(parts, ignore_index=True)
 
 
-def categories_at_peak(frames: SnapshotFrames, device: int) -> dict[str, int] | None:
+def categories_at_peak(
+    frames: SnapshotFrames, device: int, rules: CategoryRules | None = None
+) -> dict[str, int] | None:
     """Requested bytes by category at the device's peak, the memory older than the trace
     included (see :func:`blocks_at_peak`); they add up to the peak's requested bytes. None
     without a trace. For ``stats --json``: ``devices.<d>.categories_at_peak``."""
-    alive = blocks_at_peak(frames, device)
+    alive = blocks_at_peak(frames, device, rules)
     if alive is None:
         return None
     sums = alive.groupby("category")["size_bytes"].sum()
-    return {c: int(sums.get(c, 0)) for c in CATEGORIES}
+    return {c: int(sums.get(c, 0)) for c in categorize(frames, rules).names}
 
 
-def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool = True) -> CategoryBreakdown:
-    """Live bytes per category at the dump and, with ``with_timeline``, over the trace."""
-    result = categorize(frames)
+def compute_categories(
+    frames: SnapshotFrames, device: int, with_timeline: bool = True, rules: CategoryRules | None = None
+) -> CategoryBreakdown:
+    """Live bytes per category at the dump and, with ``with_timeline``, over the trace; with
+    ``rules``, the user's categories first (:mod:`.custom`), theirs after the built-in ones."""
+    result = categorize(frames, rules)
+    names = result.names
     cats = result.block_category
     b = frames.blocks
     live = (b["device"] == device) & (b["state"] == "active_allocated")
@@ -171,12 +194,12 @@ def compute_categories(frames: SnapshotFrames, device: int, with_timeline: bool 
     )
     return CategoryBreakdown(
         device=device,
-        live_bytes={c: int(by["size"].get(c, 0)) for c in CATEGORIES},
-        live_requested_bytes={c: int(by["requested"].get(c, 0)) for c in CATEGORIES},
-        live_blocks={c: int(by["count"].get(c, 0)) for c in CATEGORIES},
-        timeline=category_timeline(frames, device) if with_timeline else None,
+        live_bytes={c: int(by["size"].get(c, 0)) for c in names},
+        live_requested_bytes={c: int(by["requested"].get(c, 0)) for c in names},
+        live_blocks={c: int(by["count"].get(c, 0)) for c in names},
+        timeline=category_timeline(frames, device, rules) if with_timeline else None,
         live_requested_by_rule={
-            c: {str(r): int(v) for r, v in by_rule[c].items() if v} for c in CATEGORIES if c in by_rule.index
+            c: {str(r): int(v) for r, v in by_rule[c].items() if v} for c in names if c in by_rule.index
         },
     )
 
@@ -189,6 +212,9 @@ __all__ = [
     "RULE_HELP",
     "Categorization",
     "CategoryBreakdown",
+    "CategoryRule",
+    "CategoryRuleError",
+    "CategoryRules",
     "blocks_at_peak",
     "categories_at_peak",
     "categorize",

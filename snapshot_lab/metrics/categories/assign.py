@@ -15,7 +15,7 @@ when its own frames said so, anything else when the category was inferred (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -23,6 +23,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..history.lifetimes import device_lifetimes
+from .custom import CategoryRules, stack_rules
 from .frameworks import framework_stack_categories
 from .grad_forward import grad_forward_mask
 from .gradients import THREAD_CODES, free_stack_ids, gradient_mask, thread_codes
@@ -51,6 +52,9 @@ class Categorization:
     alloc_rules: dict[int, np.ndarray] = field(default_factory=dict)
     pre_trace_frees: dict[int, pd.DataFrame] = field(default_factory=dict)
     block_before_trace: pd.Series = field(default_factory=lambda: pd.Series([], dtype=bool))
+    # the vocabulary the codes index: the built-in categories, then the user's (:mod:`.custom`)
+    names: tuple[str, ...] = CATEGORIES
+    rule_names: tuple[str, ...] = RULES  # the rules ``alloc_rules`` index, the user's after the built-in
 
 
 def _codes(stack_ids: np.ndarray, stack_cat: pd.Series) -> np.ndarray:
@@ -281,9 +285,42 @@ class _DeviceCategories:
         )
 
 
-def categorize(frames: SnapshotFrames) -> Categorization:
-    """Categories of every allocation and block (computed once per snapshot)."""
-    return memo(frames, "categories", lambda: _categorize(frames))
+def categorize(frames: SnapshotFrames, rules: CategoryRules | None = None) -> Categorization:
+    """Categories of every allocation and block (computed once per snapshot); with ``rules``,
+    the user's rules first (:mod:`.custom`: for what is shown, never for the analyses)."""
+    builtin = memo(frames, "categories", lambda: _categorize(frames))
+    if rules is None:
+        return builtin
+    return memo(frames, ("categories", rules), lambda: _with_user_rules(frames, builtin, rules))
+
+
+def _with_user_rules(frames: SnapshotFrames, builtin: Categorization, rules: CategoryRules) -> Categorization:
+    """``builtin`` with what the user's rules match relabelled: every allocation of the trace and
+    every labelled block whose own stack a rule matches (memory without a stack keeps its label)."""
+    table, codes = stack_rules(frames, rules), rules.codes()
+    rule_codes = np.arange(len(RULES), len(RULES) + len(rules.rules), dtype=np.int64)
+    alloc_codes, alloc_rules = {}, {}
+    for d, code in builtin.alloc_codes.items():
+        which = table[device_lifetimes(frames, d)["stack_id"].to_numpy(dtype=np.int64, na_value=-1)]
+        hit = which >= 0
+        alloc_codes[d] = np.where(hit, codes[np.maximum(which, 0)], code)
+        alloc_rules[d] = np.where(hit, rule_codes[np.maximum(which, 0)], builtin.alloc_rules[d])
+    which = table[frames.blocks["stack_id"].to_numpy(dtype=np.int64, na_value=-1)]
+    hit = (which >= 0) & builtin.block_category.notna().to_numpy()
+    names, rule_names = np.array(rules.names, dtype=object), np.array(rules.rule_names, dtype=object)
+    block_category = builtin.block_category.copy()
+    block_category[hit] = names[codes[which[hit]]]
+    block_rule = builtin.block_rule.copy()
+    block_rule[hit] = rule_names[rule_codes[which[hit]]]
+    return replace(
+        builtin,
+        block_category=block_category,
+        alloc_codes=alloc_codes,
+        block_rule=block_rule,
+        alloc_rules=alloc_rules,
+        names=rules.names,
+        rule_names=rules.rule_names,
+    )
 
 
 def _stack_facts(frames: SnapshotFrames) -> StackFacts:

@@ -17,7 +17,7 @@ from ...frames import SnapshotFrames
 from ...units import format_bytes, format_percent
 from ..attribution.modules import BEFORE_ROW, OUTSIDE_ROW, module_breakdown
 from ..attribution.sites import alive_at, allocation_forward_ids, block_forward_ids, site_labels, snapshot_sites
-from ..categories import CATEGORIES, categorize, category_levels_at
+from ..categories import CATEGORIES, CategoryRules, categorize, category_levels_at
 from ..diagnose import Diagnosis
 from ..findings import Finding, compute_fleet_findings
 from ..history.lifetimes import device_lifetimes
@@ -31,7 +31,7 @@ from ..parallel.parallelism import (
     pipeline_stages,
 )
 from ..parallel.pipeline import PEAK_SITES_LIMIT, PipelineSkew, pipeline_skew
-from ..stats.summary import SnapshotStats
+from ..stats.summary import SnapshotStats, with_category_rules
 from .snapshot_summary import SnapshotSummary
 from .stages import StagesDiff
 
@@ -81,8 +81,12 @@ def summarize(
     stats: SnapshotStats,
     diagnosis: Diagnosis,
     with_sites: bool = True,
+    rules: CategoryRules | None = None,
 ) -> SnapshotSummary:
-    """The summary of one snapshot (``with_sites``: its allocation sites too)."""
+    """The summary of one snapshot (``with_sites``: its allocation sites too). With ``rules``, its
+    categories at the dump are labelled by the user's rules first (``diff`` and ``ranks`` show
+    them); the categories at the peaks stay the built-in ones, which the pipeline's comparison
+    reasons about."""
     peaks = [timeline for timeline in diagnosis.timelines.values() if timeline is not None]
     fragmentation = stats.fragmentation["all"]
     peak_categories, peak_sites = _at_peaks(frames, peaks)
@@ -100,7 +104,7 @@ def summarize(
         peak_reserved_bytes=sum(peak.peak_reserved_bytes for peak in peaks) if peaks else None,
         oom_cause=stats.oom.cause if stats.oom else None,
         oom_requested_bytes=stats.oom.requested_bytes if stats.oom else None,
-        categories=stats.categories,
+        categories=stats.categories if rules is None else with_category_rules(stats, frames, rules).categories,
         findings=[finding.id for finding in diagnosis.findings],
         leak_growth_bytes_per_iteration=sum(leak.growth_bytes_per_iteration for leak in leaks),
         sites=[{str(key): value for key, value in row.items()} for row in sites],

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...frames import SnapshotFrames
 from ..attribution.annotations import AnnotatedAllocation, annotated_allocations
 from ..attribution.modules import ModuleBreakdown, module_breakdown
-from ..categories import CATEGORIES, categories_at_peak, compute_categories
+from ..categories import CATEGORIES, CategoryRules, categories_at_peak, compute_categories
 from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
 from ..history.compiled import CompiledRegion
 from ..history.stages import Stages
@@ -77,6 +77,8 @@ class SnapshotStats:
     compiled_regions: list[CompiledRegion] | None = None
     # what _annotate_tensor attached to allocations (torch >= 2.14); None: the file has none
     annotations: list[AnnotatedAllocation] | None = None
+    # the user's category rules the categories were labelled with first (None: the built-in only)
+    category_rules: CategoryRules | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -98,6 +100,8 @@ class SnapshotStats:
             out["compiled_regions"] = [region.to_dict() for region in self.compiled_regions]
         if self.annotations:  # only files with annotate entries carry the key
             out["annotations"] = [item.to_dict() for item in self.annotations]
+        if self.category_rules is not None:  # only when asked for (stats --category)
+            out["category_rules"] = self.category_rules.to_dict()
         return out
 
 
@@ -201,11 +205,36 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         fragmentation=frag,
         oom=oom,
         devices=per_device,
-        categories={c: sum((ds.categories or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES},
-        categories_requested={
-            c: sum((ds.categories_requested or {}).get(c, 0) for ds in per_device.values()) for c in CATEGORIES
-        },
+        categories=_summed(per_device, "categories", CATEGORIES),
+        categories_requested=_summed(per_device, "categories_requested", CATEGORIES),
         parallel=detect_parallel(frames).to_dict(),
         host=compute_host_memory(frames),
         annotations=annotated_allocations(frames) or None,
+    )
+
+
+def _summed(per_device: dict[int, DeviceStats], field: str, names: tuple[str, ...]) -> dict[str, int]:
+    """One of the devices' category dicts (``categories``, ``categories_requested``) summed."""
+    return {c: sum((getattr(ds, field) or {}).get(c, 0) for ds in per_device.values()) for c in names}
+
+
+def with_category_rules(stats: SnapshotStats, frames: SnapshotFrames, rules: CategoryRules) -> SnapshotStats:
+    """``stats`` with its categories (at the dump, requested, at the peak) labelled by the user's
+    ``rules`` first (:mod:`~snapshot_lab.metrics.categories.custom`); their categories follow the
+    built-in ones. What the analyses read stays :func:`compute_stats`' own."""
+    devices = {}
+    for d, ds in stats.devices.items():
+        cats = compute_categories(frames, d, with_timeline=False, rules=rules)
+        devices[d] = replace(
+            ds,
+            categories=cats.live_bytes,
+            categories_requested=cats.live_requested_bytes,
+            categories_at_peak=None if ds.categories_at_peak is None else categories_at_peak(frames, d, rules),
+        )
+    return replace(
+        stats,
+        devices=devices,
+        categories=_summed(devices, "categories", rules.names),
+        categories_requested=_summed(devices, "categories_requested", rules.names),
+        category_rules=rules,
     )
