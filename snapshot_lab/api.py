@@ -142,7 +142,7 @@ def stats(
     if rules is not None:
         result = with_category_rules(result, frames, rules)
     if stages:
-        result = replace(result, stages=file_stages(frames))
+        result = replace(result, stages=file_stages(frames, rules))
     if compiled_regions:
         result = replace(result, compiled_regions=regions_of(frames))
     return notebook.Stats.of(result)
@@ -327,7 +327,7 @@ def _summary_and_stages(
     frames = load_frames(snapshot)
     stats_ = compute_stats(frames)
     summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
-    return summary, next((st for st in file_stages(frames).values() if st.ranges), None)
+    return summary, next((st for st in file_stages(frames, rules).values() if st.ranges), None)
 
 
 def diff(

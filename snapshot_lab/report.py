@@ -863,7 +863,7 @@ def build_report_context(
         explorer_json=payload.to_json(),
     )
     if has_stages(frames):
-        ctx.stages = stages_view(file_stages(frames))
+        ctx.stages = stages_view(file_stages(frames, category_rules))
     if stats.annotations:
         show_annotations(ctx, stats.annotations)
     ctx.host = host_view(stats)

@@ -29,7 +29,7 @@ import pandas as pd
 
 from ...frames import SnapshotFrames
 from .._memo import memo
-from ..categories import CATEGORIES, categorize
+from ..categories import CategoryRules, categorize
 from ..stats.torch_stats import compute_torch_stats
 from .lifetimes import device_lifetimes
 from .timeline import device_timeline
@@ -211,11 +211,12 @@ class _Trace:
     alloc_pos: np.ndarray  # lifetimes: position of each allocation
     free_pos: np.ndarray  # ... of its free (max int64: never freed)
     size: np.ndarray
-    code: np.ndarray  # category code (index into CATEGORIES)
+    code: np.ndarray  # category code (index into ``names``)
     anchored: bool
+    names: tuple[str, ...]  # the categories: the built-in ones, then the user's rules' (if any)
 
 
-def _trace(frames: SnapshotFrames, device: int) -> _Trace | None:
+def _trace(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> _Trace | None:
     ev = frames.events[frames.events["device"] == device]
     if len(ev) < 2 or ev["time_us"].isna().any():
         return None
@@ -230,7 +231,8 @@ def _trace(frames: SnapshotFrames, device: int) -> _Trace | None:
     delta = np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0)
     lt = device_lifetimes(frames, device)
     base = int(ev["event_index"].iloc[0])
-    code = categorize(frames).alloc_codes[device]
+    labels = categorize(frames, rules)
+    code = labels.alloc_codes[device]
     return _Trace(
         times_us=ev["time_us"].to_numpy(dtype=np.int64),
         after=tl.requested_bytes,
@@ -239,14 +241,15 @@ def _trace(frames: SnapshotFrames, device: int) -> _Trace | None:
         alloc_pos=lt["event_index"].to_numpy(dtype=np.int64) - base,
         free_pos=lt["free_index"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).max) - base,
         size=lt["size_bytes"].to_numpy(dtype=np.int64),
-        code=np.where(code < 0, len(CATEGORIES) - 1, code),
+        code=np.where(code < 0, labels.names.index("other"), code),
         anchored=tl.anchored_at_end,
+        names=labels.names,
     )
 
 
-def _by_category(code: np.ndarray, size: np.ndarray) -> dict[str, int]:
-    sums = np.bincount(code, weights=size, minlength=len(CATEGORIES)).astype(np.int64)
-    return {c: int(sums[i]) for i, c in enumerate(CATEGORIES) if sums[i]}
+def _by_category(code: np.ndarray, size: np.ndarray, names: tuple[str, ...]) -> dict[str, int]:
+    sums = np.bincount(code, weights=size, minlength=len(names)).astype(np.int64)
+    return {c: int(sums[i]) for i, c in enumerate(names) if sums[i]}
 
 
 def _figures(trace: _Trace, start: int, stop: int) -> tuple[int, int, dict[str, int], dict[str, int]]:
@@ -257,8 +260,8 @@ def _figures(trace: _Trace, start: int, stop: int) -> tuple[int, int, dict[str, 
     return (
         int(size.sum()),
         int(size[kept].sum()),
-        _by_category(code, size),
-        _by_category(code[kept], size[kept]),
+        _by_category(code, size, trace.names),
+        _by_category(code[kept], size[kept], trace.names),
     )
 
 
@@ -314,13 +317,14 @@ def _ranges(trace: _Trace, matched: _Matched) -> tuple[StageRange, ...]:
     return tuple(out)
 
 
-def compute_stages(frames: SnapshotFrames, device: int) -> Stages:
-    """The ranges of ``external_annotations`` recorded on ``device``, with what each held."""
+def compute_stages(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> Stages:
+    """The ranges of ``external_annotations`` recorded on ``device``, with what each held (by
+    category: the user's ``rules`` first, when given)."""
     ann = frames.annotations
     ann = ann[(ann["device"] == device) & ann["stage"].isin(["START", "END"])]
     if ann.empty:
         return Stages(device, (), ("no record_function ranges on this device",))
-    trace = _trace(frames, device)
+    trace = _trace(frames, device, rules)
     if trace is None:
         return Stages(device, (), ("the trace has no times (or fewer than two events): ranges cannot be placed",))
     ann = ann.sort_values("time_us", kind="stable")
@@ -343,9 +347,10 @@ def compute_stages(frames: SnapshotFrames, device: int) -> Stages:
     return Stages(device, ranges, tuple(notes), dropped, trace.anchored)
 
 
-def device_stages(frames: SnapshotFrames, device: int) -> Stages:
-    """:func:`compute_stages`, computed once per frames and device."""
-    return memo(frames, ("stages", device), lambda: compute_stages(frames, device))
+def device_stages(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> Stages:
+    """:func:`compute_stages`, computed once per frames, device (and rules)."""
+    key = ("stages", device) if rules is None else ("stages", device, rules)
+    return memo(frames, key, lambda: compute_stages(frames, device, rules))
 
 
 def has_stages(frames: SnapshotFrames) -> bool:
@@ -353,8 +358,9 @@ def has_stages(frames: SnapshotFrames) -> bool:
     return bool(frames.annotations["stage"].isin(["START", "END"]).any())
 
 
-def file_stages(frames: SnapshotFrames) -> dict[int, Stages]:
-    """:func:`device_stages` of every device that has a trace or ranges, in device order."""
+def file_stages(frames: SnapshotFrames, rules: CategoryRules | None = None) -> dict[int, Stages]:
+    """:func:`device_stages` of every device that has a trace or ranges, in device order (by
+    category: the user's ``rules`` first, when given)."""
     named = {int(d) for d in frames.annotations["device"].unique()}
     devices = sorted(set(frames.info.trace_devices) | (named & set(frames.info.devices)))
-    return {d: device_stages(frames, d) for d in devices}
+    return {d: device_stages(frames, d, rules) for d in devices}
