@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import pickle
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,21 +16,11 @@ import pytest
 
 from snapshot_lab import api
 
+from .browser import chromium, needs_browser, open_page
 from .conftest import ROOT, sample_path, write_pickle
 from .test_report import _hostile_snapshot
 
 BIG_BUDGET = 5 * 1024 * 1024
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and Path(p).exists()), None)
-HAS_PLAYWRIGHT = importlib.util.find_spec("playwright") is not None
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 def _scripts(html: str) -> tuple[dict, str]:
@@ -115,39 +103,12 @@ def test_a_million_entries_stay_within_budget(big_report):
     assert dev["unlisted"] > 300_000  # (of about 1M / 3 allocations) the rest live on only in the levels
 
 
-def needs_browser(test):
-    """Marked ``browser``; skipped without chromium or playwright."""
-    for mark in (
-        pytest.mark.browser,
-        pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed"),
-        pytest.mark.skipif(not HAS_PLAYWRIGHT, reason="playwright is not installed (pip install playwright)"),
-    ):
-        test = mark(test)
-    return test
-
-
 @pytest.fixture(scope="module")
 def browser():
-    if CHROMIUM is None or not HAS_PLAYWRIGHT:
-        pytest.skip("needs chromium and playwright")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
+    yield from chromium()
 
 
-def _open(browser, path: Path):
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    problems: list[str] = []
-    requests: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
-    page.on("pageerror", lambda e: problems.append(str(e)))
-    page.on("request", lambda r: requests.append(r.url))
-    page.goto(path.as_uri())
-    page.wait_for_selector("html[data-explorer=ready]", timeout=10_000)
-    return page, problems, requests
+_open = open_page
 
 
 @pytest.mark.parametrize("name", ["oom_fragmentation", "transformer_varlen"])
@@ -170,7 +131,7 @@ def test_explorer_in_chromium(browser, report_html, tmp_path, name):
     assert tip.is_visible() and re.search(r"\d+(\.\d+)? (B|KiB|MiB|GiB)", tip.text_content())
     page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + 80)
     live = page.locator("#explorer-0 .xp-live")
-    assert "Live at" in live.text_content() and live.locator("table").count() == 2
+    assert "Live at" in live.text_content() and live.locator(".xp-cols table").count() == 2
     page.click("#layout-explorer-0 .xp-seg >> nth=0")
     assert page.locator("#layout-explorer-0 .xp-detail table tr").count() >= 2
     assert problems == []
@@ -241,3 +202,108 @@ def test_each_device_gets_its_explorer(browser, tmp_path):
         assert page.locator(f"#explorer-{dev} canvas.xp-timeline").is_visible()
         assert page.locator(f"#layout-explorer-{dev} .xp-seg").count() > 0
     assert problems == []
+
+
+# issue #39 §2: search, flame graph, histograms, wall-clock/event toggle, segments at a moment,
+# two explorers on the diff page (their browser tests: tests/test_explorer_browser.py)
+
+
+def _exploration(name: str):
+    from snapshot_lab.metrics import compute_stats
+    from snapshot_lab.metrics.diagnose import device_timelines
+    from snapshot_lab.metrics.explore import explore
+
+    frames = api.load_frames(sample_path(name))
+    timeline = device_timelines(frames, compute_stats(frames))[0]
+    return explore(frames, timeline), timeline
+
+
+@pytest.mark.parametrize("name", ["oom_fragmentation", "transformer_varlen"])
+def test_segments_at_the_peak_hold_the_peak(name):
+    """The moment of the peak is among those carried; its blocks are the peak's requested bytes
+    (each rounded up to the allocator's 512 bytes) and its segments the reserved bytes then."""
+    from snapshot_lab.metrics.explore import MOMENT_BLOCKS, MOMENT_SEGMENTS, SEGMENT_MOMENTS
+
+    ex, timeline = _exploration(name)
+    assert 2 <= len(ex.segment_moments) <= SEGMENT_MOMENTS
+    peak = next(m for m in ex.segment_moments if m.position == ex.peak_position)
+    blocks = int(peak.block_size.sum()) + peak.hidden_block_bytes
+    assert ex.peak_bytes <= blocks <= ex.peak_bytes + 512 * (peak.block_size.size + peak.hidden_blocks)
+    assert int(peak.segment_size.sum()) + peak.hidden_segment_bytes == timeline.reserved_bytes[ex.peak_position]
+    for moment in ex.segment_moments:
+        assert moment.segment_size.size <= MOMENT_SEGMENTS and moment.block_size.size <= MOMENT_BLOCKS
+        ends = moment.block_offset + moment.block_size
+        assert (moment.block_offset >= 0).all() and (ends <= moment.segment_size[moment.block_segment]).all()
+
+
+def test_histograms_count_every_allocation_of_the_trace():
+    ex, _ = _exploration("transformer_varlen")
+    allocations = len(ex.allocations) + ex.unlisted_allocations
+    assert sum(ex.size_histogram.counts) == allocations
+    for hist in (ex.lifetime_events, ex.lifetime_seconds):
+        assert hist is not None and sum(hist.counts) + hist.zero + hist.open == allocations
+    # what is still alive at the end is the listed allocations' (everything alive at the peak is listed)
+    assert ex.lifetime_events.open >= int(ex.allocations["x_free"].isna().sum()) > 0
+
+
+def test_the_page_carries_both_axes_only_with_times(report_html, tmp_path):
+    data, _ = _scripts(report_html["transformer_varlen"])
+    dev = data["devices"][0]
+    assert dev["axis"] == "time_s"
+    ev = dev["ev"]
+    assert len(ev["b"]["x0"]) == len(dev["b"]["x0"]) and ev["b"]["x0"] == sorted(ev["b"]["x0"])
+    assert len(ev["allocs"]["x0"]) == len(dev["allocs"]["x0"])
+    assert set(dev["hist"]) == {"size", "lifeEvents", "lifeSeconds"} and dev["moments"]
+    html = api.report(write_pickle(tmp_path / "n.pickle", _untimed_snapshot()), output=tmp_path / "n.html").read_text()
+    untimed = _scripts(html)[0]["devices"][0]
+    assert untimed["axis"] == "event" and "ev" not in untimed and untimed["hist"]["lifeSeconds"] is None
+
+
+def _untimed_snapshot() -> dict:
+    """The hostile snapshot with no time on any trace entry: the explorer's x is the event order."""
+    snap = _hostile_snapshot()
+    for entry in snap["device_traces"][0]:
+        entry.pop("time_us", None)
+    return snap
+
+
+def _diff_html(before: Path, after: Path) -> str:
+    from snapshot_lab import __version__
+    from snapshot_lab.render.compare import render_diff_html
+    from snapshot_lab.render.explorer import diff_payload
+
+    explorers = diff_payload(api.load_frames(before), api.load_frames(after), (before.name, after.name))
+    return render_diff_html(api.diff(before, after), __version__, explorers)
+
+
+@pytest.fixture(scope="module")
+def diff_html():
+    return _diff_html(sample_path("capture_single_step2"), sample_path("capture_single_step4"))
+
+
+def test_the_diff_page_carries_two_linked_explorers_under_its_csp(diff_html):
+    data, code = _scripts(diff_html)
+    assert data["linked"] is True and [d["dom"] for d in data["devices"]] == ["explorer-a", "explorer-b"]
+    assert all(key.startswith(("a:", "b:")) for key in data["stacks"])
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', diff_html).group(1)
+    digest = base64.b64encode(hashlib.sha256(code.encode()).digest()).decode()
+    assert f"script-src 'sha256-{digest}'" in csp.replace("&#39;", "'")
+    assert not re.search(r"(src|href)=\"https?:", diff_html)
+
+
+def test_the_diff_page_without_explorers_has_no_script():
+    from snapshot_lab import __version__
+    from snapshot_lab.render.compare import render_diff_html
+
+    html = render_diff_html(
+        api.diff(sample_path("capture_single_step2"), sample_path("capture_single_step4")), __version__
+    )
+    assert "<script" not in html and "script-src" not in html
+
+
+def test_hostile_stacks_stay_text_on_the_diff_page(tmp_path):
+    hostile = write_pickle(tmp_path / "h.pickle", _hostile_snapshot())
+    html = _diff_html(hostile, hostile)
+    data_text = re.search(r'id="snaplab-data">(.*?)</script>', html, re.S).group(1)
+    assert "<" not in data_text and ">" not in data_text
+    assert html.count("<script") == 2

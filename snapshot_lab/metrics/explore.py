@@ -7,7 +7,11 @@ A trace of a million entries cannot travel whole inside an HTML file. What the e
 - at each bucket's highest point, the bytes live by category and by site (the largest sites by
   name, the rest as one row): "what was live then" for any moment clicked;
 - the allocations worth a look one by one, with their stacks: everything alive at the peak and
-  the largest of the trace, up to a fixed count; the rest is only in the levels.
+  the largest of the trace, up to a fixed count; the rest is only in the levels;
+- histograms of every allocation's size and lifetime (powers of two), the whole trace's;
+- the allocator's segments and their allocated blocks at a few sampled moments (the peak among
+  them), each capped, for the "segments at this moment" view;
+- with times, every x again as the entry's position, for the page's wall-clock/event toggle.
 
 x is seconds since the trace's first entry when every entry has a time, else the entry's
 position in the device's trace.
@@ -30,6 +34,10 @@ BUCKETS = 1000  # about one per pixel of the report's timeline
 TOP_SITES = 16  # sites with levels of their own; the others are summed in one row
 MAX_ALLOCATIONS = 1500  # allocations listed one by one (with stacks)
 OTHER_SITES = "other sites"
+SEGMENT_MOMENTS = 24  # moments whose segments the page carries (the peak's among them)
+MOMENT_SEGMENTS = 96  # the largest segments drawn at a moment; the rest are counted
+MOMENT_BLOCKS = 600  # the largest allocated blocks drawn at a moment; the rest are counted
+BLOCK_ROUND = 512  # the allocator's smallest block: a request occupies at least this
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,38 @@ class Buckets:
     requested_end: np.ndarray  # int64: the level after each bucket's last entry (until the next bucket)
     reserved_end: np.ndarray  # int64
     sample: np.ndarray  # int64: position of each bucket's highest requested level in the device's trace
+    x_sample: np.ndarray  # float64: x of each bucket's highest point (its sample)
+    first: np.ndarray  # int64: position of each bucket's first entry
+    last: np.ndarray  # int64: position of each bucket's last entry
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts and bytes by power of two: bin k holds values in [2**(low + k), 2**(low + k + 1))."""
+
+    low: int
+    counts: tuple[int, ...]
+    bytes: tuple[int, ...]
+    zero: int = 0  # values of 0 (a lifetime with no time between alloc and free)
+    open: int = 0  # not measured (still alive at the end of the trace)
+
+
+@dataclass(frozen=True)
+class SegmentMoment:
+    """The segments and allocated blocks after one entry of the trace (free space: the gaps)."""
+
+    bucket: int  # the bucket whose sample this is
+    position: int  # the entry's position in the device's trace
+    segment_address: np.ndarray  # int64
+    segment_size: np.ndarray  # int64
+    block_segment: np.ndarray  # int64: index into the segments above
+    block_offset: np.ndarray  # int64
+    block_size: np.ndarray  # int64 (requested, rounded to the allocator's 512 bytes)
+    block_row: np.ndarray  # int64: the listed allocation (row of ``allocations``), -1: not listed
+    hidden_segments: int  # live segments not drawn (smaller than the drawn ones)
+    hidden_segment_bytes: int
+    hidden_blocks: int  # allocated blocks of drawn segments not drawn (the smallest)
+    hidden_block_bytes: int
 
 
 @dataclass(frozen=True)
@@ -54,7 +94,9 @@ class Exploration:
     category_levels: np.ndarray  # (categories, buckets) live bytes at each bucket's sample
     sites: tuple[str, ...]  # the top sites, then OTHER_SITES
     site_levels: np.ndarray  # (sites, buckets)
-    allocations: pd.DataFrame  # x_alloc, x_free (NaN: alive at the end), size_bytes, category, site, module, stack_id
+    # x_alloc, x_free (NaN: alive at the end), e_alloc, e_free (positions; -1: alive at the end),
+    # size_bytes, category, site, module, stack_id, event_index
+    allocations: pd.DataFrame
     site_names: tuple[str, ...]  # what allocations' "site" codes name
     module_names: tuple[str, ...]  # what allocations' "module" codes name (-1: none)
     listed_bytes_at_peak: int
@@ -63,6 +105,14 @@ class Exploration:
     peak_bytes: int
     oom_x: tuple[float, ...]
     markers: tuple[tuple[float, str], ...]
+    peak_position: int = 0
+    oom_positions: tuple[int, ...] = ()
+    marker_positions: tuple[int, ...] = ()
+    size_histogram: Histogram | None = None
+    lifetime_events: Histogram | None = None  # lifetimes in entries of the trace
+    lifetime_seconds: Histogram | None = None  # lifetimes in seconds (None: the trace has no times)
+    segment_moments: tuple[SegmentMoment, ...] = ()
+    segments_exact: bool = True  # False: expandable segments, drawn by their mapped ranges
 
 
 def _axis(frames: SnapshotFrames, tl: Timeline) -> tuple[np.ndarray, str, str, np.ndarray]:
@@ -106,6 +156,9 @@ def _buckets(x: np.ndarray, tl: Timeline, n: int, by_time: bool) -> Buckets:
         requested_end=req[ends],
         reserved_end=tl.reserved_bytes[ends],
         sample=at_max[first],
+        x_sample=x[at_max[first]],
+        first=starts,
+        last=ends,
     )
 
 
@@ -136,20 +189,189 @@ def _chosen(alive_at_peak: np.ndarray, size: np.ndarray, limit: int) -> np.ndarr
     return np.sort(order[:limit])
 
 
+def histogram(values: np.ndarray, weights: np.ndarray, open_count: int = 0) -> Histogram:
+    """``values`` (> 0) counted by power of two, with the ``weights`` (bytes) of each bin."""
+    positive = values > 0
+    exps = np.floor(np.log2(values[positive])).astype(np.int64)
+    zero = int(values.size - exps.size)
+    if exps.size == 0:
+        return Histogram(0, (), (), zero, open_count)
+    low = int(exps.min())
+    counts = np.bincount(exps - low)
+    nbytes = np.bincount(exps - low, weights=weights[positive].astype(np.float64), minlength=counts.size)
+    return Histogram(low, tuple(int(c) for c in counts), tuple(int(b) for b in nbytes), zero, open_count)
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Address ranges live from position ``start`` (inclusive, -1: before the trace) to ``end``
+    (exclusive; the trace's length: still live at the end)."""
+
+    address: np.ndarray
+    size: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    row: np.ndarray  # the listed allocation (-1: none)
+
+    def live_at(self, position: int) -> np.ndarray:
+        return np.flatnonzero((self.start <= position) & (self.end > position))
+
+
+_MAKES = ("segment_alloc", "segment_map")
+_RELEASES = ("segment_free", "segment_unmap")
+
+
+def _ranges_of_trace(
+    ev: pd.DataFrame, made: np.ndarray, released: np.ndarray, n: int
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Ranges the trace makes (each until the next release at its address) and ranges it releases
+    without having made them (there since before the trace)."""
+    pos = np.arange(len(ev), dtype=np.int64)
+    addr = ev["address"].to_numpy(dtype=np.int64, na_value=-1)
+    size = ev["size_bytes"].to_numpy(dtype=np.int64, na_value=0)
+    ons = pd.DataFrame({"pos": pos[made], "address": addr[made], "size": size[made]})
+    offs = pd.DataFrame({"pos": pos[released], "address": addr[released], "size": size[released]})
+    ended = pd.merge_asof(
+        ons, offs[["pos", "address"]].assign(end=offs["pos"]), on="pos", by="address", direction="forward"
+    )
+    ended["end"] = ended["end"].fillna(n)
+    begun = pd.merge_asof(
+        offs, ons[["pos", "address"]].assign(begun=ons["pos"]), on="pos", by="address", direction="backward"
+    )
+    older = begun[begun["begun"].isna()]
+    return ended, pd.DataFrame({"address": older["address"], "size": older["size"], "end": older["pos"]})
+
+
+def _spans(made: pd.DataFrame, older: pd.DataFrame, always: pd.DataFrame, n: int, row: np.ndarray) -> _Spans:
+    """One table of the three kinds of range: made in the trace, older than it, there throughout."""
+    return _Spans(
+        address=np.r_[made["address"], older["address"], always["address"]].astype(np.int64),
+        size=np.r_[made["size"], older["size"], always["size"]].astype(np.int64),
+        start=np.r_[made["pos"], np.full(len(older) + len(always), -1)].astype(np.int64),
+        end=np.r_[made["end"], older["end"], np.full(len(always), n)].astype(np.int64),
+        row=np.r_[row, np.full(len(older) + len(always), -1)].astype(np.int64),
+    )
+
+
+def _segment_spans(frames: SnapshotFrames, ev: pd.DataFrame, action: np.ndarray) -> tuple[_Spans, bool]:
+    """The device's segments over the trace (expandable ones by their mapped ranges), and whether
+    that is exact (no expandable segment)."""
+    made, older = _ranges_of_trace(ev, np.isin(action, _MAKES), np.isin(action, _RELEASES), len(ev))
+    dump = frames.segments[frames.segments["device"] == ev["device"].iloc[0]] if len(ev) else frames.segments[:0]
+    seen = set(made["address"].tolist()) | set(older["address"].tolist())
+    kept = dump[~dump["is_expandable"].to_numpy(dtype=bool) & ~dump["address"].isin(seen).to_numpy()]
+    always = pd.DataFrame({"address": kept["address"], "size": kept["total_size_bytes"]})
+    exact = not bool(dump["is_expandable"].any()) and "segment_map" not in set(action.tolist())
+    return _spans(made, older, always, len(ev), np.full(len(made), -1)), exact
+
+
+def _block_spans(
+    frames: SnapshotFrames, ev: pd.DataFrame, action: np.ndarray, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The allocated blocks' address ranges: the trace's allocations (``lt``), those it frees
+    without having made them, and the dump's live blocks older than the trace."""
+    rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
+    made = pd.DataFrame({"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end})
+    freed = ev[action == "free_completed"]
+    unmatched = freed[~freed["event_index"].isin(lt["free_index"].dropna())]
+    older = pd.DataFrame(
+        {
+            "address": unmatched["address"].to_numpy(dtype=np.int64, na_value=-1),
+            "size": -(-unmatched["size_bytes"].to_numpy(dtype=np.int64, na_value=0) // BLOCK_ROUND) * BLOCK_ROUND,
+            "end": np.searchsorted(ev["event_index"].to_numpy(dtype=np.int64), unmatched["event_index"].to_numpy()),
+        }
+    )
+    dump = frames.blocks[(frames.blocks["device"] == ev["device"].iloc[0]) & (frames.blocks["state"] != "inactive")]
+    still = set(lt.loc[lt["free_index"].isna(), "address"].tolist())
+    kept = dump[~dump["address"].isin(still).to_numpy()]
+    always = pd.DataFrame({"address": kept["address"], "size": kept["size_bytes"]})
+    return made, older, always
+
+
+def _moment(bucket: int, position: int, segments: _Spans, blocks: _Spans) -> SegmentMoment:
+    """The largest segments live after entry ``position``, their largest allocated blocks."""
+    live = segments.live_at(position)
+    by_size = live[np.argsort(-segments.size[live], kind="stable")]
+    shown = np.sort(by_size[:MOMENT_SEGMENTS])
+    shown = shown[np.argsort(segments.address[shown], kind="stable")]
+    seg_addr, seg_size = segments.address[shown], segments.size[shown]
+    alive = blocks.live_at(position)
+    k = np.searchsorted(seg_addr, blocks.address[alive], side="right") - 1
+    inside = (k >= 0) & (blocks.address[alive] < seg_addr[k.clip(0)] + seg_size[k.clip(0)]) if shown.size else k < -1
+    alive, k = alive[inside], k[inside]
+    keep = np.sort(np.argsort(-blocks.size[alive], kind="stable")[:MOMENT_BLOCKS])
+    dropped = np.setdiff1d(np.arange(alive.size), keep)
+    hidden = by_size[MOMENT_SEGMENTS:]
+    return SegmentMoment(
+        bucket=bucket,
+        position=position,
+        segment_address=seg_addr,
+        segment_size=seg_size,
+        block_segment=k[keep],
+        block_offset=blocks.address[alive[keep]] - seg_addr[k[keep]],
+        block_size=blocks.size[alive[keep]],
+        block_row=blocks.row[alive[keep]],
+        hidden_segments=int(hidden.size),
+        hidden_segment_bytes=int(segments.size[hidden].sum()),
+        hidden_blocks=int(dropped.size),
+        hidden_block_bytes=int(blocks.size[alive[dropped]].sum()),
+    )
+
+
+def segment_moments(
+    frames: SnapshotFrames,
+    device: int,
+    lt: pd.DataFrame,
+    start: np.ndarray,
+    end: np.ndarray,
+    row: np.ndarray,
+    b: Buckets,
+    peak_bucket: int,
+) -> tuple[tuple[SegmentMoment, ...], bool]:
+    """The segments at :data:`SEGMENT_MOMENTS` buckets' highest points, evenly spread, and the
+    peak's; ``row``: each lifetime's listed allocation (-1: not listed)."""
+    ev = frames.events[frames.events["device"] == device]
+    action = ev["action"].astype(str).to_numpy()
+    segments, exact = _segment_spans(frames, ev, action)
+    made, older, always = _block_spans(frames, ev, action, lt, start, end)
+    blocks = _spans(made, older, always, len(ev), row)
+    n = b.sample.size
+    chosen = np.unique(np.r_[np.linspace(0, n - 1, SEGMENT_MOMENTS - 1).round().astype(np.int64), peak_bucket])
+    return tuple(_moment(int(i), int(b.sample[i]), segments, blocks) for i in chosen), exact
+
+
+def _lifetimes(lt: pd.DataFrame, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each allocation's position, its free's (the trace's length: alive at the end), whether freed."""
+    start = np.searchsorted(index, lt["event_index"].to_numpy(dtype=np.int64))
+    freed = lt["free_index"].notna().to_numpy()
+    end = np.where(
+        freed, np.searchsorted(index, lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)), index.size
+    ).astype(np.int64)
+    return start, end, freed
+
+
+def _histograms(
+    x: np.ndarray, axis: str, size: np.ndarray, start: np.ndarray, end: np.ndarray, freed: np.ndarray
+) -> tuple[Histogram, Histogram, Histogram | None]:
+    """Sizes, lifetimes in entries and (with times) in seconds, of every allocation of the trace."""
+    still = int((~freed).sum())
+    last = np.minimum(end[freed], x.size - 1)
+    by_events = histogram((end[freed] - start[freed]).astype(np.float64), size[freed], still)
+    by_seconds = histogram(x[last] - x[start[freed]], size[freed], still) if axis == "time_s" else None
+    return histogram(size.astype(np.float64), size), by_events, by_seconds
+
+
 def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit: int = MAX_ALLOCATIONS) -> Exploration:
     """The explorer's data for one device with a trace."""
     x, axis, x_label, index = _axis(frames, tl)
     b = _buckets(x, tl, buckets, axis == "time_s")
     lt = device_lifetimes(frames, tl.device)
     size = lt["size_bytes"].to_numpy(dtype=np.int64)
-    start = np.searchsorted(index, lt["event_index"].to_numpy(dtype=np.int64))
-    freed = lt["free_index"].notna().to_numpy()
-    end = np.where(
-        freed, np.searchsorted(index, lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)), index.size
-    ).astype(np.int64)
+    start, end, freed = _lifetimes(lt, index)
+    categories = tuple(CATEGORIES)  # the one place the explorer's category names come from
     cat = categorize(frames).alloc_codes[tl.device].astype(np.int64)
     sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    labels, _ = site_labels(sid, snapshot_sites(frames), np.array(CATEGORIES, dtype=object)[cat])
+    labels, _ = site_labels(sid, snapshot_sites(frames), np.array(categories, dtype=object)[cat])
     site_code, site_names = pd.factorize(pd.Series(labels, dtype=object))
     peak_pos = int(np.searchsorted(index, tl.peak_index))
     alive = (start <= peak_pos) & (end > peak_pos)
@@ -160,10 +382,14 @@ def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit:
     level_code[top] = np.arange(top.size)
     module, module_names = _modules(frames, tl.device, lt)
     chosen = _chosen(alive, size, limit)
+    row = np.full(size.size, -1, dtype=np.int64)
+    row[chosen] = np.arange(chosen.size)
     allocations = pd.DataFrame(
         {
             "x_alloc": x[start[chosen]],
             "x_free": np.where(freed[chosen], x[np.minimum(end[chosen], index.size - 1)], np.nan),
+            "e_alloc": start[chosen],
+            "e_free": np.where(freed[chosen], end[chosen], -1),
             "size_bytes": size[chosen],
             "category": cat[chosen],
             "site": site_code[chosen],
@@ -172,13 +398,16 @@ def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit:
             "event_index": lt["event_index"].to_numpy(dtype=np.int64)[chosen],
         }
     )
+    sizes, by_events, by_seconds = _histograms(x, axis, size, start, end, freed)
+    peak_bucket = int(np.searchsorted(b.first, peak_pos, side="right") - 1)
+    moments, exact = segment_moments(frames, tl.device, lt, start, end, row, b, peak_bucket)
     return Exploration(
         device=tl.device,
         axis=axis,
         x_label=x_label,
         buckets=b,
-        categories=tuple(CATEGORIES),
-        category_levels=_levels(cat, len(CATEGORIES), start, end, size, b.sample),
+        categories=categories,
+        category_levels=_levels(cat, len(categories), start, end, size, b.sample),
         sites=(*(str(site_names[i]) for i in top), OTHER_SITES),
         site_levels=_levels(level_code[site_code], top.size + 1, start, end, size, b.sample),
         allocations=allocations,
@@ -190,4 +419,12 @@ def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit:
         peak_bytes=tl.peak_requested_bytes,
         oom_x=tuple(float(x[int(m.x)]) for m in tl.ooms),
         markers=tuple((float(x[int(m.x)]), m.label) for m in tl.markers),
+        peak_position=peak_pos,
+        oom_positions=tuple(int(m.x) for m in tl.ooms),
+        marker_positions=tuple(int(m.x) for m in tl.markers),
+        size_histogram=sizes,
+        lifetime_events=by_events,
+        lifetime_seconds=by_seconds,
+        segment_moments=moments,
+        segments_exact=exact,
     )

@@ -12,6 +12,7 @@ from ..metrics.parallel.pipeline import PipelineSkew
 from ..plots.common import figure_png_data_uri
 from ..plots.compare import plot_diff_timelines
 from ..units import format_bytes, format_percent
+from .explorer import Payload, content_security_policy, explorer_script
 from .html import _css, _environment
 from .text import format_findings, table
 
@@ -149,9 +150,18 @@ def diff_warnings(d: SnapshotDiff) -> list[str]:
     return out
 
 
-def render_diff_html(d: SnapshotDiff, version: str) -> str:
+NO_SCRIPT_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+
+def render_diff_html(d: SnapshotDiff, version: str, explorers: Payload | None = None) -> str:
+    """The diff page; with ``explorers`` (:func:`~.explorer.diff_payload`), the two traces'
+    explorers side by side, linked, and the script that draws them (the CSP allows it alone)."""
+    script = explorer_script() if explorers is not None and explorers.devices else ""
     ctx: dict[str, Any] = {
         "css": _css(),
+        "script": script,
+        "csp": content_security_policy(script) if script else NO_SCRIPT_CSP,
+        "explorer_json": explorers.to_json() if script and explorers is not None else "",
         "version": version,
         "before_name": _name(d.before.path),
         "after_name": _name(d.after.path),

@@ -19,8 +19,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..frames import SnapshotFrames
+from ..metrics import compute_stats
 from ..metrics.attribution.annotations import AnnotatedAllocation
-from ..metrics.explore import Exploration
+from ..metrics.diagnose import device_timelines
+from ..metrics.explore import Exploration, Histogram, SegmentMoment, explore
 from ..metrics.stats.layout import PoolLayout
 from ..plots.palette import CATEGORY_COLORS
 
@@ -41,9 +44,13 @@ class Payload:
     # annotated allocations (_annotate_tensor, torch >= 2.14), from :func:`annotation_data`; the
     # key is written only when there are some, so other files' pages stay as they were
     annotations: list[dict[str, Any]] = field(default_factory=list)
+    # the diff page: its explorers share one time axis (zoom, pan, the moment chosen, the axis kind)
+    linked: bool = False
 
-    def add_stack(self, stack_id: int, frames: list[dict[str, Any]]) -> None:
-        if str(stack_id) in self.stacks:
+    def add_stack(self, stack_id: int, frames: list[dict[str, Any]], prefix: str = "") -> None:
+        """Intern one stack; ``prefix`` keeps two files' stack ids apart (the diff page)."""
+        key = f"{prefix}{stack_id}"
+        if key in self.stacks:
             return
         ids = []
         for frame in frames[:MAX_STACK_FRAMES]:
@@ -53,7 +60,7 @@ class Payload:
                 fid = self._frame_ids[text] = len(self.frames)
                 self.frames.append(text)
             ids.append(fid)
-        self.stacks[str(stack_id)] = ids
+        self.stacks[key] = ids
 
     def to_json(self) -> str:
         body = {
@@ -65,6 +72,8 @@ class Payload:
         }
         if self.annotations:
             body["annotations"] = self.annotations
+        if self.linked:
+            body["linked"] = True
         return escaped_json(body)
 
 
@@ -91,6 +100,7 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
         "b": {
             "x0": _round(buckets.x_start),
             "x1": _round(buckets.x_end),
+            "xs": _round(buckets.x_sample),
             "lo": buckets.requested_low.tolist(),
             "hi": buckets.requested_high.tolist(),
             "res": buckets.reserved_high.tolist(),
@@ -116,7 +126,83 @@ def timeline_data(ex: Exploration) -> dict[str, Any]:
         "peak": {"x": ex.peak_x, "bytes": ex.peak_bytes},
         "ooms": list(ex.oom_x),
         "markers": [[marker_x, label] for marker_x, label in ex.markers],
+        "hist": _histograms(ex),
+        "moments": [_moment(moment) for moment in ex.segment_moments],
+        "momentsExact": ex.segments_exact,
+        **({"ev": _event_axis(ex)} if ex.axis == "time_s" else {}),
     }
+
+
+def _event_axis(ex: Exploration) -> dict[str, Any]:
+    """Every x again as the entry's position in the trace (the page's wall-clock/event toggle)."""
+    allocations = ex.allocations
+    return {
+        "b": {"x0": ex.buckets.first.tolist(), "x1": ex.buckets.last.tolist(), "xs": ex.buckets.sample.tolist()},
+        "allocs": {
+            "x0": allocations["e_alloc"].tolist(),
+            "x1": [None if value < 0 else value for value in allocations["e_free"].tolist()],
+        },
+        "peak": ex.peak_position,
+        "ooms": list(ex.oom_positions),
+        "markers": list(ex.marker_positions),
+    }
+
+
+def _histogram(hist: Histogram | None) -> dict[str, Any] | None:
+    if hist is None:
+        return None
+    return {"low": hist.low, "n": list(hist.counts), "bytes": list(hist.bytes), "zero": hist.zero, "open": hist.open}
+
+
+def _histograms(ex: Exploration) -> dict[str, Any]:
+    return {
+        "size": _histogram(ex.size_histogram),
+        "lifeEvents": _histogram(ex.lifetime_events),
+        "lifeSeconds": _histogram(ex.lifetime_seconds),
+    }
+
+
+def _moment(moment: SegmentMoment) -> dict[str, Any]:
+    """One moment's segments (address as text, size) and blocks [segment, offset, size, listed row]."""
+    return {
+        "at": moment.bucket,
+        "pos": moment.position,
+        "segs": [
+            [f"0x{address:x}", size]
+            for address, size in zip(moment.segment_address.tolist(), moment.segment_size.tolist(), strict=True)
+        ],
+        "blocks": [
+            list(block)
+            for block in zip(
+                moment.block_segment.tolist(),
+                moment.block_offset.tolist(),
+                moment.block_size.tolist(),
+                moment.block_row.tolist(),
+                strict=True,
+            )
+        ],
+        "more": [moment.hidden_segments, moment.hidden_segment_bytes, moment.hidden_blocks, moment.hidden_block_bytes],
+    }
+
+
+def diff_payload(before: SnapshotFrames, after: SnapshotFrames, names: tuple[str, str]) -> Payload:
+    """The diff page's two explorers, linked: the first device with a trace of each file (none
+    for a file without a trace). Stacks are keyed ``a:<id>`` and ``b:<id>`` (two files' ids)."""
+    payload = Payload(linked=True)
+    for key, frames, name in zip(("a", "b"), (before, after), names, strict=True):
+        timelines = device_timelines(frames, compute_stats(frames))
+        device = next((dev for dev, timeline in timelines.items() if timeline is not None), None)
+        if device is None:
+            continue
+        timeline = timelines[device]
+        assert timeline is not None
+        ex = explore(frames, timeline)
+        data = {"device": device, "dom": f"explorer-{key}", "name": name, "stackPrefix": f"{key}:", "segments": []}
+        data.update(timeline_data(ex))
+        for stack_id in sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0}):
+            payload.add_stack(stack_id, frames.stack(stack_id), prefix=f"{key}:")
+        payload.devices.append(data)
+    return payload
 
 
 def annotation_data(annotated: list[AnnotatedAllocation]) -> list[dict[str, Any]]:
