@@ -253,26 +253,26 @@ def _spans(made: pd.DataFrame, older: pd.DataFrame, always: pd.DataFrame, n: int
     )
 
 
-def _segment_spans(frames: SnapshotFrames, ev: pd.DataFrame, action: np.ndarray) -> tuple[_Spans, bool]:
+def _segment_spans(frames: SnapshotFrames, ev: pd.DataFrame, action: pd.Series) -> tuple[_Spans, bool]:
     """The device's segments over the trace (expandable ones by their mapped ranges), and whether
     that is exact (no expandable segment)."""
-    made, older = _ranges_of_trace(ev, np.isin(action, _MAKES), np.isin(action, _RELEASES), len(ev))
+    made, older = _ranges_of_trace(ev, action.isin(_MAKES).to_numpy(), action.isin(_RELEASES).to_numpy(), len(ev))
     dump = frames.segments[frames.segments["device"] == ev["device"].iloc[0]] if len(ev) else frames.segments[:0]
     seen = set(made["address"].tolist()) | set(older["address"].tolist())
     kept = dump[~dump["is_expandable"].to_numpy(dtype=bool) & ~dump["address"].isin(seen).to_numpy()]
     always = pd.DataFrame({"address": kept["address"], "size": kept["total_size_bytes"]})
-    exact = not bool(dump["is_expandable"].any()) and "segment_map" not in set(action.tolist())
+    exact = not bool(dump["is_expandable"].any()) and not bool((action == "segment_map").any())
     return _spans(made, older, always, len(ev), np.full(len(made), -1)), exact
 
 
 def _block_spans(
-    frames: SnapshotFrames, ev: pd.DataFrame, action: np.ndarray, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
+    frames: SnapshotFrames, ev: pd.DataFrame, action: pd.Series, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The allocated blocks' address ranges: the trace's allocations (``lt``), those it frees
     without having made them, and the dump's live blocks older than the trace."""
     rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
     made = pd.DataFrame({"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end})
-    freed = ev[action == "free_completed"]
+    freed = ev[(action == "free_completed").to_numpy()]
     unmatched = freed[~freed["event_index"].isin(lt["free_index"].dropna())]
     older = pd.DataFrame(
         {
@@ -331,7 +331,7 @@ def segment_moments(
     """The segments at :data:`SEGMENT_MOMENTS` buckets' highest points, evenly spread, and the
     peak's; ``row``: each lifetime's listed allocation (-1: not listed)."""
     ev = frames.events[frames.events["device"] == device]
-    action = ev["action"].astype(str).to_numpy()
+    action = ev["action"]  # categorical: compared by code, not as a million strings
     segments, exact = _segment_spans(frames, ev, action)
     made, older, always = _block_spans(frames, ev, action, lt, start, end)
     blocks = _spans(made, older, always, len(ev), row)
