@@ -4,7 +4,8 @@ cuda_graph_pool, other (and the parallel libraries' own, see :mod:`.parallel`).
 One module per question: :mod:`.stacks` (what a stack says, and on which thread it was
 recorded), :mod:`.gradients` (the lifetime rule that finds gradients in both stack modes),
 :mod:`.pretrace` (memory older than the trace), :mod:`.assign` (one category and the rule that
-gave it per allocation and per block), :mod:`.rules` (the names). This module sums them up:
+gave it per allocation and per block), :mod:`.rules` (the names), :mod:`.custom` (the user's own
+categories, rules on stacks tried first, for what is shown only). This module sums them up:
 bytes per category at the dump, at the peak and over the trace, and which rule labelled them.
 """
 

@@ -43,7 +43,8 @@ class Categorization:
     :func:`~snapshot_lab.metrics.history.lifetimes.device_lifetimes`; ``block_rule``/``alloc_rules``: the
     rule that labelled each (names / codes into :data:`RULES`); ``pre_trace_frees``: per device,
     the allocations older than the trace that the trace frees (event_index, address, size_bytes,
-    code, rule)."""
+    code, rule). With the user's rules (:mod:`.custom`), codes index ``names`` (CATEGORIES, then
+    the user's new names) and rule codes ``rule_names`` (RULES, then one per user rule)."""
 
     block_category: pd.Series
     alloc_codes: dict[int, np.ndarray]
