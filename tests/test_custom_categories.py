@@ -280,3 +280,13 @@ def test_the_options_are_defined_once_and_shared(command):
     params = inspect.signature(getattr(cli, command)).parameters
     assert str(params["category"].annotation) == "CategoryOpt"
     assert str(params["categories_file"].annotation) == "CategoriesFileOpt"
+
+
+def test_the_mcp_server_never_quotes_a_rules_file():
+    from snapshot_lab import mcp_server
+
+    exc = ParameterError("categories_file", "{categories_file} {path}: {problem}", path="x.json", problem="'secret'")
+    told = mcp_server.client_message(exc)
+    assert "secret" not in told and told.startswith("categories_file: not a rules file")
+    bad_rule = ParameterError("category", "{category}: {problem}", problem="rule for 'x': not a regular expression")
+    assert mcp_server.client_message(bad_rule) == "category: rule for 'x': not a regular expression"
