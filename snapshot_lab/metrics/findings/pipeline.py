@@ -55,6 +55,7 @@ ADVICE_INFLIGHT_OTHER = (
     "keep more microbatches in flight, and an interleaved schedule (ScheduleInterleaved1F1B, "
     "virtual stages) evens that out."
 )
+SCHEDULE_FROM_TRACE = ", read from the order of the traces"
 GPIPE_IN_FLIGHT = ": GPipe keeps all {microbatches} microbatches in flight on every stage"
 ADVICE_NOT_INFLIGHT = (
     # first, when other categories explain most of the difference
@@ -164,7 +165,8 @@ def _inflight_advice(skew: PipelineSkew) -> list[str]:
     does about it."""
     schedule = (skew.schedule or "").lower()
     advice = [ADVICE_INFLIGHT.format(in_flight=_in_flight(skew))]
-    if schedule == "1f1b":
+    counted = None not in (skew.heaviest.microbatches_in_flight, skew.lightest.microbatches_in_flight)
+    if schedule == "1f1b" and counted:
         advice.append(
             ADVICE_INFLIGHT_1F1B.format(
                 heavy_microbatches=skew.heaviest.microbatches_in_flight,
@@ -230,7 +232,8 @@ def _title(skew: PipelineSkew) -> str:
     heavy, light = skew.heaviest, skew.lightest
     schedule, microbatches = skew.schedule, skew.microbatches
     count = f", {microbatches} microbatches" if microbatches else ""
-    how = f"{schedule or 'schedule unknown'}{count}"
+    read = SCHEDULE_FROM_TRACE if skew.schedule_from_trace else ""
+    how = f"{schedule or 'schedule unknown'}{read}{count}"
     return TITLE.format(
         spread=format_bytes(skew.spread_bytes),
         spread_percent=format_percent(skew.spread_ratio, 0),

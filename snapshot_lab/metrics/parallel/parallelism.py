@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ...frames import SnapshotFrames
 from .._memo import memo
+from .schedule import PIPELINING_FILES, schedule_from_trace
 
 KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
 
@@ -177,7 +178,6 @@ def group_label(stage: int | None, inferred: bool = False) -> str:
 
 # torch.distributed.pipelining's functions that only the last stage runs: it computes the loss
 LAST_STAGE_FUNCTIONS = frozenset({"_maybe_compute_loss", "_compute_loss"})
-PIPELINING_FILES = "distributed/pipelining/"
 
 
 def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None:
@@ -185,7 +185,8 @@ def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None
     their names: ``torch.distributed.pipelining`` frames say the file is a stage, and only the
     last stage computes the loss. Coordinates ``{"pp": 1}`` for the last stage and ``{"pp": 0}``
     for a stage before it (exact for two stages; with more, the stages before the last are one
-    group). None when no allocation has a pipelining frame."""
+    group), and the schedule the trace's order shows (:mod:`.schedule`). None when no
+    allocation has a pipelining frame."""
     stack_frames = frames.stack_frames
     in_pipelining = (
         stack_frames["filename"]
@@ -197,7 +198,14 @@ def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None
     if used.empty:
         return None
     last = bool(set(used["name"].astype(str)) & LAST_STAGE_FUNCTIONS)
-    return ParallelLayout(source="stacks", coordinates={"pp": 1 if last else 0}, strategies=["pp"])
+    read = schedule_from_trace(frames)
+    return ParallelLayout(
+        source="stacks",
+        coordinates={"pp": 1 if last else 0},
+        strategies=["pp"],
+        schedule=read.schedule if read else None,
+        microbatches=read.microbatches if read else None,
+    )
 
 
 def _normalised(strategies: list[str]) -> list[str]:

@@ -68,6 +68,8 @@ class PipelineSkew:
     by_category: dict[str, int]
     # the sites that make the heaviest stage heavier, most first
     by_site: list[SiteDelta]
+    # the schedule was read from the order of the traces (no sidecar said it: .schedule)
+    schedule_from_trace: bool = False
 
     @property
     def spread_bytes(self) -> int:
@@ -93,6 +95,7 @@ class PipelineSkew:
             "num_stages": self.num_stages,
             "schedule": self.schedule,
             "microbatches": self.microbatches,
+            **({"schedule_from_trace": True} if self.schedule_from_trace else {}),
             "stages": [asdict(stage) for stage in self.stages],
             "heaviest_stage": self.heaviest.stage,
             "lightest_stage": self.lightest.stage,
@@ -172,6 +175,8 @@ def pipeline_skew(
     num_stages = _common([lay.num_stages for lay in lays])
     schedule = _common([lay.schedule for lay in lays])
     microbatches = _common([lay.microbatches for lay in lays])
+    told = [lay for lay in lays if lay.schedule is not None]
+    from_trace = schedule is not None and all(lay.source == "stacks" for lay in told)
     stages = []
     for stage in sorted(members):
         summary = summaries[reps[stage]]
@@ -215,4 +220,5 @@ def pipeline_skew(
         lightest=lightest,
         by_category=by_category,
         by_site=_site_deltas(summaries[heaviest.path], summaries[lightest.path]),
+        schedule_from_trace=from_trace,
     )
