@@ -108,9 +108,11 @@ def rules_of(category: list[str] | None = None, categories_file: str | Path | No
     if categories_file is not None:
         content = _read_rules_file(categories_file)
         try:
-            rules += rules_from_mapping(content, Path(categories_file).name)
+            rules += rules_from_mapping(content)
         except CategoryRuleError as exc:
-            raise ParameterError("categories_file", "{categories_file}: {problem}", problem=exc) from None
+            raise ParameterError(
+                "categories_file", "{categories_file} {path}: {problem}", path=str(categories_file), problem=exc
+            ) from None
     try:
         return category_rules(rules)
     except CategoryRuleError as exc:

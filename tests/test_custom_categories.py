@@ -249,10 +249,11 @@ def test_a_bad_rule_is_one_line_and_a_usage_error(case):
 @pytest.mark.parametrize(
     ("name", "content", "says"),
     [
-        ("bad.toml", "gpt2 = [1, 2]\n", "--categories-file: bad.toml: the patterns of 'gpt2' must be strings"),
-        ("bad.toml", "gpt2 = \n", "--categories-file "),
-        ("bad.json", "[1, 2]", "--categories-file: bad.json: expected a table of NAME"),
-        ("bad.json", "{nope", "--categories-file "),
+        ("bad.toml", "gpt2 = [1, 2]\n", "the patterns of 'gpt2' must be strings"),
+        ("bad.toml", "gpt2 = \n", "Invalid value (at line 1, column 8)"),
+        ("bad.json", "[1, 2]", "expected a table of NAME"),
+        ("bad.json", "{nope", "Expecting property name enclosed in double quotes"),
+        ("bad.json", '{"a=b": "func:x"}', "category name 'a=b': letters, digits"),
     ],
 )
 def test_a_bad_rules_file_is_one_line_and_a_usage_error(tmp_path, name, content, says):
@@ -260,7 +261,7 @@ def test_a_bad_rules_file_is_one_line_and_a_usage_error(tmp_path, name, content,
     path.write_text(content)
     r = runner.invoke(cli.app, ["stats", str(GPT2), "-q", "--categories-file", str(path)])
     assert r.exit_code == 2
-    assert r.stderr.startswith(f"snaplab: error: {says}"), r.stderr
+    assert r.stderr.startswith(f"snaplab: error: --categories-file {path}: {says}"), r.stderr
     assert r.stderr.count("\n") == 1
 
 

@@ -143,17 +143,18 @@ def make_rule(name: str, kind: str, pattern: str) -> CategoryRule:
     return rule
 
 
-def rules_from_mapping(mapping: object, source: str) -> list[CategoryRule]:
+def rules_from_mapping(mapping: object) -> list[CategoryRule]:
     """A rules file's content (``{name: pattern or [patterns]}``, in the file's order) as rules."""
     if not isinstance(mapping, dict):
-        raise CategoryRuleError(f'{source}: expected a table of NAME = "KIND:PATTERN" (or a list of them)')
+        raise CategoryRuleError('expected a table of NAME = "KIND:PATTERN" (or a list of them)')
     out = []
     for name, value in mapping.items():
         patterns = value if isinstance(value, list) else [value]
         for pattern in patterns:
             if not isinstance(pattern, str):
-                raise CategoryRuleError(f"{source}: the patterns of {str(name)[:MAX_NAME_CHARS]!r} must be strings")
-            out.append(parse_rule(f"{name}={pattern}"))
+                raise CategoryRuleError(f"the patterns of {str(name)[:MAX_NAME_CHARS]!r} must be strings")
+            kind, colon, text = pattern.partition(":")
+            out.append(make_rule(str(name), kind.strip() if colon else "", text))
     return out
 
 
