@@ -156,6 +156,8 @@ def bench_size(a: argparse.Namespace, n: int) -> None:
             viz_module = [a.torch_python, "-m", "torch.cuda._memory_viz"]
             cases["_memory_viz stats"] = run_timed([*viz_module, "stats", str(snap)])
             cases["_memory_viz trace_plot"] = run_timed([*viz_module, "trace_plot", str(snap), "-o", str(viz)])
+    if a.memory_viz_script:  # torch's file run on its own: no `import torch` (its stats needs none)
+        cases["_memory_viz.py stats (file)"] = run_timed([py, str(a.memory_viz_script), "stats", str(snap)])
     # the baseline again, now that the file is surely in the page cache
     base = faster_baseline(base, run_timed(load_cmd))
     print_table(n, size_mb, base, cases)
@@ -180,6 +182,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--torch-python", help="a python that has torch, for torch.cuda._memory_viz")
+    ap.add_argument(
+        "--memory-viz-script",
+        type=Path,
+        help="torch's torch/cuda/_memory_viz.py, run as a file by this Python for its `stats` (where no torch is"
+        " installed: it does not import torch, which makes it faster than `python -m torch.cuda._memory_viz`)",
+    )
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     ap.add_argument("--keep", action="store_true", help="keep the generated snapshots")
     ap.add_argument("--stats-only", action="store_true", help="time only pickle.load and snaplab stats")
