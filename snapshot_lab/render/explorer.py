@@ -186,23 +186,30 @@ def _moment(moment: SegmentMoment) -> dict[str, Any]:
 
 
 def diff_payload(before: SnapshotFrames, after: SnapshotFrames, names: tuple[str, str]) -> Payload:
-    """The diff page's two explorers, linked: the first device with a trace of each file (none
-    for a file without a trace). Stacks are keyed ``a:<id>`` and ``b:<id>`` (two files' ids)."""
+    """The diff page's two explorers, linked (see :func:`add_diff_explorer`)."""
     payload = Payload(linked=True)
-    for key, frames, name in zip(("a", "b"), (before, after), names, strict=True):
-        timelines = device_timelines(frames, compute_stats(frames))
-        device = next((dev for dev, timeline in timelines.items() if timeline is not None), None)
-        if device is None:
-            continue
-        timeline = timelines[device]
-        assert timeline is not None
-        ex = explore(frames, timeline)
-        data = {"device": device, "dom": f"explorer-{key}", "name": name, "stackPrefix": f"{key}:", "segments": []}
-        data.update(timeline_data(ex))
-        for stack_id in sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0}):
-            payload.add_stack(stack_id, frames.stack(stack_id), prefix=f"{key}:")
-        payload.devices.append(data)
+    add_diff_explorer(payload, before, "a", names[0])
+    add_diff_explorer(payload, after, "b", names[1])
     return payload
+
+
+def add_diff_explorer(payload: Payload, frames: SnapshotFrames, key: str, name: str) -> None:
+    """One file's explorer for the diff page (``key``: "a" the first file, "b" the second): its
+    first device with a trace (nothing for a file without one). Its stacks are keyed
+    ``<key>:<id>``, two files' ids being unrelated. A caller that reads the files one at a time
+    adds each as soon as it has its frames, so both need not be in memory at once."""
+    timelines = device_timelines(frames, compute_stats(frames))
+    device = next((dev for dev, timeline in timelines.items() if timeline is not None), None)
+    if device is None:
+        return
+    timeline = timelines[device]
+    assert timeline is not None
+    ex = explore(frames, timeline)
+    data = {"device": device, "dom": f"explorer-{key}", "name": name, "stackPrefix": f"{key}:", "segments": []}
+    data.update(timeline_data(ex))
+    for stack_id in sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0}):
+        payload.add_stack(stack_id, frames.stack(stack_id), prefix=f"{key}:")
+    payload.devices.append(data)
 
 
 def annotation_data(annotated: list[AnnotatedAllocation]) -> list[dict[str, Any]]:
