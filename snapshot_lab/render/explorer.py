@@ -22,6 +22,7 @@ import pandas as pd
 from ..frames import SnapshotFrames
 from ..metrics import compute_stats
 from ..metrics.attribution.annotations import AnnotatedAllocation
+from ..metrics.attribution.sites import classify_frames
 from ..metrics.diagnose import device_timelines
 from ..metrics.explore import Exploration, Histogram, SegmentMoment, explore
 from ..metrics.stats.layout import PoolLayout
@@ -207,9 +208,28 @@ def add_diff_explorer(payload: Payload, frames: SnapshotFrames, key: str, name: 
     ex = explore(frames, timeline)
     data = {"device": device, "dom": f"explorer-{key}", "name": name, "stackPrefix": f"{key}:", "segments": []}
     data.update(timeline_data(ex))
-    for stack_id in sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0}):
-        payload.add_stack(stack_id, frames.stack(stack_id), prefix=f"{key}:")
+    shown = sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0})
+    for stack_id, stack in zip(shown, without_internals([frames.stack(sid) for sid in shown]), strict=True):
+        payload.add_stack(stack_id, stack, prefix=f"{key}:")
     payload.devices.append(data)
+
+
+def without_internals(stacks: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Each stack without the frames :func:`~..metrics.attribution.sites.classify_frames` calls
+    internal (PyTorch's and Python's own machinery), as the report's explorer shows them; the
+    frames of all the stacks are classified at once (each call costs tens of milliseconds)."""
+    every_frame = [frame for stack in stacks for frame in stack]
+    if not every_frame:
+        return [[] for _ in stacks]
+    table = pd.DataFrame(every_frame, columns=["filename", "line", "name"])
+    table["frame_id"] = range(len(table))
+    kinds = classify_frames(table).to_numpy()
+    out, start = [], 0
+    for stack in stacks:
+        mine = kinds[start : start + len(stack)]
+        start += len(stack)
+        out.append([frame for frame, kind in zip(stack, mine, strict=True) if kind != "internal"])
+    return out
 
 
 def annotation_data(annotated: list[AnnotatedAllocation]) -> list[dict[str, Any]]:
