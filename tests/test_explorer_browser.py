@@ -224,6 +224,10 @@ def test_the_diff_page_links_its_two_explorers(browser, diff_html, tmp_path):
     )
     common = set(colours[0]) & set(colours[1])
     assert len(common) > 3 and all(colours[0][name] == colours[1][name] for name in common)
+    # the histograms over the same bins in both
+    for kind in ("size", "life"):
+        bars = [page.locator(f"#explorer-{k} .xp-hist-{kind} .xp-hbar").count() for k in ("a", "b")]
+        assert bars[0] == bars[1] > 3
     page.click("#explorer-a .xp-axis")
     assert [page.locator(f"#explorer-{k} .xp-axis").get_attribute("data-axis") for k in ("a", "b")] == ["event"] * 2
     assert spans()[0] == spans()[1]

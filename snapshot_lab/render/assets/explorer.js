@@ -113,6 +113,17 @@
     dev.ooms = s.ooms;
     dev.markers = dev.markers.map(function (m, k) { return [s.markers[k], m[1]]; });
   }
+  function padded(hist, span) {
+    // the histogram over the bins [span[0], span[1]) (linked explorers: one range for both files)
+    if (!hist || !span || !hist.n.length) return hist;
+    var n = [], bytes = [];
+    for (var k = span[0]; k < span[1]; k++) {
+      var at = k - hist.low, inside = at >= 0 && at < hist.n.length;
+      n.push(inside ? hist.n[at] : 0);
+      bytes.push(inside ? hist.bytes[at] : 0);
+    }
+    return { low: span[0], n: n, bytes: bytes, zero: hist.zero, open: hist.open };
+  }
   function histChart(title, hist, label, cls) {
     var wrap = el("div", "xp-hist " + cls);
     wrap.appendChild(el("h4", null, title));
@@ -641,15 +652,24 @@
     });
     box.appendChild(list);
   };
+  Explorer.prototype.histSpan = function (key) {
+    // linked explorers draw each histogram over the same bins, so the two files' bars line up
+    var lo = Infinity, hi = -Infinity;
+    this.members().forEach(function (m) {
+      var h = m.dev.hist && m.dev.hist[key];
+      if (h && h.n.length) { lo = Math.min(lo, h.low); hi = Math.max(hi, h.low + h.n.length); }
+    });
+    return this.group && lo < hi ? [lo, hi] : null;
+  };
   Explorer.prototype.showHistograms = function () {
     var dev = this.dev, h = dev.hist, box = this.histBox;
     if (!h) return;
     box.textContent = "";
-    var bySeconds = dev.axis === "time_s" && h.lifeSeconds;
-    box.appendChild(histChart("Allocation sizes (every allocation of the trace)", h.size,
+    var bySeconds = dev.axis === "time_s" && h.lifeSeconds, life = bySeconds ? "lifeSeconds" : "lifeEvents";
+    box.appendChild(histChart("Allocation sizes (every allocation of the trace)", padded(h.size, this.histSpan("size")),
       function (k) { return fmtBytes(Math.pow(2, k)); }, "xp-hist-size"));
     box.appendChild(histChart("Lifetimes, " + (bySeconds ? "in time" : "in allocator events"),
-      bySeconds ? h.lifeSeconds : h.lifeEvents,
+      padded(h[life], this.histSpan(life)),
       bySeconds ? function (k) { return fmtSeconds(Math.pow(2, k)); }
         : function (k) { return Math.pow(2, k).toLocaleString("en-US") + " ev"; }, "xp-hist-life"));
   };
@@ -658,7 +678,7 @@
     var lo = Infinity, hi = -Infinity;
     group.members.forEach(function (m) { m.layoutFull(); lo = Math.min(lo, m.full[0]); hi = Math.max(hi, m.full[1]); });
     group.members.forEach(function (m) { m.full = [lo, hi]; m.lanes = m.pack(); m.view = [lo, hi]; });
-    group.members.forEach(function (m) { m.draw(); });
+    group.members.forEach(function (m) { m.draw(); m.showHistograms(); });
   }
 
   function Layout(root, dev) {
