@@ -440,20 +440,37 @@
     g.globalAlpha = 1;
   };
   Explorer.prototype.allocText = function (i) {
-    // what a search reads: the site, the module and every recorded frame of the allocation's stack
+    // what a search reads, line by line: the site, the module and each recorded frame of the
+    // allocation's stack (short lines: a pattern that backtracks badly has little to chew on)
     if (!this.texts) this.texts = [];
     if (this.texts[i] === undefined) {
       var a = this.dev.allocs, ids = a.stack[i] >= 0 && DATA.stacks[this.prefix + a.stack[i]];
       this.texts[i] = [this.dev.siteNames[a.site[i]], a.mod[i] >= 0 ? this.dev.modNames[a.mod[i]] : ""]
-        .concat(ids ? ids.map(function (f) { return DATA.frames[f]; }) : []).join("\n");
+        .concat(ids ? ids.map(function (f) { return DATA.frames[f]; }) : [])
+        .map(function (line) { return line.length > MAX_LINE ? line.slice(0, MAX_LINE) : line; });
     }
     return this.texts[i];
   };
+  var SEARCH_BUDGET_MS = 1500; // a search that takes longer stops, and says so
+  var MAX_LINE = 500; // characters of a line a search reads (a hostile file's names can be long)
+  Explorer.prototype.matches = function (query) {
+    // one flag per listed allocation; null when the search ran out of time
+    var a = this.dev.allocs, out = [], start = Date.now();
+    for (var i = 0; i < a.x0.length; i++) {
+      out.push(this.allocText(i).some(function (line) { return query.test(line); }));
+      if (Date.now() - start > SEARCH_BUDGET_MS) return null;
+    }
+    return out;
+  };
   Explorer.prototype.search = function (text) {
-    var m = matcher(text), a = this.dev.allocs, self = this;
+    var m = matcher(text), a = this.dev.allocs;
     this.searchMsg.textContent = m && m.error ? m.error : "";
     this.query = m && !m.error ? m : null;
-    this.match = this.query ? a.x0.map(function (_, i) { return self.query.test(self.allocText(i)); }) : null;
+    this.match = this.query ? this.matches(this.query) : null;
+    if (this.query && !this.match) {
+      this.query = null;
+      this.searchMsg.textContent = "The search took longer than " + SEARCH_BUDGET_MS / 1000 + " s and was stopped: try a simpler pattern.";
+    }
     var count = 0, bytes = 0;
     if (this.match) this.match.forEach(function (hit, i) { if (hit) { count++; bytes += a.size[i]; } });
     this.searchCount.textContent = this.match ? count.toLocaleString("en-US") + " of " +
