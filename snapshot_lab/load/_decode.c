@@ -107,6 +107,8 @@ typedef struct {
     const char *p, *end;
     const char *start, *released; /* release: pages before `released` were given back */
     int release;
+    PyObject *on_progress; /* called with the offset read so far, every PROGRESS_STEP bytes; or NULL */
+    const char *reported;
     Item *stack;
     Py_ssize_t len, cap;
     Py_ssize_t *marks;
@@ -1021,6 +1023,23 @@ static void release_pages(VM *vm) {
 #endif
 }
 
+#define PROGRESS_STEP (16 << 20)
+
+/* Tell ``on_progress`` how far into the buffer the reader is (at most every PROGRESS_STEP
+   bytes). A progress display must never stop the reading: whatever it raises is dropped. */
+static void report_progress(VM *vm) {
+    if (vm->on_progress == NULL || vm->p - vm->reported < PROGRESS_STEP) {
+        return;
+    }
+    vm->reported = vm->p;
+    PyObject *r = PyObject_CallFunction(vm->on_progress, "n", (Py_ssize_t)(vm->p - vm->start));
+    if (r == NULL) {
+        PyErr_Clear();
+    } else {
+        Py_DECREF(r);
+    }
+}
+
 #define NEED(n)                                                                                                       \
     if (vm->end - vm->p < (Py_ssize_t)(n)) return -1;
 
@@ -1088,6 +1107,7 @@ static int run(VM *vm) {
             vm->p += 8;
             rc = n > (uint64_t)(vm->end - vm->p) ? -1 : 0;
             release_pages(vm);
+            report_progress(vm);
             break;
         }
         case '.': /* STOP */
@@ -1367,7 +1387,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer buf;
     PyObject *oom_name;
     int release = 0;
-    if (!PyArg_ParseTuple(args, "y*U|p", &buf, &oom_name, &release)) {
+    PyObject *on_progress = Py_None;
+    if (!PyArg_ParseTuple(args, "y*U|pO", &buf, &oom_name, &release, &on_progress)) {
         return NULL;
     }
     VM *vm = PyMem_Calloc(1, sizeof(VM));
@@ -1378,6 +1399,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     vm->p = vm->start = vm->released = buf.buf;
     vm->end = (const char *)buf.buf + buf.len;
     vm->release = release;
+    vm->on_progress = on_progress == Py_None ? NULL : on_progress;
+    vm->reported = vm->start;
     vm->oom_name = oom_name;
     vm->stacks = PyList_New(0);
     vm->used_lists = PyDict_New();
@@ -1407,8 +1430,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(buffer, oom_name, release=False): (root, None | (devices, stacks)), or None for the Python path. "
-     "release: the buffer is a read-only file mapping whose pages may be given back once read."},
+     "decode(buffer, oom_name, release=False, on_progress=None): (root, None | (devices, stacks)), or None for the "
+     "Python path. release: the buffer is a read-only file mapping whose pages may be given back once read; "
+     "on_progress(offset): called as the reading moves on (every 16 MiB of pickle frames)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,6 +10,7 @@ file with the restricted unpickler, which is the reference and names what is wro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,16 +93,20 @@ def _device(parts: tuple[Any, ...]) -> DeviceTrace:
     )
 
 
-def decode_pickle(data: Any, mapped_file: bool = False) -> tuple[Any, DecodedTraces | None] | None:
+def decode_pickle(
+    data: Any, mapped_file: bool = False, on_progress: Callable[[int], object] | None = None
+) -> tuple[Any, DecodedTraces | None] | None:
     """``(root object, decoded traces or None when the file has none)`` of a pickle held in
     ``data`` (bytes, or any buffer), or None when the compiled reader is not built, is switched
     off, or gives up (then read the file with :func:`~snapshot_lab.load.unpickler.safe_load`).
     ``mapped_file``: ``data`` is a read-only ``mmap`` of a file, whose pages are given back to
-    the system as they are read, so the file does not add to the process's memory."""
+    the system as they are read, so the file does not add to the process's memory.
+    ``on_progress(offset)``: told how many bytes of ``data`` were read, as the reading goes on
+    (every 16 MiB of a pickle of protocol 4 or later, whose frames say where it is)."""
     decoder = compiled("snapshot_lab.load._decode")
     if decoder is None:
         return None
-    out = decoder.decode(data, "oom", mapped_file)
+    out = decoder.decode(data, "oom", mapped_file, on_progress)
     if out is None:
         return None
     root, traces = out

@@ -194,7 +194,7 @@ def _read_object(
     ceiling = size if compression is None else decompressed_ceiling(size)
     try:
         with path.open("rb") as raw:
-            fast = _decode_whole(raw, size, compression, ceiling) if decode else None
+            fast = _decode_whole(raw, size, compression, ceiling, progress) if decode else None
             if fast is not None:
                 obj, traces, data_size, protocol = fast
                 return obj, SourceInfo(str(path), size, compression, "pickle", protocol, data_size), traces
@@ -235,12 +235,16 @@ def _read_object(
 
 
 def _decode_whole(
-    raw: IO[bytes], size: int, compression: str | None, ceiling: int
+    raw: IO[bytes], size: int, compression: str | None, ceiling: int, progress: ProgressSink | None = None
 ) -> tuple[Any, DecodedTraces | None, int, int | None] | None:
     """The compiled reader's ``(object, traces, data size, protocol)`` of a pickle, or None when
     it is not a pickle, the reader is not built, or it gives up on anything irregular (the
     streaming reader then starts over and gives the reference result or error). A plain file is
-    mapped, not read; a compressed one is decompressed whole first (any failure there: None)."""
+    mapped, not read; a compressed one is decompressed whole first (any failure there: None).
+    ``progress`` is told the bytes of the file read so far: the mapped file's offset as the
+    reader moves through it, or the compressed bytes taken from the file."""
+    progress = progress or NullProgress()
+    on_progress = None if isinstance(progress, NullProgress) else progress.update
     budget = MEMORY_PER_BYTE * ceiling + MEMORY_SLACK
     try:
         if compression is None:
@@ -249,7 +253,7 @@ def _decode_whole(
                 return None
             # mapped before the address-space limit is set: the mapping is not what it guards
             with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
-                out = decode_pickle(mapped, mapped_file=True)
+                out = decode_pickle(mapped, mapped_file=True, on_progress=on_progress)
             data_size = size
         else:
             stream = open_decompressed(raw, compression)
@@ -261,6 +265,8 @@ def _decode_whole(
             with memory_limited(budget):
                 while chunk := bounded.read(4 << 20):
                     data += chunk
+                    if on_progress is not None:
+                        on_progress(raw.tell())
             data_size = len(data)
             with gc_paused(), memory_limited(budget):
                 out = decode_pickle(data)
