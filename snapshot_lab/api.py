@@ -322,14 +322,21 @@ def summarize_file(
     return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites, rules)
 
 
-def _summary_and_stages(
-    snapshot: str | Path, rules: CategoryRules | None = None
+def _read_for_diff(
+    snapshot: str | Path, rules: CategoryRules | None, stages: bool, explorers: Payload | None, key: str
 ) -> tuple[SnapshotSummary, Stages | None]:
-    """A file's summary and the stages of its first device with ranges (its frames read once)."""
+    """A file's summary and, with ``stages``, the stages of its first device with ranges; with
+    ``explorers``, its explorer added to the diff page's (``key``: "a" or "b"). Its frames are
+    read once and dropped before the next file is read."""
     frames = load_frames(snapshot)
     stats_ = compute_stats(frames)
     summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
-    return summary, next((st for st in file_stages(frames, rules).values() if st.ranges), None)
+    found = next((st for st in file_stages(frames, rules).values() if st.ranges), None) if stages else None
+    if explorers is not None:
+        from .render.explorer import add_diff_explorer
+
+        add_diff_explorer(explorers, frames, key, Path(snapshot).name, rules)
+    return summary, found
 
 
 def diff(
@@ -342,16 +349,21 @@ def diff(
     categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
 ) -> SnapshotDiff:
-    """What changed between two snapshots of the same job; with ``output``, also written as HTML;
-    with ``stages``, also their ``record_function`` ranges compared by name (``result.stages``);
-    ``category``/``categories_file``: your own categories, compared like the built-in ones
-    (:func:`rules_of`)."""
+    """What changed between two snapshots of the same job; with ``output``, also written as HTML
+    (the two traces' explorers side by side, linked); with ``stages``, also their
+    ``record_function`` ranges compared by name (``result.stages``); ``category``/
+    ``categories_file``: your own categories, compared like the built-in ones (:func:`rules_of`)."""
     rules = rules_of(category, categories_file)
     progress = progress or NullProgress()
+    explorers = None
+    if output is not None:
+        from .render.explorer import Payload
+
+        explorers = Payload(linked=True)
     progress.stage("Reading the first snapshot")
-    a, stages_a = _summary_and_stages(before, rules) if stages else (summarize_file(before, True, rules), None)
+    a, stages_a = _read_for_diff(before, rules, stages, explorers, "a")
     progress.stage("Reading the second snapshot")
-    b, stages_b = _summary_and_stages(after, rules) if stages else (summarize_file(after, True, rules), None)
+    b, stages_b = _read_for_diff(after, rules, stages, explorers, "b")
     result = diff_summaries(a, b)
     if stages:
         result = replace(result, stages=compare_stages(stages_a, stages_b))
@@ -359,7 +371,7 @@ def diff(
         from . import __version__
         from .render.compare import render_diff_html
 
-        write_atomic(Path(output), render_diff_html(result, __version__))
+        write_atomic(Path(output), render_diff_html(result, __version__, explorers))
     return notebook.Diff.of(result)
 
 
@@ -745,6 +757,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
     from .metrics.plan import MemoryPlan, PlanTable
+    from .render.explorer import Payload
 
 
 @contextlib.contextmanager

@@ -328,9 +328,10 @@ def _device_section(
     lifetimes: pd.DataFrame,
     whatif: WhatIf | None,
     figures: _Figures,
+    rules: CategoryRules | None = None,
 ) -> DeviceSection:
     """One device's section: what the dump shows, the moment of its OOM, then what the trace
-    shows (its figures, once ``figures`` resolves)."""
+    shows (its figures, once ``figures`` resolves; the explorer's categories by ``rules`` first)."""
     device_stats = stats.devices[dev]
     moment = oom_moment(frames, dev) if device_stats.oom is not None else None
     at_oom = moment if moment is not None and not moment.at_dump else None
@@ -342,7 +343,7 @@ def _device_section(
     if timeline is None:
         _without_trace(section, frames, stats, dev, cats, figures)
     else:
-        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes, figures)
+        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes, figures, rules)
     return section
 
 
@@ -457,6 +458,7 @@ def _trace_views(
     cats: CategoryBreakdown,
     lifetimes: pd.DataFrame,
     figures: _Figures,
+    rules: CategoryRules | None = None,
 ) -> None:
     """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
     the explorer's data)."""
@@ -478,7 +480,7 @@ def _trace_views(
     )
     section.composition = compose("peak", by_category, peak_sites, device_stats.modules, timeline.peak_index)
     _chart(section, figures)
-    section.exploration = explore(frames, timeline)
+    section.exploration = explore(frames, timeline, rules=rules)
     section.timeline_notes = _timeline_notes(timeline)
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(timeline.peak_requested_bytes)} requested, event "
@@ -839,6 +841,7 @@ def build_report_context(
                 diagnosis.lifetimes[dev],
                 diagnosis.whatifs.get(dev),
                 figures,
+                category_rules,
             )
         )
     _would_it_fit(frames, stats, sections)

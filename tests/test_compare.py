@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -71,7 +72,10 @@ def test_diff_same_job_two_steps(tmp_path):
     assert {t["name"]: t["delta"] for t in out["totals"]}["allocated_bytes"] == 0
     assert all(s["status"] == "same" for s in out["sites"])
     html = (tmp_path / "d.html").read_text()
-    assert "Memory diff" in html and "<script" not in html
+    # the page carries both traces' explorers (#39): their data, and the one script its CSP allows
+    assert "Memory diff" in html and html.count("<script") == 2
+    assert 'id="explorer-a"' in html and 'id="explorer-b"' in html
+    assert "script-src &#39;sha256-" in html and not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
 
 
 def test_diff_of_leaking_run_against_clean_finds_sites():

@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..frames import SnapshotFrames
 from .attribution.sites import site_labels, snapshot_sites
-from .categories import CATEGORIES, categorize
+from .categories import CODES, CategoryRules, categorize
 from .history.lifetimes import device_lifetimes
 from .history.timeline import Timeline
 
@@ -361,15 +361,26 @@ def _histograms(
     return histogram(size.astype(np.float64), size), by_events, by_seconds
 
 
-def explore(frames: SnapshotFrames, tl: Timeline, buckets: int = BUCKETS, limit: int = MAX_ALLOCATIONS) -> Exploration:
-    """The explorer's data for one device with a trace."""
+def explore(
+    frames: SnapshotFrames,
+    tl: Timeline,
+    buckets: int = BUCKETS,
+    limit: int = MAX_ALLOCATIONS,
+    rules: CategoryRules | None = None,
+) -> Exploration:
+    """The explorer's data for one device with a trace (categories by the user's ``rules`` first,
+    when given)."""
     x, axis, x_label, index = _axis(frames, tl)
     b = _buckets(x, tl, buckets, axis == "time_s")
     lt = device_lifetimes(frames, tl.device)
     size = lt["size_bytes"].to_numpy(dtype=np.int64)
     start, end, freed = _lifetimes(lt, index)
-    categories = tuple(CATEGORIES)  # the one place the explorer's category names come from
-    cat = categorize(frames).alloc_codes[tl.device].astype(np.int64)
+    labelled = categorize(frames, rules)
+    categories = labelled.names  # the one place the explorer's category names come from
+    # an allocation no rule labelled is other (with the user's names after the built-in ones,
+    # -1 would index the last of those)
+    cat = labelled.alloc_codes[tl.device].astype(np.int64)
+    cat = np.where(cat < 0, CODES["other"], cat)
     sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     labels, _ = site_labels(sid, snapshot_sites(frames), np.array(categories, dtype=object)[cat])
     site_code, site_names = pd.factorize(pd.Series(labels, dtype=object))

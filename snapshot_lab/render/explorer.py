@@ -23,6 +23,7 @@ from ..frames import SnapshotFrames
 from ..metrics import compute_stats
 from ..metrics.attribution.annotations import AnnotatedAllocation
 from ..metrics.attribution.sites import classify_frames
+from ..metrics.categories import CategoryRules
 from ..metrics.diagnose import device_timelines
 from ..metrics.explore import Exploration, Histogram, SegmentMoment, explore
 from ..metrics.stats.layout import PoolLayout
@@ -69,7 +70,8 @@ class Payload:
             "frames": self.frames,
             "stacks": self.stacks,
             "states": list(STATES),
-            "colors": CATEGORY_COLORS,
+            # the built-in colours, and those of the user's own categories (#38) the devices show
+            "colors": {**CATEGORY_COLORS, **{c: CATEGORY_COLORS[c] for d in self.devices for c in d.get("cats", ())}},
         }
         if self.annotations:
             body["annotations"] = self.annotations
@@ -194,7 +196,9 @@ def diff_payload(before: SnapshotFrames, after: SnapshotFrames, names: tuple[str
     return payload
 
 
-def add_diff_explorer(payload: Payload, frames: SnapshotFrames, key: str, name: str) -> None:
+def add_diff_explorer(
+    payload: Payload, frames: SnapshotFrames, key: str, name: str, rules: CategoryRules | None = None
+) -> None:
     """One file's explorer for the diff page (``key``: "a" the first file, "b" the second): its
     first device with a trace (nothing for a file without one). Its stacks are keyed
     ``<key>:<id>``, two files' ids being unrelated. A caller that reads the files one at a time
@@ -205,7 +209,7 @@ def add_diff_explorer(payload: Payload, frames: SnapshotFrames, key: str, name: 
         return
     timeline = timelines[device]
     assert timeline is not None
-    ex = explore(frames, timeline)
+    ex = explore(frames, timeline, rules=rules)
     data = {"device": device, "dom": f"explorer-{key}", "name": name, "stackPrefix": f"{key}:", "segments": []}
     data.update(timeline_data(ex))
     shown = sorted({sid for sid in ex.allocations["stack_id"].tolist() if sid >= 0})
