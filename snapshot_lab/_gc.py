@@ -14,8 +14,10 @@ collection still examines them, so no cyclic garbage is lost, only found later.
 
 from __future__ import annotations
 
+import ctypes
 import gc
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -37,3 +39,32 @@ def gc_paused() -> Iterator[None]:
         if was_enabled:
             _age_young_objects()
             gc.enable()
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS, Windows: nothing to call)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]  # the padding to leave: a size_t, not an int
+    trim.restype = ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+_MALLOC_TRIM: list[Callable[[int], int] | None] = []
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``). Building the
+    frames allocates and frees many arrays of a few megabytes; glibc keeps what they leave free
+    in the middle of its heap, which stayed resident for the rest of the command (about 27 bytes
+    a trace entry: 260 MiB at 10M entries), raising every later stage's peak by as much."""
+    if not _MALLOC_TRIM:
+        _MALLOC_TRIM.append(_load_malloc_trim())
+    trim = _MALLOC_TRIM[0]
+    if trim is not None:
+        trim(0)

@@ -62,3 +62,21 @@ def test_real_samples(real_frames):
         fr = real_frames(name)
         for device in sorted({*fr.events["device"].unique().tolist(), 0}):
             pd.testing.assert_frame_equal(fr.device_events(device), _selected(fr.events, device))
+
+
+def test_consume_lets_the_decoded_traces_go(snap_file):
+    """build_frames(consume=True) of a decoded snapshot drops the decoded columns it did not take
+    into the frames, as the Python path empties the entry lists; the frames are the same."""
+    from snapshot_lab import _compiled
+
+    traces = [[event("alloc", 0x1000, 512, 10), event("free_requested", 0x1000, 512, 20)], []]
+    path = snap_file(make_snapshot([], traces))
+    kept = build_frames(load_snapshot(path))
+    snap = load_snapshot(path)
+    decoded = snap.decoded_traces is not None
+    consumed = build_frames(snap, consume=True)
+    pd.testing.assert_frame_equal(consumed.events, kept.events)
+    assert consumed.info == kept.info
+    assert snap.decoded_traces is None
+    assert snap.device_traces == [[], []]
+    assert decoded == _compiled.describe().startswith("compiled")

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from .._compiled import compiled
-from .._gc import gc_paused
+from .._gc import gc_paused, release_freed_memory
 from ..errors import SnapshotFormatError
 from ..load import Snapshot, SourceInfo
 from ..load.decoded import DecodedTraces, DeviceTrace
@@ -906,11 +906,18 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
 
     Raises :class:`~snapshot_lab.errors.SnapshotFormatError` naming the first field of a trace
     entry or a stack that no snapshot can hold. With ``consume=True`` the trace lists of
-    ``snap`` are emptied while they are converted, so their memory is released as the frames
-    grow (use it when the snapshot is not needed after).
+    ``snap`` are emptied while they are converted (or its decoded traces let go once converted),
+    so their memory is released as the frames grow (use it when the snapshot is not needed
+    after).
     """
     interner = _StackInterner()
+    n_trace_devices = len(snap.device_traces if snap.decoded_traces is None else snap.decoded_traces.devices)
     seg_rows, blk_rows, columns, host = _collect(snap, interner, consume)
+    if consume and snap.decoded_traces is not None:
+        # the decoded columns not taken into the frames (stack keys, action and metadata codes)
+        # are let go now, as the Python path empties the entry lists
+        snap.device_traces = [[] for _ in range(n_trace_devices)]
+        snap.decoded_traces = None
     segments, blocks = _frame_of(seg_rows, SEGMENTS_SCHEMA), _frame_of(blk_rows, BLOCKS_SCHEMA)
     metadata = list(interner.metadata)
     events = _events_frame(columns, metadata)
@@ -920,6 +927,7 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
     del columns, details
     stack_frames, stacks = interner.tables()
     annotations = _build_annotations(snap)
+    release_freed_memory()  # what building the frames freed, back to the system (glibc keeps it)
     # every _snapshot() call leaves a 'snapshot' marker in every device's trace: a device with
     # only those markers and no segments was never used by this process
     used = events.loc[events["action"] != "snapshot", "device"].unique().tolist()
@@ -931,7 +939,7 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         allocator_settings=snap.allocator_settings,
         devices=tuple(int(d) for d in devices),
         trace_devices=tuple(int(d) for d in sorted(used)),
-        n_trace_devices=len(snap.device_traces if snap.decoded_traces is None else snap.decoded_traces.devices),
+        n_trace_devices=n_trace_devices,
         stacks_kind=_stacks_kind(stack_frames),
         capture=snap.capture,
     )

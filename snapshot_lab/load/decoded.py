@@ -106,7 +106,9 @@ def decode_pickle(
     decoder = compiled("snapshot_lab.load._decode")
     if decoder is None:
         return None
-    out = decoder.decode(data, "oom", mapped_file, on_progress)
+    # without a display, called as before on_progress existed (an extension built before then)
+    args = (data, "oom", mapped_file) if on_progress is None else (data, "oom", mapped_file, on_progress)
+    out = decoder.decode(*args)
     if out is None:
         return None
     root, traces = out
