@@ -38,7 +38,7 @@ def _recorded_with_checkpointing(name: str) -> bool:
 def test_exactly_the_checkpointed_recordings_are_found(real_frames):
     found = [n for n in _names() if checkpointing_in_stacks(real_frames(n))]
     assert found == [n for n in _names() if _recorded_with_checkpointing(n)]
-    assert len(found) == 74  # 61 fit lever recordings, 8 capped boundary runs, an OOM, 4 others
+    assert len(found) == 76  # 63 fit lever recordings, 8 capped boundary runs, an OOM, 4 others
     assert {"grad_ckpt_all", "grad_ckpt_python", "modtags_llama_ckpt_all"} <= set(found)
 
 

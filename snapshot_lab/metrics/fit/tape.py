@@ -170,6 +170,16 @@ def simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int |
     return memo(tape, key, lambda: _simulate(tape, scale, settings, limit))
 
 
+def _top_down(settings: AllocatorSettings) -> bool:
+    """Whether new segments go from the top of the address space down (:class:`TopDownAllocator`):
+    cudaMalloc'd segments do. An expandable segment is one range per stream that grows upward as
+    pages are mapped at its end, so under ``expandable_segments`` the tape is laid out as the
+    what-if replays the trace (issue #37: on one complete Mixtral-config step, fit's
+    ``expandable_segments`` row said 3.47 GiB reserved where ``whatif`` said 2.76 GiB; the
+    top-down ranges left no room above a segment to grow into)."""
+    return not settings.expandable_segments
+
+
 def _simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int | None) -> Simulated:
     sizes = tape.sizes(scale)
     which, is_free = ordered_ops(tape)
@@ -180,7 +190,7 @@ def _simulate(tape: Tape, scale: float, settings: AllocatorSettings, limit: int 
     which, is_free = which[made], is_free[made]
     size = sizes.tolist()  # Python ints: the loop below runs once per operation
     stream = tape.stream.tolist()
-    model = TopDownAllocator(settings, limit, limit_is_cap=True)
+    model = (TopDownAllocator if _top_down(settings) else CachingAllocatorModel)(settings, limit, limit_is_cap=True)
     malloc, free = model.malloc, model.free
     live: dict[int, Any] = {}
     for r, f in zip(which.tolist(), is_free.tolist(), strict=True):
@@ -207,7 +217,7 @@ def _simulate_compiled(
 ) -> Simulated | None:
     """:func:`simulate` in the compiled engine, which takes the tape by row (None: it is not in
     use or cannot replay this)."""
-    engine = native.engine(settings, limit, limit_is_cap=True, top_down=True)
+    engine = native.engine(settings, limit, limit_is_cap=True, top_down=_top_down(settings))
     if engine is None:
         return None
     try:
