@@ -23,7 +23,6 @@ from .metrics.attribution.modules import ModuleBreakdown, ModuleRow
 from .metrics.attribution.sites import (
     alive_at,
     allocation_forward_ids,
-    classify_frames,
     display_stack,
     live_sites,
     snapshot_sites,
@@ -57,7 +56,7 @@ from .plots.views import category_view, timeline_view
 from .progress import NullProgress, ProgressSink
 from .render.annotations import show_annotations
 from .render.answer import FirstScreen, FitSummary, SourceFile, levers, made_of, verdict
-from .render.explorer import Payload, allocation_notes, layout_data, timeline_data
+from .render.explorer import Payload, allocation_notes, layout_data, timeline_data, without_internals
 from .render.fit import answer_sentence, batch_range_note, samples_note
 from .render.fit import headline as fit_headline
 from .render.host import host_view
@@ -179,27 +178,8 @@ def _site_views(frames: SnapshotFrames, sites: list[Any]) -> list[SiteView]:
     fulls = [frames.stack(site.stack_id) for site in sites]
     return [
         SiteView(site=site, stack=shown, full_stack=[{**frame, "kind": "frame"} for frame in full])
-        for site, full, shown in zip(sites, fulls, _display_stacks(fulls), strict=True)
+        for site, full, shown in zip(sites, fulls, without_internals(fulls, with_kind=True), strict=True)
     ]
-
-
-def _display_stacks(stacks: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """:func:`display_stack` of every stack, with the frames of all of them classified at once
-    (the kind of a frame depends on that frame alone; each classification costs tens of
-    milliseconds, however few its frames)."""
-    every_frame = [frame for stack in stacks for frame in stack]
-    if not every_frame:
-        return [[] for _ in stacks]
-    table = pd.DataFrame(every_frame, columns=["filename", "line", "name"])
-    table["frame_id"] = range(len(table))
-    kinds = classify_frames(table).to_numpy()
-    out = []
-    start = 0
-    for stack in stacks:
-        mine = kinds[start : start + len(stack)]
-        start += len(stack)
-        out.append([{**frame, "kind": kind} for frame, kind in zip(stack, mine, strict=True) if kind != "internal"])
-    return out
 
 
 CATEGORY_HELP = {
@@ -906,7 +886,8 @@ def _payload(frames: SnapshotFrames, sections: list[DeviceSection], annotated: l
             if notes := allocation_notes(section.exploration, annotated):
                 data["allocs"]["notes"] = notes
         shown = [sid for sid in sorted(set(stack_ids)) if sid >= 0]
-        for sid, stack in zip(shown, _display_stacks([frames.stack(sid) for sid in shown]), strict=True):
+        stacks = without_internals([frames.stack(sid) for sid in shown], with_kind=True)
+        for sid, stack in zip(shown, stacks, strict=True):
             payload.add_stack(sid, stack)
         payload.devices.append(data)
     return payload

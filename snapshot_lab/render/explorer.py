@@ -218,10 +218,11 @@ def add_diff_explorer(
     payload.devices.append(data)
 
 
-def without_internals(stacks: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+def without_internals(stacks: list[list[dict[str, Any]]], with_kind: bool = False) -> list[list[dict[str, Any]]]:
     """Each stack without the frames :func:`~..metrics.attribution.sites.classify_frames` calls
-    internal (PyTorch's and Python's own machinery), as the report's explorer shows them; the
-    frames of all the stacks are classified at once (each call costs tens of milliseconds)."""
+    internal (PyTorch's and Python's own machinery), as the report shows them (``with_kind``:
+    each frame kept with its ``kind``); the frames of all the stacks are classified at once (the
+    kind of a frame depends on that frame alone; each call costs tens of milliseconds)."""
     every_frame = [frame for stack in stacks for frame in stack]
     if not every_frame:
         return [[] for _ in stacks]
@@ -232,7 +233,8 @@ def without_internals(stacks: list[list[dict[str, Any]]]) -> list[list[dict[str,
     for stack in stacks:
         mine = kinds[start : start + len(stack)]
         start += len(stack)
-        out.append([frame for frame, kind in zip(stack, mine, strict=True) if kind != "internal"])
+        kept = [(frame, kind) for frame, kind in zip(stack, mine, strict=True) if kind != "internal"]
+        out.append([{**frame, "kind": kind} if with_kind else frame for frame, kind in kept])
     return out
 
 
