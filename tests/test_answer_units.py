@@ -249,3 +249,32 @@ def test_a_range_from_nothing_says_none_without_a_retry():
     assert _batch_range(multiples, SimpleNamespace(largest_batch=0.5, largest_batch_no_retry=0.0)) == (
         "none without a retry, up to 0.5x the recorded batch with one"
     )
+
+
+def test_the_issues_own_case_a_mixture_of_experts_oom_at_batch_64(tmp_path):
+    """The case issue #39 named (a Mixtral-config OOM at batch 64, answered in fractions of the
+    recorded batch), recorded after the answer was written (tests/test_fit_moe.py): every batch
+    it names ran in a fresh process, and the one above each as recorded, with bf16 and with both
+    failed there (8, 10, 18)."""
+    name = "fit_mixtral_b64_oom_python"
+    r = CliRunner().invoke(
+        app,
+        [
+            "report",
+            str(sample_path(name)),
+            "--format",
+            "md",
+            "-o",
+            str(tmp_path / "r.md"),
+            "--batch",
+            "64",
+            "--memory-limit",
+            "6GiB",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    answer = _md_answer((tmp_path / "r.md").read_text(encoding="utf-8"))
+    assert answer.endswith(
+        "Batch 7 fits in 6 GiB (you ran 64); with checkpointing 18, with bf16 autocast 9, with both 17."
+    )
+    assert _words(answer) <= ANSWER_WORDS + 1
