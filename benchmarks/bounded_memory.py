@@ -97,7 +97,9 @@ def measure(command: list[str], interval: float) -> tuple[int, float, float, flo
     command in a fresh process, under GNU time."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", out.name, *command], stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            ["/usr/bin/time", "-f", "%M", "-o", out.name, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         sampler = TreeSampler(proc.pid, interval)
         _, err = proc.communicate()
         tree = sampler.stop()
