@@ -82,3 +82,29 @@ def test_a_failing_progress_display_does_not_stop_the_reading(big_trace: Path, r
             raise RuntimeError("display gone")
 
     pd.testing.assert_frame_equal(_events(big_trace, Broken()), reference)
+
+
+def test_a_compressed_file_is_decoded_from_a_temporary_file_or_in_memory(
+    big_trace: Path, reference: pd.DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decompressed pickle goes to a temporary file that is mapped (it does not stay in the
+    process's memory); where no temporary file can be made it is read in memory: same frames."""
+    from snapshot_lab.load import loader
+
+    packed = tmp_path / "big.pickle.gz"
+    packed.write_bytes(gzip.compress(big_trace.read_bytes(), compresslevel=1))
+    made: list[object] = []
+    real_spool = loader._spool
+
+    def counting_spool() -> object:
+        spool = real_spool()
+        made.append(spool)
+        return spool
+
+    monkeypatch.setattr(loader, "_spool", counting_spool)
+    pd.testing.assert_frame_equal(_events(packed), reference)
+    assert made and made[0] is not None
+    monkeypatch.setattr(loader, "_spool", lambda: None)
+    snap = load_snapshot(packed)
+    assert snap.decoded_traces is not None or not _compiled.describe().startswith("compiled")
+    pd.testing.assert_frame_equal(build_frames(snap).events, reference)

@@ -15,9 +15,10 @@ import math
 import mmap
 import pickle
 import struct
+import tempfile
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +241,8 @@ def _decode_whole(
     """The compiled reader's ``(object, traces, data size, protocol)`` of a pickle, or None when
     it is not a pickle, the reader is not built, or it gives up on anything irregular (the
     streaming reader then starts over and gives the reference result or error). A plain file is
-    mapped, not read; a compressed one is decompressed whole first (any failure there: None).
+    mapped, not read; a compressed one is decompressed first, into a temporary file that is then
+    mapped (any failure there: None).
     ``progress`` is told the bytes of the file read so far: the mapped file's offset as the
     reader moves through it, or the compressed bytes taken from the file."""
     progress = progress or NullProgress()
@@ -261,21 +263,48 @@ def _decode_whole(
             if _pickle_protocol(head) is None:
                 return None
             bounded = BoundedReader(stream, ceiling)
-            data = bytearray()
-            with memory_limited(budget):
-                while chunk := bounded.read(4 << 20):
-                    data += chunk
-                    if on_progress is not None:
-                        on_progress(raw.tell())
-            data_size = len(data)
-            with gc_paused(), memory_limited(budget):
-                out = decode_pickle(data)
-            del data
+            out, data_size = _decode_decompressed(raw, bounded, budget, on_progress)
     except Exception:  # whatever went wrong, the streaming reader starts over and says it exactly
         return None
     if out is None:
         return None
     return out[0], out[1], data_size, _pickle_protocol(head)
+
+
+def _spool() -> IO[bytes] | None:
+    """An anonymous temporary file to decompress into, or None where none can be made."""
+    try:
+        return tempfile.TemporaryFile(prefix="snaplab-")
+    except OSError:
+        return None
+
+
+def _decode_decompressed(
+    raw: IO[bytes], bounded: BoundedReader, budget: int, on_progress: Callable[[int], object] | None
+) -> tuple[tuple[Any, DecodedTraces | None] | None, int]:
+    """The compiled reader's result for a compressed pickle, and its decompressed size. The data
+    goes to a temporary file that is then mapped and read like a plain file (its pages given
+    back as they are read), so the decompressed bytes do not stay in this process's memory;
+    where no temporary file can be made, they are gathered in memory."""
+    spool = _spool()
+    if spool is None:
+        data = bytearray()
+        with memory_limited(budget):
+            while chunk := bounded.read(4 << 20):
+                data += chunk
+                if on_progress is not None:
+                    on_progress(raw.tell())
+        with gc_paused(), memory_limited(budget):
+            return decode_pickle(data), len(data)
+    with spool:
+        while chunk := bounded.read(4 << 20):
+            spool.write(chunk)
+            if on_progress is not None:
+                on_progress(raw.tell())
+        spool.flush()
+        data_size = spool.tell()
+        with mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
+            return decode_pickle(mapped, mapped_file=True), data_size
 
 
 def _read_stream(
