@@ -117,7 +117,7 @@ class Exploration:
 
 def _axis(frames: SnapshotFrames, tl: Timeline) -> tuple[np.ndarray, str, str, np.ndarray]:
     """x of every entry of the device's trace, the axis kind and label, and the entries' event_index."""
-    ev = frames.events[frames.events["device"] == tl.device]
+    ev = frames.device_events(tl.device)
     index = ev["event_index"].to_numpy(dtype=np.int64)
     times = ev["time_us"]
     if len(times) and times.notna().all():
@@ -177,7 +177,7 @@ def _modules(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame) -> tu
     """Each allocation's module code (-1: none) and the module names, as the module view sees them."""
     from .attribution import modules  # the attribution the module table uses, so the two always agree
 
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     att = modules._from_tags(ev, lifetimes) or modules._from_stacks(frames, device, lifetimes)
     return att.module, tuple(att.names)
 
@@ -330,7 +330,7 @@ def segment_moments(
 ) -> tuple[tuple[SegmentMoment, ...], bool]:
     """The segments at :data:`SEGMENT_MOMENTS` buckets' highest points, evenly spread, and the
     peak's; ``row``: each lifetime's listed allocation (-1: not listed)."""
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     action = ev["action"]  # categorical: compared by code, not as a million strings
     segments, exact = _segment_spans(frames, ev, action)
     made, older, always = _block_spans(frames, ev, action, lt, start, end)

@@ -173,7 +173,7 @@ def find_leaks(frames: SnapshotFrames, device: int, lifetimes: pd.DataFrame | No
     """Leak suspects of one device, most suspicious first."""
     it = find_iterations(frames, device)
     if it is None:
-        ev = frames.events[frames.events["device"] == device]
+        ev = frames.device_events(device)
         if len(ev) <= 1 and (held := state_only_suspects(frames, device)):
             return LeakAnalysis(device, 0, STATE_SOURCE, None, held, "no allocation history (state-only recording)")
         why = (

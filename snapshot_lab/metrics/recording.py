@@ -67,7 +67,9 @@ def _opt(v: object) -> int | None:
 
 
 def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) -> DeviceRecording:
-    ev = events[events["device"] == device]
+    on_device = events["device"] == device
+    columns = ["action", "address", "event_index", "time_us"]  # all it reads, not a copy of every column
+    ev = events[columns] if bool(on_device.all()) else events.loc[on_device, columns]
     counts = ev["action"].value_counts()
     action_counts = {str(k): int(v) for k, v in counts.items() if v}
     allocs = ev[ev["action"] == "alloc"]

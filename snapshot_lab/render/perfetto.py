@@ -90,7 +90,7 @@ def device_memory(frames: SnapshotFrames, device: int, rules: CategoryRules | No
     names = np.array(labels.names, dtype=object)[np.where(codes < 0, CODES["other"], codes)]
     return DeviceMemory(
         device=device,
-        events=frames.events[frames.events["device"] == device],
+        events=frames.device_events(device),
         timeline=timeline,
         allocated_bytes=allocated_levels(frames, device, counters["allocated_bytes.all.current"]),
         categories=category_timeline(frames, device, rules),

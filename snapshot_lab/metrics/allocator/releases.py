@@ -69,7 +69,7 @@ class _TraceColumns:
 
 
 def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     # the action column is categorical: names and tests come from its few categories, not from
     # a string per event (a million str conversions and string searches at 1M entries)
     codes = events["action"].cat.codes.to_numpy()

@@ -160,7 +160,7 @@ def start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings
 
 
 def _start_state(frames: SnapshotFrames, device: int, settings: AllocatorSettings) -> StartState:
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     segments = _undo_segment_events(_dump_segments(frames, device), ev)
     lt = device_lifetimes(frames, device)
     surviving = lt.loc[lt["free_index"].isna(), "address"].to_numpy(dtype=np.int64)
@@ -283,7 +283,7 @@ def follow(frames: SnapshotFrames, device: int, settings: AllocatorSettings, sto
         )
     }
     live = {a: LiveBlock(b, *dump_info.get(a, (None, b.size))) for a, b in blocks.items()}
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     if stop_after is not None:
         ev = ev[ev["event_index"] <= stop_after]
     actions = ev["action"].astype(str).to_numpy()

@@ -153,7 +153,7 @@ def _kinds(action: pd.Series) -> np.ndarray:
 
 
 def _program(frames: SnapshotFrames, device: int) -> _Program:
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     kind = _kinds(ev["action"])
     kind[recovered(ev)] = _TRY  # a request the run was refused and went on from (history/ooms.py)
     releases: dict[int, tuple[str, int]] = {}
@@ -477,7 +477,7 @@ def analyse_whatif(
     (``set_per_process_memory_fraction``), under which garbage collection runs; the device's
     own capacity is not."""
     base = recorded_settings(frames.info.allocator_settings)
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     prog = _program(frames, device)
     start = start_state(frames, device, base)
     # replay check: the recorded settings and segment addresses under the same limit (a limit

@@ -327,7 +327,7 @@ def _attribution(
 
 
 def _breakdown(frames: SnapshotFrames, device: int, limit: int | None) -> ModuleBreakdown:
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     torch_stats = compute_torch_stats(
         frames.segments[frames.segments["device"] == device], frames.blocks[frames.blocks["device"] == device]
     )

@@ -52,7 +52,7 @@ def category_timeline(frames: SnapshotFrames, device: int, rules: CategoryRules 
     """Requested bytes per category after every event of the device (columns = categories, the
     user's ``rules``' after the built-in ones); each free counts against the category of the
     allocation it releases."""
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     if len(ev) < 2:
         return None
     lifetimes = device_lifetimes(frames, device)

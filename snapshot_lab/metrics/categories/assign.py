@@ -74,7 +74,7 @@ class _DeviceCategories:
         self.frames, self.device = frames, device
         self.facts = facts
         self.lt = device_lifetimes(frames, device)
-        self.ev = frames.events[frames.events["device"] == device]
+        self.ev = frames.device_events(device)
         self.seg = frames.segments[frames.segments["device"] == device]
         self.block_mask = (frames.blocks["device"] == device).to_numpy()
         self.blocks = frames.blocks[self.block_mask]

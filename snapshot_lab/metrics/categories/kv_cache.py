@@ -43,7 +43,7 @@ class KvCacheGrowth:
 def _kv_level(frames: SnapshotFrames, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The requested bytes of the kv_cache category after every event of the device's trace,
     and the positions and sizes of the cache's allocations, in trace order."""
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     lifetimes = device_lifetimes(frames, device)
     kv = categorize(frames).alloc_codes[device] == CODES["kv_cache"]
     base = int(events["event_index"].iloc[0])

@@ -37,7 +37,7 @@ def kept_unsharded(ctx: FindingContext, device: int) -> tuple[float, int, int]:
     unsharded = codes == CODES["fsdp_unsharded_params"]
     if not unsharded.any():
         return 0, 0, 0
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     threads = stack_threads(frames)
     made = thread_codes(lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1), threads)
     freed_by = thread_codes(free_stack_ids(lifetimes, events), threads)

@@ -25,7 +25,7 @@ ADVICE = (
 
 
 def _finding(ctx: FindingContext, device: int) -> Finding | None:
-    events = ctx.frames.events[ctx.frames.events["device"] == device]
+    events = ctx.frames.device_events(device)
     caught = recovered(events)
     if not caught.any():
         return None

@@ -54,7 +54,7 @@ def allocated_levels(frames: SnapshotFrames, device: int, allocated_at_end: int)
     dump's ``allocated_bytes.all.current``). See the module docstring for how each block's size
     is known."""
     settings = recorded_settings(frames.info.allocator_settings)
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     actions = ev["action"].astype(str).to_numpy()
     kind = np.array([_CODES.get(a, _OTHER) for a in actions], dtype=np.int8) if actions.size else np.zeros(0, np.int8)
     address = ev["address"].to_numpy(dtype=np.int64, na_value=-1)

@@ -193,7 +193,7 @@ def _outer_loop(pattern: Iterations) -> Iterations:
 
 def find_iterations(frames: SnapshotFrames, device: int) -> Iterations | None:
     """Iteration starts of one device (None when fewer than three can be found)."""
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     if len(events) < 2:
         return None
     found, has_step_annotations = _from_annotations(events, frames.annotations, device)

@@ -72,7 +72,7 @@ def moment_at(frames: SnapshotFrames, device: int, event_index: int) -> Moment |
         )
         if followed.mismatches:
             return None
-        events = frames.events[frames.events["device"] == device]
+        events = frames.device_events(device)
         later = int((events["event_index"] > event_index).sum())
         segments, blocks = followed_tables(frames, device, followed)
         return Moment(

@@ -217,7 +217,7 @@ class _Trace:
 
 
 def _trace(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> _Trace | None:
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     if len(ev) < 2 or ev["time_us"].isna().any():
         return None
     ts = compute_torch_stats(

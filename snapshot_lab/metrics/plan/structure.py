@@ -293,7 +293,7 @@ def training_structure(frames: SnapshotFrames, device: int) -> TrainingStructure
 
 
 def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
-    events = frames.events[frames.events["device"] == device]
+    events = frames.device_events(device)
     base_index = events["event_index"].to_numpy()
     lifetimes = device_lifetimes(frames, device).reset_index(drop=True)
     codes = categorize(frames).alloc_codes.get(device, np.zeros(0, dtype=np.int64))

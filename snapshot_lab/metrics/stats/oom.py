@@ -108,7 +108,7 @@ def analyse_device_oom(frames: SnapshotFrames, device: int) -> OomAnalysis | Non
     m = oom_moment(frames, device)
     if m is None:
         return None
-    ev = frames.events[frames.events["device"] == device]
+    ev = frames.device_events(device)
     idx = last_oom_index(frames, device)
     moment = m.description if not dumped_at(frames, device, idx or 0) else "the snapshot, dumped at the OOM"
     return analyse_oom(m.segments, m.blocks, ev, moment)
