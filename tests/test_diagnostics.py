@@ -396,6 +396,13 @@ EXPECTED = {
             "bench_fwdbwd_all",
         )
     },
+    # the mixture-of-experts family (issue #37, 2026-11-28, recorded after every rule): its OOM at
+    # batch 64 under 6 GiB failed a 64 MiB request with 67 MiB free in holes of at most 32 MiB, and
+    # the replay serves that request under expandable segments (5.97 GiB reserved up to it): true of
+    # the moment, though the whole step needs 33 GiB (the report's first screen says so, from fit).
+    # A finding that weighs the rest of the step is not written (the closing note of 2026-11-28)
+    "fit_mixtral_b64_oom_python": {"oom-fragmentation"},
+    **{f"fit_mixtral_b2_{lever}complete_python": set() for lever in ("", "ckpt_", "bf16_", "ckpt_bf16_")},
 }
 # findings about a situation (as opposed to fragmentation, which any workload can show)
 SITUATIONS = {
