@@ -290,21 +290,29 @@ def _decode_decompressed(
     if spool is None:
         data = bytearray()
         with memory_limited(budget):
-            while chunk := bounded.read(4 << 20):
-                data += chunk
-                if on_progress is not None:
-                    on_progress(raw.tell())
+            _drain(bounded, data.extend, raw, on_progress)
         with gc_paused(), memory_limited(budget):
             return decode_pickle(data), len(data)
     with spool:
-        while chunk := bounded.read(4 << 20):
-            spool.write(chunk)
-            if on_progress is not None:
-                on_progress(raw.tell())
+        _drain(bounded, spool.write, raw, on_progress)
         spool.flush()
         data_size = spool.tell()
         with mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
             return decode_pickle(mapped, mapped_file=True), data_size
+
+
+def _drain(
+    bounded: BoundedReader,
+    write: Callable[[bytes], object],
+    raw: IO[bytes],
+    on_progress: Callable[[int], object] | None,
+) -> None:
+    """Every decompressed byte of ``bounded`` to ``write``, in chunks of 4 MiB, telling
+    ``on_progress`` how far into the compressed file ``raw`` the reading has come."""
+    while chunk := bounded.read(4 << 20):
+        write(chunk)
+        if on_progress is not None:
+            on_progress(raw.tell())
 
 
 def _read_stream(
