@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ...frames import SnapshotFrames
 from .._memo import memo
+from .filenames import slashed_filenames
 from .schedule import PIPELINING_FILES, schedule_from_trace
 
 KINDS = ("pp", "tp", "dp", "fsdp", "cp", "ep")
@@ -188,12 +189,7 @@ def layout_from_pipeline_stacks(frames: SnapshotFrames) -> ParallelLayout | None
     group), and the schedule the trace's order shows (:mod:`.schedule`). None when no
     allocation has a pipelining frame."""
     stack_frames = frames.stack_frames
-    in_pipelining = (
-        stack_frames["filename"]
-        .astype(str)
-        .str.replace("\\", "/", regex=False)
-        .str.contains(PIPELINING_FILES, regex=False)
-    )
+    in_pipelining = slashed_filenames(stack_frames).str.contains(PIPELINING_FILES, regex=False)
     used = stack_frames.loc[in_pipelining & stack_frames["frame_id"].isin(frames.stacks["frame_id"])]
     if used.empty:
         return None
@@ -221,7 +217,7 @@ def _normalised(strategies: list[str]) -> list[str]:
 
 def strategies_in_stacks(stack_frames: Any) -> list[str]:
     """The strategies whose library frames appear in a snapshot's stacks."""
-    filenames = stack_frames["filename"].astype(str).str.replace("\\", "/", regex=False)
+    filenames = slashed_filenames(stack_frames)
     return [
         strategy
         for strategy, marks in _STACK_MARKS.items()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...frames import SnapshotFrames
+from .filenames import slashed_filenames
 
 FORWARD_CHUNK = "forward_one_chunk"
 PIPELINING_FILES = "distributed/pipelining/"
@@ -53,7 +54,7 @@ def _allocation_kinds(frames: SnapshotFrames) -> np.ndarray | None:
     """The kind of each allocation of the three, in order, on the device with the most forward
     allocations; None when no allocation is a pipelined forward."""
     sf = frames.stack_frames
-    files = sf["filename"].astype(str).str.replace("\\", "/", regex=False)
+    files = slashed_filenames(sf)
     chunk = (sf["name"].astype(str) == FORWARD_CHUNK) & files.str.contains(PIPELINING_FILES, regex=False)
     forward = _stacks_with(frames, chunk.to_numpy())
     if forward.size == 0:
