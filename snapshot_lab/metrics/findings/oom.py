@@ -1,9 +1,12 @@
-"""Out of memory: fragmentation or capacity, explained from the moment it happened."""
+"""Out of memory: fragmentation or capacity, explained from the moment it happened, and from the
+whole step where the moment alone would blame fragmentation (fit's model of the step)."""
 
 from __future__ import annotations
 
+from ...frames import SnapshotFrames
 from ...units import format_bytes
 from ..allocator.whatif import WhatIf, settings_label
+from ..fit import step_peak_allocated
 from ..stats.oom import OomAnalysis
 from ..stats.summary import DeviceStats
 from .base import Finding, FindingContext, MiB
@@ -26,7 +29,7 @@ def _serving_settings(whatif: WhatIf | None) -> list[str]:
     return [settings_label(scenario.settings) for scenario in whatif.scenarios[1:] if scenario.recorded_oom_avoided]
 
 
-def _evidence(oom: OomAnalysis, whatif: WhatIf | None) -> dict[str, object]:
+def _evidence(oom: OomAnalysis, whatif: WhatIf | None, whole_step: int | None) -> dict[str, object]:
     evidence: dict[str, object] = {
         "requested_bytes": oom.requested_bytes,
         "pool": oom.pool,
@@ -43,6 +46,8 @@ def _evidence(oom: OomAnalysis, whatif: WhatIf | None) -> dict[str, object]:
         evidence["memory_limit_bytes"] = whatif.memory_limit_bytes
         evidence["memory_limit_inferred"] = whatif.memory_limit_inferred
         evidence["settings_that_serve_the_request"] = _serving_settings(whatif)
+    if whole_step is not None:
+        evidence["whole_step_peak_allocated_bytes"] = whole_step
     return evidence
 
 
@@ -76,9 +81,57 @@ def _replay_refutes_fragmentation(whatif: WhatIf | None) -> bool:
     )
 
 
-def _capacity_reason(oom: OomAnalysis) -> str:
+def _whole_step(frames: SnapshotFrames, oom: OomAnalysis, whatif: WhatIf | None) -> int | None:
+    """What one whole iteration (a training step, or a forward in inference) at the recorded batch
+    holds at once (fit's model of it), where it can decide a fragmentation verdict the moment alone
+    would give: the failing request would fit in the free holes, the replay does not refute it, and
+    the limit is known. A job that ran out in its first forward at 64 samples of a Mixtral-config
+    model, 64 MiB asked with 67 MiB free in holes of 32 MiB, needs 33 GiB for its step under a 6 GiB
+    limit: capacity, whatever the allocator does."""
+    if oom.cause != "fragmentation" or whatif is None or whatif.memory_limit_bytes is None:
+        return None
+    if _replay_refutes_fragmentation(whatif):
+        return None
+    return step_peak_allocated(frames, oom.device)
+
+
+def _step_refutes_fragmentation(whatif: WhatIf | None, whole_step: int | None) -> bool:
+    """The whole iteration holds more at once than the limit: no allocator setting lets the job finish."""
+    return (
+        whole_step is not None
+        and whatif is not None
+        and whatif.memory_limit_bytes is not None
+        and whole_step > whatif.memory_limit_bytes
+    )
+
+
+NEAR_LIMIT = 0.95  # a whole iteration above this share of the limit: within fit's error of it
+
+
+def _near_the_limit(whatif: WhatIf | None, whole_step: int | None) -> str:
+    """A caution where the whole iteration (under the limit) comes within fit's error of it."""
+    if whole_step is None or whatif is None or whatif.memory_limit_bytes is None:
+        return ""
+    if whole_step <= NEAR_LIMIT * whatif.memory_limit_bytes:
+        return ""
+    return (
+        f" One whole iteration at this batch holds about {format_bytes(whole_step)} at once (snaplab fit's model of "
+        f"it), close to the {format_bytes(whatif.memory_limit_bytes)} limit: a setting that serves this request may "
+        "only move the error later (snaplab fit says which batch fits)."
+    )
+
+
+def _capacity_reason(oom: OomAnalysis, whatif: WhatIf | None, whole_step: int | None) -> str:
     if oom.cause != "fragmentation":
         return "Fragmentation is not the cause: too little memory was free even counting every cached hole. "
+    if whatif is not None and whatif.memory_limit_bytes is not None and _step_refutes_fragmentation(whatif, whole_step):
+        return (
+            f"Fragmentation decided only this request: {format_bytes(oom.free_in_reserved_bytes)} was free in "
+            f"reserved memory (in holes no larger than {format_bytes(oom.largest_free_block_bytes)}), but one whole "
+            f"iteration at this batch holds about {format_bytes(whole_step or 0)} at once (snaplab fit's model of it, "
+            f"from this trace), more than the {format_bytes(whatif.memory_limit_bytes)} limit: no allocator setting "
+            "lets the job finish. "
+        )
     return (
         f"Fragmentation did not decide it: {format_bytes(oom.free_in_reserved_bytes)} was free in reserved memory "
         f"(in holes no larger than {format_bytes(oom.largest_free_block_bytes)}), but no allocator setting the "
@@ -86,9 +139,10 @@ def _capacity_reason(oom: OomAnalysis) -> str:
     )
 
 
-def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | None) -> Finding:
+def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | None, whole_step: int | None) -> Finding:
     moment = "" if oom.snapshot_at_oom else f" (explained from the allocator's state at the OOM: {oom.moment})"
-    if oom.cause == "fragmentation" and not _replay_refutes_fragmentation(whatif):
+    refuted = _replay_refutes_fragmentation(whatif) or _step_refutes_fragmentation(whatif, whole_step)
+    if oom.cause == "fragmentation" and not refuted:
         split_hint = ""
         split_mb = _split_size_hint(oom.requested_bytes)
         # max_split_size only protects blocks at least that large: advise it only when such
@@ -110,9 +164,11 @@ def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | N
                 f"{format_bytes(oom.largest_free_block_bytes)}. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                 "so the allocator maps memory into one growing range per stream instead of needing a "
                 f"contiguous hole.{split_hint} Keeping allocation sizes steady (padding variable-length "
-                "batches to a few bucket sizes) also prevents the holes." + _assumption(whatif)
+                "batches to a few bucket sizes) also prevents the holes."
+                + _assumption(whatif)
+                + _near_the_limit(whatif, whole_step)
             ),
-            evidence=_evidence(oom, whatif),
+            evidence=_evidence(oom, whatif, whole_step),
             savings_bytes=oom.free_in_reserved_bytes,
             device=oom.device,
         )
@@ -124,19 +180,22 @@ def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | N
             f"requested with {format_bytes(oom.allocated_bytes)} already allocated)" + moment
         ),
         advice=(
-            _capacity_reason(oom)
+            _capacity_reason(oom, whatif, whole_step)
             + "Reduce what is live at the peak: a smaller batch or sequence length, activation checkpointing, "
             "bf16/fp16 autocast, sharding optimizer state and gradients (FSDP/ZeRO), or freeing tensors "
             "kept across iterations (see the top allocation sites)." + _assumption(whatif)
         ),
-        evidence=_evidence(oom, whatif),
+        evidence=_evidence(oom, whatif, whole_step),
         device=oom.device,
     )
 
 
 def find(ctx: FindingContext) -> list[Finding]:
-    return [
-        _oom_finding(device_stats.oom, device_stats, ctx.whatifs.get(dev))
-        for dev, device_stats in ctx.stats.devices.items()
-        if device_stats.oom is not None
-    ]
+    out = []
+    for dev, device_stats in ctx.stats.devices.items():
+        if device_stats.oom is None:
+            continue
+        whatif = ctx.whatifs.get(dev)
+        whole_step = _whole_step(ctx.frames, device_stats.oom, whatif)
+        out.append(_oom_finding(device_stats.oom, device_stats, whatif, whole_step))
+    return out

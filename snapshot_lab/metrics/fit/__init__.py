@@ -9,6 +9,6 @@ whole step runs (:mod:`.search`).
 """
 
 from .model import FitUnsupported
-from .result import FitResult, LeverOutcome, compute_fit, predict_step
+from .result import FitResult, LeverOutcome, compute_fit, predict_step, step_peak_allocated
 
-__all__ = ["FitResult", "FitUnsupported", "LeverOutcome", "compute_fit", "predict_step"]
+__all__ = ["FitResult", "FitUnsupported", "LeverOutcome", "compute_fit", "predict_step", "step_peak_allocated"]

@@ -18,7 +18,7 @@ from .model import NO_CHECKPOINTING_AGAIN, NO_LEVER_COMPILED, FitUnsupported, re
 from .precision import NO_BF16
 from .search import FRACTION_STEPS, LONG_TAPE_ROWS, largest_batch, largest_batch_no_retry
 from .strategies import StrategyOutcome, parallel_strategies
-from .tape import Tape, simulate
+from .tape import Tape, peak_allocated, simulate
 
 AS_RECORDED = "as recorded"
 # the levers the one-line answer names (report's first screen, the headline of `snaplab fit`)
@@ -245,6 +245,17 @@ def predict_step(
         requested_tape(ev, checkpointing, bf16), batch_scale, recorded_settings(frames.info.allocator_settings)
     )
     return sim.peak_allocated_bytes, sim.peak_reserved_bytes
+
+
+def step_peak_allocated(frames: SnapshotFrames, device: int) -> int | None:
+    """Most bytes one whole step at the recorded batch holds at once on ``device``, in fit's
+    model of the step (what the trace shows, the rest of a step cut short by an out-of-memory
+    error extrapolated), with no allocator replay: what no allocator setting can pack tighter.
+    None where the trace shows no step to build on."""
+    try:
+        return peak_allocated(step_evidence(frames, device).tape, 1.0)
+    except FitUnsupported:
+        return None
 
 
 @dataclass(frozen=True)
