@@ -91,3 +91,42 @@ def test_without_a_step_to_model_the_moment_decides(real_frames):
     _, finding = _oom(real_frames, "oom_fragmentation")
     assert finding.id == "oom-fragmentation"
     assert "whole_step_peak_allocated_bytes" not in finding.evidence
+
+
+def _allocator_finding(real_frames, name):
+    frames = real_frames(name)
+    (finding,) = [f for f in diagnose(frames, compute_stats(frames)).findings if f.id == "allocator-settings"]
+    return finding
+
+
+@pytest.mark.parametrize("name", ["fit_mixtral_b64_oom_python", "fit_gpt2infer_b54_oom_python"])
+def test_a_setting_that_serves_only_the_request_is_not_the_fix(real_frames, name):
+    """The what-if serves the failing request under expandable segments, but the iteration
+    outgrows the limit: said as information, with why, not as the warning that fixes the job."""
+    finding = _allocator_finding(real_frames, name)
+    assert finding.severity == "info"
+    assert "but not the job: one whole iteration at this batch holds about" in finding.title
+    assert finding.evidence["whole_step_peak_allocated_bytes"] > CAP
+
+
+def test_a_setting_that_serves_a_job_that_fits_stays_the_fix(real_frames):
+    finding = _allocator_finding(real_frames, "fit_llamainfer_b60_oom_python")
+    assert finding.severity == "warning"
+    assert "not the job" not in finding.title
+    assert "whole_step_peak_allocated_bytes" not in finding.evidence
+
+
+def test_the_reports_first_line_gives_the_same_reason(real_frames):
+    """The report's answer names the whole iteration, not a replay that found no setting (it
+    found one: expandable segments serve the request)."""
+    from snapshot_lab.render.answer import verdict
+
+    frames = real_frames("fit_mixtral_b64_oom_python")
+    stats = compute_stats(frames)
+    findings = diagnose(frames, stats).findings
+    _, said, cause = verdict({0: stats.devices[0].oom}, findings, "")
+    assert said == "Out of memory: a request of 64.00 MiB could not be served."
+    assert cause == (
+        "Capacity: 67.00 MiB was free in reserved memory, in holes no larger than 32.00 MiB, but one whole "
+        "iteration at this batch holds about 33.03 GiB at once, more than the 6.00 GiB limit."
+    )

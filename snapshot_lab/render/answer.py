@@ -114,11 +114,20 @@ def made_of(comp: Composition) -> list[tuple[str, str]]:
     return lines
 
 
-def oom_cause(o: OomAnalysis, finding_id: str = "") -> str:
+def oom_cause(o: OomAnalysis, finding: Finding | None = None) -> str:
     """The OOM in plain words: fragmentation or capacity, with the numbers that decide it;
-    ``finding_id``: the device's OOM finding, which says capacity where the replay under the cap
-    found no setting that serves the request, however the free memory was split."""
-    if o.cause == "fragmentation" and finding_id == "oom-capacity":
+    ``finding``: the device's OOM finding, which says capacity where the replay under the cap
+    found no setting that serves the request, or where the whole iteration holds more than the
+    limit (its ``whole_step_peak_allocated_bytes``), however the free memory was split."""
+    if o.cause == "fragmentation" and finding is not None and finding.id == "oom-capacity":
+        whole = finding.evidence.get("whole_step_peak_allocated_bytes")
+        limit = finding.evidence.get("memory_limit_bytes")
+        if isinstance(whole, int) and isinstance(limit, int) and whole > limit:
+            return (
+                f"Capacity: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, in holes no "
+                f"larger than {format_bytes(o.largest_free_block_bytes)}, but one whole iteration at this batch "
+                f"holds about {format_bytes(whole)} at once, more than the {format_bytes(limit)} limit."
+            )
         return (
             f"Capacity: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, in holes no larger "
             f"than {format_bytes(o.largest_free_block_bytes)}, but no allocator setting the replay tried would "
@@ -146,7 +155,7 @@ def verdict(
     if ooms:
         dev, oom = next(iter(ooms.items()))
         where = f" on device {dev}" if len(ooms) > 1 or dev != 0 else ""
-        said = next((f.id for f in findings if f.id in OOM_CAUSES and f.device == dev), "")
+        said = next((f for f in findings if f.id in OOM_CAUSES and f.device == dev), None)
         return (
             "critical",
             f"Out of memory{where}: a request of {format_bytes(oom.requested_bytes)} could not be served.",

@@ -34,6 +34,7 @@ from ..allocator.whatif import (
     settings_label,
 )
 from .base import Finding, FindingContext
+from .iteration import over_the_limit, whole_iteration
 
 ADVICE = (
     "Set PYTORCH_CUDA_ALLOC_CONF={label} in the job's environment (before its first CUDA allocation). "
@@ -47,6 +48,10 @@ OOM_CAP_ASSUMPTION = (
 STEADY_BASELINE = (
     ", the recorded settings replayed from the same steady state as it (the trace starts mid-run; the recorded "
     "peak was {recorded})"
+)
+NOT_THE_JOB = (
+    ", but not the job: one whole iteration at this batch holds about {whole} at once (snaplab fit's model of it), "
+    "more than the {cap} limit, so the error would only come later"
 )
 FLUSH_CAP_ASSUMPTION = (
     " assuming a memory limit of {cap} (the snapshot does not record it; the allocator's cache flushes in the "
@@ -75,7 +80,15 @@ def _steady_baseline(whatif: WhatIf) -> int | None:
     return whatif.steady_baseline.peak_reserved_bytes
 
 
-def _title(whatif: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, steady: int | None = None) -> str:
+def _not_the_job(whatif: WhatIf, whole: int) -> str:
+    return NOT_THE_JOB.format(whole=format_bytes(whole), cap=format_bytes(whatif.memory_limit_bytes or 0))
+
+
+def _title(
+    whatif: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, steady: int | None = None, whole: int = 0
+) -> str:
+    """The finding's one line; ``whole``: what one whole iteration holds at once, when it is more
+    than the limit (0: not known to be)."""
     label = settings_label(best.settings)
     if why == "avoids the OOM":
         return (
@@ -83,6 +96,11 @@ def _title(whatif: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, s
             f"{format_bytes(best.peak_reserved_bytes)} up to that point"
             + (f" instead of {format_bytes(recorded_peak)}" if recorded_peak > best.peak_reserved_bytes else "")
             + " (the trace ends at the OOM, so later steps are not predicted)"
+            + (
+                NOT_THE_JOB.format(whole=format_bytes(whole), cap=format_bytes(whatif.memory_limit_bytes or 0))
+                if whole
+                else ""
+            )
         )
     if steady is not None:
         return (
@@ -95,11 +113,15 @@ def _title(whatif: WhatIf, best: ScenarioResult, why: str, recorded_peak: int, s
     )
 
 
-def _finding(whatif: WhatIf, recorded_peak: int | None) -> Finding | None:
+def _finding(whatif: WhatIf, recorded_peak: int | None, whole: int | None = None) -> Finding | None:
+    """``whole``: what one whole iteration holds at once (:mod:`.iteration`), where known: a setting
+    that serves the failing request of a job whose iteration outgrows the limit is told as
+    information, not as the fix."""
     found = best_alternative(whatif)
     if found is None:
         return None
     best, why = found
+    not_the_job = why == "avoids the OOM" and over_the_limit(whatif, whole)
     replayed = whatif.scenarios[0].peak_reserved_bytes
     recorded = replayed if recorded_peak is None else recorded_peak
     baseline = min(replayed, recorded)
@@ -122,13 +144,15 @@ def _finding(whatif: WhatIf, recorded_peak: int | None) -> Finding | None:
         "memory_limit_inferred": whatif.memory_limit_inferred,
         "replay_check": "exact" if whatif.replay_check.exact else "approximate",
     }
+    if not_the_job:
+        evidence["whole_step_peak_allocated_bytes"] = whole
     if whatif.steady_baseline is not None:  # a trace that starts mid-run
         evidence["steady_baseline_peak_reserved_bytes"] = whatif.steady_baseline.peak_reserved_bytes
         evidence["saving_measured_against"] = "steady baseline" if steady is not None else "recorded peak"
     return Finding(
         id="allocator-settings",
-        severity="warning" if why == "avoids the OOM" else "info",
-        title=_title(whatif, best, why, recorded, steady),
+        severity="warning" if why == "avoids the OOM" and not not_the_job else "info",
+        title=_title(whatif, best, why, recorded, steady, (whole or 0) if not_the_job else 0),
         advice=ADVICE.format(label=label, how="exactly" if whatif.replay_check.exact else "approximately"),
         evidence=evidence,
         savings_bytes=max(saved, 0) or None,
@@ -136,11 +160,17 @@ def _finding(whatif: WhatIf, recorded_peak: int | None) -> Finding | None:
     )
 
 
+def _avoids_an_oom(whatif: WhatIf) -> bool:
+    found = best_alternative(whatif)
+    return found is not None and found[1] == "avoids the OOM"
+
+
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
     for dev, whatif in ctx.whatifs.items():
         timeline = ctx.timelines.get(dev)
-        finding = _finding(whatif, timeline.peak_reserved_bytes if timeline is not None else None)
+        whole = whole_iteration(ctx.frames, dev, whatif) if _avoids_an_oom(whatif) else None
+        finding = _finding(whatif, timeline.peak_reserved_bytes if timeline is not None else None, whole)
         if finding is not None:
             out.append(finding)
     return out

@@ -6,10 +6,10 @@ from __future__ import annotations
 from ...frames import SnapshotFrames
 from ...units import format_bytes
 from ..allocator.whatif import WhatIf, settings_label
-from ..fit import step_peak_allocated
 from ..stats.oom import OomAnalysis
 from ..stats.summary import DeviceStats
 from .base import Finding, FindingContext, MiB
+from .iteration import over_the_limit, whole_iteration
 
 
 def _split_size_hint(request_bytes: int) -> int:
@@ -88,21 +88,9 @@ def _whole_step(frames: SnapshotFrames, oom: OomAnalysis, whatif: WhatIf | None)
     the limit is known. A job that ran out in its first forward at 64 samples of a Mixtral-config
     model, 64 MiB asked with 67 MiB free in holes of 32 MiB, needs 33 GiB for its step under a 6 GiB
     limit: capacity, whatever the allocator does."""
-    if oom.cause != "fragmentation" or whatif is None or whatif.memory_limit_bytes is None:
+    if oom.cause != "fragmentation" or _replay_refutes_fragmentation(whatif):
         return None
-    if _replay_refutes_fragmentation(whatif):
-        return None
-    return step_peak_allocated(frames, oom.device)
-
-
-def _step_refutes_fragmentation(whatif: WhatIf | None, whole_step: int | None) -> bool:
-    """The whole iteration holds more at once than the limit: no allocator setting lets the job finish."""
-    return (
-        whole_step is not None
-        and whatif is not None
-        and whatif.memory_limit_bytes is not None
-        and whole_step > whatif.memory_limit_bytes
-    )
+    return whole_iteration(frames, oom.device, whatif)
 
 
 NEAR_LIMIT = 0.95  # a whole iteration above this share of the limit: within fit's error of it
@@ -124,7 +112,7 @@ def _near_the_limit(whatif: WhatIf | None, whole_step: int | None) -> str:
 def _capacity_reason(oom: OomAnalysis, whatif: WhatIf | None, whole_step: int | None) -> str:
     if oom.cause != "fragmentation":
         return "Fragmentation is not the cause: too little memory was free even counting every cached hole. "
-    if whatif is not None and whatif.memory_limit_bytes is not None and _step_refutes_fragmentation(whatif, whole_step):
+    if whatif is not None and whatif.memory_limit_bytes is not None and over_the_limit(whatif, whole_step):
         return (
             f"Fragmentation decided only this request: {format_bytes(oom.free_in_reserved_bytes)} was free in "
             f"reserved memory (in holes no larger than {format_bytes(oom.largest_free_block_bytes)}), but one whole "
@@ -141,7 +129,7 @@ def _capacity_reason(oom: OomAnalysis, whatif: WhatIf | None, whole_step: int | 
 
 def _oom_finding(oom: OomAnalysis, device_stats: DeviceStats, whatif: WhatIf | None, whole_step: int | None) -> Finding:
     moment = "" if oom.snapshot_at_oom else f" (explained from the allocator's state at the OOM: {oom.moment})"
-    refuted = _replay_refutes_fragmentation(whatif) or _step_refutes_fragmentation(whatif, whole_step)
+    refuted = _replay_refutes_fragmentation(whatif) or over_the_limit(whatif, whole_step)
     if oom.cause == "fragmentation" and not refuted:
         split_hint = ""
         split_mb = _split_size_hint(oom.requested_bytes)
