@@ -335,7 +335,7 @@ def _read_for_diff(
     if explorers is not None:
         from .render.explorer import add_diff_explorer
 
-        add_diff_explorer(explorers, frames, key, Path(snapshot).name, rules)
+        add_diff_explorer(explorers, frames, key, Path(snapshot).name, rules, stats_)
     return summary, found
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames
-from ..metrics import compute_stats
+from ..metrics import SnapshotStats, compute_stats
 from ..metrics.attribution.annotations import AnnotatedAllocation
 from ..metrics.attribution.sites import classify_frames
 from ..metrics.categories import CategoryRules
@@ -197,13 +197,19 @@ def diff_payload(before: SnapshotFrames, after: SnapshotFrames, names: tuple[str
 
 
 def add_diff_explorer(
-    payload: Payload, frames: SnapshotFrames, key: str, name: str, rules: CategoryRules | None = None
+    payload: Payload,
+    frames: SnapshotFrames,
+    key: str,
+    name: str,
+    rules: CategoryRules | None = None,
+    stats: SnapshotStats | None = None,
 ) -> None:
     """One file's explorer for the diff page (``key``: "a" the first file, "b" the second): its
     first device with a trace (nothing for a file without one). Its stacks are keyed
     ``<key>:<id>``, two files' ids being unrelated. A caller that reads the files one at a time
-    adds each as soon as it has its frames, so both need not be in memory at once."""
-    timelines = device_timelines(frames, compute_stats(frames))
+    adds each as soon as it has its frames, so both need not be in memory at once; one that has
+    computed the file's ``stats`` already passes them (None: computed here)."""
+    timelines = device_timelines(frames, stats if stats is not None else compute_stats(frames))
     device = next((dev for dev, timeline in timelines.items() if timeline is not None), None)
     if device is None:
         return
