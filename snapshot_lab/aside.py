@@ -17,11 +17,13 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import queue
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -155,6 +157,10 @@ class Worker:
         self._child: Any = None
         self._to_child: Connection | None = None
         self._reader: threading.Thread | None = None
+        # jobs, pickled, for the sender thread (None: no more): a write to the child's pipe
+        # waits while the child draws, and this process has its own work to do meanwhile
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         if may_fork():
             self._start()
 
@@ -175,6 +181,21 @@ class Worker:
         self._child, self._to_child = child, jobs_out
         self._reader = threading.Thread(target=self._read, args=(results_in,), daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_jobs, args=(jobs_out,), daemon=True)
+        self._sender.start()
+
+    def _send_jobs(self, jobs: Connection) -> None:
+        """The sender thread: each job the outbox holds to the child, in order, until None; where
+        a write fails (the child is gone) the jobs not yet answered are computed here."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                jobs.send_bytes(data)
+            except Exception:
+                with self._arrived:
+                    self._to_child = None
+                    self._arrived.notify_all()
+                break
+        jobs.close()
 
     def _read(self, results: Connection) -> None:
         """The reader thread: every (job, sent, value) the child sends, until it closes its end."""
@@ -197,12 +218,18 @@ class Worker:
         job = len(self._jobs)
         self._jobs.append((name, args))
         if self._to_child is not None:
-            try:
-                self._to_child.send((job, name, args))
-            except Exception:  # the child is gone, or the arguments do not pickle
-                self._to_child.close()
-                self._to_child = None
+            try:  # pickled now, as the arguments are at this moment; sent by the sender thread
+                self._outbox.put(bytes(ForkingPickler.dumps((job, name, args))))
+            except Exception:  # the arguments do not pickle: this and later jobs computed here
+                self._close_outbox()
         return job
+
+    def _close_outbox(self) -> None:
+        """No more jobs to the child: the sender thread sends those queued, then closes the pipe."""
+        with self._arrived:
+            self._to_child = None
+            self._arrived.notify_all()
+        self._outbox.put(None)
 
     def result(self, job: int) -> Any:
         """The value of a job: the child's when it sent one, else computed here."""
@@ -218,8 +245,10 @@ class Worker:
     def close(self) -> None:
         """Let the child go (it ends when its job pipe closes)."""
         if self._to_child is not None:
-            self._to_child.close()
-            self._to_child = None
+            self._close_outbox()
+        if self._sender is not None:
+            self._sender.join(timeout=5)
+            self._sender = None
         if self._child is not None:
             self._child.join(timeout=5)
 
