@@ -122,7 +122,7 @@ def oom_cause(o: OomAnalysis, finding: Finding | None = None) -> str:
     if o.cause == "fragmentation" and finding is not None and finding.id == "oom-capacity":
         whole = finding.evidence.get("whole_step_peak_allocated_bytes")
         limit = finding.evidence.get("memory_limit_bytes")
-        if isinstance(whole, int) and isinstance(limit, int) and whole > limit:
+        if isinstance(whole, int) and isinstance(limit, int):  # present only where it decided capacity
             return (
                 f"Capacity: {format_bytes(o.free_in_reserved_bytes)} was free in reserved memory, in holes no "
                 f"larger than {format_bytes(o.largest_free_block_bytes)}, but one whole iteration at this batch "

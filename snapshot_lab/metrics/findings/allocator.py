@@ -24,6 +24,7 @@ saved really and against the recorded 5.09 GiB, 1.20 GiB against the baseline of
 
 from __future__ import annotations
 
+from ...frames import SnapshotFrames
 from ...units import format_bytes
 from ..allocator.whatif import (
     MIN_SAVING_BYTES,
@@ -96,11 +97,7 @@ def _title(
             f"{format_bytes(best.peak_reserved_bytes)} up to that point"
             + (f" instead of {format_bytes(recorded_peak)}" if recorded_peak > best.peak_reserved_bytes else "")
             + " (the trace ends at the OOM, so later steps are not predicted)"
-            + (
-                NOT_THE_JOB.format(whole=format_bytes(whole), cap=format_bytes(whatif.memory_limit_bytes or 0))
-                if whole
-                else ""
-            )
+            + (_not_the_job(whatif, whole) if whole else "")
         )
     if steady is not None:
         return (
@@ -113,15 +110,15 @@ def _title(
     )
 
 
-def _finding(whatif: WhatIf, recorded_peak: int | None, whole: int | None = None) -> Finding | None:
-    """``whole``: what one whole iteration holds at once (:mod:`.iteration`), where known: a setting
-    that serves the failing request of a job whose iteration outgrows the limit is told as
-    information, not as the fix."""
+def _finding(whatif: WhatIf, recorded_peak: int | None, frames: SnapshotFrames) -> Finding | None:
+    """A setting that serves the failing request of a job whose whole iteration outgrows the limit
+    (:mod:`.iteration`, from ``frames``) is told as information, not as the fix."""
     found = best_alternative(whatif)
     if found is None:
         return None
     best, why = found
-    not_the_job = why == "avoids the OOM" and over_the_limit(whatif, whole)
+    whole = whole_iteration(frames, whatif.device, whatif) if why == "avoids the OOM" else None
+    not_the_job = over_the_limit(whatif, whole)
     replayed = whatif.scenarios[0].peak_reserved_bytes
     recorded = replayed if recorded_peak is None else recorded_peak
     baseline = min(replayed, recorded)
@@ -160,17 +157,11 @@ def _finding(whatif: WhatIf, recorded_peak: int | None, whole: int | None = None
     )
 
 
-def _avoids_an_oom(whatif: WhatIf) -> bool:
-    found = best_alternative(whatif)
-    return found is not None and found[1] == "avoids the OOM"
-
-
 def find(ctx: FindingContext) -> list[Finding]:
     out = []
     for dev, whatif in ctx.whatifs.items():
         timeline = ctx.timelines.get(dev)
-        whole = whole_iteration(ctx.frames, dev, whatif) if _avoids_an_oom(whatif) else None
-        finding = _finding(whatif, timeline.peak_reserved_bytes if timeline is not None else None, whole)
+        finding = _finding(whatif, timeline.peak_reserved_bytes if timeline is not None else None, ctx.frames)
         if finding is not None:
             out.append(finding)
     return out
