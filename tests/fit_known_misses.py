@@ -126,12 +126,14 @@ class Tally:
         return Tally(*(int(a) + int(b) for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
 
 
-def tally(answers: list[tuple[float | None, float, int]]) -> Tally:
-    """``answers``: (the no-retry batch or None, the largest batch, the real largest batch)."""
+def tally(answers: list[tuple[float | None, float, int, float | None]]) -> Tally:
+    """``answers``: (the no-retry batch or None, the largest batch, the real largest batch, the
+    range's top where it is above the largest batch or None: ``largest_batch_at_most``)."""
     out = Tally()
-    for sure, got, real in answers:
+    for sure, got, real, most in answers:
         sure = got if sure is None else sure
-        out += Tally(1, got == real, got != real and abs(got - real) <= 1, sure <= real <= got, sure <= real)
+        top = got if most is None else most
+        out += Tally(1, got == real, got != real and abs(got - real) <= 1, sure <= real <= top, sure <= real)
     return out
 
 
@@ -146,9 +148,9 @@ def check_tally(found: Tally, pinned: Tally, what: str) -> None:
 # table -> its counts at this commit; the three of docs/fit.md's table sum to its sentence ("Of these
 # 248 answers, 89 are exact (bold) and 55 more within one batch", tests/test_fit.py)
 TALLIES = {
-    "tests/test_fit.py": Tally(answers=16, exact=5, within_one=5, in_range=11, sure_runs=16),  # GPT-2, ResNet-50
-    "tests/test_fit_holdout.py": Tally(answers=8, exact=0, within_one=2, in_range=2, sure_runs=8),  # ViT-B/16
-    "tests/test_fit_holdout_late.py": Tally(answers=224, exact=84, within_one=48, in_range=125, sure_runs=199),
+    "tests/test_fit.py": Tally(answers=16, exact=5, within_one=5, in_range=15, sure_runs=16),  # GPT-2, ResNet-50
+    "tests/test_fit_holdout.py": Tally(answers=8, exact=0, within_one=2, in_range=8, sure_runs=8),  # ViT-B/16
+    "tests/test_fit_holdout_late.py": Tally(answers=224, exact=84, within_one=48, in_range=175, sure_runs=199),
     # the Trainer's and Lightning's OOMs, not in docs/fit.md's table
     "tests/test_fit_holdout_late.py, not in docs/fit.md": Tally(
         answers=8, exact=3, within_one=2, in_range=8, sure_runs=8

@@ -75,7 +75,7 @@ def test_the_html_answer_is_one_bold_sentence_in_samples(gpt2_reports):
     html, _ = gpt2_reports
     answer = _html_answer(html)
     assert _words(answer) <= ANSWER_WORDS
-    assert answer.startswith("Batch 3 fits in 6 GiB (you ran 32); with checkpointing 25–29")
+    assert answer.startswith("Batch 3 fits in 6 GiB (you ran 32); with checkpointing 25–35")
     assert "x the recorded batch" not in answer
     section = html[html.index('id="answer"') : html.index('id="findings"')]
     details = section[section.index("<details") : section.index("</details>")]
@@ -97,7 +97,7 @@ def test_the_markdown_answer_is_one_bold_sentence_in_samples(gpt2_reports):
 def test_without_the_recorded_batch_the_answer_is_short_and_says_how_to_get_samples(real_frames):
     summary = fit_summary(real_frames(GPT2_OOM))
     assert summary is not None
-    assert summary.answer.startswith("0.11x the recorded batch fits in 6 GiB; with checkpointing 0.79x–0.95x")
+    assert summary.answer.startswith("0.11x the recorded batch fits in 6 GiB; with checkpointing 0.79x–1.11x")
     assert _words(summary.answer) <= ANSWER_WORDS
     assert any("--batch N" in step for step in summary.steps)
 
@@ -238,24 +238,28 @@ def test_a_range_from_nothing_says_none_without_a_retry():
     batch fits without the allocator's retry."""
     from types import SimpleNamespace
 
+    from snapshot_lab.metrics.fit import LeverOutcome
     from snapshot_lab.render.fit import _batch_range
 
+    def lever(best: float, sure: float, most: float | None = None) -> LeverOutcome:
+        return LeverOutcome("checkpointing", "", 0, 0, best, None, sure, most)
+
     samples = SimpleNamespace(recorded_batch=64)
-    assert _batch_range(samples, SimpleNamespace(largest_batch=4, largest_batch_no_retry=0)) == (
-        "none without a retry, up to 4 with one"
-    )
-    assert _batch_range(samples, SimpleNamespace(largest_batch=4, largest_batch_no_retry=2)) == "2–4"
+    assert _batch_range(samples, lever(4, 0)) == "none without a retry, up to 4 with one"
+    assert _batch_range(samples, lever(4, 2)) == "2–4"
+    assert _batch_range(samples, lever(4, 2, 6)) == "2–6"  # the top where the tensors alone fill the limit
+    assert _batch_range(samples, lever(4, 4, 6)) == "4–6"
+    assert _batch_range(samples, lever(4, 4)) == "4"
     multiples = SimpleNamespace(recorded_batch=None)
-    assert _batch_range(multiples, SimpleNamespace(largest_batch=0.5, largest_batch_no_retry=0.0)) == (
-        "none without a retry, up to 0.5x the recorded batch with one"
-    )
+    assert _batch_range(multiples, lever(0.5, 0.0)) == "none without a retry, up to 0.5x the recorded batch with one"
 
 
 def test_the_issues_own_case_a_mixture_of_experts_oom_at_batch_64(tmp_path):
     """The case issue #39 named (a Mixtral-config OOM at batch 64, answered in fractions of the
-    recorded batch), recorded after the answer was written (tests/test_fit_moe.py): every batch
-    it names ran in a fresh process, and the one above each as recorded, with bf16 and with both
-    failed there (8, 10, 18)."""
+    recorded batch), recorded after the answer was written (tests/test_fit_moe.py): the first batch
+    of each range ran in a fresh process, and the one above it as recorded, with bf16 and with both
+    failed there (8, 10, 18); the ranges of the levers, which rewrite the step, end where its
+    tensors alone fill the cap, and hold the real largest batches (19, 9, 17)."""
     name = "fit_mixtral_b64_oom_python"
     r = CliRunner().invoke(
         app,
@@ -275,6 +279,6 @@ def test_the_issues_own_case_a_mixture_of_experts_oom_at_batch_64(tmp_path):
     assert r.exit_code == 0, r.output
     answer = _md_answer((tmp_path / "r.md").read_text(encoding="utf-8"))
     assert answer.endswith(
-        "Batch 7 fits in 6 GiB (you ran 64); with checkpointing 18, with bf16 autocast 9, with both 17."
+        "Batch 7 fits in 6 GiB (you ran 64); with checkpointing 18–22, with bf16 autocast 9–10, with both 17–22."
     )
     assert _words(answer) <= ANSWER_WORDS + 1

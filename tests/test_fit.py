@@ -234,7 +234,10 @@ def test_the_largest_batch_tables_counts(under_the_cap):
     for family, r in under_the_cap.values():
         for lever in LEVERS:
             real = TRUTH["families"][family]["levers"][lever]["largest_batch_under_cap"]
-            rows.append((r.largest_batch_no_retry.get(OUR_NAMES[lever]), r.largest_batch[OUR_NAMES[lever]], real))
+            ours = OUR_NAMES[lever]
+            rows.append(
+                (r.largest_batch_no_retry.get(ours), r.largest_batch[ours], real, r.largest_batch_at_most[ours])
+            )
     check_tally(tally(rows), TALLIES["tests/test_fit.py"], "GPT-2 and ResNet-50")
 
 

@@ -165,9 +165,15 @@ def test_the_json_and_the_fraction_of_the_recorded_batch(real_frames):
     out = fit.to_dict()
     assert out["largest_batch_no_retry"]["checkpointing"] == 0.79
     assert out["largest_batch"]["checkpointing"] == 0.95
+    assert out["largest_batch_at_most"]["checkpointing"] == 1.11  # the tensors alone at the cap
+    assert out["largest_batch_at_most"]["as recorded"] is None  # the recorded step: its replay ends the range
     lever = next(o for o in out["levers"] if o["lever"] == "checkpointing")
-    assert (lever["largest_batch_no_retry"], lever["largest_batch"]) == (0.79, 0.95)
-    assert "0.79x–0.95x the recorded batch with activation checkpointing" in format_fit(fit)
+    assert (lever["largest_batch_no_retry"], lever["largest_batch"], lever["largest_batch_at_most"]) == (
+        0.79,
+        0.95,
+        1.11,
+    )
+    assert "0.79x–1.11x the recorded batch with activation checkpointing" in format_fit(fit)
 
 
 def test_the_reports_answer_gives_the_range_and_explains_it_first_among_its_steps(real_frames):
@@ -175,6 +181,6 @@ def test_the_reports_answer_gives_the_range_and_explains_it_first_among_its_step
 
     summary = fit_summary(real_frames("fit_gpt2_b32_oom_python"))  # the cap the run ran out of, 6 GiB
     assert summary is not None
-    assert "0.79x–0.95x the recorded batch with activation checkpointing" in summary.verdict
+    assert "0.79x–1.11x the recorded batch with activation checkpointing" in summary.verdict
     assert BATCH_RANGE not in summary.verdict
     assert summary.steps[0] == BATCH_RANGE

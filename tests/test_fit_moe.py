@@ -8,7 +8,7 @@ The truth: the peak over two whole steps of a fresh model at five batches per le
 batch under a 6 GiB cap (doubling then bisection, try after try in one process) and single
 batches run each in a fresh process under the cap (``fresh_process``). Checked: the peaks from
 the complete step, the largest batch per lever from all five recordings (a range must hold the
-real one, or stay a bounded known miss on the safe side), and no batch called safe (a range's
+real one), and no batch called safe (a range's
 first batch) that failed in a fresh process.
 
 And one file, one answer: ``fit``'s allocator-settings rows lay the step out as ``whatif``
@@ -29,7 +29,6 @@ from snapshot_lab.metrics.fit import compute_fit, predict_step
 from snapshot_lab.metrics.fit.model import step_evidence
 
 from .conftest import SAMPLES
-from .fit_known_misses import BatchMiss, check_largest
 
 CAP = 6 << 30
 FAMILIES = json.loads((SAMPLES / "fit_truth.json").read_text())["families"]
@@ -48,12 +47,9 @@ RECORDINGS = {  # name -> (recorded batch, the lever it was recorded under)
     "fit_mixtral_b2_bf16_complete_python": (2, "bf16"),
     "fit_mixtral_b2_ckpt_bf16_complete_python": (2, "ckpt+bf16"),
 }
-# (recording, real lever) -> the known miss: checkpointing read from a plain step says 18 where
-# 19 ran in the search (and 20 in a fresh process): one short, on the safe side
-KNOWN = {
-    ("fit_mixtral_b2_complete_python", "ckpt"): BatchMiss(18, 19, "checkpointing from a plain step: one short"),
-    ("fit_mixtral_b64_oom_python", "ckpt"): BatchMiss(18, 19, "checkpointing from the OOM: one short"),
-}
+# checkpointing read from a plain step: the capped replay's batch is one short (18 where 19 ran in the
+# search and 20 in a fresh process); the range's top, where the step's tensors alone fill the cap, holds both
+ONE_SHORT = {"fit_mixtral_b2_complete_python": (18, 18, 22), "fit_mixtral_b64_oom_python": (18, 18, 22)}
 # (lever) -> the tolerance on the peak predicted from the complete plain step at the table's batches
 PEAK_TOLERANCE = {"plain": 0.001, "ckpt": 0.001, "ckpt+bf16": 0.002, "bf16": 0.04}
 LEVER_FLAGS = {"plain": (False, False), "ckpt": (True, False), "bf16": (False, True), "ckpt+bf16": (True, True)}
@@ -91,14 +87,24 @@ def test_the_range_holds_the_real_largest_batch_for_every_lever(real_frames, nam
     recorded, under = RECORDINGS[name]
     fit = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded)
     for row, lever in ROWS[under].items():
-        first, last = fit.largest_batch_no_retry[row], fit.largest_batch[row]
+        first, last = fit.batch_range[row]
         assert first is not None and last is not None, (name, row)
         real = LEVERS[lever]["largest_batch_under_cap"]
-        known = KNOWN.get((name, lever))
-        if known is None:
-            assert first <= real <= last, f"{name}, {row}: {first:g}–{last:g}, real {real}"
-        else:
-            check_largest(last, real, 0, known, f"{name}, {row}")
+        assert first <= real <= last, f"{name}, {row}: {first:g}–{last:g}, real {real}"
+
+
+@pytest.mark.parametrize("name", list(ONE_SHORT))
+def test_checkpointing_from_a_plain_step_one_short_and_the_range_holds_it(real_frames, name):
+    """The capped replay of the step rewritten for checkpointing stays one short (the order the
+    rewrite guesses decides it: two lifetime rules that made this family exact broke others,
+    docs/fit.md); the range ends where the tensors alone fill the cap, past 19 and 20."""
+    recorded, _ = RECORDINGS[name]
+    fit = compute_fit(real_frames(name), memory_limit=CAP, recorded_batch=recorded)
+    sure, best, most = ONE_SHORT[name]
+    assert fit.largest_batch_no_retry["checkpointing"] == sure
+    assert fit.largest_batch["checkpointing"] == best
+    assert fit.largest_batch_at_most["checkpointing"] == most
+    assert fit.batch_range["checkpointing"] == (sure, most)
 
 
 @pytest.mark.parametrize("name", list(RECORDINGS))

@@ -74,14 +74,15 @@ def _batch_words(result: FitResult, batch: float | None) -> str:
 
 
 def _ranged(outcome: LeverOutcome) -> bool:
-    """Whether the largest batch is a range: the one that never reaches the limit is smaller
-    (both are None without a limit)."""
-    return outcome.largest_batch_no_retry not in (None, outcome.largest_batch)
+    """Whether the largest batch is a range: the one that never reaches the limit is smaller than
+    the most it can be (both are None without a limit)."""
+    sure, best = outcome.batch_range
+    return sure != best
 
 
 def _batch_range(result: FitResult, outcome: LeverOutcome) -> str:
     """The largest batch, as a range from the one that never reaches the limit where they differ."""
-    best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
+    sure, best = outcome.batch_range
     if best is None or sure is None or sure == best:
         return _batch_words(result, best)
     if not sure:  # "0–4" read as a range that starts at a batch of nothing
@@ -94,7 +95,8 @@ def _batch_range(result: FitResult, outcome: LeverOutcome) -> str:
 BATCH_RANGE = (
     "Of a range, the first batch never takes the allocator to the limit; the larger ones fit only where the "
     "allocator, freeing its cache and retrying, finds room, which fragmentation and what the process ran before "
-    "decide."
+    "decide. With checkpointing or bf16 autocast, a step the trace did not run, the range ends where its tensors "
+    "alone would fill the limit: how the allocator lays that step out is not known well enough to say less."
 )
 
 
@@ -184,8 +186,8 @@ ANSWER_IN_SAMPLES = (
 
 def _short_range(r: FitResult, outcome: LeverOutcome) -> str:
     """The largest batch of a lever in few words: ``15–21`` (samples) or ``0.79x–0.95x``."""
-    best, sure = outcome.largest_batch, outcome.largest_batch_no_retry
-    shown = [best] if sure is None or sure == best else [sure, best]
+    sure, best = outcome.batch_range
+    shown = [best] if sure == best else [sure, best]
     return "–".join(f"{int(b)}" if r.recorded_batch else f"{b:g}x" for b in shown if b is not None)
 
 

@@ -111,15 +111,18 @@ def _boundary(value: Callable[[int], int], first: int, limit: int) -> int:
     return lo
 
 
-def largest_batch(tape: Tape, units: int, settings: AllocatorSettings, limit: int, at_least: int = 0) -> int:
+def largest_batch(
+    tape: Tape, units: int, settings: AllocatorSettings, limit: int, at_least: int = 0, bound: int | None = None
+) -> int:
     """The largest batch, in ``units`` per recorded batch, whose step runs under ``limit``
     (0: not even one unit). Monotone in the batch: the allocated peak's boundary (a bound),
     then, down from that bound, replays through the allocator (none for a tape longer than
     ``LONG_TAPE_ROWS``: the bound stands). ``at_least``: a batch whose replay fits (the one asked
     for): near the boundary the replay is not monotone, and the search down from the bound may
     pass over it (a capped ResNet-50 that ran at batch 162 was told 0.94x of it fits,
-    ``fit_resnet50_b162_ckpt_capped_python``), so the answer is never below it."""
-    lo = PeakCurve(tape).largest(units, limit)
+    ``fit_resnet50_b162_ckpt_capped_python``), so the answer is never below it. ``bound``: the
+    allocated peak's boundary where the caller has it already."""
+    lo = PeakCurve(tape).largest(units, limit) if bound is None else bound
     if lo == 0 or len(tape) > LONG_TAPE_ROWS:
         return lo
     found = _down_from(lo, lambda n: bool(simulate(tape, n / units, settings, limit).fits))
