@@ -263,7 +263,7 @@ def test_report_names_the_better_setting(tmp_path):
     # an OOM under a per-process cap the snapshot does not record: the claim is made under a
     # stated assumption (the cap inferred as the peak reserved before the OOM)
     oom = api.report(sample_path("oom_fragmentation"), output=tmp_path / "o.html").read_text()
-    assert "allocator-settings" in oom and "assuming a per-process cap of" in oom
+    assert "allocator-settings" in oom and "This assumes a per-process cap of" in oom
 
 
 def test_defaults_without_settings_include_the_plain_defaults(real_frames):

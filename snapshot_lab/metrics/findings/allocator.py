@@ -42,25 +42,31 @@ ADVICE = (
     "Predicted by replaying this trace through snaplab's model of the caching allocator; the replay of the "
     "recorded settings reproduced the snapshot {how}. `snaplab whatif` compares more settings."
 )
+# what the one-line claim assumes, said before the advice (the title stays one readable line)
 OOM_CAP_ASSUMPTION = (
-    " assuming a per-process cap of {cap} (the snapshot does not record the cap; inferred from the trace, whose "
-    "peak reserved bounds it from below and whose failing request bounds it from above)"
+    "This assumes a per-process cap of {cap}: the snapshot does not record the cap, and the trace bounds it (its "
+    "peak reserved from below, its failing request from above). "
 )
+OOM_ONLY = "The trace ends at the OOM, so later steps are not predicted. "
 STEADY_BASELINE = (
     ", the recorded settings replayed from the same steady state as it (the trace starts mid-run; the recorded "
     "peak was {recorded})"
 )
 NOT_THE_JOB = (
-    ", but not the job: one whole iteration at this batch holds about {whole} at once (snaplab fit's model of it), "
-    "more than the {cap} limit, so the error would only come later"
+    ", but not the job: one whole iteration at this batch holds about {whole} at once, more than the {cap} limit"
+)
+NOT_THE_JOB_WHY = (
+    "The whole iteration is snaplab fit's model of it at the recorded batch: with this setting the error would "
+    "only come later. "
 )
 FLUSH_CAP_ASSUMPTION = (
-    " assuming a memory limit of {cap} (the snapshot does not record it; the allocator's cache flushes in the "
-    "trace bound it)"
+    "This assumes a memory limit of {cap}: the snapshot does not record it, and the allocator's cache flushes in "
+    "the trace bound it. "
 )
 
 
 def _assumption(whatif: WhatIf) -> str:
+    """The memory limit the claim assumes, where the snapshot does not record it ("": none)."""
     if not whatif.memory_limit_inferred or whatif.memory_limit_bytes is None:
         return ""
     text = FLUSH_CAP_ASSUMPTION if whatif.memory_limit_source.startswith("inferred from the") else OOM_CAP_ASSUMPTION
@@ -93,21 +99,29 @@ def _title(
     label = settings_label(best.settings)
     if why == "avoids the OOM":
         return (
-            f"{label} would have served the allocation that failed{_assumption(whatif)}: predicted peak reserved "
+            f"{label} would have served the allocation that failed: predicted peak reserved "
             f"{format_bytes(best.peak_reserved_bytes)} up to that point"
             + (f" instead of {format_bytes(recorded_peak)}" if recorded_peak > best.peak_reserved_bytes else "")
-            + " (the trace ends at the OOM, so later steps are not predicted)"
             + (_not_the_job(whatif, whole) if whole else "")
         )
     if steady is not None:
         return (
             f"{label} would lower the peak reserved memory to {format_bytes(best.peak_reserved_bytes)} instead of "
-            f"{format_bytes(steady)}{STEADY_BASELINE.format(recorded=format_bytes(recorded_peak))}{_assumption(whatif)}"
+            f"{format_bytes(steady)}{STEADY_BASELINE.format(recorded=format_bytes(recorded_peak))}"
         )
     return (
         f"{label} would lower the peak reserved memory to {format_bytes(best.peak_reserved_bytes)} instead of "
-        f"{format_bytes(recorded_peak)}{_assumption(whatif)}"
+        f"{format_bytes(recorded_peak)}"
     )
+
+
+def _caveats(whatif: WhatIf, why: str, not_the_job: bool) -> str:
+    """What the title's claim rests on, before the advice: the limit assumed, and for an OOM that
+    the trace ends there (and what the whole iteration is)."""
+    text = _assumption(whatif)
+    if why == "avoids the OOM":
+        text += OOM_ONLY + (NOT_THE_JOB_WHY if not_the_job else "")
+    return text
 
 
 def _finding(whatif: WhatIf, recorded_peak: int | None, frames: SnapshotFrames) -> Finding | None:
@@ -150,7 +164,8 @@ def _finding(whatif: WhatIf, recorded_peak: int | None, frames: SnapshotFrames) 
         id="allocator-settings",
         severity="warning" if why == "avoids the OOM" and not not_the_job else "info",
         title=_title(whatif, best, why, recorded, steady, (whole or 0) if not_the_job else 0),
-        advice=ADVICE.format(label=label, how="exactly" if whatif.replay_check.exact else "approximately"),
+        advice=_caveats(whatif, why, not_the_job)
+        + ADVICE.format(label=label, how="exactly" if whatif.replay_check.exact else "approximately"),
         evidence=evidence,
         savings_bytes=max(saved, 0) or None,
         device=whatif.device,
