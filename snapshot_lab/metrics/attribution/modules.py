@@ -238,25 +238,27 @@ def _self_peaks(
 ) -> np.ndarray:
     """The most bytes alive at once, per module, over the trace (allocations of the module only)."""
     has = module != _NO_MODULE
-    start = lifetimes["event_index"].to_numpy(dtype=np.int64)[has]
     end = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)[has]
-    mod, size = module[has], sizes[has]
     freed = end >= 0
-    times = np.concatenate([start, end[freed]])
+    times = np.concatenate([lifetimes["event_index"].to_numpy(dtype=np.int64)[has], end[freed]])
+    del end
+    mod, size = module[has], sizes[has]
     mods = np.concatenate([mod, mod[freed]])
     deltas = np.concatenate([size, -size[freed]])
+    del mod, size, freed
     order = np.lexsort((times, mods))
-    mods, deltas = mods[order], deltas[order]
-    level = np.cumsum(deltas)
-    first = np.flatnonzero(np.r_[True, mods[1:] != mods[:-1]]) if mods.size else np.array([], dtype=np.int64)
-    base = np.zeros_like(level)
-    if mods.size:
-        # the running total where each module's run begins
-        before = np.r_[0, level[first[1:] - 1]]
-        base = np.repeat(before, np.diff(np.r_[first, mods.size]))
+    del times  # each step lets go of what it read: at 5M entries this peaked 100 MiB higher
+    mods = mods[order]
+    deltas = deltas[order]
+    del order
+    level = np.cumsum(deltas, out=deltas)
     peaks = np.zeros(n_modules, dtype=np.int64)
     if mods.size:
-        np.maximum.at(peaks, mods, level - base)
+        first = np.flatnonzero(np.r_[True, mods[1:] != mods[:-1]])
+        # the running total where each module's run begins, taken off its run
+        before = np.r_[0, level[first[1:] - 1]]
+        level -= np.repeat(before, np.diff(np.r_[first, mods.size]))
+        np.maximum.at(peaks, mods, level)
     return peaks
 
 
