@@ -35,6 +35,7 @@ from .metrics.categories import (
     CategoryBreakdown,
     CategoryRules,
     categorize,
+    category_levels,
     compute_categories,
 )
 from .metrics.categories.custom import USER_RULE_PREFIX
@@ -222,7 +223,7 @@ def _shown_categories(
     frames: SnapshotFrames, dev: int, builtin: CategoryBreakdown, rules: CategoryRules | None
 ) -> CategoryBreakdown:
     """The categories the table and the figure show: the built-in ones, or the user's rules first."""
-    return builtin if rules is None else compute_categories(frames, dev, with_timeline=True, rules=rules)
+    return builtin if rules is None else compute_categories(frames, dev, with_timeline=False, rules=rules)
 
 
 def _category_help(category: str, by_rule: dict[str, int]) -> str:
@@ -443,8 +444,9 @@ def _trace_views(
     """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
     the explorer's data)."""
     figures.later(section, "timeline_png", timeline_view(timeline))
-    if cats.timeline is not None and len(cats.timeline) == timeline.n_events:
-        figures.later(section, "category_png", category_view(cats.timeline, timeline.x, timeline.x_label))
+    levels = category_levels(frames, dev, rules)  # one category at a time, not the whole table kept
+    if levels is not None and levels.n_events == timeline.n_events:
+        figures.later(section, "category_png", category_view(levels, timeline.x, timeline.x_label))
     alive = alive_at(lifetimes, timeline.peak_index)
     codes = categorize(frames).alloc_codes[dev][alive.index.to_numpy()]
     alive_cats = pd.Series(np.array(CATEGORIES, dtype=object)[codes], index=alive.index)
@@ -804,7 +806,7 @@ def build_report_context(
     the category table and figure by ``category_rules`` first when given."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
-    diagnosis = diagnose(frames, stats, whatifs=whatifs)
+    diagnosis = diagnose(frames, stats, with_category_timelines=False, whatifs=whatifs)
     timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
     sections = []

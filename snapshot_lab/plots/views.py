@@ -5,10 +5,10 @@ is sent must be small)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from ..metrics.history.timeline import Envelope, Timeline, envelope
 
@@ -68,10 +68,18 @@ class CategoryView:
     x_label: str
 
 
-def category_view(levels: pd.DataFrame, x: np.ndarray, x_label: str, max_points: int = CATEGORY_POINTS) -> CategoryView:
-    """``levels``: one column per category (bytes after each event); ``x``: event positions."""
-    cols = [str(c) for c in levels.columns if levels[c].max() > 0]
-    series = [envelope(x, levels[c].to_numpy(), max_points) for c in cols]
+def category_view(
+    levels: Iterable[tuple[str, np.ndarray]], x: np.ndarray, x_label: str, max_points: int = CATEGORY_POINTS
+) -> CategoryView:
+    """``levels``: (category, bytes after each event) one category at a time (a
+    :class:`~snapshot_lab.metrics.categories.CategoryLevels`, or a table's ``items()``); each
+    is reduced before the next is read; ``x``: event positions."""
+    cols, series = [], []
+    for name, level in levels:
+        values = np.asarray(level)
+        if values.max() > 0:
+            cols.append(str(name))
+            series.append(envelope(x, values, max_points))
     return CategoryView(
         categories=cols,
         x=series[0].x if series else x[:0],

@@ -11,6 +11,7 @@ bytes per category at the dump, at the peak and over the trace, and which rule l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,27 +49,68 @@ def categorize_blocks(frames: SnapshotFrames) -> pd.Series:
     return categorize(frames).block_category
 
 
-def category_timeline(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> pd.DataFrame | None:
-    """Requested bytes per category after every event of the device (columns = categories, the
-    user's ``rules``' after the built-in ones); each free counts against the category of the
-    allocation it releases."""
+@dataclass(frozen=True)
+class CategoryLevels:
+    """Requested bytes per category after every event of a device, one category at a time
+    (:func:`category_levels`): a column of :func:`category_timeline` each, without holding them
+    all (at 5M events the whole table is 400 MiB, a column 40)."""
+
+    names: tuple[str, ...]
+    n_events: int
+    base: int  # the device's first event index
+    size: np.ndarray  # per allocation of the device's lifetimes
+    code: np.ndarray  # its category's code
+    made: np.ndarray  # its event, from the device's first
+    freed: np.ndarray  # its free's event from the first, -1 where it outlives the trace
+
+    def column(self, code: int) -> np.ndarray:
+        """The requested bytes of category ``code`` after every event (each free counts against
+        the category of the allocation it releases), anchored at zero where allocations older
+        than the trace are not in it."""
+        out = np.zeros(self.n_events, dtype=np.int64)
+        mine = self.code == code
+        out[self.made[mine]] = self.size[mine]
+        gone = mine & (self.freed >= 0)
+        out[self.freed[gone]] = -self.size[gone]
+        np.cumsum(out, out=out)
+        out -= min(int(out.min(initial=0)), 0)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        for code, name in enumerate(self.names):
+            yield name, self.column(code)
+
+
+def category_levels(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> CategoryLevels | None:
+    """:class:`CategoryLevels` of ``device`` (the user's ``rules``' categories after the built-in
+    ones); None without a trace of two events or more."""
     ev = frames.device_events(device)
     if len(ev) < 2:
         return None
     lifetimes = device_lifetimes(frames, device)
     result = categorize(frames, rules)
-    code = result.alloc_codes[device]
     base = int(ev["event_index"].iloc[0])
-    size = lifetimes["size_bytes"].to_numpy()
-    mat = np.zeros((len(ev), len(result.names)), dtype=np.int64, order="F")  # column-major: no copy into pandas
-    mat[lifetimes["event_index"].to_numpy() - base, code] = size
-    free_at = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
-    freed = free_at >= 0
-    mat[free_at[freed] - base, code[freed]] = -size[freed]
-    levels = np.cumsum(mat, axis=0, out=mat)
-    # allocations older than the trace are not in it: anchor each category at zero
-    levels -= np.minimum(levels.min(axis=0), 0)
-    return pd.DataFrame(levels, columns=list(result.names), copy=False)
+    return CategoryLevels(
+        names=tuple(result.names),
+        n_events=len(ev),
+        base=base,
+        size=lifetimes["size_bytes"].to_numpy(dtype=np.int64),
+        code=result.alloc_codes[device],
+        made=lifetimes["event_index"].to_numpy(dtype=np.int64) - base,
+        freed=np.where((at := lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)) >= 0, at - base, -1),
+    )
+
+
+def category_timeline(frames: SnapshotFrames, device: int, rules: CategoryRules | None = None) -> pd.DataFrame | None:
+    """Requested bytes per category after every event of the device (columns = categories, the
+    user's ``rules``' after the built-in ones): every column of :func:`category_levels` at once."""
+    levels = category_levels(frames, device, rules)
+    if levels is None:
+        return None
+    mat = np.empty((levels.n_events, len(levels.names)), dtype=np.int64, order="F")  # no copy into pandas
+    for code, (_, column) in enumerate(levels):
+        mat[:, code] = column
+    return pd.DataFrame(mat, columns=list(levels.names), copy=False)
 
 
 def category_levels_at(
@@ -213,6 +255,7 @@ __all__ = [
     "RULE_HELP",
     "Categorization",
     "CategoryBreakdown",
+    "CategoryLevels",
     "CategoryRule",
     "CategoryRuleError",
     "CategoryRules",
@@ -220,6 +263,7 @@ __all__ = [
     "categories_at_peak",
     "categorize",
     "categorize_blocks",
+    "category_levels",
     "category_levels_at",
     "category_timeline",
     "compute_categories",
