@@ -222,7 +222,8 @@ def _category_rows(cats: CategoryBreakdown) -> list[Row]:
 def _shown_categories(
     frames: SnapshotFrames, dev: int, builtin: CategoryBreakdown, rules: CategoryRules | None
 ) -> CategoryBreakdown:
-    """The categories the table and the figure show: the built-in ones, or the user's rules first."""
+    """The categories the table shows: the built-in ones, or the user's rules first (the figure reads
+    them one at a time, :func:`_trace_views`)."""
     return builtin if rules is None else compute_categories(frames, dev, with_timeline=False, rules=rules)
 
 
@@ -324,7 +325,7 @@ def _device_section(
     if timeline is None:
         _without_trace(section, frames, stats, dev, cats, figures)
     else:
-        _trace_views(section, frames, device_stats, dev, timeline, cats, lifetimes, figures, rules)
+        _trace_views(section, frames, device_stats, dev, timeline, lifetimes, figures, rules)
     return section
 
 
@@ -436,7 +437,6 @@ def _trace_views(
     device_stats: DeviceStats,
     dev: int,
     timeline: Timeline,
-    cats: CategoryBreakdown,
     lifetimes: pd.DataFrame,
     figures: _Figures,
     rules: CategoryRules | None = None,

@@ -57,7 +57,6 @@ class CategoryLevels:
 
     names: tuple[str, ...]
     n_events: int
-    base: int  # the device's first event index
     size: np.ndarray  # per allocation of the device's lifetimes
     code: np.ndarray  # its category's code
     made: np.ndarray  # its event, from the device's first
@@ -93,7 +92,6 @@ def category_levels(frames: SnapshotFrames, device: int, rules: CategoryRules | 
     return CategoryLevels(
         names=tuple(result.names),
         n_events=len(ev),
-        base=base,
         size=lifetimes["size_bytes"].to_numpy(dtype=np.int64),
         code=result.alloc_codes[device],
         made=lifetimes["event_index"].to_numpy(dtype=np.int64) - base,
