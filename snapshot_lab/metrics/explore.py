@@ -221,16 +221,27 @@ _MAKES = ("segment_alloc", "segment_map")
 _RELEASES = ("segment_free", "segment_unmap")
 
 
+def _at(ev: pd.DataFrame, column: str, rows: np.ndarray, missing: int) -> np.ndarray:
+    """An integer column's values at ``rows`` (positions), ``missing`` where it has none: only
+    those rows are read, not the whole column copied."""
+    return ev[column].iloc[rows].to_numpy(dtype=np.int64, na_value=missing)
+
+
 def _ranges_of_trace(
     ev: pd.DataFrame, made: np.ndarray, released: np.ndarray, n: int
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Ranges the trace makes (each until the next release at its address) and ranges it releases
     without having made them (there since before the trace)."""
-    pos = np.arange(len(ev), dtype=np.int64)
-    addr = ev["address"].to_numpy(dtype=np.int64, na_value=-1)
-    size = ev["size_bytes"].to_numpy(dtype=np.int64, na_value=0)
-    ons = pd.DataFrame({"pos": pos[made], "address": addr[made], "size": size[made]})
-    offs = pd.DataFrame({"pos": pos[released], "address": addr[released], "size": size[released]})
+    ons, offs = (
+        pd.DataFrame(
+            {
+                "pos": rows,
+                "address": _at(ev, "address", rows, -1),
+                "size": _at(ev, "size_bytes", rows, 0),
+            }
+        )
+        for rows in (np.flatnonzero(made), np.flatnonzero(released))
+    )
     ended = pd.merge_asof(
         ons, offs[["pos", "address"]].assign(end=offs["pos"]), on="pos", by="address", direction="forward"
     )
@@ -272,13 +283,14 @@ def _block_spans(
     without having made them, and the dump's live blocks older than the trace."""
     rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
     made = pd.DataFrame({"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end})
-    freed = ev[(action == "free_completed").to_numpy()]
-    unmatched = freed[~freed["event_index"].isin(lt["free_index"].dropna())]
+    index = ev["event_index"].to_numpy(dtype=np.int64)
+    freed = np.flatnonzero((action == "free_completed").to_numpy())
+    unmatched = freed[~pd.Series(index[freed]).isin(lt["free_index"].dropna()).to_numpy()]
     older = pd.DataFrame(
         {
-            "address": unmatched["address"].to_numpy(dtype=np.int64, na_value=-1),
-            "size": -(-unmatched["size_bytes"].to_numpy(dtype=np.int64, na_value=0) // BLOCK_ROUND) * BLOCK_ROUND,
-            "end": np.searchsorted(ev["event_index"].to_numpy(dtype=np.int64), unmatched["event_index"].to_numpy()),
+            "address": _at(ev, "address", unmatched, -1),
+            "size": -(-_at(ev, "size_bytes", unmatched, 0) // BLOCK_ROUND) * BLOCK_ROUND,
+            "end": np.searchsorted(index, index[unmatched]),
         }
     )
     dump = frames.blocks[(frames.blocks["device"] == ev["device"].iloc[0]) & (frames.blocks["state"] != "inactive")]

@@ -291,13 +291,23 @@ def site_labels(
     forward``; ``backward of model.py:12 in forward`` when it has no stack of its own)."""
     table = sites.table
     index = table.index.to_numpy(dtype=np.int64)
-    known = np.isin(stack_ids, index)
+    row = _rows_of(table.index, stack_ids)
+    known = row >= 0
     labels = np.empty(stack_ids.size, dtype=object)
     detail = np.full(stack_ids.size, "", dtype=object)
-    labels[known] = table["label"].reindex(stack_ids[known]).to_numpy()
-    detail[known] = table["detail"].reindex(stack_ids[known]).fillna("").to_numpy()
-    cats = categories if categories is not None else np.full(stack_ids.size, None, dtype=object)
-    labels[~known] = [sites.label(None, category) for category in cats[~known]]
+    # the table's own string objects, one lookup each (no new string per allocation)
+    labels[known] = table["label"].to_numpy(dtype=object)[row[known]]
+    detail[known] = table["detail"].fillna("").to_numpy(dtype=object)[row[known]]
+    unknown = np.flatnonzero(~known)
+    if categories is None:
+        labels[unknown] = sites.label(None)
+    elif unknown.size:
+        # one label per category, shared by its stackless allocations
+        cats = np.asarray(categories, dtype=object)[unknown]
+        missing = pd.isna(cats)
+        labels[unknown[missing]] = [sites.label(None, c) for c in cats[missing]]
+        code, names = pd.factorize(cats[~missing])
+        labels[unknown[~missing]] = np.array([sites.label(None, c) for c in names], dtype=object)[code]
     if forward_ids is not None:
         has = np.flatnonzero((forward_ids >= 0) & np.isin(forward_ids, index))
         if has.size:
@@ -309,6 +319,16 @@ def site_labels(
                 elif base.startswith(NO_STACK_LABEL[:-1]):
                     labels[i] = f"backward of {forward_label}"
     return labels, detail
+
+
+def _rows_of(index: pd.Index, stack_ids: np.ndarray) -> np.ndarray:
+    """Position in ``index`` (the site table's stack ids) of every stack id, -1 where it has no
+    site: the table's few rows are hashed, not the allocations."""
+    if index.is_unique:
+        return index.get_indexer(pd.Index(stack_ids)).astype(np.int64, copy=False)
+    first = pd.Series(np.arange(len(index)), index=index)
+    first = first[~first.index.duplicated()]
+    return first.reindex(stack_ids).fillna(-1).to_numpy(dtype=np.int64)
 
 
 def allocation_forward_ids(
