@@ -40,8 +40,8 @@ from .metrics.categories import (
 )
 from .metrics.categories.custom import USER_RULE_PREFIX
 from .metrics.categories.kv_cache import KvCacheGrowth
-from .metrics.diagnose import diagnose
-from .metrics.explore import explore
+from .metrics.diagnose import device_timelines, diagnose
+from .metrics.explore import Exploration, explore
 from .metrics.fit import compute_fit
 from .metrics.fit.model import FitUnsupported, FitUnsupportedOom
 from .metrics.fit.result import HEADLINE_LEVERS
@@ -311,9 +311,11 @@ def _device_section(
     whatif: WhatIf | None,
     figures: _Figures,
     rules: CategoryRules | None = None,
+    exploration: Exploration | None = None,
 ) -> DeviceSection:
     """One device's section: what the dump shows, the moment of its OOM, then what the trace
-    shows (its figures, once ``figures`` resolves; the explorer's categories by ``rules`` first)."""
+    shows (its figures, once ``figures`` resolves; the explorer's data ``exploration``, computed
+    here when not given, its categories by ``rules`` first)."""
     device_stats = stats.devices[dev]
     moment = oom_moment(frames, dev) if device_stats.oom is not None else None
     at_oom = moment if moment is not None and not moment.at_dump else None
@@ -325,7 +327,8 @@ def _device_section(
     if timeline is None:
         _without_trace(section, frames, stats, dev, cats, figures)
     else:
-        _trace_views(section, frames, device_stats, dev, timeline, lifetimes, figures, rules)
+        explored = exploration if exploration is not None else explore(frames, timeline, rules=rules)
+        _trace_views(section, frames, device_stats, dev, timeline, lifetimes, figures, rules, explored)
     return section
 
 
@@ -439,10 +442,11 @@ def _trace_views(
     timeline: Timeline,
     lifetimes: pd.DataFrame,
     figures: _Figures,
-    rules: CategoryRules | None = None,
+    rules: CategoryRules | None,
+    exploration: Exploration,
 ) -> None:
-    """The timeline, the explorer and what was alive at the peak (the figures first, drawn beside
-    the explorer's data)."""
+    """The timeline, the explorer's data ``exploration`` and what was alive at the peak (the
+    figures first, drawn beside the rest)."""
     figures.later(section, "timeline_png", timeline_view(timeline))
     levels = category_levels(frames, dev, rules)  # one category at a time, not the whole table kept
     if levels is not None and levels.n_events == timeline.n_events:
@@ -462,7 +466,7 @@ def _trace_views(
     )
     section.composition = compose("peak", by_category, peak_sites, device_stats.modules, timeline.peak_index)
     _chart(section, figures)
-    section.exploration = explore(frames, timeline, rules=rules)
+    section.exploration = exploration
     section.timeline_notes = _timeline_notes(timeline)
     section.peak_note = (
         f"Allocations alive at the peak ({format_bytes(timeline.peak_requested_bytes)} requested, event "
@@ -806,6 +810,9 @@ def build_report_context(
     the category table and figure by ``category_rules`` first when given."""
     progress = progress or NullProgress()
     progress.stage("Analysing")
+    # the explorer's data first: computed here while the what-if replays, which the findings
+    # wait for, finish in their own child (api._report_content)
+    explorations = _explorations(frames, stats, category_rules)
     diagnosis = diagnose(frames, stats, with_category_timelines=False, whatifs=whatifs)
     timelines, findings = diagnosis.timelines, diagnosis.findings
     progress.stage("Plotting")
@@ -824,6 +831,7 @@ def build_report_context(
                 diagnosis.whatifs.get(dev),
                 figures,
                 category_rules,
+                explorations.get(dev),
             )
         )
     _would_it_fit(frames, stats, sections)
@@ -869,6 +877,12 @@ def build_report_context(
         ctx.compare_rows = rows
         ctx.compare_svg = _drawn().device_comparison_svg(pd.DataFrame(rows))
     return ctx
+
+
+def _explorations(frames: SnapshotFrames, stats: SnapshotStats, rules: CategoryRules | None) -> dict[int, Exploration]:
+    """The explorer's data of every device with a trace (categories by ``rules`` first)."""
+    timelines = device_timelines(frames, stats)
+    return {dev: explore(frames, tl, rules=rules) for dev, tl in timelines.items() if tl is not None}
 
 
 def _payload(frames: SnapshotFrames, sections: list[DeviceSection], annotated: list[AnnotatedAllocation]) -> Payload:
