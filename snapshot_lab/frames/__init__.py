@@ -1,6 +1,6 @@
 """Frames: the snapshot as pandas tables with declared schemas."""
 
-from .build import SnapshotFrames, SnapshotInfo, build_frames, check_frames
+from .build import SnapshotFrames, SnapshotInfo, build_frames, check_frames, device_rows
 from .schema import (
     ANNOTATIONS_SCHEMA,
     BLOCKS_SCHEMA,
@@ -21,4 +21,5 @@ __all__ = [
     "SnapshotInfo",
     "build_frames",
     "check_frames",
+    "device_rows",
 ]

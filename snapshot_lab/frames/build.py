@@ -134,11 +134,16 @@ class SnapshotFrames:
         that device's, as in a one-GPU recording. Then it is a shallow copy of ``events``
         (pandas' copy-on-write keeps ``events`` as it is whatever the caller does with it);
         else the selected rows."""
-        events = self.events
-        on_device = events["device"] == device
-        if bool(on_device.all()) and len(events):
-            return events.copy(deep=False)
-        return events[on_device]
+        return device_rows(self.events, device)
+
+
+def device_rows(events: pd.DataFrame, device: int) -> pd.DataFrame:
+    """:meth:`SnapshotFrames.device_events` of any events frame: ``events[events["device"] ==
+    device]``, a shallow copy (no column copied) when every row is that device's."""
+    on_device = events["device"] == device
+    if bool(on_device.all()) and len(events):
+        return events.copy(deep=False)
+    return events[on_device]
 
 
 # '  File "x.py", line 37, in f\n    code\n' (traceback.format_list); the name runs to the line's end

@@ -170,7 +170,8 @@ def _start_state(frames: SnapshotFrames, device: int, settings: AllocatorSetting
     blk_size = blk["size_bytes"].to_numpy(dtype=np.int64)
     live: dict[int, int] = dict(zip(blk_addr[keep].tolist(), blk_size[keep].tolist(), strict=True))
     matched = lt["free_index"].dropna().to_numpy(dtype=np.int64)
-    frees = ev[(ev["action"] == "free_completed") & ev["address"].notna()]
+    # the three columns it reads, not a copy of every column
+    frees = ev.loc[(ev["action"] == "free_completed") & ev["address"].notna(), ["address", "size_bytes", "event_index"]]
     orphan = frees[~np.isin(frees["event_index"].to_numpy(dtype=np.int64), matched)]
     freed_at: dict[int, int] = {}  # blocks of the start state the trace frees: address -> free's event_index
     for a, n, i in zip(
@@ -215,7 +216,7 @@ def _restore_unsplit_remainders(
                 windows.append((seg, a, n, slack, taken[k + 1] if k + 1 < len(taken) else seg.address + seg.size))
     if not windows:
         return
-    allocs = ev[(ev["action"] == "alloc") & ev["address"].notna()]
+    allocs = ev.loc[(ev["action"] == "alloc") & ev["address"].notna(), ["address", "event_index"]]
     order = np.argsort(allocs["address"].to_numpy(dtype=np.int64), kind="stable")
     addrs = allocs["address"].to_numpy(dtype=np.int64)[order]
     when = allocs["event_index"].to_numpy(dtype=np.int64)[order]

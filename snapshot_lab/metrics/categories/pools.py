@@ -71,7 +71,7 @@ def _graph_pools_by_stack(frames: SnapshotFrames, device: int, segs: pd.DataFram
         return set()
     codes = np.fromiter(capture, dtype=np.int64, count=len(capture))
     ev, b = frames.events, frames.blocks
-    ev = ev[(ev["device"] == device) & ev["address"].notna()]
+    ev = ev.loc[(ev["device"] == device) & ev["address"].notna(), ["address", "stack_id"]]
     b = b[b["device"] == device]
     hits = []
     for address, sid in ((ev["address"], ev["stack_id"]), (b["address"], b["stack_id"])):

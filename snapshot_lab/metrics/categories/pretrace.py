@@ -331,10 +331,11 @@ class PreTraceBlocks:
 def orphan_frees(events: pd.DataFrame, lifetimes: pd.DataFrame) -> pd.DataFrame:
     """``free_completed`` events of one device's trace whose allocation is older than the trace:
     event_index, address, size_bytes, stack_id (the free's own stack)."""
-    frees = events[(events["action"] == "free_completed") & events["address"].notna()]
+    columns = ["event_index", "address", "size_bytes", "stack_id"]  # all it reads, not every column
+    frees = events.loc[(events["action"] == "free_completed") & events["address"].notna(), columns]
     matched = lifetimes["free_index"].dropna().to_numpy(dtype=np.int64)
     orphan = frees[~frees["event_index"].isin(matched)]
-    out = orphan[["event_index", "address", "size_bytes", "stack_id"]].reset_index(drop=True)
+    out = orphan.reset_index(drop=True)
     return out.astype({"address": "int64"})
 
 

@@ -143,7 +143,7 @@ def _inside_one_call(frames: SnapshotFrames, events: pd.DataFrame, pos: np.ndarr
 def _from_pattern(events: pd.DataFrame, device: int) -> Iterations | None:
     """The allocation site that fires at the steadiest rhythm, least often (once per iteration
     rather than once per layer), over most of the trace."""
-    allocs = events[(events["action"] == "alloc") & events["stack_id"].notna()]
+    allocs = events.loc[(events["action"] == "alloc") & events["stack_id"].notna(), ["stack_id", "event_index"]]
     if allocs.empty:
         return None
     n_events = len(events)

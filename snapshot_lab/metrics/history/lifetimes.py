@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ...frames import SnapshotFrames
+from ...frames import SnapshotFrames, device_rows
 from .._memo import memo
 
 
 def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
     """Columns: event_index, address, size_bytes (requested), stack_id, time_us, free_index
     (``<NA>`` when the allocation is still live at the end of the trace); in event order."""
-    device_events = events[events["device"] == device]
+    device_events = device_rows(events, device)
     allocs = device_events.loc[
         device_events["action"] == "alloc", ["event_index", "address", "size_bytes", "stack_id", "time_us"]
     ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ...frames import SnapshotFrames
+from ...frames import SnapshotFrames, device_rows
 from .._memo import memo
 from .ooms import fatal_rows
 
@@ -115,7 +115,7 @@ def compute_timeline(
     max_markers: int = 200,
 ) -> Timeline | None:
     """The timeline of one device (None when its trace has fewer than two entries)."""
-    device_events = events[events["device"] == device]
+    device_events = device_rows(events, device)
     if len(device_events) < 2:
         return None
     action = device_events["action"]

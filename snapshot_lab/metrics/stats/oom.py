@@ -78,8 +78,7 @@ def analyse_oom(
     free = int(usable["size_bytes"].sum())
     largest = int(usable["size_bytes"].max()) if len(usable) else 0
     cause = "fragmentation" if free >= request and largest < request else "capacity"
-    dev_events = events[events["device"] == device]
-    after = dev_events[dev_events["event_index"] > last["event_index"]]
+    after = events.loc[(events["device"] == device) & (events["event_index"] > last["event_index"]), ["action"]]
     at_oom = bool((after["action"] == "snapshot").all())
     dev_segments = segments[segments["device"] == device]
     return OomAnalysis(
