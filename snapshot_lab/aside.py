@@ -110,6 +110,31 @@ class Aside(Generic[T]):
         return bool(sent), value
 
 
+class Beside(Generic[T]):
+    """``fn()``, computed by a thread of this process from now on: for work that spends its time
+    outside the interpreter's lock (reading a file, hashing it), beside the rest.
+    :meth:`result` waits for it and raises what ``fn`` raised."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as exc:  # raised by result(), in the caller's thread
+            self._error = exc
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
 def _silenced() -> None:
     """A child's standard streams go to the null device, as new objects: a thread of the parent
     (a progress bar's refresh) may have held the old ones' locks when it forked, and a warning

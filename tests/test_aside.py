@@ -198,3 +198,45 @@ def test_a_child_never_waits_on_the_parents_streams(monkeypatch):
     reader.join(30)
     assert waited == [None]  # it answered (before: it waited on the parent's stderr forever)
     worker.close()
+
+
+def test_beside_computes_in_another_thread_and_gives_its_value():
+    from snapshot_lab.aside import Beside
+
+    started = threading.Event()
+    release = threading.Event()
+
+    def work():
+        started.set()
+        release.wait(5)
+        return threading.get_ident(), 6 * 7
+
+    beside = Beside(work)
+    assert started.wait(5)  # running before result() is asked for
+    release.set()
+    ident, value = beside.result()
+    assert value == 42
+    assert ident != threading.get_ident()
+    assert beside.result() == (ident, 42)  # asked again: the same value
+
+
+def test_beside_raises_what_its_function_raised_in_the_caller():
+    from snapshot_lab.aside import Beside
+
+    def work():
+        raise KeyError("gone")
+
+    beside = Beside(work)
+    with pytest.raises(KeyError, match="gone"):
+        beside.result()
+
+
+def test_the_report_names_the_file_by_its_sha256(tmp_path):
+    import hashlib
+
+    from snapshot_lab import api
+
+    sample = os.path.join(os.path.dirname(__file__), "..", "sample_snapshots", "cnn_clean.pickle.xz")
+    out = api.report(sample, output=tmp_path / "r.md", format="md")
+    digest = hashlib.sha256(open(sample, "rb").read()).hexdigest()[:12]
+    assert f"sha256 `{digest}`" in out.read_text()
