@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import platform
 import subprocess
 import sys
@@ -126,10 +125,10 @@ def snapshot_file(workdir: Path, n: int) -> Path:
     """The benchmark's snapshot of ``n`` entries, written unless it is there already."""
     snap = workdir / f"bench_{n}.pickle"
     if not snap.exists():
-        data = gen_snapshot.generate(n)
-        with snap.open("wb") as f:
-            pickle.dump(data, f, protocol=4)
-        del data
+        partial = snap.with_suffix(".partial")
+        with partial.open("wb") as f:  # written as it is generated, in bounded memory
+            gen_snapshot.write_snapshot(n, f)
+        partial.rename(snap)
     return snap
 
 
