@@ -49,6 +49,7 @@ from .metrics.diagnose import Diagnosis, device_whatifs, diagnose
 from .metrics.findings import Finding, FleetFindings, compute_fleet_findings
 from .metrics.history.stages import Stages, file_stages
 from .metrics.parallel.pipeline import PipelineSkew
+from .metrics.recording import recording_of
 from .progress import NullProgress, ProgressSink
 from .render.perfetto import DEFAULT_MAX_SLICES
 from .results import FileFindings, Leaks, Ranks, Violations, WhatIfs
@@ -67,6 +68,16 @@ def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -
     snap = load_snapshot(snapshot, progress=progress)
     progress.stage("Building frames")
     return build_frames(snap, consume=True)
+
+
+def _stats_beside(frames: SnapshotFrames) -> SnapshotStats:
+    """:func:`compute_stats`, the recording described by a forked child beside the rest
+    (:class:`~.aside.Aside`; here where no second CPU can be had): at 5M entries a second of
+    the statistics' wall time."""
+    described = Aside(lambda: recording_of(frames))
+    if not described.forked:
+        described.result()  # computed here, then first, as compute_stats does: before the memoised arrays
+    return compute_stats(frames, recording=described.result)
 
 
 def _read_rules_file(path: str | Path) -> object:
@@ -140,7 +151,7 @@ def stats(
     rules = rules_of(category, categories_file)
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Computing statistics")
-    result = compute_stats(frames)
+    result = _stats_beside(frames)
     if rules is not None:
         result = with_category_rules(result, frames, rules)
     if stages:
@@ -153,7 +164,7 @@ def stats(
 def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Analysing")
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     return stats_, diagnose(frames, stats_, with_category_timelines=False)
 
 
@@ -196,7 +207,7 @@ def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = No
 def _findings_and_summary(snapshot: str) -> tuple[list[Finding], SnapshotSummary]:
     """One file's findings and its small summary (its frames go when this returns)."""
     frames = load_frames(snapshot)
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     dg = diagnose(frames, stats_, with_category_timelines=False)
     return dg.findings, summarize(frames, stats_, dg, with_sites=False)
 
@@ -270,7 +281,7 @@ def _report_content(
     frames = load_frames(snapshot, progress=progress)
     batch, limit = batch_and_limit
     (progress or NullProgress()).stage("Computing statistics")
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     # fit's answer is needed last and the what-if replays only by the findings: each computed
     # beside the rest, in a forked child (aside.py), where the machine has a CPU to spare. Forked
     # after the statistics, whose memoised tables (categories, lifetimes) fit reads too: at 1M
@@ -320,7 +331,7 @@ def summarize_file(
     pool or a Dask worker can run it and send back only the summary); ``rules``: the user's
     category rules for its categories (:func:`rules_of`)."""
     frames = load_frames(snapshot)
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites, rules)
 
 
@@ -331,7 +342,7 @@ def _read_for_diff(
     ``explorers``, its explorer added to the diff page's (``key``: "a" or "b"). Its frames are
     read once and dropped before the next file is read."""
     frames = load_frames(snapshot)
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
     found = next((st for st in file_stages(frames, rules).values() if st.ranges), None) if stages else None
     if explorers is not None:
@@ -734,7 +745,7 @@ def whatif(
     limit = _size_or_none(memory_limit, "memory_limit")
     frames = load_frames(snapshot, progress=progress)
     (progress or NullProgress()).stage("Replaying")
-    stats_ = compute_stats(frames)
+    stats_ = _stats_beside(frames)
     recorded = recorded_settings(frames.info.allocator_settings)
     out = []
     for dev in stats_.devices:

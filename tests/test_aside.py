@@ -240,3 +240,31 @@ def test_the_report_names_the_file_by_its_sha256(tmp_path):
     out = api.report(sample, output=tmp_path / "r.md", format="md")
     digest = hashlib.sha256(open(sample, "rb").read()).hexdigest()[:12]
     assert f"sha256 `{digest}`" in out.read_text()
+
+
+def test_a_daemon_process_keeps_the_work_here(monkeypatch):
+    """A daemonic process (an Aside's own child, a Dask worker) may not have children: it
+    computes the value itself rather than fail to fork."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(mp.current_process(), "daemon", True, raising=False)
+    monkeypatch.setattr(aside, "cpus", lambda: 4)
+    assert aside.may_fork() is False
+    value = Aside(lambda: os.getpid())
+    assert not value.forked
+    assert value.result() == os.getpid()
+
+
+def test_the_stats_are_the_same_with_the_recording_described_beside_or_here(monkeypatch):
+    from snapshot_lab import api
+    from snapshot_lab.metrics.recording import recording_of
+    from snapshot_lab.metrics.stats.summary import compute_stats
+
+    sample = os.path.join(os.path.dirname(__file__), "..", "sample_snapshots", "fit_gpt2_b4_late_oom_python.pickle.xz")
+    frames = api.load_frames(sample)
+    here = compute_stats(frames)
+    given = compute_stats(frames, recording=lambda: recording_of(frames))
+    monkeypatch.setattr(aside, "cpus", lambda: 4)
+    beside = api._stats_beside(frames)
+    assert here.recording.to_dict()["devices"][0]["events"] > 1000  # a real trace
+    assert here.to_dict() == given.to_dict() == beside.to_dict()

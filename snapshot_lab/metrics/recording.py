@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
+from ..frames import SnapshotFrames
+
 
 @dataclass(frozen=True)
 class DeviceRecording:
@@ -94,6 +96,18 @@ def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) ->
         orphan_frees=orphan,
         live_blocks_before_trace=int(before.sum()),
         live_bytes_before_trace=int(live.loc[before, "size_bytes"].sum()),
+    )
+
+
+def recording_of(frames: SnapshotFrames) -> Recording:
+    """:func:`describe_recording` of a snapshot's frames."""
+    return describe_recording(
+        frames.info.devices,
+        frames.info.stacks_kind,
+        frames.events,
+        frames.blocks,
+        frames.trace_overflowed,
+        frames.trace_max_entries,
     )
 
 

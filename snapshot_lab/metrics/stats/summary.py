@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,7 +14,7 @@ from ..categories.kv_cache import KvCacheGrowth, kv_cache_growth
 from ..history.compiled import CompiledRegion
 from ..history.stages import Stages
 from ..parallel.parallelism import detect_parallel
-from ..recording import Recording, describe_recording
+from ..recording import Recording, recording_of
 from .fragmentation import PoolFragmentation, compute_fragmentation
 from .host import HostMemory, compute_host_memory
 from .oom import OomAnalysis, analyse_device_oom
@@ -161,14 +162,15 @@ def failing_first(per_device: dict[int, DeviceStats]) -> dict[int, DeviceStats]:
     return dict(sorted(per_device.items(), key=key))
 
 
-def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
-    """All of ``stats`` for one snapshot."""
-    seg, blk, ev = frames.segments, frames.blocks, frames.events
+def compute_stats(frames: SnapshotFrames, recording: Callable[[], Recording] | None = None) -> SnapshotStats:
+    """All of ``stats`` for one snapshot; ``recording`` gives :func:`~..recording.recording_of`'s
+    answer when it is computed elsewhere (beside the rest: the API forks a child for it)."""
+    seg, blk = frames.segments, frames.blocks
     # first, before the categories and modules keep their memoised arrays: its working memory
     # (at 5M entries about 200 MiB) then comes on top of less
-    recording = describe_recording(
-        frames.info.devices, frames.info.stacks_kind, ev, blk, frames.trace_overflowed, frames.trace_max_entries
-    )
+    if recording is None:
+        described = recording_of(frames)
+        recording = lambda: described  # noqa: E731
     per_device = {}
     for d in frames.info.devices:
         s = seg[seg["device"] == d]
@@ -203,7 +205,7 @@ def compute_stats(frames: SnapshotFrames) -> SnapshotStats:
         oom = max(ooms, key=lambda o: (o.time_us or 0, o.device)) if ooms else None
     return SnapshotStats(
         file=file_facts(frames),
-        recording=recording,
+        recording=recording(),
         torch_stats=torch_stats,
         fragmentation=frag,
         oom=oom,
