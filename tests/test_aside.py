@@ -238,7 +238,8 @@ def test_the_report_names_the_file_by_its_sha256(tmp_path):
 
     sample = os.path.join(os.path.dirname(__file__), "..", "sample_snapshots", "cnn_clean.pickle.xz")
     out = api.report(sample, output=tmp_path / "r.md", format="md")
-    digest = hashlib.sha256(open(sample, "rb").read()).hexdigest()[:12]
+    with open(sample, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
     assert f"sha256 `{digest}`" in out.read_text()
 
 
