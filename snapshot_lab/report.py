@@ -864,22 +864,27 @@ def build_report_context(
         show_annotations(ctx, stats.annotations)
     ctx.host = host_view(stats)
     if len(sections) > 1:
-        rows = []
-        for dev, device_stats in stats.devices.items():
-            timeline = timelines[dev]
-            rows.append(
-                {
-                    "device": dev,
-                    "reserved": device_stats.torch_stats["reserved_bytes.all.current"],
-                    "allocated": device_stats.torch_stats["allocated_bytes.all.current"],
-                    "free": device_stats.fragmentation["all"].free_bytes,
-                    "frag": device_stats.fragmentation["all"].stranded_share,
-                    "peak": timeline.peak_requested_bytes if timeline else None,
-                }
-            )
-        ctx.compare_rows = rows
-        ctx.compare_svg = _drawn().device_comparison_svg(pd.DataFrame(rows))
+        _compare_devices(ctx, stats, timelines)
     return ctx
+
+
+def _compare_devices(ctx: ReportContext, stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> None:
+    """The devices side by side: a row each and their chart."""
+    rows = []
+    for dev, device_stats in stats.devices.items():
+        timeline = timelines[dev]
+        rows.append(
+            {
+                "device": dev,
+                "reserved": device_stats.torch_stats["reserved_bytes.all.current"],
+                "allocated": device_stats.torch_stats["allocated_bytes.all.current"],
+                "free": device_stats.fragmentation["all"].free_bytes,
+                "frag": device_stats.fragmentation["all"].stranded_share,
+                "peak": timeline.peak_requested_bytes if timeline else None,
+            }
+        )
+    ctx.compare_rows = rows
+    ctx.compare_svg = _drawn().device_comparison_svg(pd.DataFrame(rows))
 
 
 def _explorations(frames: SnapshotFrames, stats: SnapshotStats, rules: CategoryRules | None) -> dict[int, Exploration]:
