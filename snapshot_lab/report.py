@@ -309,13 +309,13 @@ def _device_section(
     leaks: LeakAnalysis,
     lifetimes: pd.DataFrame,
     whatif: WhatIf | None,
+    exploration: Exploration | None,
     figures: _Figures,
     rules: CategoryRules | None = None,
-    exploration: Exploration | None = None,
 ) -> DeviceSection:
     """One device's section: what the dump shows, the moment of its OOM, then what the trace
-    shows (its figures, once ``figures`` resolves; the explorer's data ``exploration``, computed
-    here when not given, its categories by ``rules`` first)."""
+    shows (its figures, once ``figures`` resolves; the explorer's data ``exploration``, which
+    a device has where it has a timeline; categories by ``rules`` first)."""
     device_stats = stats.devices[dev]
     moment = oom_moment(frames, dev) if device_stats.oom is not None else None
     at_oom = moment if moment is not None and not moment.at_dump else None
@@ -324,11 +324,10 @@ def _device_section(
         section.parallel = str(stats.parallel["description"])
     if at_oom is not None:
         _show_oom_moment(section, frames, at_oom)
-    if timeline is None:
+    if timeline is None or exploration is None:
         _without_trace(section, frames, stats, dev, cats, figures)
     else:
-        explored = exploration if exploration is not None else explore(frames, timeline, rules=rules)
-        _trace_views(section, frames, device_stats, dev, timeline, lifetimes, figures, rules, explored)
+        _trace_views(section, frames, device_stats, dev, timeline, lifetimes, figures, rules, exploration)
     return section
 
 
@@ -832,9 +831,9 @@ def build_report_context(
                 diagnosis.leaks[dev],
                 diagnosis.lifetimes[dev],
                 diagnosis.whatifs.get(dev),
+                explorations.get(dev),
                 figures,
                 category_rules,
-                explorations.get(dev),
             )
         )
     _would_it_fit(frames, stats, sections)

@@ -27,7 +27,7 @@ import pandas as pd
 from ..frames import SnapshotFrames
 from .attribution.sites import site_labels, snapshot_sites
 from .categories import CODES, CategoryRules, categorize
-from .history.lifetimes import device_lifetimes
+from .history.lifetimes import device_lifetimes, orphan_frees
 from .history.timeline import Timeline
 
 BUCKETS = 1000  # about one per pixel of the report's timeline
@@ -277,20 +277,18 @@ def _segment_spans(frames: SnapshotFrames, ev: pd.DataFrame, action: pd.Series) 
 
 
 def _block_spans(
-    frames: SnapshotFrames, ev: pd.DataFrame, action: pd.Series, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
+    frames: SnapshotFrames, ev: pd.DataFrame, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The allocated blocks' address ranges: the trace's allocations (``lt``), those it frees
     without having made them, and the dump's live blocks older than the trace."""
     rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
     made = pd.DataFrame({"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end})
-    index = ev["event_index"].to_numpy(dtype=np.int64)
-    freed = np.flatnonzero((action == "free_completed").to_numpy())
-    unmatched = freed[~pd.Series(index[freed]).isin(lt["free_index"].dropna()).to_numpy()]
+    orphan = orphan_frees(ev, lt)
     older = pd.DataFrame(
         {
-            "address": _at(ev, "address", unmatched, -1),
-            "size": -(-_at(ev, "size_bytes", unmatched, 0) // BLOCK_ROUND) * BLOCK_ROUND,
-            "end": np.searchsorted(index, index[unmatched]),
+            "address": orphan["address"].to_numpy(dtype=np.int64),
+            "size": -(-orphan["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND,
+            "end": np.searchsorted(ev["event_index"].to_numpy(dtype=np.int64), orphan["event_index"].to_numpy()),
         }
     )
     dump = frames.blocks[(frames.blocks["device"] == ev["device"].iloc[0]) & (frames.blocks["state"] != "inactive")]
@@ -345,7 +343,7 @@ def segment_moments(
     ev = frames.device_events(device)
     action = ev["action"]  # categorical: compared by code, not as a million strings
     segments, exact = _segment_spans(frames, ev, action)
-    made, older, always = _block_spans(frames, ev, action, lt, start, end)
+    made, older, always = _block_spans(frames, ev, lt, start, end)
     blocks = _spans(made, older, always, len(ev), row)
     n = b.sample.size
     chosen = np.unique(np.r_[np.linspace(0, n - 1, SEGMENT_MOMENTS - 1).round().astype(np.int64), peak_bucket])

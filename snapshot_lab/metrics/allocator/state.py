@@ -39,7 +39,7 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from ...frames.schema import BLOCKS_SCHEMA, SEGMENTS_SCHEMA, conform, empty_frame
 from .._memo import memo
-from ..history.lifetimes import device_lifetimes
+from ..history.lifetimes import device_lifetimes, orphan_frees
 from .model import SMALL_BUFFER, SMALL_SIZE, AllocatorSettings, Block, CachingAllocatorModel, round_size
 
 MiB = 1 << 20
@@ -169,10 +169,7 @@ def _start_state(frames: SnapshotFrames, device: int, settings: AllocatorSetting
     keep = ~np.isin(blk_addr, surviving)
     blk_size = blk["size_bytes"].to_numpy(dtype=np.int64)
     live: dict[int, int] = dict(zip(blk_addr[keep].tolist(), blk_size[keep].tolist(), strict=True))
-    matched = lt["free_index"].dropna().to_numpy(dtype=np.int64)
-    # the three columns it reads, not a copy of every column
-    frees = ev.loc[(ev["action"] == "free_completed") & ev["address"].notna(), ["address", "size_bytes", "event_index"]]
-    orphan = frees[~np.isin(frees["event_index"].to_numpy(dtype=np.int64), matched)]
+    orphan = orphan_frees(ev, lt)
     freed_at: dict[int, int] = {}  # blocks of the start state the trace frees: address -> free's event_index
     for a, n, i in zip(
         orphan["address"].to_numpy(dtype=np.int64).tolist(),

@@ -290,7 +290,6 @@ def site_labels(
     is named after that forward site as well (``AddmmBackward0 (backward) of model.py:12 in
     forward``; ``backward of model.py:12 in forward`` when it has no stack of its own)."""
     table = sites.table
-    index = table.index.to_numpy(dtype=np.int64)
     row = _rows_of(table.index, stack_ids)
     known = row >= 0
     labels = np.empty(stack_ids.size, dtype=object)
@@ -309,9 +308,10 @@ def site_labels(
         code, names = pd.factorize(cats[~missing])
         labels[unknown[~missing]] = np.array([sites.label(None, c) for c in names], dtype=object)[code]
     if forward_ids is not None:
-        has = np.flatnonzero((forward_ids >= 0) & np.isin(forward_ids, index))
+        forward_row = _rows_of(table.index, forward_ids)
+        has = np.flatnonzero(forward_row >= 0)
         if has.size:
-            forward = table["label"].reindex(forward_ids[has]).to_numpy()
+            forward = table["label"].to_numpy(dtype=object)[forward_row[has]]
             for i, forward_label in zip(has, forward, strict=True):
                 base = str(labels[i])
                 if base.endswith("(backward)"):
@@ -322,13 +322,9 @@ def site_labels(
 
 
 def _rows_of(index: pd.Index, stack_ids: np.ndarray) -> np.ndarray:
-    """Position in ``index`` (the site table's stack ids) of every stack id, -1 where it has no
-    site: the table's few rows are hashed, not the allocations."""
-    if index.is_unique:
-        return index.get_indexer(pd.Index(stack_ids)).astype(np.int64, copy=False)
-    first = pd.Series(np.arange(len(index)), index=index)
-    first = first[~first.index.duplicated()]
-    return first.reindex(stack_ids).fillna(-1).to_numpy(dtype=np.int64)
+    """Position in ``index`` (the site table's stack ids, one row per stack) of every stack id,
+    -1 where it has no site: the table's few rows are hashed, not the allocations."""
+    return index.get_indexer(pd.Index(stack_ids)).astype(np.int64, copy=False)
 
 
 def allocation_forward_ids(

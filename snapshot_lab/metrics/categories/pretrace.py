@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from ..history.lifetimes import orphan_frees
 from .gradients import THREAD_CODES, thread_codes
 from .rules import CODES, NONE, RULE_CODES, StackFacts
 
@@ -326,17 +327,6 @@ class PreTraceBlocks:
             >= MIRROR_COVERAGE * mirrored.size
         ]
         return np.array(out, dtype=np.int64)
-
-
-def orphan_frees(events: pd.DataFrame, lifetimes: pd.DataFrame) -> pd.DataFrame:
-    """``free_completed`` events of one device's trace whose allocation is older than the trace:
-    event_index, address, size_bytes, stack_id (the free's own stack)."""
-    columns = ["event_index", "address", "size_bytes", "stack_id"]  # all it reads, not every column
-    frees = events.loc[(events["action"] == "free_completed") & events["address"].notna(), columns]
-    matched = lifetimes["free_index"].dropna().to_numpy(dtype=np.int64)
-    orphan = frees[~frees["event_index"].isin(matched)]
-    out = orphan.reset_index(drop=True)
-    return out.astype({"address": "int64"})
 
 
 def judge_pre_trace(

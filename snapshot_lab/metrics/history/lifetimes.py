@@ -8,6 +8,7 @@ snapshot (:func:`device_lifetimes` keeps it for as long as the frames live).
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames, device_rows
@@ -43,3 +44,15 @@ def allocation_lifetimes(events: pd.DataFrame, device: int) -> pd.DataFrame:
 def device_lifetimes(frames: SnapshotFrames, device: int) -> pd.DataFrame:
     """:func:`allocation_lifetimes` of one device of ``frames``, computed once."""
     return memo(frames, ("lifetimes", device), lambda: allocation_lifetimes(frames.events, device))
+
+
+def orphan_frees(events: pd.DataFrame, lifetimes: pd.DataFrame) -> pd.DataFrame:
+    """``free_completed`` events of one device's trace (``events``) that no allocation of its
+    ``lifetimes`` matched, their block being older than the trace: event_index, address,
+    size_bytes, stack_id (the free's own stack), in event order."""
+    columns = ["event_index", "address", "size_bytes", "stack_id"]  # all it reads, not every column
+    frees = events.loc[(events["action"] == "free_completed") & events["address"].notna(), columns]
+    matched = lifetimes["free_index"].dropna().to_numpy(dtype=np.int64)
+    orphan = frees[~frees["event_index"].isin(matched)]
+    out = orphan.reset_index(drop=True)
+    return out.astype({"address": "int64"})
