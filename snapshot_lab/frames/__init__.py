@@ -1,6 +1,6 @@
 """Frames: the snapshot as pandas tables with declared schemas."""
 
-from .build import SnapshotFrames, SnapshotInfo, build_frames, check_frames, device_rows
+from .build import SnapshotFrames, SnapshotInfo, build_frames, check_frames, device_rows, event_positions
 from .schema import (
     ANNOTATIONS_SCHEMA,
     BLOCKS_SCHEMA,
@@ -22,4 +22,5 @@ __all__ = [
     "build_frames",
     "check_frames",
     "device_rows",
+    "event_positions",
 ]

@@ -146,6 +146,16 @@ def device_rows(events: pd.DataFrame, device: int) -> pd.DataFrame:
     return events[on_device]
 
 
+def event_positions(index: np.ndarray, event_index: np.ndarray) -> np.ndarray:
+    """Positions in one device's trace (``index``: its event indices, sorted and unique) of
+    ``event_index``, entries of that trace: their offsets where the indices run without a gap
+    (as a trace's do: no sort, no search), else found by binary search. (A value not in
+    ``index`` has no position; the caller masks it.)"""
+    if index.size and int(index[-1]) - int(index[0]) == index.size - 1:
+        return event_index - index[0]
+    return np.searchsorted(index, event_index)
+
+
 # '  File "x.py", line 37, in f\n    code\n' (traceback.format_list); the name runs to the line's end
 _TRACEBACK_LINE = re.compile(r'\s*File "(.*)", line (\d{1,19}), in (.*)')
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
+from ..frames import SnapshotFrames, event_positions
 from .attribution.sites import site_labels, snapshot_sites
 from .categories import CODES, CategoryRules, categorize
 from .history.lifetimes import device_lifetimes, orphan_frees
@@ -288,7 +288,7 @@ def _block_spans(
         {
             "address": orphan["address"].to_numpy(dtype=np.int64),
             "size": -(-orphan["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND,
-            "end": np.searchsorted(ev["event_index"].to_numpy(dtype=np.int64), orphan["event_index"].to_numpy()),
+            "end": event_positions(ev["event_index"].to_numpy(dtype=np.int64), orphan["event_index"].to_numpy()),
         }
     )
     dump = frames.blocks[(frames.blocks["device"] == ev["device"].iloc[0]) & (frames.blocks["state"] != "inactive")]
@@ -352,10 +352,10 @@ def segment_moments(
 
 def _lifetimes(lt: pd.DataFrame, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each allocation's position, its free's (the trace's length: alive at the end), whether freed."""
-    start = np.searchsorted(index, lt["event_index"].to_numpy(dtype=np.int64))
+    start = event_positions(index, lt["event_index"].to_numpy(dtype=np.int64))
     freed = lt["free_index"].notna().to_numpy()
     end = np.where(
-        freed, np.searchsorted(index, lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)), index.size
+        freed, event_positions(index, lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)), index.size
     ).astype(np.int64)
     return start, end, freed
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..frames import SnapshotFrames
+from ..frames import SnapshotFrames, event_positions
 from ..metrics.attribution.sites import classify_frames, frame_label
 from ..metrics.categories import CategoryRules, category_timeline
 from ..metrics.categories.assign import categorize
@@ -215,9 +215,9 @@ def _slice_events(
 ) -> _Slices:
     lt = mem.lifetimes
     index = mem.events["event_index"].to_numpy()
-    alloc_pos = np.searchsorted(index, lt["event_index"].to_numpy())
+    alloc_pos = event_positions(index, lt["event_index"].to_numpy())
     free_index = lt["free_index"].to_numpy(dtype=np.int64, na_value=-1)
-    free_pos = np.where(free_index >= 0, np.searchsorted(index, free_index), -1)
+    free_pos = np.where(free_index >= 0, event_positions(index, free_index), -1)
     peak_pos = int(np.searchsorted(index, mem.timeline.peak_index))
     sizes = lt["size_bytes"].to_numpy(dtype=np.int64)
     addresses = lt["address"].to_numpy(dtype=np.int64)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ...frames import SnapshotFrames, device_rows
+from ...frames import SnapshotFrames, device_rows, event_positions
 from .._memo import memo
 
 
@@ -50,9 +50,12 @@ def orphan_frees(events: pd.DataFrame, lifetimes: pd.DataFrame) -> pd.DataFrame:
     """``free_completed`` events of one device's trace (``events``) that no allocation of its
     ``lifetimes`` matched, their block being older than the trace: event_index, address,
     size_bytes, stack_id (the free's own stack), in event order."""
-    columns = ["event_index", "address", "size_bytes", "stack_id"]  # all it reads, not every column
-    frees = events.loc[(events["action"] == "free_completed") & events["address"].notna(), columns]
-    matched = lifetimes["free_index"].dropna().to_numpy(dtype=np.int64)
-    orphan = frees[~frees["event_index"].isin(matched)]
-    out = orphan.reset_index(drop=True)
-    return out.astype({"address": "int64"})
+    index = events["event_index"].to_numpy()
+    freed = np.flatnonzero(((events["action"] == "free_completed") & events["address"].notna()).to_numpy())
+    matched = np.zeros(index.size, dtype=bool)
+    matched[event_positions(index, lifetimes["free_index"].dropna().to_numpy(dtype=np.int64))] = True
+    orphan = freed[~matched[freed]]
+    columns = events.columns.get_indexer(pd.Index(["event_index", "address", "size_bytes", "stack_id"]))
+    out = events.iloc[orphan, columns]  # the few rows and columns it returns
+    assert isinstance(out, pd.DataFrame)
+    return out.reset_index(drop=True).astype({"address": "int64"})

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ...frames import SnapshotFrames
+from ...frames import SnapshotFrames, event_positions
 from .._memo import memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
@@ -356,7 +356,7 @@ def _scan(
     info: StackInfo,
 ) -> _Scan:
     """Where each allocation happens in the device's trace, and who made it."""
-    positions = np.searchsorted(base_index, lifetimes["event_index"].to_numpy())
+    positions = event_positions(base_index, lifetimes["event_index"].to_numpy())
     stack_ids = lifetimes["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
     thread = _threads(frames, stack_ids)
     module = _per_stack(stack_ids, info.in_module)
@@ -389,7 +389,7 @@ def _allocation_table(
 ) -> pd.DataFrame:
     """One row per allocation of the trace, before the passes and blocks are marked."""
     free_index = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
-    free_pos = np.where(free_index >= 0, np.searchsorted(base_index, np.maximum(free_index, 0)), -1)
+    free_pos = np.where(free_index >= 0, event_positions(base_index, np.maximum(free_index, 0)), -1)
     count = len(lifetimes)
     allocs = pd.DataFrame(
         {
