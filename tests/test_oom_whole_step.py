@@ -107,6 +107,9 @@ def test_a_setting_that_serves_only_the_request_is_not_the_fix(real_frames, name
     assert finding.severity == "info"
     assert "but not the job: one whole iteration at this batch holds about" in finding.title
     assert finding.evidence["whole_step_peak_allocated_bytes"] > CAP
+    # the advice does not tell the user to set what the title says is not the fix
+    assert "Set PYTORCH_CUDA_ALLOC_CONF" not in finding.advice
+    assert f"PYTORCH_CUDA_ALLOC_CONF={finding.evidence['settings']} alone does not make the job fit" in finding.advice
 
 
 def test_a_setting_that_serves_a_job_that_fits_stays_the_fix(real_frames):
@@ -114,6 +117,8 @@ def test_a_setting_that_serves_a_job_that_fits_stays_the_fix(real_frames):
     assert finding.severity == "warning"
     assert "not the job" not in finding.title
     assert "whole_step_peak_allocated_bytes" not in finding.evidence
+    assert f"Set PYTORCH_CUDA_ALLOC_CONF={finding.evidence['settings']} in the job's environment" in finding.advice
+    assert "alone does not make the job fit" not in finding.advice
 
 
 def test_the_reports_first_line_gives_the_same_reason(real_frames):

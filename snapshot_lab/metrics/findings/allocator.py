@@ -37,8 +37,13 @@ from ..allocator.whatif import (
 from .base import Finding, FindingContext
 from .iteration import over_the_limit, whole_iteration
 
-ADVICE = (
-    "Set PYTORCH_CUDA_ALLOC_CONF={label} in the job's environment (before its first CUDA allocation). "
+SET_IT = "Set PYTORCH_CUDA_ALLOC_CONF={label} in the job's environment (before its first CUDA allocation). "
+# a setting that serves the failing request of a job whose whole iteration outgrows the limit
+NOT_THE_FIX = (
+    "PYTORCH_CUDA_ALLOC_CONF={label} alone does not make the job fit: the out-of-memory finding and `snaplab fit` "
+    "say what does. "
+)
+REPLAYED = (
     "Predicted by replaying this trace through snaplab's model of the caching allocator; the replay of the "
     "recorded settings reproduced the snapshot {how}. `snaplab whatif` compares more settings."
 )
@@ -165,7 +170,8 @@ def _finding(whatif: WhatIf, recorded_peak: int | None, frames: SnapshotFrames) 
         severity="warning" if why == "avoids the OOM" and not not_the_job else "info",
         title=_title(whatif, best, why, recorded, steady, (whole or 0) if not_the_job else 0),
         advice=_caveats(whatif, why, not_the_job)
-        + ADVICE.format(label=label, how="exactly" if whatif.replay_check.exact else "approximately"),
+        + (NOT_THE_FIX if not_the_job else SET_IT).format(label=label)
+        + REPLAYED.format(how="exactly" if whatif.replay_check.exact else "approximately"),
         evidence=evidence,
         savings_bytes=max(saved, 0) or None,
         device=whatif.device,
