@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
-from .aside import Aside, Worker
+from .aside import Aside, Worker, one_process
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -462,7 +462,8 @@ def ranks(
             progress.update(i + 1)
     else:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        # one file per worker, each computed in its worker alone: the pool uses the CPUs already
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=one_process) as pool:
             futures = {pool.submit(summarize_file, p, False): p for p in paths}
             for i, fut in enumerate(concurrent.futures.as_completed(futures)):
                 take(futures[fut], fut.result)

@@ -50,6 +50,12 @@ def may_fork() -> bool:
     return "fork" in mp.get_all_start_methods() and cpus() > 1
 
 
+def one_process() -> None:
+    """From now on this process computes everything itself (no :class:`Aside` child): for a
+    process pool's worker, the pool having spread the work over the CPUs already."""
+    os.environ[JOBS_VARIABLE] = "1"
+
+
 def _started(target: Callable[..., None], args: tuple[Any, ...]) -> Any:
     """A daemon child forked to run ``target(*args)``, started; None where it could not be."""
     child = mp.get_context("fork").Process(target=target, args=args, daemon=True)

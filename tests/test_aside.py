@@ -49,6 +49,16 @@ def test_one_job_keeps_the_work_here(monkeypatch):
     assert calls.here == 1
 
 
+def test_a_pool_worker_keeps_the_work_here(monkeypatch):
+    """``ranks``' pool workers are made to compute each file themselves (one_process)."""
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "")  # put back as it was after the test
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    assert aside.may_fork() == ("fork" in aside.mp.get_all_start_methods())
+    aside.one_process()
+    assert os.environ[aside.JOBS_VARIABLE] == "1"
+    assert not aside.may_fork() and not Aside(Calls([1])).forked
+
+
 def test_one_cpu_keeps_the_work_here(monkeypatch):
     monkeypatch.delenv(aside.JOBS_VARIABLE, raising=False)
     monkeypatch.setattr(aside, "cpus", lambda: 1)

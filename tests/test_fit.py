@@ -502,3 +502,29 @@ def test_the_workspaces_of_an_oom_are_fixed_and_the_backward_makes_its_own(real_
         ("forward", 32 << 20),
     ]
     assert f"; {blocks_ran} ran)" in ev.notes[0]
+
+
+@pytest.mark.parametrize("name", ["fit_resnet50_b16_complete_python", "fit_gpt2_b32_oom_python"])
+def test_fit_without_keeping_the_structure_answers_the_same(real_frames, name):
+    """The report's answer drops the training structure once the step's evidence is built
+    (``keep_structure=False``): the same result, and the structure no longer kept; a fit that
+    plans strategies keeps it (it reads it after the levers)."""
+    from snapshot_lab.metrics import _memo
+    from snapshot_lab.metrics.fit.result import HEADLINE_LEVERS
+
+    from .conftest import unmemoised
+
+    def structures(frames):
+        return [k for k in _memo._STORE.get(id(frames), {}) if isinstance(k, tuple) and k[0] == "plan.structure"]
+
+    kept, lean = unmemoised(real_frames(name)), unmemoised(real_frames(name))
+    full = compute_fit(kept, levers=HEADLINE_LEVERS, parallel=False)
+    dropped = compute_fit(lean, levers=HEADLINE_LEVERS, parallel=False, keep_structure=False)
+    assert dropped.to_dict() == full.to_dict()
+    # in lever_tapes' order, though computed with the two that checkpoint last
+    names = [o.lever for o in dropped.levers]
+    assert names == ["as recorded", "checkpointing", "bf16", "checkpointing+bf16"][: len(names)] and len(names) >= 2
+    assert structures(kept) and not structures(lean)
+    planned = unmemoised(real_frames(name))
+    compute_fit(planned, memory_limit=CAP, keep_structure=False)  # plans: the structure stays
+    assert structures(planned)

@@ -23,3 +23,11 @@ def memo(owner: object, key: Hashable, compute: Callable[[], T]) -> T:
     if key not in slot:
         slot[key] = compute()
     return slot[key]  # type: ignore[no-any-return]
+
+
+def forget(owner: object, key: Hashable) -> None:
+    """Drop what :func:`memo` keeps for (owner, key), where a caller knows nothing after it
+    reads it again (a later :func:`memo` computes it anew)."""
+    slot = _STORE.get(id(owner))
+    if slot is not None:
+        slot.pop(key, None)

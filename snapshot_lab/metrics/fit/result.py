@@ -11,7 +11,7 @@ from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..allocator.whatif import quick_grid, settings_label
 from ..plan.planner import _device, _limit, _recorded_reserved_peak
-from ..plan.structure import training_structure
+from ..plan.structure import forget_structure, training_structure
 from . import levers as lv
 from . import workload as wl
 from .evidence import StepEvidence
@@ -374,17 +374,25 @@ def compute_fit(
     device: int | None = None,
     parallel: bool | None = None,
     levers: Collection[str] | None = None,
+    keep_structure: bool = True,
 ) -> FitResult:
     """The whole step under the levers asked for and, under the memory limit (given, or the one
     the recorded run ran out of, or the device's capacity), the largest batch per lever and
     (``parallel``; by default when a memory limit is given) the parallel strategies planned at
     the recorded batch. ``levers``: only these (each replay of a long trace costs seconds; the
     report's first screen needs :data:`HEADLINE_LEVERS` alone), without the allocator settings.
-    Raises :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
+    ``keep_structure=False``: the training structure is dropped once the step's evidence is
+    built, before the levers' tapes are (where no strategy is planned; for a caller that reads it
+    no more: the report's answer, whose peak it lowers by its size). Raises
+    :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
     if optimizer is not None and optimizer not in lv.OPTIMIZER_STATE_RATIO:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(lv.OPTIMIZER_STATE_RATIO)}")
     dev = _device(frames) if device is None else device
     ev = step_evidence(frames, dev, optimizer)
+    work = wl.workload(frames, training_structure(frames, dev))
+    plans = parallel if parallel is not None else memory_limit is not None
+    if not keep_structure and not plans:
+        forget_structure(frames, dev)
     settings = recorded_settings(frames.info.allocator_settings)
     limit, source, _ = _limit(
         frames, dev, memory_limit, "given" if memory_limit else "", _recorded_reserved_peak(frames, dev)
@@ -400,13 +408,12 @@ def compute_fit(
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
         notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
-    work = wl.workload(frames, training_structure(frames, dev))
     over = work.oom_request if limit is not None and work.oom_request is not None and work.oom_request > limit else None
     if over is not None:
         notes.append(OOM_OVER_LIMIT_NOTE.format(request=over, limit=limit))
     planned: tuple[StrategyOutcome, ...] = ()
     refused: dict[str, str] = {}
-    if limit is not None and (parallel if parallel is not None else memory_limit is not None):
+    if limit is not None and plans:
         planned, refused = parallel_strategies(frames, dev, limit, ev.complete)
     return FitResult(
         device=dev,

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames, event_positions
-from .._memo import memo
+from .._memo import forget, memo
 from ..categories import CODES, categorize, stack_threads
 from ..categories.gradients import THREAD_CODES, thread_codes
 from ..categories.stacks import MODULE_CALL_NAMES, MODULE_PY
@@ -290,6 +290,12 @@ def _find_passes(scan: _Scan) -> list[tuple[int, int, int]]:
 def training_structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
     """The structure of the run on ``device`` (computed once per snapshot and device)."""
     return memo(frames, ("plan.structure", device), lambda: _structure(frames, device))
+
+
+def forget_structure(frames: SnapshotFrames, device: int) -> None:
+    """Drop the structure :func:`training_structure` keeps (its table of every allocation: 200
+    MiB at 5M trace entries), for a caller that reads it no more."""
+    forget(frames, ("plan.structure", device))
 
 
 def _structure(frames: SnapshotFrames, device: int) -> TrainingStructure:
