@@ -97,23 +97,28 @@ def join_frozen(tape: Tape, blocks: tuple[BlockSpan, ...]) -> Tape:
     """A checkpointed step (its trained blocks re-run before their backward) with its frozen first
     blocks joining autograd, pass by pass: each keeps its input, then, after the trained blocks'
     backward and in reverse, re-runs and runs the backward of the first trained block (the last
-    in the backward; its parameter gradients aside), its input freed at the end of its own."""
+    in the backward; its parameter gradients aside), its input freed at the end of its own.
+    What every pass reads of the tape is found once (a 10M-entry trace has thousands of passes)."""
     end = tape.end.copy()
     added: list[Tape] = []
-    for uid_pass in sorted({b.uid // BLOCK_UID_STRIDE for b in blocks}):
-        mine = [b for b in blocks if b.uid // BLOCK_UID_STRIDE == uid_pass]
+    by_pass: dict[int, list[BlockSpan]] = {}
+    for b in blocks:
+        by_pass.setdefault(b.uid // BLOCK_UID_STRIDE, []).append(b)
+    template = np.flatnonzero((tape.phase == "backward") & (tape.category != "gradient"))
+    template_start, starts = tape.start[template], np.sort(tape.start)
+    candidates = _input_candidates(tape)
+    for uid_pass in sorted(by_pass):
+        mine = by_pass[uid_pass]
         frozen = sorted((b for b in mine if not b.saves), key=lambda b: -b.index)  # backward order
         trained = [b for b in mine if b.saves]
         if not frozen or not trained:
             continue
         first = min(trained, key=lambda b: b.index)
         lo, hi = first.backward_start - 0.5, first.backward_end  # its re-run starts half a position early
-        rows = np.flatnonzero(
-            (tape.start >= lo) & (tape.start <= hi) & (tape.phase == "backward") & (tape.category != "gradient")
-        )
-        later = tape.start[tape.start > hi]
-        width = ((float(later.min()) if later.size else hi + 1.0) - hi) / (len(frozen) + 1)
-        inputs = _inputs(tape, tuple(frozen))
+        rows = template[(template_start >= lo) & (template_start <= hi)]
+        later = int(np.searchsorted(starts, hi, "right"))  # the first tensor made after it
+        width = ((float(starts[later]) if later < starts.size else hi + 1.0) - hi) / (len(frozen) + 1)
+        inputs = _inputs(tape, candidates, tuple(frozen))
         for i in range(len(frozen)):
             slot = hi + width * (i + 0.5)
             start = slot + (tape.start[rows] - lo) / max(hi - lo, 1.0) * width * 0.5
@@ -135,12 +140,17 @@ def _moved(rows: Tape, start: np.ndarray, end: np.ndarray) -> Tape:
     return replace(rows, start=start, end=end, block=np.full(start.size, -1, dtype=np.int64))
 
 
-def _inputs(tape: Tape, frozen: tuple[BlockSpan, ...]) -> list[int]:
+def _input_candidates(tape: Tape) -> np.ndarray:
+    """Rows that may be a frozen block's input (made in the forward, outside the blocks, growing
+    with the batch), by when they are made."""
+    cand = np.flatnonzero((tape.phase == "forward") & (tape.block < 0) & (tape.per_batch > 0))
+    return cand[np.argsort(tape.start[cand], kind="stable")]
+
+
+def _inputs(tape: Tape, cand: np.ndarray, frozen: tuple[BlockSpan, ...]) -> list[int]:
     """Per frozen block, the row of its input (-1: not found): the last tensor made outside the
     blocks (the embeddings' sum, the previous block's output) before the block starts and alive
-    when it does."""
-    cand = np.flatnonzero((tape.phase == "forward") & (tape.block < 0) & (tape.per_batch > 0))
-    cand = cand[np.argsort(tape.start[cand], kind="stable")]
+    when it does (``cand``: :func:`_input_candidates`)."""
     out = []
     for b in frozen:
         before = cand[: np.searchsorted(tape.start[cand], b.forward_start, "left")][-FROZEN_INPUT_REACH:]
