@@ -710,7 +710,7 @@ def fit_summary(
             recorded_batch=batch,
             device=_failing_device(frames),
             parallel=False,
-            keep_structure=False,  # nothing the report computes after it plans
+            keep_structure=False,  # dropped after fit's evidence: the OOM plan (_would_it_fit) builds one if needed
         )
     except FitUnsupportedOom as why:
         return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), last=True)
