@@ -9,6 +9,7 @@ not built, the compiled half is skipped and the Python model must be the one in 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ SETTINGS = {
     "expandable": AllocatorSettings(expandable_segments=True),
     "max_split_64": AllocatorSettings(max_split_size=64 * MiB),
     "max_split_200_no_rounding": AllocatorSettings(max_split_size=200 * MiB, max_non_split_rounding=0),
+    "max_split_21_no_rounding": AllocatorSettings(max_split_size=21 * MiB, max_non_split_rounding=0),
     "roundup_4": AllocatorSettings(roundup_power2_divisions=(4,) * 16),
     "roundup_mixed": AllocatorSettings(roundup_power2_divisions=(1, 2, 4, 8, 16, 3, 5, 0, 0, 0, 0, 0, 0, 0, 0, 7)),
     "gc_0.5": AllocatorSettings(garbage_collection_threshold=0.5),
@@ -205,6 +207,83 @@ def test_each_setting_and_cap_replays_the_same(monkeypatch, setting, limit):
         assert fast_s == python_s
     if limit == 60 * MiB:
         assert ooms > 0  # the small cap runs out of memory: the OOM path is compared too
+
+
+def _leaky_program(rng: np.random.Generator, count: int) -> Program:
+    """A job that keeps most of what it allocates, asks for more each time and frees the rest at
+    random: the holes it leaves are too small for what comes next, so the pools hold thousands of
+    free blocks between live ones, as in a recording of a leak."""
+    program = Program()
+    source = program.source_id("activation", "a")
+    live: list[int] = []
+    for i in range(count):
+        if live and rng.random() < 0.4:
+            program.free(live.pop(int(rng.integers(len(live)))), i)
+        elif i % 2500 == 2499:
+            program.empty_cache(i)
+        else:
+            size = (i // 4 + 1) * 512 + int(rng.integers(0, 400)) + int(rng.choice([0, 0, 0, 2 * MiB, 22 * MiB]))
+            program.alloc(i, size, int(rng.choice([0, 0, 0, 5])), source, i, size)
+            live.append(i)
+    return program
+
+
+def _engine_after(program: Program, settings: AllocatorSettings, limit: int | None = None) -> Any:
+    """The compiled engine once it has run the whole program (the limit a cap)."""
+    engine = native.engine(settings, limit, limit_is_cap=True)
+    assert engine is not None
+    count = len(program)
+    columns = (program.kind, program.key, program.size, program.stream, np.arange(count))
+    zeros = [np.zeros(count, dtype=np.int64) for _ in range(2)]
+    engine.run(*[native.column(c) for c in columns], *zeros)
+    return engine
+
+
+def _free_blocks_after(program: Program, settings: AllocatorSettings) -> int:
+    layout = _engine_after(program, settings).layout()
+    return sum(not allocated for chain in layout for _size, allocated in chain)
+
+
+@compiled
+@pytest.mark.parametrize("setting", ["default", "expandable", "max_split_21_no_rounding", "gc_0.8_max_split_64"])
+def test_pools_of_thousands_of_free_blocks_replay_the_same(monkeypatch, setting):
+    """The engine's pools are search trees threaded through the blocks: deep ones, with blocks
+    entering and leaving at every depth, keep the Python model's order exactly."""
+    program = _leaky_program(np.random.default_rng(23), 20_000)
+    assert _free_blocks_after(program, SETTINGS[setting]) > 1_000
+    first, _ = _both(monkeypatch, lambda: replay(program, SETTINGS[setting]))
+    for cap in (None, first.peak_reserved_bytes * 2 // 3):
+        python, fast = _both(monkeypatch, lambda c=cap: replay(program, SETTINGS[setting], c, True))
+        _same_replay(python, fast)
+        assert (python.oom_at is not None) == (cap is not None)
+    tape = _tape_of(program)
+    python_s, fast_s = _both(monkeypatch, lambda: simulate(tape, 1.0, SETTINGS[setting], None))
+    assert fast_s == python_s
+
+
+@compiled
+def test_a_release_walks_down_a_pool_of_hundreds_of_oversize_blocks(monkeypatch):
+    """Under a cap, a request larger than every cached block makes the allocator give back the
+    oversize blocks from the largest down until enough is freed: the walk crosses the pool from
+    end to middle, and both replays release the same blocks."""
+    program = Program()
+    source = program.source_id("activation", "a")
+    sizes = [22 * MiB + 2 * MiB * k for k in range(300)]
+    for k, size in enumerate(sizes):
+        program.alloc(k, size, 0, source, k, size)
+    for k in range(300):
+        program.free(k, 300 + k)
+    program.alloc(1000, 75 << 30, 0, source, 600, 75 << 30)
+    settings = SETTINGS["max_split_21_no_rounding"]
+    python, fast = _both(monkeypatch, lambda: replay(program, settings, sum(sizes), True))
+    _same_replay(python, fast)
+    assert python.oom_at is None
+    released = list(itertools.accumulate(reversed(sizes)))
+    given_back = next(total for total in released if total >= 75 << 30)  # the largest first, no more
+    stats = native.stats_of(_engine_after(program, settings, sum(sizes)))
+    assert stats.alloc_retries == 0  # enough came back without emptying the cache
+    assert stats.reserved_bytes == sum(sizes) - given_back + (75 << 30)
+    assert stats.cuda_free_calls == released.index(given_back) + 1 > 128  # more than one chunk's keys
 
 
 @compiled

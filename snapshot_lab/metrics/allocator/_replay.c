@@ -4,8 +4,8 @@
  *
  * This file follows model.py line for line; model.py is the reference, and every rule here is
  * there, with its explanation. Blocks live in an arena and are named by their index; a pool is
- * a sorted array of block indexes (by stream, size, address for free mapped blocks; by stream,
- * address for unmapped ones), searched by bisection like the Python lists of tuples.
+ * a sorted list of block indexes in chunks (by stream, size, address for free mapped blocks; by
+ * stream, address for unmapped ones), searched by bisection like the Python lists of tuples.
  *
  * Inputs come from untrusted files: every size, address and count is range-checked, and every
  * arithmetic step that could overflow is checked. Anything outside what this engine reproduces
@@ -63,17 +63,30 @@ typedef struct {
     int32_t idx;                /* the block */
 } Key;
 
-/* a pool's sorted blocks: their keys, each with its block's index (searched without touching
- * the blocks, moved with one copy) */
+/* a pool's keys in order, each with its block's index (searched without touching the blocks): a
+ * list of sorted chunks of at most CHUNK keys, so that an insert or a removal moves the keys of
+ * one chunk, not of the whole pool (a recording of a leak holds tens of thousands of free
+ * blocks); a pool that fits in one chunk is one sorted array */
+#define CHUNK 128
 typedef struct {
     Key *key;
-    Py_ssize_t len, cap;
-} IdxArray;
+    Py_ssize_t len;
+} Chunk;
+
+typedef struct {
+    Chunk *chunk;
+    Py_ssize_t nchunks, cap, len; /* len: keys in all */
+    Key *spare;                   /* an emptied chunk's keys, kept for the next one */
+} Keys;
+
+typedef struct {
+    Py_ssize_t c, o; /* chunk, offset; c == nchunks: the end */
+} Pos;
 
 typedef struct {
     int small;
-    IdxArray keys;     /* free mapped blocks by (stream, size, address) */
-    IdxArray unmapped; /* unmapped blocks by (stream, address) */
+    Keys keys;     /* free mapped blocks by (stream, size, address) */
+    Keys unmapped; /* unmapped blocks by (stream, address) */
     int64_t gc_calls;
 } Pool;
 
@@ -293,31 +306,117 @@ static int cmp_key(const Key *k, int64_t stream, int64_t size, int64_t addr) {
     return 0;
 }
 
-/* bisect_left(keys, (stream, size, addr)) */
-static Py_ssize_t lower_bound(Engine *m, IdxArray *a, int64_t stream, int64_t size, int64_t addr) {
-    Py_ssize_t lo = 0, hi = a->len;
+#define AT_END(t, pos) ((pos).c >= (t)->nchunks)
+#define KEY(t, pos) (&(t)->chunk[(pos).c].key[(pos).o])
+/* every place of t in order (t unchanged on the way) */
+#define FOR_EACH_KEY(t, pos) for (Pos pos = {0, 0}; !AT_END(t, pos); pos_next(t, &pos))
+
+/* bisect_left(keys, (stream, size, addr)): the first chunk whose last key is not below it, then
+ * the place in that chunk */
+static inline Pos keys_find(const Keys *t, int64_t stream, int64_t size, int64_t addr) {
+    Py_ssize_t lo = 0, hi = t->nchunks - 1; /* the last chunk holds any key above the others */
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_key(&a->key[mid], stream, size, addr) < 0) lo = mid + 1;
+        const Chunk *ch = &t->chunk[mid];
+        if (cmp_key(&ch->key[ch->len - 1], stream, size, addr) < 0) lo = mid + 1;
         else hi = mid;
     }
-    return lo;
+    Pos pos = {lo, 0};
+    if (t->nchunks == 0) return pos;
+    const Chunk *ch = &t->chunk[lo];
+    Py_ssize_t a = 0, b = ch->len;
+    while (a < b) {
+        Py_ssize_t mid = a + (b - a) / 2;
+        if (cmp_key(&ch->key[mid], stream, size, addr) < 0) a = mid + 1;
+        else b = mid;
+    }
+    if (a == ch->len) { /* above every key */
+        pos.c = t->nchunks;
+        a = 0;
+    }
+    pos.o = a;
+    return pos;
 }
 
-static int array_insert_at(IdxArray *a, Py_ssize_t pos, int32_t v, int64_t stream, int64_t size, int64_t addr) {
-    if (reserve_items((void **)&a->key, &a->cap, a->len + 1, sizeof(Key)) < 0) return -1;
-    memmove(a->key + pos + 1, a->key + pos, (size_t)(a->len - pos) * sizeof(Key));
-    a->key[pos].stream = stream;
-    a->key[pos].size = size;
-    a->key[pos].addr = addr;
-    a->key[pos].idx = v;
-    a->len++;
+static void pos_next(const Keys *t, Pos *pos) {
+    if (++pos->o == t->chunk[pos->c].len) {
+        pos->c++;
+        pos->o = 0;
+    }
+}
+
+/* the place before *pos (from the end: the last key); 0 when there is none */
+static int pos_prev(const Keys *t, Pos *pos) {
+    if (pos->o > 0) {
+        pos->o--;
+        return 1;
+    }
+    if (pos->c == 0) return 0;
+    pos->c--;
+    pos->o = t->chunk[pos->c].len - 1;
+    return 1;
+}
+
+/* a new, empty chunk at index c */
+static int add_chunk(Keys *t, Py_ssize_t c) {
+    Key *key = t->spare ? t->spare : PyMem_Malloc(CHUNK * sizeof(Key));
+    t->spare = NULL;
+    if (!key || reserve_items((void **)&t->chunk, &t->cap, t->nchunks + 1, sizeof(Chunk)) < 0) {
+        PyMem_Free(key);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return -1;
+    }
+    memmove(t->chunk + c + 1, t->chunk + c, (size_t)(t->nchunks - c) * sizeof(Chunk));
+    t->chunk[c].key = key;
+    t->chunk[c].len = 0;
+    t->nchunks++;
     return 0;
 }
 
-static void array_delete_at(IdxArray *a, Py_ssize_t pos) {
-    memmove(a->key + pos, a->key + pos + 1, (size_t)(a->len - pos - 1) * sizeof(Key));
-    a->len--;
+/* insort: 1 when the key is there already (nothing changed), -1 on error */
+static int keys_insert(Keys *t, int64_t stream, int64_t size, int64_t addr, int32_t idx) {
+    Pos pos = keys_find(t, stream, size, addr);
+    if (!AT_END(t, pos) && cmp_key(KEY(t, pos), stream, size, addr) == 0) return 1;
+    if (t->nchunks == 0 && add_chunk(t, 0) < 0) return -1;
+    if (AT_END(t, pos)) {
+        pos.c = t->nchunks - 1;
+        pos.o = t->chunk[pos.c].len;
+    }
+    if (t->chunk[pos.c].len == CHUNK) { /* a full chunk: its upper half becomes the next one */
+        if (add_chunk(t, pos.c + 1) < 0) return -1;
+        Chunk *full = &t->chunk[pos.c], *upper = &t->chunk[pos.c + 1];
+        memcpy(upper->key, full->key + CHUNK / 2, (CHUNK - CHUNK / 2) * sizeof(Key));
+        upper->len = CHUNK - CHUNK / 2;
+        full->len = CHUNK / 2;
+        if (pos.o > CHUNK / 2) {
+            pos.c++;
+            pos.o -= CHUNK / 2;
+        }
+    }
+    Chunk *ch = &t->chunk[pos.c];
+    memmove(ch->key + pos.o + 1, ch->key + pos.o, (size_t)(ch->len - pos.o) * sizeof(Key));
+    Key *k = &ch->key[pos.o];
+    k->stream = stream;
+    k->size = size;
+    k->addr = addr;
+    k->idx = idx;
+    ch->len++;
+    t->len++;
+    return 0;
+}
+
+/* del keys[pos]: the places before it stay where they are */
+static void keys_erase(Keys *t, Pos pos) {
+    Chunk *ch = &t->chunk[pos.c];
+    memmove(ch->key + pos.o, ch->key + pos.o + 1, (size_t)(ch->len - pos.o - 1) * sizeof(Key));
+    ch->len--;
+    t->len--;
+    if (ch->len == 0) {
+        if (t->spare) PyMem_Free(ch->key);
+        else t->spare = ch->key;
+        memmove(t->chunk + pos.c, t->chunk + pos.c + 1, (size_t)(t->nchunks - pos.c - 1) * sizeof(Chunk));
+        t->nchunks--;
+    }
 }
 
 static Pool *pool_of(Engine *m, int small) { return small ? &m->small : &m->large; }
@@ -327,10 +426,9 @@ static int pool_insert(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
     b->key_size = b->size;
     b->key_addr = b->addr;
-    Py_ssize_t pos = lower_bound(m, &p->keys, b->stream, b->size, b->addr);
-    if (pos < p->keys.len && cmp_key(&p->keys.key[pos], b->stream, b->size, b->addr) == 0)
-        return unsupported("two free blocks with the same (stream, size, address)");
-    if (array_insert_at(&p->keys, pos, i, b->stream, b->size, b->addr) < 0) return -1;
+    int rc = keys_insert(&p->keys, b->stream, b->size, b->addr, i);
+    if (rc < 0) return -1;
+    if (rc) return unsupported("two free blocks with the same (stream, size, address)");
     b->in_pool = 1;
     b->gc_base = p->gc_calls;
     return 0;
@@ -339,47 +437,80 @@ static int pool_insert(Engine *m, Pool *p, int32_t i) {
 /* _Pool.remove (by the key it was inserted with) */
 static int pool_remove(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
-    Py_ssize_t pos = lower_bound(m, &p->keys, b->stream, b->key_size, b->key_addr);
-    if (b->in_pool != 1 || pos >= p->keys.len || p->keys.key[pos].idx != i)
+    Pos pos = keys_find(&p->keys, b->stream, b->key_size, b->key_addr);
+    if (b->in_pool != 1 || AT_END(&p->keys, pos) || KEY(&p->keys, pos)->idx != i)
         return unsupported("a block removed from a pool it is not in");
-    array_delete_at(&p->keys, pos);
+    keys_erase(&p->keys, pos);
     b->in_pool = 0;
     return 0;
 }
 
-static int cmp_unmapped(const Key *k, int64_t stream, int64_t addr) {
-    if (k->stream != stream) return k->stream < stream ? -1 : 1;
-    if (k->addr != addr) return k->addr < addr ? -1 : 1;
-    return 0;
-}
-
-static Py_ssize_t unmapped_lower_bound(Engine *m, IdxArray *a, int64_t stream, int64_t addr) {
-    Py_ssize_t lo = 0, hi = a->len;
+/* the block at place `at` leaves the pool and block i enters it: pool.remove then pool.insert, in
+ * one move of the keys between the two places when both are in at's chunk. `below`: i's key sorts
+ * below the leaving one (a split's rest), else above (a block merged with the neighbour at `at`) */
+static int pool_replace(Engine *m, Pool *p, Pos at, int32_t i, int below) {
+    Block *b = BLK(i);
+    Keys *t = &p->keys;
+    Chunk *ch = &t->chunk[at.c];
+    /* bisect_left in at's chunk, on the side of `at` where the key goes */
+    Py_ssize_t lo = below ? 0 : at.o + 1, hi = below ? at.o : ch->len;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_unmapped(&a->key[mid], stream, addr) < 0) lo = mid + 1;
+        if (cmp_key(&ch->key[mid], b->stream, b->size, b->addr) < 0) lo = mid + 1;
         else hi = mid;
     }
-    return lo;
+    int here; /* the place is in this chunk: not at its edge, or no neighbour chunk holds it */
+    if (below) {
+        const Chunk *prev = at.c > 0 ? &t->chunk[at.c - 1] : NULL;
+        here = lo > 0 || !prev || cmp_key(&prev->key[prev->len - 1], b->stream, b->size, b->addr) < 0;
+    } else {
+        const Chunk *next = at.c + 1 < t->nchunks ? &t->chunk[at.c + 1] : NULL;
+        here = lo < ch->len || !next || cmp_key(&next->key[0], b->stream, b->size, b->addr) > 0;
+    }
+    if (here && lo < ch->len && lo != at.o && cmp_key(&ch->key[lo], b->stream, b->size, b->addr) == 0)
+        return unsupported("two free blocks with the same (stream, size, address)");
+    if (!here) {
+        keys_erase(t, at);
+        int rc = keys_insert(t, b->stream, b->size, b->addr, i);
+        if (rc < 0) return -1;
+        if (rc) return unsupported("two free blocks with the same (stream, size, address)");
+    } else {
+        Key *k;
+        if (below) {
+            memmove(ch->key + lo + 1, ch->key + lo, (size_t)(at.o - lo) * sizeof(Key));
+            k = &ch->key[lo];
+        } else {
+            memmove(ch->key + at.o, ch->key + at.o + 1, (size_t)(lo - 1 - at.o) * sizeof(Key));
+            k = &ch->key[lo - 1];
+        }
+        k->stream = b->stream;
+        k->size = b->size;
+        k->addr = b->addr;
+        k->idx = i;
+    }
+    b->key_size = b->size;
+    b->key_addr = b->addr;
+    b->in_pool = 1;
+    b->gc_base = p->gc_calls;
+    return 0;
 }
 
 static int insert_unmapped(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
     b->key_addr = b->addr;
-    Py_ssize_t pos = unmapped_lower_bound(m, &p->unmapped, b->stream, b->addr);
-    if (pos < p->unmapped.len && cmp_unmapped(&p->unmapped.key[pos], b->stream, b->addr) == 0)
-        return unsupported("two unmapped blocks at one address");
-    if (array_insert_at(&p->unmapped, pos, i, b->stream, 0, b->addr) < 0) return -1;
+    int rc = keys_insert(&p->unmapped, b->stream, 0, b->addr, i);
+    if (rc < 0) return -1;
+    if (rc) return unsupported("two unmapped blocks at one address");
     b->in_pool = 2;
     return 0;
 }
 
 static int remove_unmapped(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
-    Py_ssize_t pos = unmapped_lower_bound(m, &p->unmapped, b->stream, b->addr);
-    if (b->in_pool != 2 || b->key_addr != b->addr || pos >= p->unmapped.len || p->unmapped.key[pos].idx != i)
+    Pos pos = keys_find(&p->unmapped, b->stream, 0, b->addr);
+    if (b->in_pool != 2 || b->key_addr != b->addr || AT_END(&p->unmapped, pos) || KEY(&p->unmapped, pos)->idx != i)
         return unsupported("an unmapped block removed from a pool it is not in");
-    array_delete_at(&p->unmapped, pos);
+    keys_erase(&p->unmapped, pos);
     b->in_pool = 0;
     return 0;
 }
@@ -551,21 +682,23 @@ static int try_merge(Engine *m, int32_t di, int32_t si, Pool *p) {
 }
 
 /* free_block's merges: try_merge, where the mapped neighbour's place among the pool's keys is
- * left for the freed block (*hole; a place left by the neighbour before is taken out first) */
-static int merge_into_freed(Engine *m, int32_t di, int32_t si, Pool *p, Py_ssize_t *hole) {
+ * left for the freed block (*hole, *holed; a place left by the neighbour before is taken out
+ * first) */
+static int merge_into_freed(Engine *m, int32_t di, int32_t si, Pool *p, Pos *hole, int *holed) {
     if (si < 0) return 0;
     Block *d = BLK(di), *s = BLK(si);
     if (s->allocated || d->mapped != s->mapped) return 0;
     if (!s->mapped) return try_merge(m, di, si, p);
-    if (*hole >= 0) {
-        array_delete_at(&p->keys, *hole);
-        *hole = -1;
+    if (*holed) {
+        keys_erase(&p->keys, *hole);
+        *holed = 0;
     }
-    Py_ssize_t pos = lower_bound(m, &p->keys, s->stream, s->key_size, s->key_addr);
-    if (s->in_pool != 1 || pos >= p->keys.len || p->keys.key[pos].idx != si)
+    Pos pos = keys_find(&p->keys, s->stream, s->key_size, s->key_addr);
+    if (s->in_pool != 1 || AT_END(&p->keys, pos) || KEY(&p->keys, pos)->idx != si)
         return unsupported("a block removed from a pool it is not in");
     s->in_pool = 0;
     *hole = pos;
+    *holed = 1;
     return join_blocks(m, di, si);
 }
 
@@ -628,11 +761,12 @@ static int unmap_block(Engine *m, int32_t bi, Pool *p) {
     return 0;
 }
 
-/* a copy of a pool's key array, to walk while the pool changes */
-static int32_t *snapshot(IdxArray *a) {
-    int32_t *copy = PyMem_Malloc((size_t)(a->len ? a->len : 1) * sizeof(int32_t));
+/* a pool's blocks in key order, to walk while the pool changes */
+static int32_t *snapshot(const Keys *t) {
+    int32_t *copy = PyMem_Malloc((size_t)(t->len ? t->len : 1) * sizeof(int32_t));
     if (!copy) { PyErr_NoMemory(); return NULL; }
-    for (Py_ssize_t j = 0; j < a->len; j++) copy[j] = a->key[j].idx;
+    Py_ssize_t j = 0;
+    FOR_EACH_KEY(t, pos) copy[j++] = KEY(t, pos)->idx;
     return copy;
 }
 
@@ -688,8 +822,8 @@ static int garbage_collect(Engine *m) {
     int64_t target = m->reserved - threshold;
     Pool *p = &m->large;
     int64_t total_age = 0, count = 0;
-    for (Py_ssize_t j = 0; j < p->keys.len; j++) {
-        Block *b = BLK(p->keys.key[j].idx);
+    FOR_EACH_KEY(&p->keys, pos) {
+        Block *b = BLK(KEY(&p->keys, pos)->idx);
         if (!IS_SPLIT(b)) {
             if (add_checked(total_age, p->gc_calls - b->gc_base, &total_age) < 0) return -1;
             count++;
@@ -734,25 +868,25 @@ static int release_available_cached_blocks(Engine *m, Pool *p, int64_t size, int
     if (m->ms_unlimited) return 0;
     int64_t ms = m->max_split_size;
     int64_t want = size > ms ? size : ms;
-    Py_ssize_t i = lower_bound(m, &p->keys, stream, want, -1);
-    if (i == p->keys.len || BLK(p->keys.key[i].idx)->stream != stream || IS_EXP(BLK(p->keys.key[i].idx))) {
-        if (i == 0) return 0;
+    Keys *keys = &p->keys;
+    Pos at = keys_find(keys, stream, want, -1);
+    if (AT_END(keys, at) || BLK(KEY(keys, at)->idx)->stream != stream || IS_EXP(BLK(KEY(keys, at)->idx))) {
+        if (!pos_prev(keys, &at)) return 0;
         int64_t released = 0;
-        i -= 1;
-        while (released < want && i >= 0) {
-            int32_t bi = p->keys.key[i].idx;
+        for (int more = 1; released < want && more;) {
+            int32_t bi = KEY(keys, at)->idx;
             Block *b = BLK(bi);
             if (b->size < ms || b->stream != stream) break;
+            more = pos_prev(keys, &at); /* the places below bi's stay where they are when it leaves */
             if (!IS_EXP(b)) {
                 int64_t n = b->size;
                 if (release_block(m, bi, p) < 0) return -1;
                 released += n;
             }
-            i -= 1;
         }
         return released >= want;
     }
-    if (release_block(m, p->keys.key[i].idx, p) < 0) return -1;
+    if (release_block(m, KEY(keys, at)->idx, p) < 0) return -1;
     return 1;
 }
 
@@ -779,9 +913,9 @@ static int allocatable(Engine *m, int32_t i) { return i >= 0 && !BLK(i)->allocat
 
 /* _find_expandable_block (-1: error) */
 static int32_t find_expandable_block(Engine *m, Pool *p, int64_t size, int64_t stream) {
-    Py_ssize_t i = unmapped_lower_bound(m, &p->unmapped, stream, -1);
-    for (; i < p->unmapped.len && BLK(p->unmapped.key[i].idx)->stream == stream; i++) {
-        int32_t c = p->unmapped.key[i].idx;
+    Keys *u = &p->unmapped;
+    for (Pos at = keys_find(u, stream, 0, -1); !AT_END(u, at) && KEY(u, at)->stream == stream; pos_next(u, &at)) {
+        int32_t c = KEY(u, at)->idx;
         if (allocatable(m, BLK(c)->prev)) c = BLK(c)->prev;
         int64_t have = 0;
         int32_t cur = c;
@@ -855,25 +989,21 @@ static int64_t expandable_size(Engine *m, Block *b) {
 }
 
 /* _get_free_block: *out -1 when none serves, else the block, left in the pool at *at (the caller
- * takes it out: engine_malloc, with what a split leaves of it in the same move) */
-static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out, Py_ssize_t *at) {
+ * takes it out: engine_malloc) */
+static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int32_t *out, Pos *at) {
     *out = -1;
     if (m->gc) p->gc_calls++;
-    IdxArray *keys = &p->keys;
-    Py_ssize_t i = lower_bound(m, keys, stream, size, -1);
-    if (i == keys->len || keys->key[i].stream != stream) return 0;
-    int32_t bi = keys->key[i].idx;
+    Keys *keys = &p->keys;
+    *at = keys_find(keys, stream, size, -1);
+    if (AT_END(keys, *at) || KEY(keys, *at)->stream != stream) return 0;
+    int32_t bi = KEY(keys, *at)->idx;
     if (m->expandable && IS_EXP(BLK(bi))) {
-        Py_ssize_t j = i + 1;
-        while (j < keys->len && BLK(keys->key[j].idx)->stream == stream) {
-            int32_t ni = keys->key[j].idx;
-            if (expandable_size(m, BLK(ni)) < expandable_size(m, BLK(bi))) {
-                bi = ni;
-                i = j;
-                j++;
-            } else {
-                break;
-            }
+        Pos j = *at;
+        for (pos_next(keys, &j); !AT_END(keys, j) && KEY(keys, j)->stream == stream; pos_next(keys, &j)) {
+            int32_t ni = KEY(keys, j)->idx;
+            if (expandable_size(m, BLK(ni)) >= expandable_size(m, BLK(bi))) break;
+            bi = ni;
+            *at = j;
         }
     }
     Block *b = BLK(bi);
@@ -883,59 +1013,6 @@ static int get_free_block(Engine *m, Pool *p, int64_t size, int64_t stream, int3
         return 0;
     }
     *out = bi;
-    *at = i;
-    return 0;
-}
-
-/* the free block at position `at` of the pool's keys leaves it, and block ri (the rest of it
- * after a split: same stream, smaller, so its key sorts below) enters: pool.remove then
- * pool.insert, in one move of the keys between the two positions */
-static int pool_swap_for_rest(Engine *m, Pool *p, Py_ssize_t at, int32_t ri) {
-    IdxArray *a = &p->keys;
-    Block *r = BLK(ri);
-    Py_ssize_t lo = 0, hi = at; /* bisect_left over the keys below `at` */
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_key(&a->key[mid], r->stream, r->size, r->addr) < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    if (lo < at && cmp_key(&a->key[lo], r->stream, r->size, r->addr) == 0)
-        return unsupported("two free blocks with the same (stream, size, address)");
-    memmove(a->key + lo + 1, a->key + lo, (size_t)(at - lo) * sizeof(Key));
-    a->key[lo].stream = r->stream;
-    a->key[lo].size = r->size;
-    a->key[lo].addr = r->addr;
-    a->key[lo].idx = ri;
-    r->key_size = r->size;
-    r->key_addr = r->addr;
-    r->in_pool = 1;
-    r->gc_base = p->gc_calls;
-    return 0;
-}
-
-/* the key at position `hole` of the pool's keys (a neighbour merged into block bi, whose key is
- * above it: same stream, larger) leaves it and bi enters: pool.remove then pool.insert, in one
- * move of the keys between the two positions */
-static int pool_swap_for_merged(Engine *m, Pool *p, Py_ssize_t hole, int32_t bi) {
-    IdxArray *a = &p->keys;
-    Block *b = BLK(bi);
-    Py_ssize_t lo = hole + 1, hi = a->len; /* bisect_left over the keys above the hole */
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (cmp_key(&a->key[mid], b->stream, b->size, b->addr) < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    if (lo < a->len && cmp_key(&a->key[lo], b->stream, b->size, b->addr) == 0)
-        return unsupported("two free blocks with the same (stream, size, address)");
-    memmove(a->key + hole, a->key + hole + 1, (size_t)(lo - hole - 1) * sizeof(Key));
-    a->key[lo - 1].stream = b->stream;
-    a->key[lo - 1].size = b->size;
-    a->key[lo - 1].addr = b->addr;
-    a->key[lo - 1].idx = bi;
-    b->key_size = b->size;
-    b->key_addr = b->addr;
-    b->in_pool = 1;
-    b->gc_base = p->gc_calls;
     return 0;
 }
 
@@ -981,10 +1058,10 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     int64_t size = round_size(m, orig_size);
     Pool *p = size <= SMALL_SIZE ? &m->small : &m->large;
     int32_t bi;
-    Py_ssize_t at = -1; /* where the free block that serves it is in the pool */
+    Pos at;
     if (get_free_block(m, p, size, stream, &bi, &at) < 0) return -1;
-    if (bi < 0) {
-        at = -1;
+    int pooled = bi >= 0; /* a free block of the pool serves it, left at `at` until it is split */
+    if (!pooled) {
         int rc = new_block_for(m, p, size, stream, event_index, &bi);
         if (rc) return rc;
     }
@@ -996,12 +1073,12 @@ static int engine_malloc(Engine *m, int64_t orig_size, int64_t stream, int64_t e
     if (split) {
         int32_t ri = split_after(m, bi, size);
         if (ri < 0) return -1;
-        if ((at >= 0 ? pool_swap_for_rest(m, p, at, ri) : pool_insert(m, p, ri)) < 0) return -1;
-    } else if (at >= 0) {
-        array_delete_at(&p->keys, at);
+        if ((pooled ? pool_replace(m, p, at, ri, 1) : pool_insert(m, p, ri)) < 0) return -1;
+    } else if (pooled) {
+        keys_erase(&p->keys, at);
     }
     b = BLK(bi);
-    if (at >= 0) b->in_pool = 0;
+    if (pooled) b->in_pool = 0;
     b->allocated = 1;
     if (add_checked(m->allocated, b->size, &m->allocated) < 0) return -1;
     if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
@@ -1014,10 +1091,11 @@ static int engine_free(Engine *m, int32_t bi) {
     b->allocated = 0;
     m->allocated -= b->size;
     Pool *p = pool_of(m, b->small);
-    Py_ssize_t hole = -1;
-    if (merge_into_freed(m, bi, BLK(bi)->prev, p, &hole) < 0) return -1;
-    if (merge_into_freed(m, bi, BLK(bi)->next, p, &hole) < 0) return -1;
-    return hole >= 0 ? pool_swap_for_merged(m, p, hole, bi) : pool_insert(m, p, bi);
+    Pos hole;
+    int holed = 0;
+    if (merge_into_freed(m, bi, BLK(bi)->prev, p, &hole, &holed) < 0) return -1;
+    if (merge_into_freed(m, bi, BLK(bi)->next, p, &hole, &holed) < 0) return -1;
+    return holed ? pool_replace(m, p, hole, bi, 0) : pool_insert(m, p, bi);
 }
 
 /* needs_release: 1 when a malloc now would make the allocator give memory back first */
@@ -1025,9 +1103,9 @@ static int needs_release(Engine *m, int64_t orig_size, int64_t stream) {
     if (check_request(orig_size, stream) < 0) return -1;
     int64_t size = round_size(m, orig_size);
     Pool *p = size <= SMALL_SIZE ? &m->small : &m->large;
-    Py_ssize_t i = lower_bound(m, &p->keys, stream, size, -1);
-    if (i < p->keys.len && BLK(p->keys.key[i].idx)->stream == stream) {
-        Block *b = BLK(p->keys.key[i].idx);
+    Pos at = keys_find(&p->keys, stream, size, -1);
+    if (!AT_END(&p->keys, at) && KEY(&p->keys, at)->stream == stream) {
+        Block *b = BLK(KEY(&p->keys, at)->idx);
         int below = m->ms_unlimited || size < m->max_split_size;
         int fits = !(below && !m->ms_unlimited && b->size >= m->max_split_size) &&
                    !(!below && b->size >= size + m->max_non_split_rounding);
@@ -1035,8 +1113,8 @@ static int needs_release(Engine *m, int64_t orig_size, int64_t stream) {
     }
     if (m->gc) {
         if (m->reserved > (int64_t)(m->gc_threshold * (double)m->limit)) {
-            for (Py_ssize_t j = 0; j < m->large.keys.len; j++)
-                if (!IS_SPLIT(BLK(m->large.keys.key[j].idx))) return 1;
+            FOR_EACH_KEY(&m->large.keys, pos)
+                if (!IS_SPLIT(BLK(KEY(&m->large.keys, pos)->idx))) return 1;
         }
     }
     int64_t need = m->expandable ? size : allocation_size(size), total;
@@ -1061,9 +1139,11 @@ static int get_int64(PyObject *o, int64_t *out, int64_t lo, int64_t hi, const ch
 static void engine_dealloc(Engine *m) {
     PyMem_Free(m->blocks);
     PyMem_Free(m->free_slots);
-    IdxArray *arrays[4] = {&m->small.keys, &m->small.unmapped, &m->large.keys, &m->large.unmapped};
+    Keys *pools[4] = {&m->small.keys, &m->small.unmapped, &m->large.keys, &m->large.unmapped};
     for (int i = 0; i < 4; i++) {
-        PyMem_Free(arrays[i]->key);
+        for (Py_ssize_t c = 0; c < pools[i]->nchunks; c++) PyMem_Free(pools[i]->chunk[c].key);
+        PyMem_Free(pools[i]->chunk);
+        PyMem_Free(pools[i]->spare);
     }
     PyMem_Free(m->live.e);
     PyMem_Free(m->placed.e);
@@ -1529,8 +1609,8 @@ static PyObject *engine_layout(Engine *m, PyObject *Py_UNUSED(ignored)) {
     Py_ssize_t k = 0;
     for (size_t j = 0; j < m->live.cap; j++)
         if (m->live.e[j].state == 1 && m->live.e[j].value >= 0) seen[k++] = (int32_t)m->live.e[j].value;
-    for (Py_ssize_t j = 0; j < m->small.keys.len; j++) seen[k++] = m->small.keys.key[j].idx;
-    for (Py_ssize_t j = 0; j < m->large.keys.len; j++) seen[k++] = m->large.keys.key[j].idx;
+    FOR_EACH_KEY(&m->small.keys, pos) seen[k++] = KEY(&m->small.keys, pos)->idx;
+    FOR_EACH_KEY(&m->large.keys, pos) seen[k++] = KEY(&m->large.keys, pos)->idx;
     for (Py_ssize_t j = 0; j < k; j++) {
         Block *b = BLK(seen[j]);
         if (!b->mapped || (b->prev >= 0 && BLK(b->prev)->mapped)) continue;
