@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from ..categories import CATEGORIES
 from .messages import AS_RECORDED, OOM_REQUEST, RECORDED_RULES, RULE_RECORDED_DDP_DROPPED
-from .program import Program
+from .program import ALLOC, EMPTY_CACHE, FREE, FREE_REQUESTED, Program
 from .structure import TrainingStructure
 
 # ("a", key, size, stream, category, rule) | ("f", key) | ("r", key): free requested | ("e",)
@@ -48,7 +50,8 @@ class Rewrite:
         code = allocs["code_recorded" if as_recorded else "code"].to_numpy()
         cats = np.array(CATEGORIES, dtype=object)[code]
         size = allocs["size"].to_numpy(dtype=np.int64).copy()
-        rule = np.array([recorded_rule(category) for category in cats], dtype=object)
+        codes, inverse = np.unique(code, return_inverse=True)
+        rule = np.array([recorded_rule(CATEGORIES[c]) for c in codes.tolist()], dtype=object)[inverse.reshape(-1)]
         if not as_recorded:
             dropped = allocs["dropped"].to_numpy()
             size[dropped] = 0
@@ -106,46 +109,74 @@ class Rewrite:
     def build(self) -> Program:
         """The program: memory older than the trace, then at every recorded position what the
         strategy adds before it, the recorded allocation (rescaled), a recorded OOM's request,
-        the frees, an empty_cache() and what the strategy adds after it."""
-        structure = self.structure
-        allocs = structure.allocs
-        writer = _ProgramWriter(
-            Program(),
-            structure.origin,
-            allocs["event_index"].to_numpy(),
-            allocs["size"].to_numpy(),
-        )
-        self._alloc_untracked(writer.program)
-        alloc_row = np.full(structure.n_events, -1, dtype=np.int64)
-        alloc_row[allocs["pos"].to_numpy()] = allocs["row"].to_numpy()
-        frees: dict[int, list[int]] = {}  # position -> rows freed after it
-        for row, position in enumerate(self.free_after.tolist()):
-            if position >= 0:
-                frees.setdefault(int(position), []).append(row)
-        releases = set(structure.releases)
-        ooms = {position: (requested, stream) for position, requested, stream in structure.ooms}
-        made = np.zeros(len(allocs), dtype=bool)
-        program, origin, size, emit = writer.program, structure.origin, self.size, writer.emit
-        for position in range(structure.n_events):
-            for operation in self.before.get(position, ()):
-                emit(operation, position)
-            row = int(alloc_row[position])
-            if row >= 0 and size[row] > 0:
-                writer.alloc_row(self, row)
-                made[row] = True
-            if position in ooms:
-                requested, stream = ooms[position]
-                source = program.source_id("other", OOM_REQUEST)
-                at = origin(position)
-                program.alloc(self.new_key(), requested, stream, source, at, requested)
-            for freed in frees.get(position, ()):
-                if made[freed]:
-                    program.free(freed, origin(position))
-            if position in releases:
-                program.empty_cache(origin(position))
-            for operation in self.after.get(position, ()):
-                emit(operation, position)
+        the frees, an empty_cache() and what the strategy adds after it. Built as columns and
+        put in that order by one sort (a recording of millions of events has as many rows)."""
+        program = Program()
+        self._alloc_untracked(program)
+        table = _OpTable(self.structure)
+        made = self._recorded_allocs(table)
+        self._recorded_ooms(table)
+        self._recorded_frees(table, made)
+        releases = np.array(sorted(set(self.structure.releases)), dtype=np.int64)
+        table.sizeless(releases[(releases >= 0) & (releases < table.n)], _RELEASE, EMPTY_CACHE, -1)
+        for slot, added in ((_BEFORE, self.before), (_AFTER, self.after)):
+            table.added(added, slot)
+        table.write(program)
         return program
+
+    def _recorded_allocs(self, table: _OpTable) -> np.ndarray:
+        """Each recorded allocation the plan makes, at its position; returns which are made."""
+        allocs = self.structure.allocs
+        rows = np.arange(len(allocs), dtype=np.int64)
+        pos = allocs["pos"].to_numpy(dtype=np.int64)
+        alloc_row = np.full(table.n, -1, dtype=np.int64)
+        alloc_row[pos] = rows
+        made = (alloc_row[pos] == rows) & (self.size > 0)
+        chosen = rows[made]
+        table.add(
+            pos=pos[chosen],
+            slot=_ALLOC,
+            sub=np.zeros(chosen.size, dtype=np.int64),
+            kind=ALLOC,
+            key=chosen,
+            size=self.size[chosen],
+            stream=self.stream[chosen],
+            category=self.category[chosen],
+            rule=self.rule[chosen],
+            origin=table.event_index[chosen],
+            recorded=table.recorded[chosen],
+            placed=table.event_index[chosen],
+        )
+        return made
+
+    def _recorded_ooms(self, table: _OpTable) -> None:
+        """A recorded OOM's request, at its position (keys given in the order of positions)."""
+        ooms = {position: (requested, stream) for position, requested, stream in self.structure.ooms}
+        at = np.array(sorted(p for p in ooms if 0 <= p < table.n), dtype=np.int64)
+        requested = np.array([ooms[int(p)][0] for p in at], dtype=np.int64)
+        keys = np.array([self.new_key() for _ in at], dtype=np.int64)
+        origin = table.origin(at)
+        table.add(
+            pos=at,
+            slot=_OOM,
+            sub=np.zeros(at.size, dtype=np.int64),
+            kind=ALLOC,
+            key=keys,
+            size=requested,
+            stream=np.array([ooms[int(p)][1] for p in at], dtype=np.int64),
+            category=np.full(at.size, "other", dtype=object),
+            rule=np.full(at.size, OOM_REQUEST, dtype=object),
+            origin=origin,
+            recorded=requested,
+            placed=origin,
+        )
+
+    def _recorded_frees(self, table: _OpTable, made: np.ndarray) -> None:
+        """The frees of the allocations made, after the position they are freed at (by row)."""
+        free_after = self.free_after
+        pos = self.structure.allocs["pos"].to_numpy(dtype=np.int64)
+        rows = np.flatnonzero(made & (free_after >= pos) & (free_after >= 0) & (free_after < table.n))
+        table.sizeless(free_after[rows], _FREE, FREE, rows, sub=rows)
 
     def _alloc_untracked(self, program: Program) -> None:
         """Memory older than the trace: alive from the start."""
@@ -160,50 +191,109 @@ class Rewrite:
                 program.alloc(self.new_key(), new_bytes, old_stream, source, base, old_bytes)
 
 
-@dataclass(frozen=True)
-class _ProgramWriter:
-    """Writes a rewrite's operations into ``program``, each with the recorded allocation it
-    stands for or the recorded moment it is placed at."""
+# where an operation goes among those at one recorded position
+_BEFORE, _ALLOC, _OOM, _FREE, _RELEASE, _AFTER = range(6)
+_COLUMNS = ("pos", "slot", "sub", "kind", "key", "size", "stream", "origin", "recorded", "placed")
 
-    program: Program
-    origin: Callable[[int], int]  # trace position -> recorded event index
-    event_index: np.ndarray  # per recorded allocation
-    recorded: np.ndarray  # per recorded allocation: its recorded size
 
-    def alloc_row(self, rewrite: Rewrite, row: int) -> None:
-        """Recorded allocation ``row``, as planned."""
-        self.program.alloc(
-            row,
-            int(rewrite.size[row]),
-            int(rewrite.stream[row]),
-            self.program.source_id(rewrite.category[row], rewrite.rule[row]),
-            int(self.event_index[row]),
-            int(self.recorded[row]),
+class _OpTable:
+    """A rewrite's operations as columns, each with its place (recorded position, slot, order
+    within the slot), written into a program in that order."""
+
+    def __init__(self, structure: TrainingStructure) -> None:
+        allocs = structure.allocs
+        self.n = structure.n_events
+        self.positions = structure.event_index  # trace position -> recorded event index
+        self.event_index = allocs["event_index"].to_numpy(dtype=np.int64)  # per recorded allocation
+        self.recorded = allocs["size"].to_numpy(dtype=np.int64)  # per recorded allocation
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.sources: dict[int, tuple[str, str]] = {}  # pair number -> (category, rule)
+
+    def origin(self, pos: np.ndarray) -> np.ndarray:
+        """The recorded event index at trace positions ``pos``."""
+        if self.n == 0:
+            return np.zeros(len(pos), dtype=np.int64)
+        return self.positions[np.clip(pos, 0, self.n - 1)].astype(np.int64)
+
+    def add(self, **columns: np.ndarray | int) -> None:
+        count = len(columns["pos"])  # type: ignore[arg-type]
+        part = {name: np.broadcast_to(np.asarray(value), (count,)) for name, value in columns.items()}
+        self.parts.append(part)
+
+    def sizeless(self, pos: np.ndarray, slot: int, kind: int, key: np.ndarray | int, sub: Any = 0) -> None:
+        """Frees and empty_cache() calls at positions ``pos``."""
+        origin = self.origin(pos)
+        none = np.full(pos.size, None, dtype=object)
+        self.add(pos=pos, slot=slot, sub=sub, kind=kind, key=key, size=0, stream=0)
+        self.parts[-1].update(category=none, rule=none, origin=origin, recorded=np.zeros(pos.size, np.int64))
+        self.parts[-1]["placed"] = origin
+
+    def added(self, added: dict[int, list[Operation]], slot: int) -> None:
+        """What a strategy adds before or after recorded positions, in the order it added them."""
+        rows: list[tuple[Any, ...]] = []
+        for position, operations in added.items():
+            if 0 <= position < self.n:
+                rows += [(position, order, *_flat(op)) for order, op in enumerate(operations)]
+        if not rows:
+            return
+        pos, sub, kind, key, size, stream, category, rule, source_row = map(list, zip(*rows, strict=True))
+        at = np.array(pos, dtype=np.int64)
+        row = np.array(source_row, dtype=np.int64)
+        placed = self.origin(at)
+        origin, recorded = placed, np.zeros(at.size, dtype=np.int64)
+        if len(self.event_index):  # one that stands for a recorded allocation comes from it
+            has_row, safe = row >= 0, np.maximum(row, 0)
+            origin = np.where(has_row, self.event_index[safe], placed)
+            recorded = np.where(has_row, self.recorded[safe], 0)
+        self.add(pos=at, slot=slot, sub=np.array(sub), kind=np.array(kind), key=np.array(key, dtype=np.int64))
+        self.parts[-1].update(
+            size=np.array(size, dtype=np.int64),
+            stream=np.array(stream, dtype=np.int64),
+            category=np.array(category, dtype=object),
+            rule=np.array(rule, dtype=object),
+            origin=origin,
+            recorded=recorded,
+            placed=placed,
         )
 
-    def emit(self, operation: Operation, position: int) -> None:
-        """One operation the strategy added at ``position``."""
-        program, origin = self.program, self.origin(position)
-        if operation[0] == "a":
-            source = program.source_id(operation[4], operation[5])
-            row = operation[6]
-            if row >= 0:
-                # stands for a recorded allocation: that is where it came from
-                event_index, recorded = int(self.event_index[row]), int(self.recorded[row])
-                program.alloc(
-                    operation[1],
-                    operation[2],
-                    operation[3],
-                    source,
-                    event_index,
-                    recorded,
-                    origin,
-                )
-            else:
-                program.alloc(operation[1], operation[2], operation[3], source, origin, 0)
-        elif operation[0] == "f":
-            program.free(operation[1], origin)
-        elif operation[0] == "r":
-            program.free_requested(operation[1], origin)
-        else:
-            program.empty_cache(origin)
+    def _pairs(self, alloc: np.ndarray) -> np.ndarray:
+        """Per operation, its (category, rule) pair's number (-1: not an allocation); the pairs
+        in self.sources."""
+        category = np.concatenate([part["category"] for part in self.parts])[alloc]
+        rule = np.concatenate([part["rule"] for part in self.parts])[alloc]
+        category_code, categories = pd.factorize(category)
+        rule_code, rules = pd.factorize(rule)
+        pair = np.full(alloc.size, -1, dtype=np.int64)
+        pair[alloc] = category_code.astype(np.int64) * len(rules) + rule_code
+        self.sources = {
+            p: (categories[p // len(rules)], rules[p % len(rules)]) for p in np.unique(pair[alloc]).tolist()
+        }
+        return pair
+
+    def write(self, program: Program) -> None:
+        """Every operation into ``program``, in order; a source per (category, rule) in the
+        order they first appear."""
+        if not self.parts:
+            return
+        col = {name: np.concatenate([part[name] for part in self.parts]) for name in _COLUMNS}
+        order = np.lexsort((col["sub"], col["slot"], col["pos"]))
+        pair = self._pairs(col["kind"] == ALLOC)
+        col = {name: values[order] for name, values in col.items()}
+        source = np.full(order.size, -1, dtype=np.int64)
+        pair = pair[order]
+        allocs = pair >= 0
+        if allocs.any():
+            first, pairs = pd.factorize(pair[allocs])  # in the order they first appear
+            ids = [program.source_id(*self.sources[p]) for p in pairs.tolist()]
+            source[allocs] = np.array(ids, dtype=np.int64)[first]
+        col["source"] = source
+        for name in ("kind", "key", "size", "stream", "source", "origin", "recorded", "placed"):
+            getattr(program, name).extend(col.pop(name).tolist())  # one column at a time in memory twice
+
+
+def _flat(op: Operation) -> tuple[Any, ...]:
+    """An added operation as (kind, key, size, stream, category, rule, source row)."""
+    if op[0] == "a":
+        return ALLOC, op[1], int(op[2]), int(op[3]), op[4], op[5], int(op[6])
+    kind = {"f": FREE, "r": FREE_REQUESTED}.get(op[0], EMPTY_CACHE)
+    return kind, op[1] if kind != EMPTY_CACHE else -1, 0, 0, None, None, -1

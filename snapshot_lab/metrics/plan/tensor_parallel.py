@@ -89,8 +89,9 @@ class _Allocations:
         phase = allocs["phase"].to_numpy()
         part = allocs["part"].to_numpy()
         code = allocs["code"].to_numpy()
-        module_files = [stacks.module_file.get(int(sid), "").replace("\\", "/") for sid in stack_id]
-        is_linear = np.array([file.endswith(LINEAR_FILES) for file in module_files], dtype=bool)
+        sids, of_row = np.unique(stack_id, return_inverse=True)  # each stack's module file once
+        module_files = [stacks.module_file.get(int(sid), "").replace("\\", "/") for sid in sids.tolist()]
+        is_linear = np.array([file.endswith(LINEAR_FILES) for file in module_files], dtype=bool)[of_row.reshape(-1)]
         # a tensor the Linear returns is freed some time; what its first call keeps for good is
         # cuBLAS's workspace
         in_block_forward = (phase == "forward") & (part == "block")
