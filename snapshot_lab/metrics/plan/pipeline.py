@@ -23,6 +23,7 @@ forward and backward of its own layers once per microbatch, in the schedule's or
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,8 +221,11 @@ class StageBuilder:
             training_pass.index: set(np.flatnonzero((pass_id == training_pass.index) & in_pass).tolist())
             for training_pass in structure.passes
         }
-        # recorded row -> live keys (its copies)
+        # recorded row -> live keys (its copies); a row stays (its list emptied) until freed whole
         self.live: dict[int, list[int]] = {}
+        # recorded row -> when it entered self.live (the order the step's end frees outputs in)
+        self.entered: dict[int, int] = {}
+        self.entries = itertools.count()
         # activations freed from here on were saved for the backward (the pass's backward start;
         # 0 while the first step infers its shapes)
         self.saved_until = 0
@@ -319,10 +323,11 @@ class StageBuilder:
     def _release_sent_outputs(self, microbatch: int, position: int) -> None:
         """The output was sent to the next stage (record_stream on the communication stream):
         released after this microbatch's backward, its block back at the step's end."""
+        live, offset = self.live, microbatch_key(0, microbatch)
         for row in self.outputs:
-            key = microbatch_key(row, microbatch)
-            if key in self.live.get(row, []):
-                self.program.free_requested(key, self.origin(position))
+            keys = live.get(row)
+            if keys and row + offset in keys:
+                self.program.free_requested(row + offset, self.origin(position))
 
     def _end_step(self, training_pass: Pass) -> None:
         """The step's end: the last stage merges the microbatches' outputs into one (then
@@ -335,9 +340,9 @@ class StageBuilder:
             at = self.origin(last_position)
             self.program.alloc(key, int(self.size[row]), int(self.stream[row]), source, at, 0)
             self.program.free(key, self.origin(last_position))
-        for row in list(self.live):
-            if row in self.outputs:
-                self._free_all(row, last_position)
+        held = [row for row in self.outputs if row in self.live]
+        for row in sorted(held, key=self.entered.__getitem__):  # in self.live's order
+            self._free_all(row, last_position)
         for row in self.after_step:
             self._free_all(row, last_position)
         self.after_step.clear()
@@ -356,12 +361,15 @@ class StageBuilder:
         """Trace positions ``start`` to ``stop`` of ``training_pass`` for one microbatch;
         ``final``: the schedule's last forward or backward of the step."""
         pass_rows = self.pass_rows[training_pass.index]
+        row_at, mine, free_rows, releases = self.row_at, self.mine, self.free_rows, self.releases
         for position in range(start, stop):
-            row = int(self.row_at[position])
-            if row >= 0 and self.mine[row]:
+            row = int(row_at[position])
+            if row >= 0 and mine[row]:
                 self._alloc_for_microbatch(row, position, microbatch, first_backward, training_pass)
-            self._free_for_microbatch(position, microbatch, pass_rows, final)
-            self._release_at(position)
+            if position in free_rows:
+                self._free_for_microbatch(position, microbatch, pass_rows, final)
+            if position in releases:
+                self._release_at(position)
 
     def _alloc_for_microbatch(
         self, row: int, position: int, microbatch: int, first_backward: bool, training_pass: Pass
@@ -406,13 +414,12 @@ class StageBuilder:
         pass_rows: set[int],
         final: bool,
     ) -> None:
+        live, outputs, offset = self.live, self.outputs, microbatch_key(0, microbatch)
         for row in self.free_rows.get(position, ()):
-            if row in self.outputs:
+            keys = live.get(row)
+            if not keys or row in outputs:
                 continue
-            key = microbatch_key(row, microbatch)
-            keys = self.live.get(row)
-            if not keys:
-                continue
+            key = row + offset
             if key in keys:
                 keys.remove(key)
                 self.program.free(key, self.origin(position))
@@ -436,7 +443,10 @@ class StageBuilder:
             int(self.event_index[row]),
             int(self.size[row]),
         )
-        self.live.setdefault(row, []).append(key)
+        if row not in self.live:
+            self.live[row] = []
+            self.entered[row] = next(self.entries)
+        self.live[row].append(key)
 
     def _free_all(self, row: int, position: int) -> None:
         for key in self.live.pop(row, []):
