@@ -373,6 +373,13 @@ static int add_chunk(Keys *t, Py_ssize_t c) {
     return 0;
 }
 
+static void set_key(Key *k, int64_t stream, int64_t size, int64_t addr, int32_t idx) {
+    k->stream = stream;
+    k->size = size;
+    k->addr = addr;
+    k->idx = idx;
+}
+
 /* insort: 1 when the key is there already (nothing changed), -1 on error */
 static int keys_insert(Keys *t, int64_t stream, int64_t size, int64_t addr, int32_t idx) {
     Pos pos = keys_find(t, stream, size, addr);
@@ -395,11 +402,7 @@ static int keys_insert(Keys *t, int64_t stream, int64_t size, int64_t addr, int3
     }
     Chunk *ch = &t->chunk[pos.c];
     memmove(ch->key + pos.o + 1, ch->key + pos.o, (size_t)(ch->len - pos.o) * sizeof(Key));
-    Key *k = &ch->key[pos.o];
-    k->stream = stream;
-    k->size = size;
-    k->addr = addr;
-    k->idx = idx;
+    set_key(&ch->key[pos.o], stream, size, addr, idx);
     ch->len++;
     t->len++;
     return 0;
@@ -421,16 +424,23 @@ static void keys_erase(Keys *t, Pos pos) {
 
 static Pool *pool_of(Engine *m, int small) { return small ? &m->small : &m->large; }
 
+#define SAME_KEY "two free blocks with the same (stream, size, address)"
+
+/* block b is in pool p's keys now, under its current size and address */
+static void entered_pool(Block *b, Pool *p) {
+    b->key_size = b->size;
+    b->key_addr = b->addr;
+    b->in_pool = 1;
+    b->gc_base = p->gc_calls;
+}
+
 /* _Pool.insert */
 static int pool_insert(Engine *m, Pool *p, int32_t i) {
     Block *b = BLK(i);
-    b->key_size = b->size;
-    b->key_addr = b->addr;
     int rc = keys_insert(&p->keys, b->stream, b->size, b->addr, i);
     if (rc < 0) return -1;
-    if (rc) return unsupported("two free blocks with the same (stream, size, address)");
-    b->in_pool = 1;
-    b->gc_base = p->gc_calls;
+    if (rc) return unsupported(SAME_KEY);
+    entered_pool(b, p);
     return 0;
 }
 
@@ -468,30 +478,20 @@ static int pool_replace(Engine *m, Pool *p, Pos at, int32_t i, int below) {
         here = lo < ch->len || !next || cmp_key(&next->key[0], b->stream, b->size, b->addr) > 0;
     }
     if (here && lo < ch->len && lo != at.o && cmp_key(&ch->key[lo], b->stream, b->size, b->addr) == 0)
-        return unsupported("two free blocks with the same (stream, size, address)");
+        return unsupported(SAME_KEY);
     if (!here) {
         keys_erase(t, at);
         int rc = keys_insert(t, b->stream, b->size, b->addr, i);
         if (rc < 0) return -1;
-        if (rc) return unsupported("two free blocks with the same (stream, size, address)");
+        if (rc) return unsupported(SAME_KEY);
+    } else if (below) {
+        memmove(ch->key + lo + 1, ch->key + lo, (size_t)(at.o - lo) * sizeof(Key));
+        set_key(&ch->key[lo], b->stream, b->size, b->addr, i);
     } else {
-        Key *k;
-        if (below) {
-            memmove(ch->key + lo + 1, ch->key + lo, (size_t)(at.o - lo) * sizeof(Key));
-            k = &ch->key[lo];
-        } else {
-            memmove(ch->key + at.o, ch->key + at.o + 1, (size_t)(lo - 1 - at.o) * sizeof(Key));
-            k = &ch->key[lo - 1];
-        }
-        k->stream = b->stream;
-        k->size = b->size;
-        k->addr = b->addr;
-        k->idx = i;
+        memmove(ch->key + at.o, ch->key + at.o + 1, (size_t)(lo - 1 - at.o) * sizeof(Key));
+        set_key(&ch->key[lo - 1], b->stream, b->size, b->addr, i);
     }
-    b->key_size = b->size;
-    b->key_addr = b->addr;
-    b->in_pool = 1;
-    b->gc_base = p->gc_calls;
+    entered_pool(b, p);
     return 0;
 }
 

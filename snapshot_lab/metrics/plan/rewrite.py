@@ -134,9 +134,9 @@ class Rewrite:
         made = (alloc_row[pos] == rows) & (self.size > 0)
         chosen = rows[made]
         table.add(
-            pos=pos[chosen],
+            pos[chosen],
             slot=_ALLOC,
-            sub=np.zeros(chosen.size, dtype=np.int64),
+            sub=0,
             kind=ALLOC,
             key=chosen,
             size=self.size[chosen],
@@ -157,9 +157,9 @@ class Rewrite:
         keys = np.array([self.new_key() for _ in at], dtype=np.int64)
         origin = table.origin(at)
         table.add(
-            pos=at,
+            at,
             slot=_OOM,
-            sub=np.zeros(at.size, dtype=np.int64),
+            sub=0,
             kind=ALLOC,
             key=keys,
             size=requested,
@@ -207,7 +207,6 @@ class _OpTable:
         self.event_index = allocs["event_index"].to_numpy(dtype=np.int64)  # per recorded allocation
         self.recorded = allocs["size"].to_numpy(dtype=np.int64)  # per recorded allocation
         self.parts: list[dict[str, np.ndarray]] = []
-        self.sources: dict[int, tuple[str, str]] = {}  # pair number -> (category, rule)
 
     def origin(self, pos: np.ndarray) -> np.ndarray:
         """The recorded event index at trace positions ``pos``."""
@@ -215,18 +214,29 @@ class _OpTable:
             return np.zeros(len(pos), dtype=np.int64)
         return self.positions[np.clip(pos, 0, self.n - 1)].astype(np.int64)
 
-    def add(self, **columns: np.ndarray | int) -> None:
-        count = len(columns["pos"])  # type: ignore[arg-type]
-        part = {name: np.broadcast_to(np.asarray(value), (count,)) for name, value in columns.items()}
-        self.parts.append(part)
+    def add(self, pos: np.ndarray, **columns: Any) -> None:
+        """Operations at trace positions ``pos``: every column of _COLUMNS, category and rule
+        (a single value stands for all)."""
+        part = {name: np.broadcast_to(np.asarray(value), pos.shape) for name, value in columns.items()}
+        self.parts.append({"pos": pos, **part})
 
     def sizeless(self, pos: np.ndarray, slot: int, kind: int, key: np.ndarray | int, sub: Any = 0) -> None:
         """Frees and empty_cache() calls at positions ``pos``."""
         origin = self.origin(pos)
-        none = np.full(pos.size, None, dtype=object)
-        self.add(pos=pos, slot=slot, sub=sub, kind=kind, key=key, size=0, stream=0)
-        self.parts[-1].update(category=none, rule=none, origin=origin, recorded=np.zeros(pos.size, np.int64))
-        self.parts[-1]["placed"] = origin
+        self.add(
+            pos,
+            slot=slot,
+            sub=sub,
+            kind=kind,
+            key=key,
+            size=0,
+            stream=0,
+            category=None,
+            rule=None,
+            origin=origin,
+            recorded=0,
+            placed=origin,
+        )
 
     def added(self, added: dict[int, list[Operation]], slot: int) -> None:
         """What a strategy adds before or after recorded positions, in the order it added them."""
@@ -245,8 +255,12 @@ class _OpTable:
             has_row, safe = row >= 0, np.maximum(row, 0)
             origin = np.where(has_row, self.event_index[safe], placed)
             recorded = np.where(has_row, self.recorded[safe], 0)
-        self.add(pos=at, slot=slot, sub=np.array(sub), kind=np.array(kind), key=np.array(key, dtype=np.int64))
-        self.parts[-1].update(
+        self.add(
+            at,
+            slot=slot,
+            sub=np.array(sub),
+            kind=np.array(kind),
+            key=np.array(key, dtype=np.int64),
             size=np.array(size, dtype=np.int64),
             stream=np.array(stream, dtype=np.int64),
             category=np.array(category, dtype=object),
@@ -256,19 +270,17 @@ class _OpTable:
             placed=placed,
         )
 
-    def _pairs(self, alloc: np.ndarray) -> np.ndarray:
-        """Per operation, its (category, rule) pair's number (-1: not an allocation); the pairs
-        in self.sources."""
+    def _pairs(self, alloc: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, str]]]:
+        """Per operation, its (category, rule) pair's number (-1: not an allocation), and each
+        number's pair."""
         category = np.concatenate([part["category"] for part in self.parts])[alloc]
         rule = np.concatenate([part["rule"] for part in self.parts])[alloc]
         category_code, categories = pd.factorize(category)
         rule_code, rules = pd.factorize(rule)
         pair = np.full(alloc.size, -1, dtype=np.int64)
         pair[alloc] = category_code.astype(np.int64) * len(rules) + rule_code
-        self.sources = {
-            p: (categories[p // len(rules)], rules[p % len(rules)]) for p in np.unique(pair[alloc]).tolist()
-        }
-        return pair
+        sources = {p: (categories[p // len(rules)], rules[p % len(rules)]) for p in np.unique(pair[alloc]).tolist()}
+        return pair, sources
 
     def write(self, program: Program) -> None:
         """Every operation into ``program``, in order; a source per (category, rule) in the
@@ -277,14 +289,14 @@ class _OpTable:
             return
         col = {name: np.concatenate([part[name] for part in self.parts]) for name in _COLUMNS}
         order = np.lexsort((col["sub"], col["slot"], col["pos"]))
-        pair = self._pairs(col["kind"] == ALLOC)
+        pair, sources = self._pairs(col["kind"] == ALLOC)
         col = {name: values[order] for name, values in col.items()}
         source = np.full(order.size, -1, dtype=np.int64)
         pair = pair[order]
         allocs = pair >= 0
         if allocs.any():
             first, pairs = pd.factorize(pair[allocs])  # in the order they first appear
-            ids = [program.source_id(*self.sources[p]) for p in pairs.tolist()]
+            ids = [program.source_id(*sources[p]) for p in pairs.tolist()]
             source[allocs] = np.array(ids, dtype=np.int64)[first]
         col["source"] = source
         for name in ("kind", "key", "size", "stream", "source", "origin", "recorded", "placed"):
