@@ -194,3 +194,38 @@ def test_under_garbage_collection_only_a_small_pool_release_is_a_flush(snap_file
     fr = load_frames(snap_file(make_snapshot(segments, [trace], allocator_settings=settings)))
     (release,) = find_releases(fr, 0)
     assert release.cause == cause
+
+
+def _two_releases() -> dict:
+    """Two segments given back (a snapshot marker after them), two new ones, the last given back
+    at the end of the trace; one without a time."""
+    a, b, c, d = 0x10000000, 0x20000000, 0x30000000, 0x40000000
+    trace = [
+        event("segment_alloc", a, 20 * MiB, 1),
+        event("segment_alloc", b, 30 * MiB, 2),
+        event("segment_free", a, 20 * MiB, 3),
+        event("segment_free", b, 30 * MiB, 4),
+        event("snapshot", None, 0, 5),
+        event("segment_alloc", c, 40 * MiB, 11),
+        event("alloc", c, 40 * MiB, 12),
+        event("segment_alloc", d, 10 * MiB, 13),
+        {"action": "segment_free", "addr": d, "size": 10 * MiB, "stream": 0},
+    ]
+    return make_snapshot(segments=[segment(c, [block(40 * MiB)])], traces=[trace])
+
+
+def test_every_field_of_a_release_is_read_at_its_rows(snap_file):
+    """What each release says, worked out by hand: the bytes reserved before it (from the dump
+    back), the new segments before the next one, what follows it past a snapshot marker, its
+    time and how long until the next segment (none where the trace has no time)."""
+    from snapshot_lab import load_frames
+
+    first, last = find_releases(load_frames(snap_file(_two_releases())), 0)
+    assert (first.start, first.end, first.segments, first.bytes) == (2, 4, 2, 50 * MiB)
+    assert first.reserved_before_bytes == 50 * MiB and first.reserved_again_bytes == 50 * MiB
+    assert (first.followed_by, first.next_segment_bytes) == ("segment_alloc", 40 * MiB)
+    assert (first.time_us, first.duration_us) == (3, 8)
+    assert (last.start, last.end, last.segments, last.bytes) == (8, 9, 1, 10 * MiB)
+    assert last.reserved_before_bytes == 50 * MiB and last.reserved_again_bytes == 0
+    assert (last.followed_by, last.next_segment_bytes) == ("", 0)
+    assert (last.time_us, last.duration_us) == (None, None)

@@ -22,8 +22,10 @@ release inside an allocation that frees a small-pool segment (2 MiB) is a flush.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from ...frames import SnapshotFrames
 from .._memo import memo
@@ -34,6 +36,7 @@ from .model import SMALL_BUFFER, UNLIMITED, recorded_settings
 # 'oom': the same, but the retry failed (an OOM follows)
 CAUSES = ("empty_cache", "oom", "flush", "allocator", "unknown")
 _NEW_SEGMENT = ("segment_alloc", "segment_map")
+_SEGMENT_GONE = ("segment_free", "segment_unmap")
 # C++ frames (stacks='all') of the allocator's own flush
 _RELEASE_FRAMES = ("release_cached_blocks",)
 
@@ -58,14 +61,32 @@ class Release:
 
 @dataclass(frozen=True)
 class _TraceColumns:
-    action: np.ndarray  # each event's action name (str objects)
-    new_segment: np.ndarray  # the event makes a segment (segment_alloc / segment_map)
-    segment_gone: np.ndarray  # the event gives one back (segment_free / segment_unmap)
+    """The trace at its segment events: every column is kept whole only where it is a view of
+    the events frame (the action codes, the sizes); the rest is taken at the rows a release
+    reads, so finding the releases costs a few bytes per event (at 5M entries a column per
+    event in int64 or objects was 40 MB each, 230 MB at once)."""
+
+    codes: np.ndarray  # each event's action code (a view of the categorical's codes)
+    names: list[str]  # action name of each code
     size: np.ndarray
-    stack: np.ndarray
-    time: np.ndarray
-    reserved_before: np.ndarray  # reserved memory before each event
+    gone: np.ndarray  # rows that give a segment back (segment_free / segment_unmap), in order
+    gone_stack: np.ndarray  # the stack of each of those (-1: none)
+    new: np.ndarray  # rows that make a segment (segment_alloc / segment_map), in order
+    new_reserved: np.ndarray  # bytes reserved by new segments before each of ``new``, then the total
+    segment_rows: np.ndarray  # rows that make or give back a segment, in order
+    reserved_from: np.ndarray  # reserved memory before each of ``segment_rows``, then at the end
+    time: Any  # the time column (microseconds, nullable), read at a few rows
     frees_have_stacks: bool  # the trace records stacks on frees (context='all')
+
+    def code(self, name: str) -> int:
+        """The code of action ``name`` (-2, which no event has, where the trace has none)."""
+        return self.names.index(name) if name in self.names else -2
+
+    def name(self, row: int) -> str:
+        return self.names[int(self.codes[row])]
+
+    def reserved_before(self, row: int) -> int:
+        return int(self.reserved_from[np.searchsorted(self.segment_rows, row)])
 
 
 def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
@@ -73,46 +94,44 @@ def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
     # the action column is categorical: names and tests come from its few categories, not from
     # a string per event (a million str conversions and string searches at 1M entries)
     codes = events["action"].cat.codes.to_numpy()
-    categories = list(events["action"].cat.categories)
-    action = np.asarray(categories, dtype=object)[codes]
+    names = [str(name) for name in events["action"].cat.categories]
 
-    def among(names: list[str]) -> np.ndarray:
-        return np.isin(codes, [code for code, name in enumerate(categories) if name in names])
+    def among(wanted: tuple[str, ...]) -> np.ndarray:
+        return np.isin(codes, [code for code, name in enumerate(names) if name in wanted])
 
     size = events["size_bytes"].to_numpy(dtype=np.int64)
-    sid = events["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    new_segment, segment_gone = among(list(_NEW_SEGMENT)), among(["segment_free", "segment_unmap"])
-    delta = np.where(new_segment, size, 0) - np.where(segment_gone, size, 0)
+    new, gone = np.flatnonzero(among(_NEW_SEGMENT)), np.flatnonzero(among(_SEGMENT_GONE))
+    stack = events["stack_id"]
+    segment_rows = np.union1d(new, gone)
+    delta = np.where(np.isin(segment_rows, new, assume_unique=True), size[segment_rows], -size[segment_rows])
     at_dump = int(frames.segments.loc[frames.segments["device"] == device, "total_size_bytes"].sum())
-    # reserved after each event
-    after = at_dump - (int(delta.sum()) - np.cumsum(delta))
-    frees = among(["free_requested", "free_completed", "segment_free", "segment_unmap"])
+    frees = among(("free_requested", "free_completed", *_SEGMENT_GONE))
     return _TraceColumns(
-        action=action,
-        new_segment=new_segment,
-        segment_gone=segment_gone,
+        codes=codes,
+        names=names,
         size=size,
-        stack=sid,
-        time=events["time_us"].to_numpy(dtype=np.float64, na_value=np.nan),
-        reserved_before=after - delta,
-        frees_have_stacks=bool((sid[frees] >= 0).any()),
+        gone=gone,
+        gone_stack=stack.iloc[gone].to_numpy(dtype=np.int64, na_value=-1),
+        new=new,
+        new_reserved=np.concatenate([[0], np.cumsum(size[new])]),
+        segment_rows=segment_rows,
+        # reserved memory is what the dump holds less what the events after a row added
+        reserved_from=at_dump - int(delta.sum()) + np.concatenate([[0], np.cumsum(delta)]),
+        time=events["time_us"].array,
+        frees_have_stacks=bool((stack.notna().to_numpy() & frees).any()),
     )
 
 
-def _is_flush(
-    cols: _TraceColumns,
-    start: int,
-    stop: int,
-    stacks: set[int],
-    self_releasing: bool,
-) -> bool:
-    """Whether the release at [s, e), followed by a new segment, is the allocator's flush."""
+def _is_flush(cols: _TraceColumns, rows: slice, stacks: set[int], self_releasing: bool) -> bool:
+    """Whether the release of ``cols.gone[rows]``, followed by a new segment, is the allocator's
+    flush."""
     inside_allocation = bool(stacks) or cols.frees_have_stacks
     if not inside_allocation:
         return False
     if not self_releasing:
         return True
-    freed_small = (cols.action[start:stop] == "segment_free") & (cols.size[start:stop] == SMALL_BUFFER)
+    at = cols.gone[rows]
+    freed_small = (cols.codes[at] == cols.code("segment_free")) & (cols.size[at] == SMALL_BUFFER)
     return bool(freed_small.any())
 
 
@@ -136,22 +155,13 @@ def _signs(frames: SnapshotFrames) -> _Signs:
     )
 
 
-def _cause(cols: _TraceColumns, signs: _Signs, start: int, stop: int, first: str) -> str:
-    stacks = set(cols.stack[start:stop].tolist()) - {-1}
+def _cause(cols: _TraceColumns, signs: _Signs, rows: slice, first: str) -> str:
+    stacks = set(cols.gone_stack[rows].tolist()) - {-1}
     if stacks & signs.empty_cache:
         return "empty_cache"
     if first == "oom":
         return "oom"
-    if first in _NEW_SEGMENT and (
-        stacks & signs.flush_frames
-        or _is_flush(
-            cols,
-            start,
-            stop,
-            stacks,
-            signs.self_releasing,
-        )
-    ):
+    if first in _NEW_SEGMENT and (stacks & signs.flush_frames or _is_flush(cols, rows, stacks, signs.self_releasing)):
         return "flush"
     if stacks or (signs.self_releasing and first in _NEW_SEGMENT):
         return "allocator"
@@ -159,7 +169,8 @@ def _cause(cols: _TraceColumns, signs: _Signs, start: int, stop: int, first: str
 
 
 def _time(cols: _TraceColumns, row: int) -> int | None:
-    return None if np.isnan(cols.time[row]) else int(cols.time[row])
+    value = cols.time[row]
+    return None if pd.isna(value) else int(value)
 
 
 def _span_us(cols: _TraceColumns, start: int, end: int) -> int | None:
@@ -167,33 +178,49 @@ def _span_us(cols: _TraceColumns, start: int, end: int) -> int | None:
     return None if start_us is None or end_us is None else end_us - start_us
 
 
+def _first_not(cols: _TraceColumns, start: int, stop: int, code: int) -> int:
+    """The first row in [start, stop) whose action is not ``code`` (-1: none)."""
+    if start < stop and cols.codes[start] != code:  # the usual case: no snapshot marker there
+        return start
+    other = np.flatnonzero(cols.codes[start:stop] != code)
+    return start + int(other[0]) if other.size else -1
+
+
+def _runs(gone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each run of consecutive rows in ``gone`` begins and ends (indices into it)."""
+    breaks = np.flatnonzero(np.diff(gone) > 1) + 1
+    return np.r_[0, breaks], np.r_[breaks, gone.size]
+
+
 def _find(frames: SnapshotFrames, device: int) -> list[Release]:
     cols = _columns(frames, device)
-    action, size = cols.action, cols.size
-    signs = _signs(frames)
-    new = cols.new_segment
-    idx = np.flatnonzero(cols.segment_gone)
-    if idx.size == 0:
+    if cols.gone.size == 0:
         return []
-    starts = idx[np.r_[True, np.diff(idx) > 1]]
-    ends = idx[np.r_[np.diff(idx) > 1, True]] + 1
+    signs = _signs(frames)
+    snapshot = cols.code("snapshot")
+    lows, highs = _runs(cols.gone)
+    starts, stops = cols.gone[lows], cols.gone[highs - 1] + 1
+    # the bytes of new segments between each release and the next (or the end of the trace)
+    next_starts = np.r_[starts[1:], cols.codes.size]
+    new_between = (
+        cols.new_reserved[np.searchsorted(cols.new, next_starts)] - cols.new_reserved[np.searchsorted(cols.new, stops)]
+    )
     out = []
-    for index, (start, stop) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        next_start = int(starts[index + 1]) if index + 1 < starts.size else action.size
-        following = np.flatnonzero(action[stop:next_start] != "snapshot")
-        after = stop + int(following[0]) if following.size else -1
-        first = str(action[after]) if after >= 0 else ""
+    for index, (low, high) in enumerate(zip(lows.tolist(), highs.tolist(), strict=True)):
+        start, stop, rows = int(starts[index]), int(stops[index]), slice(low, high)
+        after = _first_not(cols, stop, int(next_starts[index]), snapshot)
+        first = cols.name(after) if after >= 0 else ""
         out.append(
             Release(
                 start=start,
                 end=stop,
                 segments=stop - start,
-                bytes=int(size[start:stop].sum()),
-                cause=_cause(cols, signs, start, stop, first),
-                reserved_again_bytes=int(size[stop:next_start][new[stop:next_start]].sum()),
+                bytes=int(cols.size[start:stop].sum()),
+                cause=_cause(cols, signs, rows, first),
+                reserved_again_bytes=int(new_between[index]),
                 followed_by=first,
-                reserved_before_bytes=int(cols.reserved_before[start]),
-                next_segment_bytes=int(size[after]) if first in _NEW_SEGMENT else 0,
+                reserved_before_bytes=cols.reserved_before(start),
+                next_segment_bytes=int(cols.size[after]) if first in _NEW_SEGMENT else 0,
                 time_us=_time(cols, start),
                 duration_us=_span_us(cols, start, after) if first in _NEW_SEGMENT else None,
             )
