@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from . import notebook
+from ._gc import release_freed_memory
 from .aside import Aside, Worker, one_process
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
@@ -286,6 +287,7 @@ def _report_content(
     # beside the rest, in a forked child (aside.py), where the machine has a CPU to spare. Forked
     # after the statistics, whose memoised tables (categories, lifetimes) fit reads too: at 1M
     # entries its child then spends 1.6 s of CPU instead of 2.1
+    release_freed_memory()  # the children start from this process's pages
     fit_answer = Aside(lambda: fit_summary(frames, recorded_batch=batch, memory_limit=limit))
     whatifs = Aside(lambda: device_whatifs(frames, stats_))
     return build_report(

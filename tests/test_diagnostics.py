@@ -14,7 +14,7 @@ from snapshot_lab.metrics.categories import compute_categories
 from snapshot_lab.metrics.diagnose import diagnose
 from snapshot_lab.metrics.leaks import find_leaks
 
-from .conftest import SAMPLES, sample_names, sample_path, sample_truth
+from .conftest import SAMPLES, block, event, make_snapshot, sample_names, sample_path, sample_truth, segment
 from .test_strangers import WARM as LATE_STRANGERS
 
 runner = CliRunner()
@@ -580,6 +580,34 @@ def test_category_timeline_sums_to_requested(real_frames):
     tl = compute_timeline(fr.events, 0, st["requested_bytes.all.current"], st["reserved_bytes.all.current"])
     total = cats.timeline.sum(axis=1).to_numpy()
     assert (total == tl.requested_bytes).all()  # complete history: every byte is in one category
+
+
+@pytest.mark.parametrize("name", sample_names())
+def test_the_reserved_peak_alone_is_the_timelines(real_frames, name):
+    """fit's limit reads the recorded reserved peak from the segment events alone: what the whole
+    timeline says, on every sample and device."""
+    from snapshot_lab.metrics.history.timeline import compute_timeline, peak_reserved
+
+    fr = real_frames(name)
+    for dev in sorted(set(fr.events["device"].tolist())):
+        reserved = int(fr.segments.loc[fr.segments["device"] == dev, "total_size_bytes"].sum())
+        timeline = compute_timeline(fr.events, dev, 0, reserved)
+        expected = timeline.peak_reserved_bytes if timeline is not None else None
+        assert peak_reserved(fr.events, dev, reserved) == expected
+
+
+@pytest.mark.parametrize(("first_is_segment", "peak"), [(False, 70 << 20), (True, 20 << 20)])
+def test_the_reserved_peak_before_the_first_segment_event(snap_file, first_is_segment, peak):
+    """The dump holds 20 MiB; the trace gave 50 MiB back. The level before that shows only where
+    an event came before it (the timeline has a point there)."""
+    from snapshot_lab import load_frames
+    from snapshot_lab.metrics.history.timeline import peak_reserved
+
+    here, gone = 0x10000000, 0x20000000
+    trace = [event("alloc", here, 1 << 20, 1), event("segment_free", gone, 50 << 20, 2)]
+    trace = trace[::-1] if first_is_segment else trace
+    snap = make_snapshot(segments=[segment(here, [block(1 << 20), block(19 << 20, state="inactive")])], traces=[trace])
+    assert peak_reserved(load_frames(snap_file(snap)).events, 0, 20 << 20) == peak
 
 
 def test_stats_json_has_categories():

@@ -71,6 +71,15 @@ def test_a_tape_rescaled_shares_its_order():
     assert ordered_ops(moved)[0] is not ordered_ops(tape)[0]
 
 
+def test_a_column_given_as_one_value_holds_one_object():
+    """A category or phase given as one string is that string in every row, not a copy per row
+    (``np.full`` makes one per row of an object column: 67 bytes a row instead of 8)."""
+    tape = make_tape(np.arange(1000.0), np.arange(1000.0) + 1, np.full(1000, 512.0), np.zeros(1000), "activation")
+    assert len({id(value) for value in tape.category}) == 1 and set(tape.category) == {"activation"}
+    assert len({id(value) for value in tape.phase}) == 1 and set(tape.phase) == {"forward"}
+    assert tape.stream.tolist() == [0] * 1000 and tape.block.tolist() == [-1] * 1000
+
+
 @compiled
 @pytest.mark.parametrize(("name", "optimizer"), CASES)
 def test_run_tape_answers_as_the_engines_general_run(real_frames, monkeypatch, name, optimizer):

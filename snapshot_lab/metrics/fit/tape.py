@@ -79,7 +79,9 @@ def make_tape(
     def column(v: object, dtype: type | np.dtype) -> np.ndarray:
         if isinstance(v, np.ndarray):
             return v.astype(dtype)
-        return np.full(n, v, dtype=dtype)
+        out = np.empty(n, dtype=dtype)
+        out.fill(v)  # one object in every row (np.full would make a str per row of an object column)
+        return out
 
     return Tape(
         np.asarray(start, dtype=np.float64).reshape(n),
@@ -118,10 +120,11 @@ def _shared_order(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.nd
 def _ordered_ops(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = start.size
     freed = np.flatnonzero(np.isfinite(end))
-    pos = np.concatenate([start, end[freed]])
-    which = np.concatenate([np.arange(rows, dtype=np.int64), freed.astype(np.int64)])
-    order = np.argsort(pos, kind="stable")  # allocations first: an allocation before a free at one position
-    return which[order], order >= rows
+    # allocations first: an allocation before a free at one position
+    order = np.argsort(np.concatenate([start, end[freed]]), kind="stable").astype(np.int64, copy=False)
+    is_free = order >= rows
+    order[is_free] = freed[order[is_free] - rows]  # each free's row, in place of its place in the sort
+    return order, is_free
 
 
 def peak_allocated(tape: Tape, scale: float) -> int:

@@ -568,18 +568,11 @@ def _limit(
 def _recorded_reserved_peak(frames: SnapshotFrames, dev: int) -> int:
     """The most the recorded run reserved (from its trace, anchored at the dump): before an OOM,
     the smallest per-process cap consistent with it."""
-    from ..history.timeline import compute_timeline
+    from ..history.timeline import peak_reserved
 
-    segments = frames.segments[frames.segments["device"] == dev]
-    blocks = frames.blocks[(frames.blocks["device"] == dev) & (frames.blocks["state"] != "inactive")]
-    requested = int(blocks["requested_size_bytes"].fillna(0).sum())
-    timeline = compute_timeline(
-        frames.events,
-        dev,
-        requested,
-        int(segments["total_size_bytes"].sum()),
-    )
-    return timeline.peak_reserved_bytes if timeline is not None else int(segments["total_size_bytes"].sum())
+    reserved = int(frames.segments.loc[frames.segments["device"] == dev, "total_size_bytes"].sum())
+    peak = peak_reserved(frames.events, dev, reserved)
+    return peak if peak is not None else reserved
 
 
 def _torch_peaks(frames: SnapshotFrames, dev: int) -> dict[str, int]:
