@@ -71,10 +71,13 @@ def _started(target: Callable[..., None], args: tuple[Any, ...]) -> Any:
 
 
 class Aside(Generic[T]):
-    """``fn()``, computed in a forked child from now on, or here at :meth:`result`."""
+    """``fn()``, computed in a forked child from now on, or here at :meth:`result`. ``first``:
+    called in the child alone, before ``fn`` (what the child may drop of this process's state,
+    which ``fn`` does not read, so that its memory is the child's no more)."""
 
-    def __init__(self, fn: Callable[[], T]) -> None:
+    def __init__(self, fn: Callable[[], T], first: Callable[[], None] | None = None) -> None:
         self._fn = fn
+        self._first = first
         self._done = False
         self._value: T | None = None
         self._child: Any = None
@@ -89,7 +92,7 @@ class Aside(Generic[T]):
 
     def _start(self) -> None:
         receive, send = mp.get_context("fork").Pipe(duplex=False)
-        child = _started(_run_child, (self._fn, send))
+        child = _started(_run_child, (self._fn, send, self._first))
         send.close()
         if child is None:
             receive.close()
@@ -151,11 +154,13 @@ def _silenced() -> None:
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115
 
 
-def _run_child(fn: Callable[[], Any], send: Connection) -> None:
+def _run_child(fn: Callable[[], Any], send: Connection, first: Callable[[], None] | None = None) -> None:
     """The child's whole life: nothing it does reaches stderr; any failure sends (False, None)
     and the parent computes the value again, raising the error itself."""
     _silenced()
     try:
+        if first is not None:
+            first()
         message: tuple[bool, Any] = (True, fn())
     except BaseException:
         message = (False, None)

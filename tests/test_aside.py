@@ -39,6 +39,28 @@ def test_a_child_computes_the_value_and_this_process_does_not(value):
     assert calls.here == 0
 
 
+STATE = {"table": [1, 2, 3]}
+
+
+def _drop_table() -> None:
+    STATE.pop("table")
+
+
+@forks
+def test_first_runs_in_the_child_alone():
+    """What the child drops before its work is dropped there, not here."""
+    job = Aside(lambda: sorted(STATE), first=_drop_table)
+    assert job.forked and job.result() == []
+    assert STATE == {"table": [1, 2, 3]}
+
+
+def test_first_is_not_called_without_a_child(monkeypatch):
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "1")
+    job = Aside(lambda: sorted(STATE), first=_drop_table)
+    assert not job.forked and job.result() == ["table"]
+    assert STATE == {"table": [1, 2, 3]}
+
+
 def test_one_job_keeps_the_work_here(monkeypatch):
     monkeypatch.setenv(aside.JOBS_VARIABLE, "1")
     calls = Calls([1, 2, 3])

@@ -31,3 +31,12 @@ def forget(owner: object, key: Hashable) -> None:
     slot = _STORE.get(id(owner))
     if slot is not None:
         slot.pop(key, None)
+
+
+def forget_named(owner: object, name: str) -> None:
+    """Drop every key of ``owner`` that is ``name`` or a tuple that starts with it (the same table
+    for every device and argument)."""
+    slot = _STORE.get(id(owner))
+    if slot is not None:
+        for key in [k for k in slot if k == name or (isinstance(k, tuple) and k[:1] == (name,))]:
+            del slot[key]
