@@ -1,15 +1,30 @@
 """snaplab: answers from PyTorch CUDA memory snapshots, offline and without torch."""
 
+import importlib as _importlib
 import sys as _sys
 import types as _types
+from typing import TYPE_CHECKING
 
-from .api import check, diff, export, findings, leaks, load_frames, ranks, report, stats
-from .errors import OutputError, SnaplabError, SnapshotFormatError
-from .frames import SnapshotFrames, build_frames
-from .load import Snapshot, load_snapshot
-from .metrics import SnapshotStats, compute_stats
+if TYPE_CHECKING:
+    from .api import check, diff, export, findings, leaks, load_frames, ranks, report, stats
+    from .errors import OutputError, SnaplabError, SnapshotFormatError
+    from .frames import SnapshotFrames, build_frames
+    from .load import Snapshot, load_snapshot
+    from .metrics import SnapshotStats, compute_stats
 
 __version__ = "0.1.0"
+
+# each name's module, imported the first time the name is read: importing the package (the
+# command line's --help, the pytest plugin) does not import pandas and every analysis
+_WHERE = {
+    **dict.fromkeys(
+        ("check", "diff", "export", "findings", "leaks", "load_frames", "ranks", "report", "stats"), ".api"
+    ),
+    **dict.fromkeys(("OutputError", "SnaplabError", "SnapshotFormatError"), ".errors"),
+    **dict.fromkeys(("SnapshotFrames", "build_frames"), ".frames"),
+    **dict.fromkeys(("Snapshot", "load_snapshot"), ".load"),
+    **dict.fromkeys(("SnapshotStats", "compute_stats"), ".metrics"),
+}
 
 __all__ = [
     "OutputError",
@@ -43,6 +58,14 @@ class _Package(_types.ModuleType):
         if name == "report" and isinstance(value, _types.ModuleType):
             return
         super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> object:
+        """A name of ``__all__`` not read yet: from its module, kept here from now on."""
+        if name not in _WHERE:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(_WHERE[name], __name__), name)
+        setattr(self, name, value)
+        return value
 
 
 _sys.modules[__name__].__class__ = _Package

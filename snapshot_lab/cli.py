@@ -9,20 +9,35 @@ reported as one line (exit 70) unless ``--debug`` asks for the traceback.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 import typer.main
 
-from . import __version__, _compiled, api
+from . import __version__, _compiled
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR
 from .errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, ParameterError, SnaplabError
+from .limits import DEFAULT_MAX_SLICES
 from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from . import api
+else:
+
+    class _Imported:
+        """:mod:`.api`, imported the first time one of its names is read: it imports pandas and
+        every analysis, which ``snaplab --help`` and a command's ``--help`` need none of."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("snapshot_lab.api"), name)
+
+    api = _Imported()
 
 app = typer.Typer(
     name="snaplab",
@@ -434,7 +449,7 @@ def export(
         typer.Option(
             help="perfetto: allocation slices per device at most (those alive at the peak first, then the largest)."
         ),
-    ] = api.DEFAULT_MAX_SLICES,
+    ] = DEFAULT_MAX_SLICES,
     category: CategoryOpt = None,
     categories_file: CategoriesFileOpt = None,
     quiet: QuietOpt = False,

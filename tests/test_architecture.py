@@ -311,3 +311,28 @@ def test_snaplab_run_takes_the_capture_options_it_has_with_their_defaults(fn):
     for name in set(CaptureOptions.names()) - RUN_LACKS:
         assert params[name] == getattr(CAPTURE_DEFAULTS, name), name
     assert Path(params["out"]) == Path(DEFAULT_OUT_DIR)
+
+
+def test_help_imports_no_analysis():
+    """The package, the command line and ``snaplab --help`` import neither pandas nor matplotlib
+    nor the analyses (the API's names are imported when first read): help answers at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import snapshot_lab, snapshot_lab.cli\n"
+        "from snapshot_lab.cli import app\n"
+        "try:\n"
+        "    app(['--help'], standalone_mode=False)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted(m for m in ('pandas', 'matplotlib', 'numpy', 'snapshot_lab.api', 'snapshot_lab.metrics')"
+        " if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+        "from snapshot_lab import stats, SnapshotFrames\n"
+        "print('LATER', callable(stats), 'pandas' in sys.modules, SnapshotFrames.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
+    assert "LATER True True SnapshotFrames" in out

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames, event_positions
+from ..limits import DEFAULT_MAX_SLICES
 from ..metrics.attribution.sites import classify_frames, frame_label
 from ..metrics.categories import CategoryRules, category_timeline
 from ..metrics.categories.assign import categorize
@@ -49,7 +50,6 @@ from ..metrics.history.timeline import Timeline, device_timeline
 from ..metrics.stats.torch_stats import compute_torch_stats
 from ..units import format_bytes
 
-DEFAULT_MAX_SLICES = 10_000  # allocation slices per device
 MAX_COUNTER_POINTS = 20_000  # points per counter track before it is reduced to its extremes
 STACK_FRAMES = 8  # frames of an allocation's stack in its slice's args, innermost first
 COUNTER_TID = 0
