@@ -303,7 +303,6 @@ def _unread_by_fit(frames: SnapshotFrames) -> None:
     bytes an entry, 114 MiB at 5M), dropped and its pages given back, for that child is the
     report's largest process (were fit to read it, it would compute it again)."""
     forget_named(frames, "timeline")
-    release_freed_memory()
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:

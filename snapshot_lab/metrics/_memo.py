@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+from .._gc import release_freed_memory
+
 T = TypeVar("T")
 _STORE: dict[int, dict[Hashable, Any]] = {}
 
@@ -27,16 +29,20 @@ def memo(owner: object, key: Hashable, compute: Callable[[], T]) -> T:
 
 def forget(owner: object, key: Hashable) -> None:
     """Drop what :func:`memo` keeps for (owner, key), where a caller knows nothing after it
-    reads it again (a later :func:`memo` computes it anew)."""
-    slot = _STORE.get(id(owner))
-    if slot is not None:
-        slot.pop(key, None)
+    reads it again (a later :func:`memo` computes it anew); its pages go back to the system."""
+    _drop(owner, lambda k: k == key)
 
 
 def forget_named(owner: object, name: str) -> None:
-    """Drop every key of ``owner`` that is ``name`` or a tuple that starts with it (the same table
-    for every device and argument)."""
+    """:func:`forget` every key of ``owner`` that is ``name`` or a tuple that starts with it (the
+    same table for every device and argument)."""
+    _drop(owner, lambda k: k == name or (isinstance(k, tuple) and k[:1] == (name,)))
+
+
+def _drop(owner: object, dropped: Callable[[Hashable], bool]) -> None:
     slot = _STORE.get(id(owner))
-    if slot is not None:
-        for key in [k for k in slot if k == name or (isinstance(k, tuple) and k[:1] == (name,))]:
-            del slot[key]
+    if slot is None:
+        return
+    for key in [k for k in slot if dropped(k)]:
+        del slot[key]
+    release_freed_memory()  # glibc keeps what a large table leaves free in the middle of its heap

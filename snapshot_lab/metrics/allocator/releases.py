@@ -30,13 +30,13 @@ import pandas as pd
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..categories.stacks import stacks_with_frame
+from ..history.timeline import NEW_SEGMENT, SEGMENT_GONE, ReservedSteps, reserved_steps
 from .model import SMALL_BUFFER, UNLIMITED, recorded_settings
 
 # 'flush': the allocator freed its cache to retry a cudaMalloc that then succeeded
 # 'oom': the same, but the retry failed (an OOM follows)
 CAUSES = ("empty_cache", "oom", "flush", "allocator", "unknown")
-_NEW_SEGMENT = ("segment_alloc", "segment_map")
-_SEGMENT_GONE = ("segment_free", "segment_unmap")
+_FREES = ("free_requested", "free_completed")
 # C++ frames (stacks='all') of the allocator's own flush
 _RELEASE_FRAMES = ("release_cached_blocks",)
 
@@ -69,12 +69,11 @@ class _TraceColumns:
     codes: np.ndarray  # each event's action code (a view of the categorical's codes)
     names: list[str]  # action name of each code
     size: np.ndarray
-    gone: np.ndarray  # rows that give a segment back (segment_free / segment_unmap), in order
+    reserved: ReservedSteps  # reserved memory at the segment events
+    gone: np.ndarray  # rows that give a segment back (SEGMENT_GONE), in order
     gone_stack: np.ndarray  # the stack of each of those (-1: none)
-    new: np.ndarray  # rows that make a segment (segment_alloc / segment_map), in order
+    new: np.ndarray  # rows that make a segment (NEW_SEGMENT), in order
     new_reserved: np.ndarray  # bytes reserved by new segments before each of ``new``, then the total
-    segment_rows: np.ndarray  # rows that make or give back a segment, in order
-    reserved_from: np.ndarray  # reserved memory before each of ``segment_rows``, then at the end
     time: Any  # the time column (microseconds, nullable), read at a few rows
     frees_have_stacks: bool  # the trace records stacks on frees (context='all')
 
@@ -85,9 +84,6 @@ class _TraceColumns:
     def name(self, row: int) -> str:
         return self.names[int(self.codes[row])]
 
-    def reserved_before(self, row: int) -> int:
-        return int(self.reserved_from[np.searchsorted(self.segment_rows, row)])
-
 
 def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
     events = frames.device_events(device)
@@ -96,27 +92,21 @@ def _columns(frames: SnapshotFrames, device: int) -> _TraceColumns:
     codes = events["action"].cat.codes.to_numpy()
     names = [str(name) for name in events["action"].cat.categories]
 
-    def among(wanted: tuple[str, ...]) -> np.ndarray:
-        return np.isin(codes, [code for code, name in enumerate(names) if name in wanted])
-
     size = events["size_bytes"].to_numpy(dtype=np.int64)
-    new, gone = np.flatnonzero(among(_NEW_SEGMENT)), np.flatnonzero(among(_SEGMENT_GONE))
-    stack = events["stack_id"]
-    segment_rows = np.union1d(new, gone)
-    delta = np.where(np.isin(segment_rows, new, assume_unique=True), size[segment_rows], -size[segment_rows])
     at_dump = int(frames.segments.loc[frames.segments["device"] == device, "total_size_bytes"].sum())
-    frees = among(("free_requested", "free_completed", *_SEGMENT_GONE))
+    reserved = reserved_steps(events, at_dump)
+    new, gone = reserved.rows[reserved.adds], reserved.rows[~reserved.adds]
+    stack = events["stack_id"]
+    frees = np.isin(codes, [code for code, name in enumerate(names) if name in (*_FREES, *SEGMENT_GONE)])
     return _TraceColumns(
         codes=codes,
         names=names,
         size=size,
+        reserved=reserved,
         gone=gone,
         gone_stack=stack.iloc[gone].to_numpy(dtype=np.int64, na_value=-1),
         new=new,
         new_reserved=np.concatenate([[0], np.cumsum(size[new])]),
-        segment_rows=segment_rows,
-        # reserved memory is what the dump holds less what the events after a row added
-        reserved_from=at_dump - int(delta.sum()) + np.concatenate([[0], np.cumsum(delta)]),
         time=events["time_us"].array,
         frees_have_stacks=bool((stack.notna().to_numpy() & frees).any()),
     )
@@ -161,9 +151,9 @@ def _cause(cols: _TraceColumns, signs: _Signs, rows: slice, first: str) -> str:
         return "empty_cache"
     if first == "oom":
         return "oom"
-    if first in _NEW_SEGMENT and (stacks & signs.flush_frames or _is_flush(cols, rows, stacks, signs.self_releasing)):
+    if first in NEW_SEGMENT and (stacks & signs.flush_frames or _is_flush(cols, rows, stacks, signs.self_releasing)):
         return "flush"
-    if stacks or (signs.self_releasing and first in _NEW_SEGMENT):
+    if stacks or (signs.self_releasing and first in NEW_SEGMENT):
         return "allocator"
     return "unknown"
 
@@ -219,10 +209,10 @@ def _find(frames: SnapshotFrames, device: int) -> list[Release]:
                 cause=_cause(cols, signs, rows, first),
                 reserved_again_bytes=int(new_between[index]),
                 followed_by=first,
-                reserved_before_bytes=cols.reserved_before(start),
-                next_segment_bytes=int(cols.size[after]) if first in _NEW_SEGMENT else 0,
+                reserved_before_bytes=cols.reserved.before(start),
+                next_segment_bytes=int(cols.size[after]) if first in NEW_SEGMENT else 0,
                 time_us=_time(cols, start),
-                duration_us=_span_us(cols, start, after) if first in _NEW_SEGMENT else None,
+                duration_us=_span_us(cols, start, after) if first in NEW_SEGMENT else None,
             )
         )
     return out

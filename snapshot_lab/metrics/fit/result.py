@@ -6,7 +6,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._gc import release_freed_memory
 from ...frames import SnapshotFrames
 from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
@@ -393,8 +392,7 @@ def compute_fit(
     work = wl.workload(frames, training_structure(frames, dev))
     plans = parallel if parallel is not None else memory_limit is not None
     if not keep_structure and not plans:
-        forget_structure(frames, dev)
-        release_freed_memory()  # its pages back to the system before the levers' tapes are made
+        forget_structure(frames, dev)  # its pages back to the system before the levers' tapes are made
     settings = recorded_settings(frames.info.allocator_settings)
     limit, source, _ = _limit(
         frames, dev, memory_limit, "given" if memory_limit else "", _recorded_reserved_peak(frames, dev)

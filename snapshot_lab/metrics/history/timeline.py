@@ -27,8 +27,8 @@ from ...frames import SnapshotFrames, device_rows
 from .._memo import memo
 from .ooms import fatal_rows
 
-_ADD_RESERVED = ("segment_alloc", "segment_map")
-_SUB_RESERVED = ("segment_free", "segment_unmap")
+NEW_SEGMENT = ("segment_alloc", "segment_map")  # the events that reserve memory
+SEGMENT_GONE = ("segment_free", "segment_unmap")  # those that give it back
 
 
 @dataclass(frozen=True)
@@ -121,13 +121,12 @@ def compute_timeline(
     action = device_events["action"]
     size = device_events["size_bytes"].to_numpy()
     d_req = np.where(action == "alloc", size, 0) - np.where(action == "free_completed", size, 0)
-    d_res = np.where(action.isin(_ADD_RESERVED), size, 0) - np.where(action.isin(_SUB_RESERVED), size, 0)
     req = np.cumsum(d_req)
-    res = np.cumsum(d_res)
     req_offset = requested_at_end - int(req[-1])
-    res_offset = reserved_at_end - int(res[-1])
     req += req_offset
-    res += res_offset
+    steps = reserved_steps(device_events, reserved_at_end)
+    res_offset = int(steps.level[0])
+    res = steps.after_each(len(device_events))
     # positions in the trace, not times: time is dominated by idle stretches (start-up, data
     # loading) while the allocator's activity is what the picture is about
     positions = np.arange(len(device_events), dtype=np.float64)
@@ -162,6 +161,37 @@ def compute_timeline(
     )
 
 
+@dataclass(frozen=True)
+class ReservedSteps:
+    """One device's reserved memory at its segment events, anchored at the dump (what the dump
+    holds less what the events after each row added)."""
+
+    rows: np.ndarray  # the trace's rows that make or give back a segment, in order
+    adds: np.ndarray  # whether each of those makes one (NEW_SEGMENT)
+    level: np.ndarray  # reserved bytes before each of ``rows``, then at the trace's end
+
+    def before(self, row: int) -> int:
+        """Reserved bytes just before trace row ``row``."""
+        return int(self.level[np.searchsorted(self.rows, row)])
+
+    def after_each(self, n: int) -> np.ndarray:
+        """Reserved bytes after each of the trace's ``n`` rows."""
+        at = np.zeros(n, dtype=bool)
+        at[self.rows] = True
+        return self.level[np.cumsum(at)]
+
+
+def reserved_steps(device_events: pd.DataFrame, reserved_at_end: int) -> ReservedSteps:
+    """:class:`ReservedSteps` of one device's events (``reserved_at_end``: the dump's segments)."""
+    action = device_events["action"]
+    rows = np.flatnonzero(action.isin(NEW_SEGMENT + SEGMENT_GONE).to_numpy())
+    adds = action.iloc[rows].isin(NEW_SEGMENT).to_numpy()
+    size = device_events["size_bytes"].to_numpy(dtype=np.int64)[rows]
+    delta = np.where(adds, size, -size)
+    level = reserved_at_end - int(delta.sum()) + np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(delta)])
+    return ReservedSteps(rows, adds, level)
+
+
 def peak_reserved(events: pd.DataFrame, device: int, reserved_at_end: int) -> int | None:
     """:func:`compute_timeline`'s ``peak_reserved_bytes`` (None where it gives no timeline), from
     the segment events alone: a caller that needs only the peak (fit's limit) does not build the
@@ -169,13 +199,9 @@ def peak_reserved(events: pd.DataFrame, device: int, reserved_at_end: int) -> in
     device_events = device_rows(events, device)
     if len(device_events) < 2:
         return None
-    action = device_events["action"]
-    rows = np.flatnonzero(action.isin(_ADD_RESERVED + _SUB_RESERVED).to_numpy())
-    size = device_events["size_bytes"].to_numpy()[rows]
-    delta = np.where(action.iloc[rows].isin(_ADD_RESERVED).to_numpy(), size, -size)
-    reserved = reserved_at_end - int(delta.sum()) + np.cumsum(delta)  # after each segment event
-    before_any = reserved_at_end - int(delta.sum())  # what the rows before the first one show
-    shown = reserved if rows.size and rows[0] == 0 else np.r_[before_any, reserved]
+    steps = reserved_steps(device_events, reserved_at_end)
+    # the level before the first segment event shows only where some row comes before it
+    shown = steps.level[1:] if steps.rows.size and steps.rows[0] == 0 else steps.level
     return int(shown.max())
 
 
