@@ -135,6 +135,21 @@ def test_blocks_and_their_parameters(real_frames, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_the_allocation_table_is_small_a_row(real_frames, model):
+    """The structure's table of allocations (1.6M rows at 5M entries, in fit's child) holds its
+    phase and part as categories and its counters as int32: at most 100 bytes a row (135 with
+    phase and part as strings and every column int64)."""
+    s = training_structure(real_frames(f"single_{model}"), 0)
+    allocs = s.allocs
+    assert allocs.memory_usage(deep=True, index=False).sum() <= 100 * len(allocs)
+    phases = allocs["phase"].to_numpy()
+    assert {"setup", "forward", "backward"} <= set(phases.tolist()) <= {"setup", "data", "forward", "backward", "step"}
+    assert set(allocs["part"].tolist()) >= {"pre", "block", "post"}
+    assert (allocs["block"].to_numpy()[allocs["part"].to_numpy() == "block"] >= 0).all()
+    assert allocs["param"].to_numpy().max() == len(s.params) - 1
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_tensor_parallel_layers(real_frames, model):
     """Column/row pairs found in the stacks: the sharded matrices are those the real run sharded
     (its column-parallel biases, a few KiB, aside)."""

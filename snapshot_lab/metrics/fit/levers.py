@@ -168,7 +168,7 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     """Mixed precision with torch.autocast(dtype=torch.bfloat16), parameters kept in float32.
     A block's weight copies live from its forward to its backward; with the block checkpointed
     (``checkpointed``) they are not kept: freed after its forward, made again by the re-run."""
-    made = np.isin(tape.phase, ["forward", "backward"]) & (tape.per_batch > 0)
+    made = tape.phase.isin(["forward", "backward"]) & (tape.per_batch > 0)
     cast_inputs = _matmul_inputs(tape)
     half = made & ~np.isin(tape.autocast, [AUTOCAST_FP32, AUTOCAST_SAVED_FP32, AUTOCAST_INTEGER])
     half |= made & cast_inputs
@@ -283,6 +283,6 @@ def swap_optimizer(tape: Tape, ev: StepEvidence, target: str) -> Tape:
     out = tape.scaled(state, now / was if was else 0.0)
     temp_was = STEP_TEMPORARY_RATIO.get(ev.optimizer, 0.0)
     temp_now = STEP_TEMPORARY_RATIO.get(target, 0.0)
-    model = np.isin(tape.category, ["gradient", "parameter"])
+    model = tape.category.isin(["gradient", "parameter"])
     temps = ((tape.phase == "step") | (tape.category == "optimizer_state")) & ~state & ~model
     return out.scaled(temps, temp_now / temp_was if temp_was else 0.0)

@@ -56,7 +56,7 @@ def steady_step(
     alive = kept.end > cut
     end = np.where(alive, NEVER, kept.end)
     ran = (kept.start >= src.data_start) & (kept.start <= passes[k].backward_end) & (kept.start >= 0)
-    ran &= np.isin(kept.phase, ("data", "forward", "backward"))
+    ran &= kept.phase.isin(("data", "forward", "backward"))
     ran &= ~((kept.category == "gradient") & alive)  # gradients not freed by the step: reused in place
     shift = cut + 1.0 - float(src.data_start)
     copy_end = np.where(alive[ran], NEVER, end[ran] + shift)

@@ -18,6 +18,7 @@ import numpy as np
 from .._memo import memo
 from ..allocator import native
 from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory, segment_address_space
+from .labels import Labels
 
 NEVER = np.inf
 
@@ -28,11 +29,15 @@ class Tape:
     end: np.ndarray  # float64; NEVER: alive to the end of the step
     fixed: np.ndarray  # float64 bytes that do not depend on the batch
     per_batch: np.ndarray  # float64 bytes at the recorded batch that scale with it
-    category: np.ndarray  # object: parameter, gradient, optimizer_state, activation, workspace, input
+    category: Labels  # parameter, gradient, optimizer_state, activation, workspace, input
     stream: np.ndarray  # int64
-    phase: np.ndarray  # object: setup, data, forward, backward, step
-    block: np.ndarray  # int64: the repeated block it belongs to (-1: none)
+    phase: Labels  # setup, data, forward, backward, step
+    block: np.ndarray  # int32: the repeated block it belongs to (-1: none)
     autocast: np.ndarray  # int8: what autocast makes of it (AUTOCAST_* in evidence)
+
+    def __post_init__(self) -> None:
+        for name in ("category", "phase"):  # given as an array of names: held as labels
+            object.__setattr__(self, name, Labels.of(getattr(self, name), self.start.size))
 
     def __len__(self) -> int:
         return int(self.start.size)
@@ -49,7 +54,7 @@ class Tape:
         """This tape's rows, then those of ``others`` in order (one concatenation for all)."""
         if not others:
             return self
-        return Tape(*(np.concatenate([getattr(self, f), *(getattr(o, f) for o in others)]) for f in _FIELDS))
+        return Tape(*(_concat([getattr(self, f), *(getattr(o, f) for o in others)]) for f in _FIELDS))
 
     def scaled(self, rows: np.ndarray, factor: float) -> Tape:
         """``rows`` (a mask) made ``factor`` times as large (both parts)."""
@@ -62,14 +67,18 @@ class Tape:
 _FIELDS = ("start", "end", "fixed", "per_batch", "category", "stream", "phase", "block", "autocast")
 
 
+def _concat(columns: list[Any]) -> Any:
+    return Labels.concat(columns) if isinstance(columns[0], Labels) else np.concatenate(columns)
+
+
 def make_tape(
     start: np.ndarray,
     end: np.ndarray,
     fixed: np.ndarray,
     per_batch: np.ndarray,
-    category: np.ndarray | str,
+    category: np.ndarray | Labels | str,
     stream: np.ndarray | int = 0,
-    phase: np.ndarray | str = "forward",
+    phase: np.ndarray | Labels | str = "forward",
     block: np.ndarray | int = -1,
     autocast: np.ndarray | int = 0,
 ) -> Tape:
@@ -77,21 +86,17 @@ def make_tape(
     n = np.asarray(start).size
 
     def column(v: object, dtype: type | np.dtype) -> np.ndarray:
-        if isinstance(v, np.ndarray):
-            return v.astype(dtype)
-        out = np.empty(n, dtype=dtype)
-        out.fill(v)  # one object in every row (np.full would make a str per row of an object column)
-        return out
+        return v.astype(dtype) if isinstance(v, np.ndarray) else np.full(n, v, dtype=dtype)
 
     return Tape(
         np.asarray(start, dtype=np.float64).reshape(n),
         np.asarray(end, dtype=np.float64).reshape(n),
         np.asarray(fixed, dtype=np.float64).reshape(n),
         np.asarray(per_batch, dtype=np.float64).reshape(n),
-        column(category, object),
+        Labels.of(category, n),
         column(stream, np.int64),
-        column(phase, object),
-        column(block, np.int64),
+        Labels.of(phase, n),
+        column(block, np.int32),
         column(autocast, np.int8),
     )
 

@@ -51,7 +51,14 @@ from .messages import (
 )
 
 # every allocation's phase: setup (before the first forward), data, forward, backward or step;
-# its part of the model: pre (before the blocks), block or post (after them; the loss too)
+# its part of the model: pre (before the blocks), block or post (after them; the loss too), ''
+# outside the passes. Both are categorical columns of the allocation table (one byte a row)
+PHASES = ("setup", "data", "forward", "backward", "step")
+PARTS = ("", "pre", "block", "post")
+PHASE_CODE = {name: code for code, name in enumerate(PHASES)}
+PART_CODE = {name: code for code, name in enumerate(PARTS)}
+_PHASE_DTYPE = pd.CategoricalDtype(list(PHASES))
+_PART_DTYPE = pd.CategoricalDtype(list(PARTS))
 
 
 @dataclass(frozen=True)
@@ -397,6 +404,9 @@ def _allocation_table(
     free_index = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
     free_pos = np.where(free_index >= 0, event_positions(base_index, np.maximum(free_index, 0)), -1)
     count = len(lifetimes)
+    unset = np.full(count, -1, dtype=np.int32)
+    # copy=False: the scan's arrays become the columns themselves (a table of 1.6M rows at 5M
+    # entries); the columns written in place later (param, phase) are made here
     allocs = pd.DataFrame(
         {
             "row": np.arange(count),
@@ -409,14 +419,15 @@ def _allocation_table(
             "main": scan.main,
             "grad_thread": scan.grad_thread,
             "module": scan.module,
-            "pass_id": -1,
-            "phase": "setup",
-            "part": "",
-            "block": -1,
-            "param": -1,
+            "pass_id": unset,
+            "phase": pd.Categorical.from_codes(np.zeros(count, dtype=np.int8), dtype=_PHASE_DTYPE),
+            "part": pd.Categorical.from_codes(np.zeros(count, dtype=np.int8), dtype=_PART_DTYPE),
+            "block": unset,
+            "param": unset.copy(),
             # the recorded run's own parallel machinery (DDP's buckets): left out of plans
-            "dropped": False,
-        }
+            "dropped": np.zeros(count, dtype=bool),
+        },
+        copy=False,
     )
     allocs["code_recorded"] = allocs["code"]
     allocs["free_pos_recorded"] = allocs["free_pos"]
@@ -898,7 +909,7 @@ def _annotate(allocs: pd.DataFrame, found: _PassSpans, blocks: _Blocks) -> None:
     pos = allocs["pos"].to_numpy()
     main = allocs["main"].to_numpy()
     optim = allocs["code"].to_numpy() == CODES["optimizer_state"]
-    phase = allocs["phase"].to_numpy(dtype=object).copy()
+    phase = allocs["phase"].cat.codes.to_numpy().copy()
     pass_id = allocs["pass_id"].to_numpy().copy()
     bounds = found.bounds
     owner = np.searchsorted(np.r_[0, bounds.backward_end[:-1]], pos, "right") - 1
@@ -909,21 +920,21 @@ def _annotate(allocs: pd.DataFrame, found: _PassSpans, blocks: _Blocks) -> None:
     forward = held & ~before & (pos < bounds.backward_start[owner])
     backward = held & ~before & ~forward & (pos < bounds.backward_end[owner])
     after = held & ~before & ~forward & ~backward
-    phase[before & ~optim] = "data"
-    phase[before & optim] = "step"
-    phase[forward] = "forward"
-    phase[backward] = "backward"
-    phase[after & (optim | ~main)] = "step"
-    phase[after & ~optim & main] = "data"
+    phase[before & ~optim] = PHASE_CODE["data"]
+    phase[before & optim] = PHASE_CODE["step"]
+    phase[forward] = PHASE_CODE["forward"]
+    phase[backward] = PHASE_CODE["backward"]
+    phase[after & (optim | ~main)] = PHASE_CODE["step"]
+    phase[after & ~optim & main] = PHASE_CODE["data"]
     pass_id[held] = owner[held]
-    part = allocs["part"].to_numpy(dtype=object).copy()
+    part = allocs["part"].cat.codes.to_numpy().copy()
     block = allocs["block"].to_numpy().copy()
     plain = (forward | backward) & (blocks.counts[owner] == 0)
-    part[plain] = "pre"
+    part[plain] = PART_CODE["pre"]
     _forward_parts(pos, np.flatnonzero(forward & ~plain), owner, blocks, part, block)
     _backward_parts(pos, np.flatnonzero(backward & ~plain), owner, found, blocks, part, block)
-    allocs["phase"] = phase
-    allocs["part"] = part
+    allocs["phase"] = pd.Categorical.from_codes(phase, dtype=_PHASE_DTYPE)
+    allocs["part"] = pd.Categorical.from_codes(part, dtype=_PART_DTYPE)
     allocs["block"] = block
     allocs["pass_id"] = pass_id
 
@@ -941,9 +952,9 @@ def _forward_parts(
     is_pre = at < first_pos[first_block]
     is_post = at > pos[blocks.last[last_block]]
     inside = ~is_pre & ~is_post
-    part[rows[is_pre]] = "pre"
-    part[rows[is_post]] = "post"
-    part[rows[inside]] = "block"
+    part[rows[is_pre]] = PART_CODE["pre"]
+    part[rows[is_post]] = PART_CODE["post"]
+    part[rows[inside]] = PART_CODE["block"]
     block[rows[inside]] = (index - first_block)[inside]
 
 
@@ -970,9 +981,9 @@ def _backward_parts(
     is_post = at <= found.post_end[passes]
     is_pre = at > found.block_end[first_block]
     inside = ~is_post & ~is_pre
-    part[rows[is_post]] = "post"
-    part[rows[is_pre]] = "pre"
-    part[rows[inside]] = "block"
+    part[rows[is_post]] = PART_CODE["post"]
+    part[rows[is_pre]] = PART_CODE["pre"]
+    part[rows[inside]] = PART_CODE["block"]
     block[rows[inside]] = (counts - 1 - (later - first_block))[inside]
 
 
@@ -1028,7 +1039,7 @@ def _params(
             "matrix": matrix,
         }
     )
-    allocs.loc[sel, "param"] = np.arange(sel.size)
+    allocs.loc[sel, "param"] = np.arange(sel.size, dtype=np.int32)
     allocs.loc[sel, "phase"] = "setup"
     return params
 
