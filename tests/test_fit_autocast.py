@@ -123,8 +123,7 @@ def test_a_simpler_rule_takes_activations_for_copies(real_frames):
     batch 4) is half its tied embedding, and the bf16 Llama's queries (2 MiB) half its query weight."""
     for name, copies in (("fit_gpt2_b4_complete_python", 0), ("fit_llama_b2_bf16_complete_python", 114)):
         s, found = _copies(real_frames(name))
-        _, is_phase = phase_column(s)
-        half = np.isin(s.allocs["size"].to_numpy(), weight_sizes(s.params) // 2) & is_phase("forward")
+        half = np.isin(s.allocs["size"].to_numpy(), weight_sizes(s.params) // 2) & (phase_column(s) == "forward")
         assert int(found.sum()) == copies
         assert int(half.sum()) > copies + 100
 

@@ -102,6 +102,9 @@ def test_labels_answer_as_the_array_of_names_did():
     assert joined[names == "forward"].tolist() == ["forward"] * 3
     assert np.asarray(joined).tolist() == names.tolist() and np.asarray(joined).dtype == object
     assert np.isin(joined, ["step"]).tolist() == (names == "step").tolist()  # read as an array: the names
+    twice = Labels(np.array([0, 1, 2, 3], dtype=np.int8), ("input", "activation", "workspace", "activation"))
+    assert (twice == "activation").tolist() == [False, True, False, True] and twice.isin(["activation"]).sum() == 2
+    assert twice.tolist() == ["input", "activation", "workspace", "activation"]
 
 
 @compiled

@@ -20,6 +20,7 @@ position in the device's trace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -282,7 +283,9 @@ def _block_spans(
     """The allocated blocks' address ranges: the trace's allocations (``lt``), those it frees
     without having made them, and the dump's live blocks older than the trace."""
     rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
-    made = pd.DataFrame({"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end})
+    made = pd.DataFrame(  # copy=False: the arrays themselves (4 of 13 MiB at 5M entries), joined once in _spans
+        {"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end}, copy=False
+    )
     orphan = orphan_frees(ev, lt)
     older = pd.DataFrame(
         {
@@ -371,6 +374,75 @@ def _histograms(
     return histogram(size.astype(np.float64), size), by_events, by_seconds
 
 
+class _Lives(NamedTuple):
+    """Every allocation of the trace: its size, position, free's position, whether freed, whether
+    alive at the peak; and which are listed one by one (positions into the lifetimes)."""
+
+    size: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    freed: np.ndarray
+    alive: np.ndarray
+    chosen: np.ndarray
+
+
+def _lives(lt: pd.DataFrame, index: np.ndarray, peak_pos: int, limit: int) -> _Lives:
+    size = lt["size_bytes"].to_numpy(dtype=np.int64)
+    start, end, freed = _lifetimes(lt, index)
+    alive = (start <= peak_pos) & (end > peak_pos)
+    return _Lives(size, start, end, freed, alive, _chosen(alive, size, limit))
+
+
+@dataclass(frozen=True)
+class _Labelled:
+    """What the explorer says each allocation is: category, site and module, as levels per sample
+    and as the listed allocations' columns."""
+
+    categories: tuple[str, ...]
+    category_levels: np.ndarray
+    sites: tuple[str, ...]
+    site_levels: np.ndarray
+    site_names: tuple[str, ...]
+    module_names: tuple[str, ...]
+    columns: dict[str, np.ndarray]  # category, site, module, stack_id of the listed allocations
+
+
+def _labelled(
+    frames: SnapshotFrames,
+    device: int,
+    lt: pd.DataFrame,
+    lives: _Lives,
+    sample: np.ndarray,
+    rules: CategoryRules | None,
+) -> _Labelled:
+    labelled = categorize(frames, rules)
+    categories = labelled.names  # the one place the explorer's category names come from
+    # an allocation no rule labelled is other (with the user's names after the built-in ones,
+    # -1 would index the last of those)
+    cat = labelled.alloc_codes[device].astype(np.int64)
+    cat = np.where(cat < 0, CODES["other"], cat)
+    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    labels, _ = site_labels(sid, snapshot_sites(frames), np.array(categories, dtype=object)[cat])
+    site_code, site_names = pd.factorize(pd.Series(labels, dtype=object))
+    del labels
+    size, alive, chosen = lives.size, lives.alive, lives.chosen
+    by_peak = np.bincount(site_code[alive], weights=size[alive], minlength=len(site_names))
+    top = np.argsort(-by_peak, kind="stable")[:TOP_SITES]
+    top = top[by_peak[top] > 0]
+    level_code = np.full(len(site_names), top.size, dtype=np.int64)
+    level_code[top] = np.arange(top.size)
+    module, module_names = _modules(frames, device, lt)
+    return _Labelled(
+        categories=categories,
+        category_levels=_levels(cat, len(categories), lives.start, lives.end, size, sample),
+        sites=(*(str(site_names[i]) for i in top), OTHER_SITES),
+        site_levels=_levels(level_code[site_code], top.size + 1, lives.start, lives.end, size, sample),
+        site_names=tuple(str(s) for s in site_names),
+        module_names=module_names,
+        columns={"category": cat[chosen], "site": site_code[chosen], "module": module[chosen], "stack_id": sid[chosen]},
+    )
+
+
 def explore(
     frames: SnapshotFrames,
     tl: Timeline,
@@ -379,32 +451,20 @@ def explore(
     rules: CategoryRules | None = None,
 ) -> Exploration:
     """The explorer's data for one device with a trace (categories by the user's ``rules`` first,
-    when given)."""
+    when given). The segments' moments come first, the explorer's largest step, made before the
+    arrays of what each allocation is labelled exist (at 5M entries 13 MiB an array)."""
     x, axis, x_label, index = _axis(frames, tl)
     b = _buckets(x, tl, buckets, axis == "time_s")
     lt = device_lifetimes(frames, tl.device)
-    size = lt["size_bytes"].to_numpy(dtype=np.int64)
-    start, end, freed = _lifetimes(lt, index)
-    labelled = categorize(frames, rules)
-    categories = labelled.names  # the one place the explorer's category names come from
-    # an allocation no rule labelled is other (with the user's names after the built-in ones,
-    # -1 would index the last of those)
-    cat = labelled.alloc_codes[tl.device].astype(np.int64)
-    cat = np.where(cat < 0, CODES["other"], cat)
-    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    labels, _ = site_labels(sid, snapshot_sites(frames), np.array(categories, dtype=object)[cat])
-    site_code, site_names = pd.factorize(pd.Series(labels, dtype=object))
     peak_pos = int(np.searchsorted(index, tl.peak_index))
-    alive = (start <= peak_pos) & (end > peak_pos)
-    by_peak = np.bincount(site_code[alive], weights=size[alive], minlength=len(site_names))
-    top = np.argsort(-by_peak, kind="stable")[:TOP_SITES]
-    top = top[by_peak[top] > 0]
-    level_code = np.full(len(site_names), top.size, dtype=np.int64)
-    level_code[top] = np.arange(top.size)
-    module, module_names = _modules(frames, tl.device, lt)
-    chosen = _chosen(alive, size, limit)
+    lives = _lives(lt, index, peak_pos, limit)
+    size, start, end, freed, chosen = lives.size, lives.start, lives.end, lives.freed, lives.chosen
     row = np.full(size.size, -1, dtype=np.int64)
     row[chosen] = np.arange(chosen.size)
+    peak_bucket = int(np.searchsorted(b.first, peak_pos, side="right") - 1)
+    moments, exact = segment_moments(frames, tl.device, lt, start, end, row, b, peak_bucket)
+    del row
+    named = _labelled(frames, tl.device, lt, lives, b.sample, rules)
     allocations = pd.DataFrame(
         {
             "x_alloc": x[start[chosen]],
@@ -412,29 +472,24 @@ def explore(
             "e_alloc": start[chosen],
             "e_free": np.where(freed[chosen], end[chosen], -1),
             "size_bytes": size[chosen],
-            "category": cat[chosen],
-            "site": site_code[chosen],
-            "module": module[chosen],
-            "stack_id": sid[chosen],
+            **named.columns,
             "event_index": lt["event_index"].to_numpy(dtype=np.int64)[chosen],
         }
     )
     sizes, by_events, by_seconds = _histograms(x, axis, size, start, end, freed)
-    peak_bucket = int(np.searchsorted(b.first, peak_pos, side="right") - 1)
-    moments, exact = segment_moments(frames, tl.device, lt, start, end, row, b, peak_bucket)
     return Exploration(
         device=tl.device,
         axis=axis,
         x_label=x_label,
         buckets=b,
-        categories=categories,
-        category_levels=_levels(cat, len(categories), start, end, size, b.sample),
-        sites=(*(str(site_names[i]) for i in top), OTHER_SITES),
-        site_levels=_levels(level_code[site_code], top.size + 1, start, end, size, b.sample),
+        categories=named.categories,
+        category_levels=named.category_levels,
+        sites=named.sites,
+        site_levels=named.site_levels,
         allocations=allocations,
-        site_names=tuple(str(s) for s in site_names),
-        module_names=module_names,
-        listed_bytes_at_peak=int(size[chosen][alive[chosen]].sum()),
+        site_names=named.site_names,
+        module_names=named.module_names,
+        listed_bytes_at_peak=int(size[chosen][lives.alive[chosen]].sum()),
         unlisted_allocations=int(size.size - chosen.size),
         peak_x=float(x[peak_pos]),
         peak_bytes=tl.peak_requested_bytes,

@@ -13,7 +13,6 @@ copies of the weights and their half-precision gradients (``weight_copies.py``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from ..categories import CATEGORIES, CODES
 from ..categories.stacks import one_off_stacks, stack_filenames, stacks_where, stacks_with_file
 from ..plan.structure import TrainingStructure, index_ranges, tandem_repeat
 from .blocks import block_instances
+from .labels import Labels
 from .tape import NEVER, Tape, make_tape
 from .weight_copies import WEIGHT_MIN_BYTES, weight_copies, weight_sizes
 
@@ -349,40 +349,29 @@ def checkpointing_in_stacks(frames: SnapshotFrames) -> bool:
     return any(files.str.contains(pattern, regex=False).any() for pattern in CHECKPOINT_FILES)
 
 
-def phase_column(s: TrainingStructure) -> tuple[np.ndarray, Callable[..., np.ndarray]]:
-    """Every recorded allocation's phase (an object array), and the test of whether it is one of
-    some phases, on the phase's code (computed once per structure)."""
-    return memo(s.allocs, "fit.phases", lambda: _phases(s.allocs["phase"]))
+def phase_column(s: TrainingStructure) -> Labels:
+    """Every recorded allocation's phase: the structure's own codes, one byte a row."""
+    column = s.allocs["phase"]
+    return Labels(column.cat.codes.to_numpy(), tuple(column.cat.categories))
 
 
-def _phases(column: pd.Series) -> tuple[np.ndarray, Callable[..., np.ndarray]]:
-    codes, distinct = pd.factorize(column)
-    if codes.size and codes.min() < 0:  # a missing phase: the strings themselves are compared
-        phase = column.to_numpy(dtype=object)
-        return phase, lambda *wanted: np.isin(phase, list(wanted))
-    names = [str(name) for name in distinct]
-    return np.array(names, dtype=object)[codes], lambda *wanted: np.isin(
-        codes, [names.index(w) for w in wanted if w in names]
-    )
-
-
-def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool) -> tuple[np.ndarray, np.ndarray]:
+def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool) -> tuple[Labels, np.ndarray]:
     """Tape category of every recorded allocation and whether it scales with the batch."""
     a = s.allocs
     code = a["code"].to_numpy()
-    _, is_phase = phase_column(s)
+    phases = phase_column(s)
     size = a["size"].to_numpy()
     sid = a["sid"].to_numpy()
     model_state = np.isin(code, MODEL_STATE_CODES)
-    data = is_phase("data")
-    in_pass = is_phase("data", "forward", "backward")
+    data = phases == "data"
+    in_pass = phases.isin(("data", "forward", "backward"))
     # library caches, and torch.compile's autotuning on a compiled graph's first run: neither
     # grows with the batch (the autotuning grew the compiled MLP's step by 134% at 64x its batch)
     cache = np.isin(sid, list(one_off_stacks(frames)))
     kept = complete & (a["free_pos"].to_numpy() < 0) & ~data
     # the forward, and a checkpointed block's forward run again in the backward (it has stacks)
-    ran = is_phase("forward", "backward") & ~model_state & ~cache & ~kept
-    made = ran & is_phase("forward")
+    ran = phases.isin(("forward", "backward")) & ~model_state & ~cache & ~kept
+    made = ran & (phases == "forward")
     weights = layer_weights(s)
     copies = weight_copies(frames, a, ran, multiplies_weights(frames, sid), weights)
     # a weight's gradient before it is accumulated (GPT-2's tied embedding; under autocast, half
@@ -390,15 +379,15 @@ def row_categories(frames: SnapshotFrames, s: TrainingStructure, complete: bool)
     # one (Llama's logits at batch 2 x 512 tokens are its 32000 x 1024 head's size)
     made_by_forward = size[made & ~copies]
     grad_sizes = np.concatenate([s.params["size"].to_numpy(), weights // 2 if copies.any() else weights[:0]])
-    param_sized = is_phase("backward") & np.isin(size, grad_sizes)
+    param_sized = (phases == "backward") & np.isin(size, grad_sizes)
     param_sized[param_sized] = ~np.isin(size[param_sized], made_by_forward)
     scales = in_pass & ~model_state & ~cache & ~kept & ~param_sized & ~copies
     # by position in NAMES: the recorded category of model state, else what the row is
-    names = np.array([*CATEGORIES, "input", "activation", "workspace", KV_CACHE], dtype=object)
+    names = (*CATEGORIES, "input", "activation", "workspace", KV_CACHE)
     made = np.where(scales, np.where(data, len(CATEGORIES), len(CATEGORIES) + 1), len(CATEGORIES) + 2)
-    which = np.where(model_state, np.clip(code, 0, len(CATEGORIES) - 1), made)
+    which = np.where(model_state, np.clip(code, 0, len(CATEGORIES) - 1), made).astype(np.int8)
     which[scales & np.isin(sid, list(kv_cache_stacks(frames)))] = len(CATEGORIES) + 3
-    return names[which], scales
+    return Labels(which, names), scales
 
 
 def allocation_codes(frames: SnapshotFrames, s: TrainingStructure) -> np.ndarray:
@@ -490,7 +479,7 @@ def recorded_tape(frames: SnapshotFrames, s: TrainingStructure, complete: bool, 
         np.where(scales, size, 0.0),
         cat,
         a["stream"].to_numpy(dtype=np.int64),
-        phase_column(s)[0],
+        phase_column(s),
         uid,
         fp32,
     )

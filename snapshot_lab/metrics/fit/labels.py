@@ -23,8 +23,11 @@ class Labels:
     __hash__ = None  # type: ignore[assignment]  # compared row by row, like an array
 
     def __init__(self, codes: np.ndarray, names: tuple[Any, ...]) -> None:
+        distinct = tuple(dict.fromkeys(names))
+        if len(distinct) < len(names):  # a name given twice: one code for it (== finds every row)
+            codes = np.array([distinct.index(name) for name in names], dtype=codes.dtype)[codes]
         self.codes = codes
-        self.names = names
+        self.names = distinct
 
     @classmethod
     def of(cls, values: object, n: int) -> Labels:

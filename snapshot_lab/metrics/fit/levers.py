@@ -188,10 +188,10 @@ def bf16_autocast(tape: Tape, ev: StepEvidence, checkpointed: bool = False) -> T
     for p in ev.passes:
         if p.outside_matrix_bytes:
             copies.append((p.forward_start - 0.25, p.backward_end - 0.25, p.outside_matrix_bytes / 2))
-    if copies:
-        arr = np.array(copies, dtype=np.float64)
-        out = out.with_rows(make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy"))
-    return out.with_rows(_attention_input_casts(tape, made), _saved_result_casts(tape, made))
+    arr = np.array(copies, dtype=np.float64).reshape(-1, 3)
+    weight_copies = make_tape(arr[:, 0], arr[:, 1], arr[:, 2], np.zeros(len(copies)), "autocast_copy")
+    # one concatenation for the three (each copies every column of the whole tape)
+    return out.with_rows(weight_copies, _attention_input_casts(tape, made), _saved_result_casts(tape, made))
 
 
 def _attention_input_casts(tape: Tape, made: np.ndarray) -> Tape:
