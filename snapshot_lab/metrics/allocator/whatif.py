@@ -262,8 +262,9 @@ def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) ->
     index), and the release runs that are explicit empty_cache() calls whatever the state
     (:func:`_explicit_release`); with ``explicit`` None the others are decided in the engine
     (``RELEASE_UNLESS_SERVED``: an empty_cache() unless the allocation after it needs a release)."""
-    size = prog.size.astype(np.int64, copy=True)
-    stream = prog.stream.astype(np.int64, copy=True)
+    # the program's own columns where the engine reads them as they are (int64, contiguous: no
+    # copy, 40 MiB each at 5M entries), size and stream copied only where a release changes them
+    size, stream = prog.size, prog.stream
     kind = np.full(len(prog.kind), native.NOP, dtype=np.int64)
     for mine, theirs in ((_ALLOC, native.ALLOC_KEEP), (_FREE, native.FREE), (_SEG_NEW, native.RECORD_ADDRESS)):
         kind[prog.kind == mine] = theirs
@@ -280,13 +281,15 @@ def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) ->
         elif target < 0 or limit is None:
             is_explicit = True
         else:
+            if size is prog.size:
+                size, stream = prog.size.astype(np.int64, copy=True), prog.stream.astype(np.int64, copy=True)
             kind[i] = native.RELEASE_UNLESS_SERVED
             size[i], stream[i] = size[target], stream[target]
             continue
         if is_explicit:
             kind[i] = native.EMPTY_CACHE
             always.add(i)
-    columns = [kind, prog.address.astype(np.int64), size, stream, prog.index.astype(np.int64)]
+    columns = [kind, prog.address, size, stream, prog.index]
     return [native.column(c) for c in columns], always
 
 
