@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from snapshot_lab import api
@@ -234,6 +235,28 @@ def test_segments_at_the_peak_hold_the_peak(name):
         assert moment.segment_size.size <= MOMENT_SEGMENTS and moment.block_size.size <= MOMENT_BLOCKS
         ends = moment.block_offset + moment.block_size
         assert (moment.block_offset >= 0).all() and (ends <= moment.segment_size[moment.block_segment]).all()
+
+
+@pytest.mark.parametrize("name", ["oom_fragmentation", "transformer_varlen"])
+def test_the_moments_read_only_the_blocks_live_at_them(name, monkeypatch):
+    """The segments' moments are made from the blocks live at one of the moments drawn; made
+    from every block of the trace instead (each position a moment) they are the same."""
+    from snapshot_lab.metrics import explore as explorer
+
+    ex, _ = _exploration(name)
+    every = explorer._block_spans
+
+    def from_every_block(frames, ev, lt, lives, positions):
+        return every(frames, ev, lt, lives, np.arange(len(ev) + 1))
+
+    monkeypatch.setattr(explorer, "_block_spans", from_every_block)
+    all_blocks, _ = _exploration(name)
+    assert len(ex.segment_moments) >= 2 and len(all_blocks.segment_moments) == len(ex.segment_moments)
+    assert sum(moment.block_size.size for moment in ex.segment_moments) > 10
+    for mine, theirs in zip(ex.segment_moments, all_blocks.segment_moments, strict=True):
+        for field in ("block_segment", "block_offset", "block_size", "block_row", "segment_address"):
+            assert getattr(mine, field).tolist() == getattr(theirs, field).tolist()
+        assert (mine.hidden_blocks, mine.hidden_block_bytes) == (theirs.hidden_blocks, theirs.hidden_block_bytes)
 
 
 def test_histograms_count_every_allocation_of_the_trace():

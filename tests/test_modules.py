@@ -233,3 +233,48 @@ def test_site_labels_name_a_backward_allocation_after_its_forward_site():
         "AddmmBackward0 (backward)",
     ]
     assert list(detail) == ["aten::mm", "", "", "", "aten::mm"]
+
+
+def test_site_codes_number_the_labels_as_factorizing_them_does(real_frames):
+    """The explorer's site codes, worked out on the distinct labels, against pd.factorize of
+    site_labels' string per allocation: two stacks with one label, a stackless allocation whose
+    category label is also a stack's, stack ids without a site; then a real recording."""
+    import numpy as np
+    import pandas as pd
+
+    from snapshot_lab.metrics.attribution.sites import StackSites, site_codes, site_labels, snapshot_sites
+    from snapshot_lab.metrics.categories import CODES, categorize
+    from snapshot_lab.metrics.history.lifetimes import device_lifetimes
+
+    table = pd.DataFrame(
+        {
+            "label": [
+                "model.py:3 in forward",
+                "train.py:9 in step",
+                "model.py:3 in forward",
+                "<no stack recorded: other>",
+            ],
+            "detail": ["", "", "", ""],
+            "filename": ["model.py", "train.py", "model.py", ""],
+            "line": [3, 9, 3, 0],
+            "name": ["forward", "step", "forward", ""],
+        },
+        index=[10, 11, 12, 13],
+    )
+    sites = StackSites(table)
+    names = ("gradient", "other")
+    sid = np.array([11, -1, 12, 10, 99, 13, -1, 11])
+    cat = np.array([0, 1, 0, 0, 0, 1, 0, 1])
+    codes, labels = site_codes(sid, sites, cat, names)
+    want_codes, want_labels = pd.factorize(pd.Series(site_labels(sid, sites, np.array(names, dtype=object)[cat])[0]))
+    assert codes.tolist() == want_codes.tolist() == [0, 1, 2, 2, 3, 1, 3, 0]
+    assert labels.tolist() == list(want_labels)
+    fr = real_frames("transformer_varlen")
+    lt = device_lifetimes(fr, 0)
+    labelled = categorize(fr)
+    cat = np.where(labelled.alloc_codes[0] < 0, CODES["other"], labelled.alloc_codes[0]).astype(np.int64)
+    sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
+    codes, labels = site_codes(sid, snapshot_sites(fr), cat, labelled.names)
+    strings = site_labels(sid, snapshot_sites(fr), np.array(labelled.names, dtype=object)[cat])[0]
+    want_codes, want_labels = pd.factorize(pd.Series(strings))
+    assert len(labels) >= 8 and codes.tolist() == want_codes.tolist() and labels.tolist() == list(want_labels)

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ..frames import SnapshotFrames, event_positions
-from .attribution.sites import site_labels, snapshot_sites
+from .attribution.sites import site_codes, snapshot_sites
 from .categories import CODES, CategoryRules, categorize
 from .history.lifetimes import device_lifetimes, orphan_frees
 from .history.timeline import Timeline
@@ -278,13 +278,29 @@ def _segment_spans(frames: SnapshotFrames, ev: pd.DataFrame, action: pd.Series) 
 
 
 def _block_spans(
-    frames: SnapshotFrames, ev: pd.DataFrame, lt: pd.DataFrame, start: np.ndarray, end: np.ndarray
+    frames: SnapshotFrames,
+    ev: pd.DataFrame,
+    lt: pd.DataFrame,
+    lives: tuple[np.ndarray, np.ndarray, np.ndarray],
+    positions: np.ndarray,
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The allocated blocks' address ranges: the trace's allocations (``lt``), those it frees
-    without having made them, and the dump's live blocks older than the trace."""
-    rounded = -(-lt["size_bytes"].to_numpy(dtype=np.int64) // BLOCK_ROUND) * BLOCK_ROUND
-    made = pd.DataFrame(  # copy=False: the arrays themselves (4 of 13 MiB at 5M entries), joined once in _spans
-        {"address": lt["address"].to_numpy(dtype=np.int64), "size": rounded, "pos": start, "end": end}, copy=False
+    """The allocated blocks' address ranges: the trace's allocations (``lt``; ``lives``: their
+    positions, their frees' and their listed rows) live at one of ``positions`` (ascending: the
+    moments shown; the others are never drawn), those it frees without having made them, and the
+    dump's live blocks older than the trace."""
+    start, end, row = lives
+    # live at the first moment at or after its start, or at none (the last: after every end)
+    ahead = np.r_[positions, np.iinfo(np.int64).max]
+    shown = np.flatnonzero(ahead[np.searchsorted(positions, start, side="left")] < end)
+    size = lt["size_bytes"].to_numpy(dtype=np.int64)[shown]
+    made = pd.DataFrame(
+        {
+            "address": lt["address"].to_numpy(dtype=np.int64)[shown],
+            "size": -(-size // BLOCK_ROUND) * BLOCK_ROUND,
+            "pos": start[shown],
+            "end": end[shown],
+            "row": row[shown],
+        }
     )
     orphan = orphan_frees(ev, lt)
     older = pd.DataFrame(
@@ -346,10 +362,10 @@ def segment_moments(
     ev = frames.device_events(device)
     action = ev["action"]  # categorical: compared by code, not as a million strings
     segments, exact = _segment_spans(frames, ev, action)
-    made, older, always = _block_spans(frames, ev, lt, start, end)
-    blocks = _spans(made, older, always, len(ev), row)
     n = b.sample.size
     chosen = np.unique(np.r_[np.linspace(0, n - 1, SEGMENT_MOMENTS - 1).round().astype(np.int64), peak_bucket])
+    made, older, always = _block_spans(frames, ev, lt, (start, end, row), np.sort(b.sample[chosen]))
+    blocks = _spans(made, older, always, len(ev), made["row"].to_numpy())
     return tuple(_moment(int(i), int(b.sample[i]), segments, blocks) for i in chosen), exact
 
 
@@ -422,9 +438,7 @@ def _labelled(
     cat = labelled.alloc_codes[device].astype(np.int64)
     cat = np.where(cat < 0, CODES["other"], cat)
     sid = lt["stack_id"].to_numpy(dtype=np.int64, na_value=-1)
-    labels, _ = site_labels(sid, snapshot_sites(frames), np.array(categories, dtype=object)[cat])
-    site_code, site_names = pd.factorize(pd.Series(labels, dtype=object))
-    del labels
+    site_code, site_names = site_codes(sid, snapshot_sites(frames), cat, categories)
     size, alive, chosen = lives.size, lives.alive, lives.chosen
     by_peak = np.bincount(site_code[alive], weights=size[alive], minlength=len(site_names))
     top = np.argsort(-by_peak, kind="stable")[:TOP_SITES]

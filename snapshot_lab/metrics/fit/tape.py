@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._memo import memo
+from .._memo import forget_named, memo
 from ..allocator import native
 from ..allocator.model import MIN_BLOCK, AllocatorSettings, CachingAllocatorModel, OutOfMemory, segment_address_space
 from .labels import Labels
@@ -113,6 +113,13 @@ def ordered_ops(tape: Tape) -> tuple[np.ndarray, np.ndarray]:
     one tape many times), and once for tapes that share their positions (a lever that only
     rescales sizes keeps the arrays of the tape it rewrites)."""
     return memo(tape, "ordered_ops", lambda: _shared_order(tape.start, tape.end))
+
+
+def forget_order(tape: Tape) -> None:
+    """Drop the order :func:`ordered_ops` keeps for ``tape``, where nothing reads it again (a
+    later call sorts it anew)."""
+    forget_named(tape, "ordered_ops")
+    forget_named(tape.end, "ordered_ops")
 
 
 def _shared_order(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
