@@ -262,15 +262,13 @@ def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) ->
     index), and the release runs that are explicit empty_cache() calls whatever the state
     (:func:`_explicit_release`); with ``explicit`` None the others are decided in the engine
     (``RELEASE_UNLESS_SERVED``: an empty_cache() unless the allocation after it needs a release)."""
-    # the program's own columns where the engine reads them as they are (int64, contiguous: no
-    # copy, 40 MiB each at 5M entries), size and stream copied only where a release changes them
-    size, stream = prog.size, prog.stream
     kind = np.full(len(prog.kind), native.NOP, dtype=np.int64)
     for mine, theirs in ((_ALLOC, native.ALLOC_KEEP), (_FREE, native.FREE), (_SEG_NEW, native.RECORD_ADDRESS)):
         kind[prog.kind == mine] = theirs
     kind[prog.kind == _OOM] = native.OOM_PROBE
     kind[prog.kind == _TRY] = native.TRY
     always: set[int] = set()
+    served: list[tuple[int, int]] = []  # (release, the allocation it is decided by)
     for i, (cause, target) in prog.releases.items():
         if prog.kind[i] != _SEG_GONE:
             continue
@@ -281,14 +279,19 @@ def _engine_ops(prog: _Program, explicit: set[int] | None, limit: int | None) ->
         elif target < 0 or limit is None:
             is_explicit = True
         else:
-            if size is prog.size:
-                size, stream = prog.size.astype(np.int64, copy=True), prog.stream.astype(np.int64, copy=True)
             kind[i] = native.RELEASE_UNLESS_SERVED
-            size[i], stream[i] = size[target], stream[target]
+            served.append((i, target))
             continue
         if is_explicit:
             kind[i] = native.EMPTY_CACHE
             always.add(i)
+    # the program's own columns, which the engine reads as they are (int64, contiguous: no copy,
+    # 40 MiB each at 5M entries); size and stream copied only where a release takes its allocation's
+    size, stream = prog.size, prog.stream
+    if served:
+        at, target = np.array(served, dtype=np.int64).T
+        size, stream = size.astype(np.int64, copy=True), stream.astype(np.int64, copy=True)
+        size[at], stream[at] = size[target], stream[target]
     columns = [kind, prog.address, size, stream, prog.index]
     return [native.column(c) for c in columns], always
 

@@ -404,7 +404,10 @@ def _allocation_table(
     free_index = lifetimes["free_index"].to_numpy(dtype=np.int64, na_value=-1)
     free_pos = np.where(free_index >= 0, event_positions(base_index, np.maximum(free_index, 0)), -1)
     count = len(lifetimes)
-    unset = np.full(count, -1, dtype=np.int32)
+
+    def unset() -> np.ndarray:  # an int32 column of -1, its own array (copy=False shares none)
+        return np.full(count, -1, dtype=np.int32)
+
     # copy=False: the scan's arrays become the columns themselves (a table of 1.6M rows at 5M
     # entries); the columns written in place later (param, phase) are made here
     allocs = pd.DataFrame(
@@ -419,11 +422,11 @@ def _allocation_table(
             "main": scan.main,
             "grad_thread": scan.grad_thread,
             "module": scan.module,
-            "pass_id": unset,
+            "pass_id": unset(),
             "phase": pd.Categorical.from_codes(np.zeros(count, dtype=np.int8), dtype=_PHASE_DTYPE),
             "part": pd.Categorical.from_codes(np.zeros(count, dtype=np.int8), dtype=_PART_DTYPE),
-            "block": unset,
-            "param": unset.copy(),
+            "block": unset(),
+            "param": unset(),
             # the recorded run's own parallel machinery (DDP's buckets): left out of plans
             "dropped": np.zeros(count, dtype=bool),
         },
