@@ -151,3 +151,55 @@ def test_forward_frames_of_a_real_recording():
     assert [f["name"] for f in fwd][-2:] == ["main", "<module>"]  # outermost last
     assert fwd[-1]["line"] == 588
     assert ev.loc[ev["forward_stack_id"].notna(), "stack_id"].isna().all()
+
+
+def _resident_pages(a) -> int:
+    """Pages of ``a``'s buffer that are in memory (Linux ``mincore``)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = a.__array_interface__["data"][0]
+    first = start - start % page
+    n = (start + a.nbytes - first + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return int(np.frombuffer(vec, dtype=np.uint8).astype(bool).sum())
+
+
+def test_the_events_frames_all_zero_columns_hold_no_memory():
+    """device 0's number and the values under an all-missing mask (forward stacks, device_free:
+    absent from nearly every recording) are never written: at 5M entries that is 24 bytes an
+    entry of the frame that every process of a report shares. A column with one value present
+    keeps its values."""
+    import sys
+
+    import numpy as np
+    import pytest
+
+    from snapshot_lab.frames.build import _MISSING, _TraceColumns
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mincore: Linux")
+    n = 5_000_000  # 40 MB a column: above glibc's largest mmap threshold, a mapping of its own
+    cols = _TraceColumns()
+    zeros = {"action": np.int16, "metadata": np.int32}
+    for key in cols.parts:
+        cols.parts[key].append(np.zeros(n, dtype=zeros.get(key, np.int64)))
+    cols.parts["forward"][0] = np.full(n, _MISSING, dtype=np.int64)
+    free = np.full(n, _MISSING, dtype=np.int64)
+    free[-1] = 123
+    cols.parts["free"][0] = free
+    ev = cols.frame(0, [""])
+    for col in ("device", "forward_stack_id"):
+        values = ev[col].array._data if col == "forward_stack_id" else ev[col].to_numpy()
+        assert _resident_pages(values) <= 1, col  # of 9,766; the one the allocator's header is on
+    assert ev["forward_stack_id"].isna().all()
+    assert (ev["device"] == 0).all()
+    assert ev["device_free_bytes"].isna().sum() == n - 1
+    assert int(ev["device_free_bytes"].iloc[-1]) == 123
+    assert cols.frame(3, [""])["device"].unique().tolist() == [3]

@@ -608,11 +608,14 @@ class _TraceColumns:
         categories = KNOWN_ACTIONS + sorted(self.extra_actions, key=self.extra_actions.__getitem__)
 
         def nullable(a: np.ndarray) -> pd.arrays.IntegerArray:
-            return pd.arrays.IntegerArray(a, a == _MISSING)
+            missing = a == _MISSING
+            if missing.all():  # none recorded (forward stacks, device_free: the usual case)
+                a = _filled(a.size, 0)
+            return pd.arrays.IntegerArray(a, missing)
 
         return pd.DataFrame(
             {
-                "device": np.full(n, device, dtype=np.int64),
+                "device": _filled(n, device),
                 "event_index": np.arange(n, dtype=np.int64),
                 "action": pd.Categorical.from_codes(col["action"], categories=categories),  # type: ignore[call-overload]
                 "address": nullable(col["address"]),
@@ -626,6 +629,13 @@ class _TraceColumns:
             },
             copy=False,  # the columns are fresh: no copy, and no consolidation into one block
         )
+
+
+def _filled(n: int, value: int) -> np.ndarray:
+    """``n`` int64s equal to ``value``. Zeros come from a fresh zeroed allocation, whose pages
+    the kernel maps only when written: a column that is all zeros (device 0's number, the values
+    under an all-missing mask) then costs no resident memory, in this process or a forked one."""
+    return np.zeros(n, dtype=np.int64) if value == 0 else np.full(n, value, dtype=np.int64)
 
 
 _INT_RANGES = {key: (lo, 2**63) for key, lo, _ in _INT_FIELDS}

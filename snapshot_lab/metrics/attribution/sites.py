@@ -364,6 +364,8 @@ def allocation_forward_ids(
 
 
 def _device_forward_ids(events: pd.DataFrame, device: int) -> np.ndarray | None:
+    if not events["forward_stack_id"].notna().any():  # the usual case: no copy of the column
+        return None
     fwd = events.loc[events["device"] == device, "forward_stack_id"]
     return fwd.to_numpy(dtype=np.int64, na_value=-1) if fwd.notna().any() else None
 
