@@ -172,10 +172,10 @@ def _resident_pages(a) -> int:
 
 
 def test_the_events_frames_all_zero_columns_hold_no_memory():
-    """device 0's number and the values under an all-missing mask (forward stacks, device_free:
-    absent from nearly every recording) are never written: at 5M entries that is 24 bytes an
-    entry of the frame that every process of a report shares. A column with one value present
-    keeps its values."""
+    """device 0's number, one stream's, the values under an all-missing mask (forward stacks,
+    device_free: absent from nearly every recording) and a mask with nothing missing (addresses)
+    are never written: at 5M entries that is 35 bytes an entry of the frame that every process
+    of a report shares. A column with one value present keeps its values."""
     import sys
 
     import numpy as np
@@ -185,21 +185,53 @@ def test_the_events_frames_all_zero_columns_hold_no_memory():
 
     if not sys.platform.startswith("linux"):
         pytest.skip("mincore: Linux")
-    n = 5_000_000  # 40 MB a column: above glibc's largest mmap threshold, a mapping of its own
+    n = 5_000_000
     cols = _TraceColumns()
     zeros = {"action": np.int16, "metadata": np.int32}
     for key in cols.parts:
         cols.parts[key].append(np.zeros(n, dtype=zeros.get(key, np.int64)))
     cols.parts["forward"][0] = np.full(n, _MISSING, dtype=np.int64)
+    cols.parts["address"][0] = np.full(n, 1 << 20, dtype=np.int64)
+    cols.parts["stream"][0] = np.full(n, 0, dtype=np.int64)  # written zeros
     free = np.full(n, _MISSING, dtype=np.int64)
     free[-1] = 123
     cols.parts["free"][0] = free
     ev = cols.frame(0, [""])
-    for col in ("device", "forward_stack_id"):
-        values = ev[col].array._data if col == "forward_stack_id" else ev[col].to_numpy()
-        assert _resident_pages(values) <= 1, col  # of 9,766; the one the allocator's header is on
+    unwritten = {
+        "device": ev["device"].to_numpy(),
+        "stream": ev["stream"].to_numpy(),
+        "forward_stack_id": ev["forward_stack_id"].array._data,
+        "address's mask": ev["address"].array._mask,
+    }
+    for name, values in unwritten.items():
+        assert _resident_pages(values) == 0, name  # of 9,766 (1,221 for a mask)
+    assert ev["address"].notna().all() and ev["address"].iloc[0] == 1 << 20
+    assert (ev["stream"] == 0).all()
     assert ev["forward_stack_id"].isna().all()
     assert (ev["device"] == 0).all()
     assert ev["device_free_bytes"].isna().sum() == n - 1
     assert int(ev["device_free_bytes"].iloc[-1]) == 123
     assert cols.frame(3, [""])["device"].unique().tolist() == [3]
+
+
+def test_a_column_of_unwritten_zeros_is_private_to_a_forked_child():
+    """The report forks workers over the frames: a child's write to a column of zeros (a shared
+    mapping would carry it back) leaves the parent's column as it was."""
+    import multiprocessing
+    import sys
+
+    import numpy as np
+    import pytest
+
+    from snapshot_lab.frames.build import _zeros
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("fork: Linux")
+    a = _zeros(1 << 20, np.int64)
+    child = multiprocessing.get_context("fork").Process(target=a.fill, args=(7,))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert not a.any() and a.size == 1 << 20
+    a[3] = 5  # writable
+    assert int(a.sum()) == 5 and _zeros(0, np.bool_).size == 0

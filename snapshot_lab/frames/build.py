@@ -14,6 +14,7 @@ formatted strings) is parsed into the same tables and becomes ``forward_stack_id
 
 from __future__ import annotations
 
+import mmap
 import operator
 import re
 from bisect import bisect_left
@@ -611,7 +612,7 @@ class _TraceColumns:
             missing = a == _MISSING
             if missing.all():  # none recorded (forward stacks, device_free: the usual case)
                 a = _filled(a.size, 0)
-            return pd.arrays.IntegerArray(a, missing)
+            return pd.arrays.IntegerArray(a, _unwritten_if_zero(missing))  # none missing: addresses
 
         return pd.DataFrame(
             {
@@ -620,7 +621,7 @@ class _TraceColumns:
                 "action": pd.Categorical.from_codes(col["action"], categories=categories),  # type: ignore[call-overload]
                 "address": nullable(col["address"]),
                 "size_bytes": col["size"],
-                "stream": col["stream"],
+                "stream": _unwritten_if_zero(col["stream"]),  # one stream: the usual case
                 "time_us": nullable(col["time"]),
                 "stack_id": nullable(col["stack"]),
                 "forward_stack_id": nullable(col["forward"]),
@@ -632,10 +633,25 @@ class _TraceColumns:
 
 
 def _filled(n: int, value: int) -> np.ndarray:
-    """``n`` int64s equal to ``value``. Zeros come from a fresh zeroed allocation, whose pages
-    the kernel maps only when written: a column that is all zeros (device 0's number, the values
-    under an all-missing mask) then costs no resident memory, in this process or a forked one."""
-    return np.zeros(n, dtype=np.int64) if value == 0 else np.full(n, value, dtype=np.int64)
+    """``n`` int64s equal to ``value`` (zeros as ``_zeros`` makes them)."""
+    return _zeros(n, np.int64) if value == 0 else np.full(n, value, dtype=np.int64)
+
+
+def _unwritten_if_zero(a: np.ndarray) -> np.ndarray:
+    """``a``, or when it holds only zeros ``_zeros`` in its place."""
+    return a if a.any() else _zeros(a.size, a.dtype)
+
+
+def _zeros(n: int, dtype: np.dtype | type) -> np.ndarray:
+    """``n`` zeros in an anonymous mapping of their own, whose pages the kernel maps only when
+    written: a column of zeros (device 0's number, one stream's, the values under an all-missing
+    mask, a mask with nothing missing) costs no resident memory, in this process or a forked
+    one. ``np.zeros`` may reuse written heap memory (glibc's mmap threshold moves up to 32 MiB)."""
+    size = n * np.dtype(dtype).itemsize
+    if size < 1 << 20 or not hasattr(mmap, "MAP_PRIVATE"):  # small (a page or two), or Windows
+        return np.zeros(n, dtype=dtype)
+    # private: a page read maps the kernel's zero page; a forked child's writes stay its own
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
 
 
 _INT_RANGES = {key: (lo, 2**63) for key, lo, _ in _INT_FIELDS}
