@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from .metrics.history.stages import file_stages, has_stages
 from .metrics.history.timeline import Timeline
 from .metrics.leaks import LeakAnalysis
 from .metrics.stats.fragmentation import compute_fragmentation
-from .metrics.stats.layout import select_layout
+from .metrics.stats.layout import PoolLayout, select_layout
 from .metrics.stats.summary import DeviceStats
 from .module_tags import parent_fqn
 from .plots.views import category_view, timeline_view
@@ -290,7 +291,14 @@ class _Figures:
 
     def later(self, section: DeviceSection, field: str, *args: Any) -> None:
         """``section.field`` is what :mod:`.plots.drawn`'s function of that name draws of ``args``."""
-        self._asked.append((section, field, self._worker.submit(field, *args)))
+        self.attach(section, self.ask(field, *args))
+
+    def ask(self, field: str, *args: Any) -> tuple[str, int]:
+        """:meth:`later` for a section not made yet: the figure asked now, set by :meth:`attach`."""
+        return field, self._worker.submit(field, *args)
+
+    def attach(self, section: DeviceSection, asked: tuple[str, int]) -> None:
+        self._asked.append((section, *asked))
 
     def resolve(self) -> None:
         for section, field, job in self._asked:
@@ -298,6 +306,36 @@ class _Figures:
         self._asked.clear()
         if self._own:
             self._worker.close()
+
+
+@dataclass
+class _DumpFigures:
+    """A device's figures of the dump (or of its OOM's moment), asked of the drawing worker
+    before the analyses, which it draws meanwhile (half of a 1M-entry report's drawing time)."""
+
+    at_oom: Moment | None  # the OOM's moment where the snapshot was dumped after the stack unwound
+    layouts: list[PoolLayout]
+    histogram: tuple[str, int]
+    layout: tuple[str, int]
+
+
+def _dump_figures(frames: SnapshotFrames, stats: SnapshotStats, figures: _Figures) -> dict[int, _DumpFigures]:
+    out = {}
+    for dev, device_stats in stats.devices.items():
+        moment = oom_moment(frames, dev) if device_stats.oom is not None else None
+        at_oom = moment if moment is not None and not moment.at_dump else None
+        if at_oom is not None:
+            shown_seg, shown_blk = at_oom.segments, at_oom.blocks
+            frag = compute_fragmentation(shown_seg, shown_blk)
+        else:
+            shown_seg = frames.segments[frames.segments["device"] == dev]
+            shown_blk = frames.blocks[frames.blocks["device"] == dev]
+            frag = device_stats.fragmentation
+        layouts = select_layout(shown_seg, shown_blk)
+        oom_req = device_stats.oom.requested_bytes if device_stats.oom else None
+        histogram = figures.ask("histogram_svg", frag, oom_req)
+        out[dev] = _DumpFigures(at_oom, layouts, histogram, figures.ask("layout_png", layouts))
+    return out
 
 
 def _device_section(
@@ -311,15 +349,16 @@ def _device_section(
     whatif: WhatIf | None,
     exploration: Exploration | None,
     figures: _Figures,
+    dumped: _DumpFigures,
     rules: CategoryRules | None = None,
 ) -> DeviceSection:
-    """One device's section: what the dump shows, the moment of its OOM, then what the trace
-    shows (its figures, once ``figures`` resolves; the explorer's data ``exploration``, which
-    a device has where it has a timeline; categories by ``rules`` first)."""
+    """One device's section: what the dump shows (its figures asked as ``dumped``), the moment
+    of its OOM, then what the trace shows (its figures, once ``figures`` resolves; the
+    explorer's data ``exploration``, which a device has where it has a timeline; categories by
+    ``rules`` first)."""
     device_stats = stats.devices[dev]
-    moment = oom_moment(frames, dev) if device_stats.oom is not None else None
-    at_oom = moment if moment is not None and not moment.at_dump else None
-    section = _dump_section(frames, device_stats, dev, timeline, cats, leaks, whatif, at_oom, figures)
+    at_oom = dumped.at_oom
+    section = _dump_section(frames, device_stats, dev, timeline, cats, leaks, whatif, dumped, figures)
     if stats.parallel and stats.parallel.get("strategies"):
         section.parallel = str(stats.parallel["description"])
     if at_oom is not None:
@@ -339,23 +378,19 @@ def _dump_section(
     cats: CategoryBreakdown,
     leaks: LeakAnalysis,
     whatif: WhatIf | None,
-    at_oom: Moment | None,
+    dumped: _DumpFigures,
     figures: _Figures,
 ) -> DeviceSection:
     """The counters, layout, histogram, sites and categories (of the OOM's moment where the
     snapshot was dumped after the stack unwound)."""
-    seg = frames.segments[frames.segments["device"] == dev]
     blk = frames.blocks[frames.blocks["device"] == dev]
-    shown_seg, shown_blk = (at_oom.segments, at_oom.blocks) if at_oom is not None else (seg, blk)
-    layouts = select_layout(shown_seg, shown_blk)
+    layouts = dumped.layouts
     hidden = sum(layout.hidden_segments for layout in layouts)
     layout_note = (
         "Each bar is one segment (a cudaMalloc'd or mapped range), largest first, all to one scale (the "
         "largest segment spans the width); blocks are coloured by state; segments alike (the same size and blocks) "
         "are one bar marked ×N." + (f" {hidden} smaller segments are summarised in the panel titles." if hidden else "")
     )
-    oom_req = device_stats.oom.requested_bytes if device_stats.oom else None
-    histogram_frag = compute_fragmentation(shown_seg, shown_blk) if at_oom is not None else device_stats.fragmentation
     section = DeviceSection(
         device=dev,
         cards=_cards(device_stats, timeline),
@@ -374,8 +409,8 @@ def _dump_section(
         whatif=_whatif_view(whatif),
         kv_cache_note=_kv_cache_note(device_stats.kv_cache_growth),
     )
-    figures.later(section, "histogram_svg", histogram_frag, oom_req)
-    figures.later(section, "layout_png", layouts)
+    figures.attach(section, dumped.histogram)
+    figures.attach(section, dumped.layout)
     section.layout_data = layout_data(layouts)
     return section
 
@@ -813,6 +848,7 @@ def build_report_context(
     # the file's digest by a thread that reads and hashes it (outside the interpreter's lock)
     # while this one goes on: about a second of a 10M-entry report's wall time otherwise
     source = Beside(lambda: _source_file(frames))
+    dumped = _dump_figures(frames, stats, figures)
     progress.stage("Analysing")
     # the explorer's data first: computed here while the what-if replays, which the findings
     # wait for, finish in their own child (api._report_content)
@@ -834,6 +870,7 @@ def build_report_context(
                 diagnosis.whatifs.get(dev),
                 explorations.get(dev),
                 figures,
+                dumped[dev],
                 category_rules,
             )
         )

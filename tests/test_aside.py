@@ -194,6 +194,39 @@ def test_the_report_figures_are_drawn_by_the_worker_and_set_on_their_sections():
 
 
 @forks
+def test_the_dumps_figures_are_asked_before_the_analyses(monkeypatch):
+    """The block layout and the free-block histogram (half a 1M-entry report's drawing) need
+    only the dump and the OOM's moment: the worker is asked for them before the explorer's and
+    the findings' analyses, and draws them meanwhile; the timeline's figures after."""
+    import importlib
+
+    from snapshot_lab import api
+
+    from .conftest import sample_path
+
+    report = importlib.import_module("snapshot_lab.report")
+    order: list[str] = []
+
+    class Asked(aside.Worker):
+        def submit(self, name, *args):
+            order.append(name)
+            return super().submit(name, *args)
+
+    explore = report.explore
+    monkeypatch.setattr(report, "explore", lambda *a, **k: order.append("explore") or explore(*a, **k))
+    for name in ("oom_fragmentation", "transformer_varlen"):
+        order.clear()
+        frames = api.load_frames(sample_path(name))
+        drawer = Asked(report.DRAWN)
+        ctx = report.build_report_context(frames, api._stats_beside(frames), drawer=drawer)
+        drawer.close()
+        assert order.index("histogram_svg") < order.index("explore"), (name, order)
+        assert order.index("layout_png") < order.index("explore") < order.index("timeline_png"), (name, order)
+        section = ctx.devices[0]
+        assert len(section.layout_png) > 1000 and "<svg" in section.histogram_svg, name  # set at resolve
+
+
+@forks
 def test_a_child_never_waits_on_the_parents_streams(monkeypatch):
     """A child prints nothing through the streams it inherited: a parent thread (a progress bar's
     refresh) may have held their locks at the fork, and a warning the child printed (matplotlib
