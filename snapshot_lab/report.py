@@ -320,6 +320,7 @@ class _DumpFigures:
 
 
 def _dump_figures(frames: SnapshotFrames, stats: SnapshotStats, figures: _Figures) -> dict[int, _DumpFigures]:
+    """Every device's :class:`_DumpFigures`, asked of ``figures`` now."""
     out = {}
     for dev, device_stats in stats.devices.items():
         moment = oom_moment(frames, dev) if device_stats.oom is not None else None
@@ -848,8 +849,8 @@ def build_report_context(
     # the file's digest by a thread that reads and hashes it (outside the interpreter's lock)
     # while this one goes on: about a second of a 10M-entry report's wall time otherwise
     source = Beside(lambda: _source_file(frames))
-    dumped = _dump_figures(frames, stats, figures)
     progress.stage("Analysing")
+    dumped = _dump_figures(frames, stats, figures)
     # the explorer's data first: computed here while the what-if replays, which the findings
     # wait for, finish in their own child (api._report_content)
     explorations = _explorations(frames, stats, category_rules)
