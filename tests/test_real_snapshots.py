@@ -144,6 +144,40 @@ def test_history_completeness(real_frames):
     assert wrapped.devices[0].live_bytes_before_trace > 0
 
 
+def test_orphan_frees_are_the_addresses_freed_before_the_trace_allocates_them(real_frames):
+    """An address is an orphan free where its first free in the trace comes before its first
+    allocation there, or it is never allocated there; a free without an address is no address."""
+    import numpy as np
+    import pandas as pd
+
+    from snapshot_lab.metrics.recording import device_recording
+
+    rows = [  # (action, address): A freed then allocated, D only freed: two orphans
+        ("free_requested", 0xA), ("alloc", 0xB), ("free_requested", 0xB), ("alloc", 0xA), ("alloc", 0xE),
+        ("free_completed", 0xD), ("free_requested", 0xE), ("free_completed", 0xE), ("free_requested", None),
+        ("segment_alloc", 0xF), ("alloc", 0xC),
+    ]  # fmt: skip
+    events = pd.DataFrame(
+        {
+            "device": np.zeros(len(rows), dtype=np.int64),
+            "event_index": np.arange(len(rows)),
+            "action": pd.Categorical([a for a, _ in rows]),
+            "address": pd.array([x for _, x in rows], dtype="Int64"),
+            "time_us": pd.array([None] * len(rows), dtype="Int64"),
+        }
+    )
+    blocks = pd.DataFrame({"device": [0], "state": ["active_allocated"], "address": [0xC], "size_bytes": [512]})
+    assert device_recording(0, events, blocks).orphan_frees == 2
+    ring = real_frames("ring_wrapped")
+    ev = ring.events
+    first = ev.dropna(subset=["address"]).groupby(["address", "action"], observed=True)["event_index"].min().unstack()
+    alloc = first["alloc"]
+    free = first[["free_requested", "free_completed"]].min(axis=1)
+    expected = int((free.notna() & (alloc.isna() | (free < alloc))).sum())
+    assert expected > 0
+    assert compute_stats(ring).recording.devices[0].orphan_frees == expected
+
+
 def test_ddp_rank_trace_index(real_frames):
     # rank 1 of a DDP job: its trace is at index 1, with an empty trace before it
     fr = real_frames("ddp_nobucketview_rank1")

@@ -74,16 +74,12 @@ def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) ->
     ev = events[columns] if bool(on_device.all()) else events.loc[on_device, columns]
     counts = ev["action"].value_counts()
     action_counts = {str(k): int(v) for k, v in counts.items() if v}
-    allocs = ev[ev["action"] == "alloc"]
-    frees = ev[ev["action"].isin(["free_requested", "free_completed"])]
-    first_alloc = allocs.groupby("address", sort=False)["event_index"].min()
-    first_free = frees.groupby("address", sort=False)["event_index"].min()
-    joined = first_free.to_frame("free").join(first_alloc.to_frame("alloc"), how="left")
-    orphan = int((joined["alloc"].isna() | (joined["free"] < joined["alloc"])).sum())
+    is_alloc = (ev["action"] == "alloc").to_numpy()
+    alloc_addresses = ev["address"][is_alloc].dropna()
     live = blocks[(blocks["device"] == device) & (blocks["state"] != "inactive")]
     has_history = len(ev) > 1
     if has_history:
-        before = ~live["address"].isin(allocs["address"].dropna().to_numpy())
+        before = ~live["address"].isin(alloc_addresses.to_numpy())
     else:  # state-only recording: there is no history to be missing from
         before = pd.Series(np.zeros(len(live), dtype=bool), index=live.index)
     times = ev["time_us"].dropna()
@@ -93,10 +89,20 @@ def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) ->
         first_time_us=_opt(times.iloc[0]) if len(times) else None,
         last_time_us=_opt(times.iloc[-1]) if len(times) else None,
         action_counts=action_counts,
-        orphan_frees=orphan,
+        orphan_frees=_orphan_frees(ev, is_alloc),
         live_blocks_before_trace=int(before.sum()),
         live_bytes_before_trace=int(live.loc[before, "size_bytes"].sum()),
     )
+
+
+def _orphan_frees(ev: pd.DataFrame, is_alloc: np.ndarray) -> int:
+    """Addresses freed before the trace allocates them (or never allocated there): those whose
+    first allocation or free in the trace is a free. One hashing pass over the addresses."""
+    either = is_alloc | ev["action"].isin(["free_requested", "free_completed"]).to_numpy()
+    addresses = ev["address"][either]
+    known = addresses.notna().to_numpy()
+    first = ~addresses[known].duplicated(keep="first").to_numpy()
+    return int((first & ~is_alloc[either][known]).sum())
 
 
 def recording_of(frames: SnapshotFrames) -> Recording:
