@@ -648,7 +648,7 @@ def _zeros(n: int, dtype: np.dtype | type) -> np.ndarray:
     mask, a mask with nothing missing) costs no resident memory, in this process or a forked
     one. ``np.zeros`` may reuse written heap memory (glibc's mmap threshold moves up to 32 MiB)."""
     size = n * np.dtype(dtype).itemsize
-    if size < 1 << 20 or not hasattr(mmap, "MAP_PRIVATE"):  # small (a page or two), or Windows
+    if size < 1 << 20 or not hasattr(mmap, "MAP_ANONYMOUS"):  # small (a page or two), or Windows
         return np.zeros(n, dtype=dtype)
     # private: a page read maps the kernel's zero page; a forked child's writes stay its own
     return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
