@@ -15,6 +15,7 @@ default) is above ``--max-rss-mib``, 2 when the command itself failed, 0 otherwi
 
     python benchmarks/bounded_memory.py --entries 10000000 --max-rss-mib 3072
     python benchmarks/bounded_memory.py --entries 50000000 --max-rss-mib 3072 --workdir /big/disk --keep
+    python benchmarks/bounded_memory.py --entries 50000000 --max-rss-mib 3072 --max-entries 10000000
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--snapshot", type=Path, help="measure this file instead of a generated one")
     ap.add_argument("--keep", action="store_true", help="keep a generated snapshot")
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between two samples of the tree")
+    ap.add_argument("--max-entries", type=int, help="the command's --max-entries: read each trace's last N entries")
     a = ap.parse_args()
     if not Path("/usr/bin/time").exists() or not Path("/proc/self/smaps_rollup").exists():
         sys.exit("needs Linux and GNU time (/usr/bin/time)")
@@ -138,12 +140,15 @@ def main() -> int:
         args = ["report", "-q", str(snap), "-o", str(Path(tmp) / "report.html")]
         if a.command == "stats":
             args = ["stats", "--json", "-q", str(snap)]
+        if a.max_entries is not None:
+            args += ["--max-entries", str(a.max_entries)]
         code, wall, peak, tree = measure([sys.executable, "-m", "snapshot_lab", *args], a.interval)
     if generated and not a.keep:
         snap.unlink()
     print(
         f"snaplab {a.command} of {a.entries:,} entries"
         + f" ({size / 2**20:,.0f} MiB)"
+        + ("" if a.max_entries is None else f", the last {a.max_entries:,} of each trace read (--max-entries)")
         + f": {wall:.1f} s, peak RSS {peak:,.0f} MiB (largest process), {tree:,.0f} MiB PSS (whole tree),"
         f" bound {a.max_rss_mib:,.0f} MiB on the {'largest process' if a.measure == 'process' else 'tree'}"
     )

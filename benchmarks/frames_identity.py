@@ -90,9 +90,13 @@ def frame_digest(df: pd.DataFrame) -> str:
 
 
 def info_digest(frames: SnapshotFrames) -> str:
-    """SHA-256 of the SnapshotInfo, with the file's path reduced to its name."""
+    """SHA-256 of the SnapshotInfo, with the file's path reduced to its name; the window's fields
+    (``max_entries``, ``entries_left_out``) only where a window was asked for, so a file read
+    whole hashes as it did before they existed."""
     info = dataclasses.asdict(frames.info)
     info["source"]["path"] = Path(info["source"]["path"]).name
+    if info["max_entries"] is None:
+        del info["max_entries"], info["entries_left_out"]
     return hashlib.sha256(repr(info).encode()).hexdigest()
 
 

@@ -64,12 +64,27 @@ def json_text(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str)
 
 
-def load_frames(snapshot: str | Path, *, progress: ProgressSink | None = None) -> SnapshotFrames:
-    """Load a snapshot file and return its frames (segments, blocks, events, stacks...)."""
+def load_frames(
+    snapshot: str | Path, *, progress: ProgressSink | None = None, max_entries: int | None = None
+) -> SnapshotFrames:
+    """Load a snapshot file and return its frames (segments, blocks, events, stacks...).
+
+    ``max_entries``: read each device's last ``max_entries`` trace entries only, as if torch had
+    recorded with ``_record_memory_history(max_entries=...)``: a file too large for the machine's
+    memory is analysed from its last entries (the answers say how many were left out); the
+    state at the dump (segments, blocks) is read whole. None: every entry."""
+    _check_max_entries(max_entries)
     progress = progress or NullProgress()
-    snap = load_snapshot(snapshot, progress=progress)
+    snap = load_snapshot(snapshot, progress=progress, max_entries=max_entries)
     progress.stage("Building frames")
     return build_frames(snap, consume=True)
+
+
+def _check_max_entries(max_entries: int | None) -> None:
+    if max_entries is not None and (type(max_entries) is not int or max_entries < 1):
+        raise ParameterError(
+            "max_entries", "{max_entries} must be a whole number of 1 or more, not {got!r}", got=max_entries
+        )
 
 
 def _stats_beside(frames: SnapshotFrames) -> SnapshotStats:
@@ -140,18 +155,20 @@ def stats(
     category: list[str] | None = None,
     categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> SnapshotStats:
     """Torch's memory counters, fragmentation and OOM cause for one snapshot file; with
     ``stages``, also memory by the file's ``record_function`` ranges (``result.stages``); with
     ``compiled_regions``, memory by ``torch.compile``'d region (``result.compiled_regions``: what
     each allocated and its peak, from trace entries recorded with ``compile_context=True``).
     ``category``/``categories_file``: your own categories, rules on the allocations' stacks tried
-    before the built-in ones (:func:`rules_of`; ``result.categories`` and the devices' show them)."""
+    before the built-in ones (:func:`rules_of`; ``result.categories`` and the devices' show them).
+    ``max_entries``: the last entries of each device's trace only (:func:`load_frames`)."""
     from .metrics.history.compiled import compiled_regions as regions_of
     from .metrics.stats.summary import with_category_rules
 
     rules = rules_of(category, categories_file)
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Computing statistics")
     result = _stats_beside(frames)
     if rules is not None:
@@ -163,35 +180,45 @@ def stats(
     return notebook.Stats.of(result)
 
 
-def _diagnosis(snapshot: str | Path, progress: ProgressSink | None) -> tuple[SnapshotStats, Diagnosis]:
-    frames = load_frames(snapshot, progress=progress)
+def _diagnosis(
+    snapshot: str | Path, progress: ProgressSink | None, max_entries: int | None = None
+) -> tuple[SnapshotStats, Diagnosis]:
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Analysing")
     stats_ = _stats_beside(frames)
     return stats_, diagnose(frames, stats_, with_category_timelines=False)
 
 
-def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None) -> Leaks:
+def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None, max_entries: int | None = None) -> Leaks:
     """Leak suspects per device (``{device: LeakAnalysis}``): sites whose surviving memory grows
-    every iteration."""
-    return Leaks(_diagnosis(snapshot, progress)[1].leaks)
+    every iteration. ``max_entries``: the last entries of each device's trace only (:func:`load_frames`)."""
+    return Leaks(_diagnosis(snapshot, progress, max_entries)[1].leaks)
 
 
 Files = list[str] | list[Path] | list[str | Path] | tuple[str | Path, ...]  # several snapshot files
 
 
 @overload
-def findings(snapshot: str | Path, *, progress: ProgressSink | None = None) -> FileFindings: ...
+def findings(
+    snapshot: str | Path, *, progress: ProgressSink | None = None, max_entries: int | None = None
+) -> FileFindings: ...
 @overload
-def findings(snapshot: Files, *, progress: ProgressSink | None = None) -> FleetFindings: ...
-def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = None) -> FileFindings | FleetFindings:
+def findings(
+    snapshot: Files, *, progress: ProgressSink | None = None, max_entries: int | None = None
+) -> FleetFindings: ...
+def findings(
+    snapshot: str | Path | Files, *, progress: ProgressSink | None = None, max_entries: int | None = None
+) -> FileFindings | FleetFindings:
     """Findings with evidence and advice, most severe first.
 
     Given several files (a list; the ranks of one job), each file's own findings and the
     findings across them (``pipeline-stage-imbalance``, from the pipeline stages the capture
     sidecars or the file names tell): a :class:`FleetFindings`, whose ``errors`` name the files
-    that could not be read (the others are still analysed). A file given twice is read once."""
+    that could not be read (the others are still analysed). A file given twice is read once.
+    ``max_entries``: the last entries of each device's trace only (:func:`load_frames`)."""
     if isinstance(snapshot, (str, os.PathLike)):
-        return FileFindings(_diagnosis(snapshot, progress)[1].findings)
+        return FileFindings(_diagnosis(snapshot, progress, max_entries)[1].findings)
+    _check_max_entries(max_entries)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshot))
     own: dict[str, list[Finding]] = {}
@@ -200,15 +227,15 @@ def findings(snapshot: str | Path | Files, *, progress: ProgressSink | None = No
     for i, p in enumerate(paths):
         progress.stage(f"Analysing {i + 1} of {len(paths)}: {Path(p).name}")
         try:
-            own[p], summaries[p] = _findings_and_summary(p)
+            own[p], summaries[p] = _findings_and_summary(p, max_entries)
         except SnaplabError as exc:
             errors[p] = exc.message()
     return FleetFindings(own, compute_fleet_findings(summaries), errors)
 
 
-def _findings_and_summary(snapshot: str) -> tuple[list[Finding], SnapshotSummary]:
+def _findings_and_summary(snapshot: str, max_entries: int | None = None) -> tuple[list[Finding], SnapshotSummary]:
     """One file's findings and its small summary (its frames go when this returns)."""
-    frames = load_frames(snapshot)
+    frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
     dg = diagnose(frames, stats_, with_category_timelines=False)
     return dg.findings, summarize(frames, stats_, dg, with_sites=False)
@@ -235,6 +262,7 @@ def report(
     recorded_batch: int | None = None,
     category: list[str] | None = None,
     categories_file: str | Path | None = None,
+    max_entries: int | None = None,
 ) -> Path:
     """Write the report of a snapshot; returns the path written. ``format``: ``"html"`` (one
     self-contained page), ``"md"`` (GitHub-flavoured Markdown for a ticket, under 65,536
@@ -243,7 +271,8 @@ def report(
     leads with says what fits under that limit, in samples (both default to what the capture
     sidecar recorded, else the limit the run ran out of and multiples of the recorded batch).
     ``category``/``categories_file``: your own categories in the category table and figure
-    (:func:`rules_of`).
+    (:func:`rules_of`). ``max_entries``: the last entries of each device's trace only
+    (:func:`load_frames`; the report says how many it left out).
 
     The file appears only when the report is complete (written to a temporary file, then
     renamed), so a failure never leaves a half-written report behind.
@@ -261,7 +290,7 @@ def report(
     out = Path(output) if output is not None else default_report_path(snapshot, format)
     drawer = Worker(DRAWN)
     try:
-        write_atomic(out, _report_content(snapshot, progress, format, drawer, (batch, limit), rules))
+        write_atomic(out, _report_content(snapshot, progress, format, drawer, (batch, limit), rules, max_entries))
     finally:
         drawer.close()
     return notebook.ReportFile(out)
@@ -274,13 +303,15 @@ def _report_content(
     drawer: Worker,
     batch_and_limit: tuple[int | None, int | None] = (None, None),
     rules: CategoryRules | None = None,
+    max_entries: int | None = None,
 ) -> str | bytes:
     """What :func:`report` writes, the figures drawn by ``drawer``; ``batch_and_limit``: the
     recorded batch and the memory limit fit's answer is given (None: the sidecar's, fit's own);
-    ``rules``: the user's category rules (None: the built-in categories alone)."""
+    ``rules``: the user's category rules (None: the built-in categories alone); ``max_entries``:
+    :func:`load_frames`'."""
     from .report import build_report, fit_summary
 
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     batch, limit = batch_and_limit
     (progress or NullProgress()).stage("Computing statistics")
     stats_ = _stats_beside(frames)

@@ -156,6 +156,18 @@ def _main(
     """snaplab reads snapshots offline: no GPU and no torch needed."""
 
 
+# a window on a trace too large for the machine's memory (stats, leaks, findings, report)
+MaxEntriesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-entries",
+        min=1,
+        help="Read only the last N entries of each device's trace, as if recorded with max_entries=N: a file "
+        "too large for this machine's memory analysed from its end (the state at the dump is read whole; "
+        "the output says how many entries were left out).",
+        show_default=False,
+    ),
+]
 StagesOpt = Annotated[
     bool, typer.Option("--stages", help="Also memory by the file's record_function ranges (peak, kept, by category).")
 ]
@@ -195,6 +207,7 @@ def stats(
     ] = False,
     category: CategoryOpt = None,
     categories_file: CategoriesFileOpt = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -210,6 +223,7 @@ def stats(
                 category=category,
                 categories_file=categories_file,
                 progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(result.to_dict())
@@ -222,12 +236,18 @@ def stats(
 
 
 @app.command()
-def leaks(snapshot: SnapshotArg, json_out: JsonOpt = False, quiet: QuietOpt = False, debug: DebugOpt = False) -> None:
+def leaks(
+    snapshot: SnapshotArg,
+    max_entries: MaxEntriesOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
     """Leak suspects: allocation sites whose live memory grows with every iteration."""
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.leaks(snapshot, progress=progress)
+            result = api.leaks(snapshot, progress=progress, max_entries=max_entries)
         if json_out:
             _print_json(result.to_dict())
         else:
@@ -248,6 +268,7 @@ def findings(
             show_default=False,
         ),
     ],
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -258,9 +279,9 @@ def findings(
         paths = list(dict.fromkeys(snapshot))
         with progress_bar(quiet) as progress:
             if len(paths) == 1:  # one file: as it always was
-                one = api.findings(paths[0], progress=progress)
+                one = api.findings(paths[0], progress=progress, max_entries=max_entries)
             else:
-                several = api.findings(paths, progress=progress)
+                several = api.findings(paths, progress=progress, max_entries=max_entries)
         if len(paths) == 1:
             if json_out:
                 _print_json(one.to_dict())
@@ -541,6 +562,7 @@ def report(
     recorded_batch: RecordedBatchOpt = None,
     category: CategoryOpt = None,
     categories_file: CategoriesFileOpt = None,
+    max_entries: MaxEntriesOpt = None,
 ) -> None:
     """Write one self-contained HTML report (plots, OOM cause, top allocation sites, findings),
     or with --format md|png the answer for a ticket. It leads with what fits: under --memory-limit,
@@ -557,6 +579,7 @@ def report(
                 recorded_batch=recorded_batch,
                 category=category,
                 categories_file=categories_file,
+                max_entries=max_entries,
             )
         _wrote(path)
 

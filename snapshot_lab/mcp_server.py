@@ -87,14 +87,16 @@ def stats(
     compiled_regions: bool = False,
     category: list[str] | None = None,
     categories_file: str | None = None,
+    max_entries: int | None = None,
 ) -> str:
     """Torch's memory counters of a snapshot file (exactly as torch.cuda.memory_stats() had them at the
     dump: reserved_bytes.all.current, allocated_bytes.all.peak, ...), fragmentation per pool, the OOM and
     its cause, bytes by category; stages: also memory by the file's record_function ranges;
     compiled_regions: also memory by torch.compile'd region; category: your own categories,
     NAME=KIND:PATTERN (kinds file:, func:, frame: globs, re: a regex on file:line:function), tried before
-    the built-in ones (categories_file: a TOML or JSON file of them): `snaplab stats --json [--stages]
-    [--compiled-regions] [--category ...]`."""
+    the built-in ones (categories_file: a TOML or JSON file of them); max_entries: read only each
+    device's last N trace entries (a file too large for the memory): `snaplab stats --json [--stages]
+    [--compiled-regions] [--category ...] [--max-entries N]`."""
     return _answer(
         lambda: api.stats(
             snapshot,
@@ -102,21 +104,22 @@ def stats(
             compiled_regions=compiled_regions,
             category=category,
             categories_file=categories_file,
+            max_entries=max_entries,
         ),
         [snapshot],
     )
 
 
-def findings(snapshot: str | list[str]) -> str:
+def findings(snapshot: str | list[str], max_entries: int | None = None) -> str:
     """What is wrong, with evidence, the memory at stake and advice (OOM by fragmentation or capacity,
-    leaks, DDP duplicate gradients, cache churn, imbalance): `snaplab findings --json`. One file, or
-    several (the ranks of one job: each file's findings and those across the files)."""
+    leaks, DDP duplicate gradients, cache churn, imbalance): `snaplab findings --json [--max-entries N]`.
+    One file, or several (the ranks of one job: each file's findings and those across the files)."""
     paths = [snapshot] if isinstance(snapshot, str) else list(dict.fromkeys(snapshot))
 
     def compute() -> Any:
         if len(paths) == 1:
-            return api.findings(paths[0])
-        several = api.findings(paths)
+            return api.findings(paths[0], max_entries=max_entries)
+        several = api.findings(paths, max_entries=max_entries)
         if not several.files:
             raise UsageError("; ".join(several.errors.values()) or "no snapshot files given")
         return several

@@ -692,7 +692,7 @@ def _recorded_line(frames: SnapshotFrames, stats: SnapshotStats) -> str:
         parts.append(
             "history complete"
             if rec.history_complete
-            else "early history missing (recording started late or the ring buffer wrapped)"
+            else f"early history missing ({rec.window_cause or 'recording started late or the ring buffer wrapped'})"
         )
     cap = file_info.get("capture")
     if stats.parallel and stats.parallel.get("strategies"):

@@ -71,6 +71,10 @@ class SnapshotInfo:
     n_trace_devices: int  # len(device_traces) in the file (== visible device count)
     stacks_kind: str  # 'none', 'python', 'python+cpp'
     capture: dict[str, Any] | None = None  # sidecar written by snapshot_lab.capture
+    # the window the file was read with (load_snapshot's max_entries; None: every entry) and the
+    # entries it left out at the start of each device's trace (by ordinal; () without a window)
+    max_entries: int | None = None
+    entries_left_out: tuple[int, ...] = ()
 
 
 @dataclass
@@ -983,6 +987,8 @@ def build_frames(snap: Snapshot, consume: bool = False) -> SnapshotFrames:
         n_trace_devices=n_trace_devices,
         stacks_kind=_stacks_kind(stack_frames),
         capture=snap.capture,
+        max_entries=snap.max_entries,
+        entries_left_out=snap.entries_left_out,
     )
     return SnapshotFrames(
         info=info,

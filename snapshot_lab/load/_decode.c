@@ -1,7 +1,8 @@
 /* A pickle reader for memory snapshots that turns device_traces straight into columns: the fast
  * path of snapshot_lab/load/loader.py (load/decoded.py holds its Python side).
  *
- * decode(buffer, oom_name, release=False) -> None | (root, None) | (root, (devices, stacks))
+ * decode(buffer, oom_name, release=False, on_progress=None, keep=0)
+ *     -> None | (root, None) | (root, (devices, stacks))
  *
  * It runs the opcodes that torch's snapshots use (protocol 2 to 5: PROTO FRAME STOP MARK
  * EMPTY_DICT EMPTY_LIST EMPTY_TUPLE TUPLE TUPLE1-3 SETITEM(S) APPEND(S) MEMOIZE (LONG_)BINPUT
@@ -19,13 +20,17 @@
  *
  * devices: tuple, one item per device ordinal: (n, action int16, action_names, size, addr,
  * stream, time_us, device_free int64, metadata int32, metadata_names, stack int64, forward,
- * hints, pools, contexts) where the columns are bytearrays of native-endian values, INT64_MIN marks an absent
+ * hints, pools, contexts, dropped) where the columns are bytearrays of native-endian values, INT64_MIN marks an absent
  * int, action/metadata are codes into their names lists (first appearance order; metadata
  * code 0 is ''), forward is a dict {row: forward_frames list}, hints the bit set of the keys
  * of the device's first entry (1 time_us, 2 compile_context, 4 user_metadata, 8 pool_id), pools a
  * dict {row: pool_id tuple} of the entries whose pool is not (0, 0) and contexts a dict {row:
  * compile_context} of those whose compiled region is not 'N/A' (torch's pybind serialiser,
- * THCPModule_memorySnapshot in torch/csrc/cuda/Module.cpp, writes both on every entry).
+ * THCPModule_memorySnapshot in torch/csrc/cuda/Module.cpp, writes both on every entry), and
+ * dropped the number of the device's first entries left out by the window.
+ * keep > 0 is the window: each device's columns hold its last `keep` entries only, as if torch had
+ * recorded them with max_entries=keep (their rows are numbered from the first kept); the older
+ * ones are dropped as the reading goes on, so the columns never hold much more than `keep` rows.
  * stacks: list of tuples of frame objects; the stack key indexes it; key 0 is () (no frames).
  */
 #define PY_SSIZE_T_CLEAN
@@ -62,8 +67,9 @@ enum { M_OPAQUE = 1, M_PENDING = 2, M_DONE = 3 };
 enum { FL_ACTION = 1, FL_SIZE = 2, FL_FREE_BAD = 4 };
 
 typedef struct {
-    Py_ssize_t n, cap;
+    Py_ssize_t n, cap;   /* n: rows made (entries seen); cap: rows the columns hold room for */
     Py_ssize_t appended;
+    Py_ssize_t keep, base; /* the window: keep the last `keep` rows (0: all); rows before `base` were dropped */
     int16_t *action;
     int64_t *size, *addr, *stream, *time, *free, *stack;
     int32_t *meta;
@@ -131,6 +137,7 @@ typedef struct {
     int key_fields[KEY_CACHE];
     int key_next;
     PyObject *oom_name;
+    Py_ssize_t keep; /* each device's window (0: every entry) */
 } VM;
 
 /* ---------- growth helpers ---------- */
@@ -339,6 +346,7 @@ static Device *new_device(VM *vm) {
     Device *d = &vm->devices[vm->n_devices];
     memset(d, 0, sizeof(Device));
     d->oom_code = -1;
+    d->keep = vm->keep;
     vm->n_devices++;
     d->action_codes = PyDict_New();
     d->action_names = PyList_New(0);
@@ -378,10 +386,69 @@ static void free_device(Device *d) {
     Py_XDECREF(d->contexts);
 }
 
-/* a new row with every field absent; its index, or -1 */
+/* the rows of a sparse column {row: value} from `base` on (the others were dropped): 0, or -1 */
+static int prune_before(PyObject *dict, Py_ssize_t base) {
+    if (PyDict_GET_SIZE(dict) == 0) {
+        return 0;
+    }
+    PyObject *gone = PyList_New(0);
+    if (gone == NULL) {
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *row, *value;
+    int rc = 0;
+    while (rc == 0 && PyDict_Next(dict, &pos, &row, &value)) {
+        Py_ssize_t r = PyLong_AsSsize_t(row);
+        rc = (r == -1 && PyErr_Occurred()) ? -1 : r < base ? PyList_Append(gone, row) : 0;
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(gone); i++) {
+        rc = PyDict_DelItem(dict, PyList_GET_ITEM(gone, i));
+    }
+    Py_DECREF(gone);
+    return rc;
+}
+
+/* the window: drop the oldest rows already appended to the trace, so that the last `keep` stay
+   (rows still being built or waiting for their APPENDS are never dropped): 0, or -1 */
+static int drop_front(Device *d) {
+    Py_ssize_t held = d->n - d->base;
+    Py_ssize_t drop = held - d->keep;
+    if (drop > d->appended - d->base) {
+        drop = d->appended - d->base;
+    }
+    if (drop <= 0) {
+        return 0;
+    }
+    Py_ssize_t left = held - drop;
+#define SHIFT(field) memmove(d->field, d->field + drop, (size_t)left * sizeof(*d->field));
+    SHIFT(action)
+    SHIFT(size)
+    SHIFT(addr)
+    SHIFT(stream)
+    SHIFT(time)
+    SHIFT(free)
+    SHIFT(stack)
+    SHIFT(meta)
+    SHIFT(flags)
+#undef SHIFT
+    d->base += drop;
+    if (prune_before(d->forward, d->base) < 0 || prune_before(d->pools, d->base) < 0 ||
+        prune_before(d->contexts, d->base) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/* a new row with every field absent; its number (rows are numbered from the trace's first
+   entry; the columns hold rows from d->base on), or -1 */
 static Py_ssize_t new_row(Device *d) {
-    if (d->n >= d->cap) {
-        Py_ssize_t need = d->n + 1, cap;
+    if (d->keep > 0 && d->n - d->base >= d->keep + d->keep / 4 + 64 && drop_front(d) < 0) {
+        return -1;
+    }
+    Py_ssize_t r = d->n - d->base;
+    if (r >= d->cap) {
+        Py_ssize_t need = r + 1, cap;
 #define GROW(field, width)                                                                                            \
     cap = d->cap;                                                                                                     \
     if (grow((void **)&d->field, &cap, need, width) < 0) return -1;
@@ -397,7 +464,7 @@ static Py_ssize_t new_row(Device *d) {
 #undef GROW
         d->cap = cap;
     }
-    Py_ssize_t r = d->n++;
+    d->n++;
     d->action[r] = -1;
     d->size[r] = 0;
     d->addr[r] = MISSING;
@@ -407,7 +474,7 @@ static Py_ssize_t new_row(Device *d) {
     d->stack[r] = 0;
     d->meta[r] = 0;
     d->flags[r] = 0;
-    return r;
+    return d->base + r;
 }
 
 /* code of a string in (codes, names), added when new; -1 on failure or too many */
@@ -553,12 +620,12 @@ static int set_pool(Device *d, Py_ssize_t r, Item *v) {
 /* one key and value written into an entry's row: 0, or -1 for the Python path */
 static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
     Device *d = &vm->devices[entry->aux];
-    Py_ssize_t r = (Py_ssize_t)entry->val;
+    Py_ssize_t row = (Py_ssize_t)entry->val, r = row - d->base; /* the entry's number; its place in the columns */
     if (k->kind != K_OBJ || !PyUnicode_CheckExact(k->obj)) {
         return -1;
     }
     int field = field_of(vm, k->obj);
-    if (r == 0) {
+    if (row == 0) {
         d->hints |= field == F_TIME ? 1 : field == F_COMPILE ? 2 : field == F_META ? 4 : field == F_POOL ? 8 : 0;
     }
     long code;
@@ -609,29 +676,29 @@ static int entry_set(VM *vm, Item *entry, Item *k, Item *v) {
     case F_FRAMES:
         return set_frames(vm, d, r, v);
     case F_FORWARD: {
-        PyObject *row = PyLong_FromSsize_t(r);
-        if (row == NULL) {
+        PyObject *key = PyLong_FromSsize_t(row);
+        if (key == NULL) {
             return -1;
         }
         int rc;
         if (v->kind == K_OBJ && v->obj == Py_None) {
-            rc = PyDict_Contains(d->forward, row);
-            rc = rc < 0 ? -1 : rc ? PyDict_DelItem(d->forward, row) : 0;
+            rc = PyDict_Contains(d->forward, key);
+            rc = rc < 0 ? -1 : rc ? PyDict_DelItem(d->forward, key) : 0;
         } else if (v->kind == K_OBJ && PyList_CheckExact(v->obj)) {
-            rc = mark_forward(vm, v->obj) < 0 ? -1 : PyDict_SetItem(d->forward, row, v->obj);
+            rc = mark_forward(vm, v->obj) < 0 ? -1 : PyDict_SetItem(d->forward, key, v->obj);
         } else {
             rc = -1;
         }
-        Py_DECREF(row);
+        Py_DECREF(key);
         return rc;
     }
     case F_COMPILE:
         if (v->kind != K_OBJ || !PyUnicode_CheckExact(v->obj)) {
             return -1;
         }
-        return sparse_set(d->contexts, r, PyUnicode_CompareWithASCIIString(v->obj, "N/A") == 0 ? NULL : v->obj);
+        return sparse_set(d->contexts, row, PyUnicode_CompareWithASCIIString(v->obj, "N/A") == 0 ? NULL : v->obj);
     case F_POOL:
-        return set_pool(d, r, v);
+        return set_pool(d, row, v);
     default:
         /* a key the Python path ignores: any built value will do */
         return (v->kind == K_OBJ || v->kind == K_INT) ? 0 : -1;
@@ -644,10 +711,10 @@ static int entry_done(VM *vm, Item *trace, Item *entry) {
         return -1;
     }
     Device *d = &vm->devices[trace->aux];
-    Py_ssize_t r = (Py_ssize_t)entry->val;
-    if (r != d->appended) {
+    if ((Py_ssize_t)entry->val != d->appended) {
         return -1;
     }
+    Py_ssize_t r = d->appended - d->base;
     uint8_t f = d->flags[r];
     if (!(f & FL_ACTION) || !(f & FL_SIZE)) {
         return -1;
@@ -1322,13 +1389,47 @@ static PyObject *column(void **buf, Py_ssize_t n, size_t width) {
     return b;
 }
 
+/* a sparse column's rows renumbered from the window's first (d->base): a new reference */
+static PyObject *renumbered(PyObject *dict, Py_ssize_t base) {
+    if (base == 0 || PyDict_GET_SIZE(dict) == 0) {
+        Py_INCREF(dict);
+        return dict;
+    }
+    PyObject *fresh = PyDict_New();
+    Py_ssize_t pos = 0;
+    PyObject *row, *value;
+    while (fresh != NULL && PyDict_Next(dict, &pos, &row, &value)) {
+        Py_ssize_t r = PyLong_AsSsize_t(row);
+        PyObject *key = (r == -1 && PyErr_Occurred()) ? NULL : PyLong_FromSsize_t(r - base);
+        if (key == NULL || (r >= base && PyDict_SetItem(fresh, key, value) < 0)) {
+            Py_XDECREF(key);
+            Py_CLEAR(fresh);
+            break;
+        }
+        Py_DECREF(key);
+    }
+    return fresh;
+}
+
 static PyObject *device_result(Device *d) {
-    Py_ssize_t n = d->n;
-    return Py_BuildValue("(nNONNNNNNONOiOO)", n, column((void **)&d->action, n, 2), d->action_names,
+    if (d->keep > 0 && drop_front(d) < 0) { /* the window's last cut: `keep` rows left (every row is appended) */
+        return NULL;
+    }
+    Py_ssize_t n = d->n - d->base;
+    PyObject *forward = renumbered(d->forward, d->base);
+    PyObject *pools = renumbered(d->pools, d->base);
+    PyObject *contexts = renumbered(d->contexts, d->base);
+    if (forward == NULL || pools == NULL || contexts == NULL) {
+        Py_XDECREF(forward);
+        Py_XDECREF(pools);
+        Py_XDECREF(contexts);
+        return NULL;
+    }
+    return Py_BuildValue("(nNONNNNNNONNiNNn)", n, column((void **)&d->action, n, 2), d->action_names,
                          column((void **)&d->size, n, 8), column((void **)&d->addr, n, 8),
                          column((void **)&d->stream, n, 8), column((void **)&d->time, n, 8),
                          column((void **)&d->free, n, 8), column((void **)&d->meta, n, 4), d->meta_names,
-                         column((void **)&d->stack, n, 8), d->forward, d->hints, d->pools, d->contexts);
+                         column((void **)&d->stack, n, 8), forward, d->hints, pools, contexts, d->base);
 }
 
 static PyObject *result(VM *vm) {
@@ -1388,7 +1489,13 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyObject *oom_name;
     int release = 0;
     PyObject *on_progress = Py_None;
-    if (!PyArg_ParseTuple(args, "y*U|pO", &buf, &oom_name, &release, &on_progress)) {
+    Py_ssize_t keep = 0;
+    if (!PyArg_ParseTuple(args, "y*U|pOn", &buf, &oom_name, &release, &on_progress, &keep)) {
+        return NULL;
+    }
+    if (keep < 0) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "keep must be 0 (every entry) or more");
         return NULL;
     }
     VM *vm = PyMem_Calloc(1, sizeof(VM));
@@ -1402,6 +1509,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     vm->on_progress = on_progress == Py_None ? NULL : on_progress;
     vm->reported = vm->start;
     vm->oom_name = oom_name;
+    vm->keep = keep;
     vm->stacks = PyList_New(0);
     vm->used_lists = PyDict_New();
     vm->forward_lists = PyDict_New();
@@ -1430,9 +1538,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(buffer, oom_name, release=False, on_progress=None): (root, None | (devices, stacks)), or None for the "
-     "Python path. release: the buffer is a read-only file mapping whose pages may be given back once read; "
-     "on_progress(offset): called as the reading moves on (every 16 MiB of pickle frames)."},
+     "decode(buffer, oom_name, release=False, on_progress=None, keep=0): (root, None | (devices, stacks)), or None "
+     "for the Python path. release: the buffer is a read-only file mapping whose pages may be given back once read; "
+     "on_progress(offset): called as the reading moves on (every 16 MiB of pickle frames); keep: each device's "
+     "columns hold its last `keep` entries only (0: every entry)."},
     {NULL, NULL, 0, NULL},
 };
 

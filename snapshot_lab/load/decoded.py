@@ -53,6 +53,7 @@ class DeviceTrace:
     first_keys: frozenset[str]
     pools: dict[int, tuple[int, int]]
     contexts: dict[int, str]
+    left_out: int = 0  # the device's first entries not read (the window of ``max_entries``)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,9 @@ _FIRST_KEYS = ((1, "time_us"), (2, "compile_context"), (4, "user_metadata"), (8,
 
 
 def _device(parts: tuple[Any, ...]) -> DeviceTrace:
-    n, action, action_names, size, addr, stream, time, free, meta, meta_names, stack, forward, hints, pools, ctx = parts
+    n, action, action_names, size, addr, stream, time, free, meta, meta_names, stack, forward, hints, pools, ctx = (
+        parts[:15]
+    )
 
     def int64(b: bytearray) -> np.ndarray:
         return np.frombuffer(b, dtype=np.int64)
@@ -90,11 +93,15 @@ def _device(parts: tuple[Any, ...]) -> DeviceTrace:
         first_keys=frozenset(key for bit, key in _FIRST_KEYS if hints & bit),
         pools=pools,
         contexts=ctx,
+        left_out=parts[15] if len(parts) > 15 else 0,
     )
 
 
 def decode_pickle(
-    data: Any, mapped_file: bool = False, on_progress: Callable[[int], object] | None = None
+    data: Any,
+    mapped_file: bool = False,
+    on_progress: Callable[[int], object] | None = None,
+    max_entries: int | None = None,
 ) -> tuple[Any, DecodedTraces | None] | None:
     """``(root object, decoded traces or None when the file has none)`` of a pickle held in
     ``data`` (bytes, or any buffer), or None when the compiled reader is not built, is switched
@@ -102,12 +109,18 @@ def decode_pickle(
     ``mapped_file``: ``data`` is a read-only ``mmap`` of a file, whose pages are given back to
     the system as they are read, so the file does not add to the process's memory.
     ``on_progress(offset)``: told how many bytes of ``data`` were read, as the reading goes on
-    (every 16 MiB of a pickle of protocol 4 or later, whose frames say where it is)."""
+    (every 16 MiB of a pickle of protocol 4 or later, whose frames say where it is).
+    ``max_entries``: keep each device's last ``max_entries`` trace entries only (the others are
+    dropped as the reading goes on; :attr:`DeviceTrace.left_out` counts them); None: all."""
     decoder = compiled("snapshot_lab.load._decode")
     if decoder is None:
         return None
-    # without a display, called as before on_progress existed (an extension built before then)
-    args = (data, "oom", mapped_file) if on_progress is None else (data, "oom", mapped_file, on_progress)
+    # the arguments given are the ones an extension built before on_progress or keep existed takes
+    args: tuple[Any, ...] = (data, "oom", mapped_file)
+    if on_progress is not None or max_entries is not None:
+        args += (on_progress,)
+    if max_entries is not None:
+        args += (max_entries,)
     out = decoder.decode(*args)
     if out is None:
         return None

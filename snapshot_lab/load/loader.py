@@ -106,12 +106,16 @@ class Snapshot:
     host_segments: list[dict[str, Any]] = field(default_factory=list)
     host_traces: list[dict[str, Any]] = field(default_factory=list)
     backend: str | None = None  # the accelerator the file names (see detect_backend); None: CUDA or unsaid
+    # the window asked for (load_snapshot's max_entries; None: every entry), and how many of each
+    # device's first trace entries it left out (one count per device ordinal; () without a window)
+    max_entries: int | None = None
+    entries_left_out: tuple[int, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
         # only called when ``device_traces`` was left out because the traces were decoded
         if name == "device_traces" and self.__dict__.get("decoded_traces") is not None:
             obj, source, _ = _read_object(Path(self.source.path), NullProgress(), decode=False)
-            fresh = normalise(obj, source)
+            fresh = normalise(obj, source, max_entries=self.max_entries)
             # every part from the same reading, so objects are shared across them as in the file
             for part in ("segments", "device_traces", "allocator_settings", "external_annotations"):
                 setattr(self, part, getattr(fresh, part))
@@ -169,10 +173,11 @@ def _watch_position(raw: Any, progress: ProgressSink) -> Iterator[None]:
 
 
 def _read_object(
-    path: Path, progress: ProgressSink, decode: bool = True
+    path: Path, progress: ProgressSink, decode: bool = True, max_entries: int | None = None
 ) -> tuple[Any, SourceInfo, DecodedTraces | None]:
     """The unpickled (or JSON) object, where it came from, and its traces when the compiled
-    reader decoded them into columns (``decode``); else the restricted unpickler reads it."""
+    reader decoded them into columns (``decode``; each device's last ``max_entries`` only, when
+    given); else the restricted unpickler reads it."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -195,7 +200,7 @@ def _read_object(
     ceiling = size if compression is None else decompressed_ceiling(size)
     try:
         with path.open("rb") as raw:
-            fast = _decode_whole(raw, size, compression, ceiling, progress) if decode else None
+            fast = _decode_whole(raw, size, compression, ceiling, progress, max_entries) if decode else None
             if fast is not None:
                 obj, traces, data_size, protocol = fast
                 return obj, SourceInfo(str(path), size, compression, "pickle", protocol, data_size), traces
@@ -236,7 +241,12 @@ def _read_object(
 
 
 def _decode_whole(
-    raw: IO[bytes], size: int, compression: str | None, ceiling: int, progress: ProgressSink | None = None
+    raw: IO[bytes],
+    size: int,
+    compression: str | None,
+    ceiling: int,
+    progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> tuple[Any, DecodedTraces | None, int, int | None] | None:
     """The compiled reader's ``(object, traces, data size, protocol)`` of a pickle, or None when
     it is not a pickle, the reader is not built, or it gives up on anything irregular (the
@@ -255,7 +265,7 @@ def _decode_whole(
                 return None
             # mapped before the address-space limit is set: the mapping is not what it guards
             with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
-                out = decode_pickle(mapped, mapped_file=True, on_progress=on_progress)
+                out = decode_pickle(mapped, mapped_file=True, on_progress=on_progress, max_entries=max_entries)
             data_size = size
         else:
             stream = open_decompressed(raw, compression)
@@ -263,7 +273,7 @@ def _decode_whole(
             if _pickle_protocol(head) is None:
                 return None
             bounded = BoundedReader(stream, ceiling)
-            out, data_size = _decode_decompressed(raw, bounded, budget, on_progress)
+            out, data_size = _decode_decompressed(raw, bounded, budget, on_progress, max_entries)
     except Exception:  # whatever went wrong, the streaming reader starts over and says it exactly
         return None
     if out is None:
@@ -280,7 +290,11 @@ def _spool() -> IO[bytes] | None:
 
 
 def _decode_decompressed(
-    raw: IO[bytes], bounded: BoundedReader, budget: int, on_progress: Callable[[int], object] | None
+    raw: IO[bytes],
+    bounded: BoundedReader,
+    budget: int,
+    on_progress: Callable[[int], object] | None,
+    max_entries: int | None = None,
 ) -> tuple[tuple[Any, DecodedTraces | None] | None, int]:
     """The compiled reader's result for a compressed pickle, and its decompressed size. The data
     goes to a temporary file that is then mapped and read like a plain file (its pages given
@@ -292,13 +306,13 @@ def _decode_decompressed(
         with memory_limited(budget):
             _drain(bounded, data.extend, raw, on_progress)
         with gc_paused(), memory_limited(budget):
-            return decode_pickle(data), len(data)
+            return decode_pickle(data, max_entries=max_entries), len(data)
     with spool:
         _drain(bounded, spool.write, raw, on_progress)
         spool.flush()
         data_size = spool.tell()
         with mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ) as mapped, gc_paused(), memory_limited(budget):
-            return decode_pickle(mapped, mapped_file=True), data_size
+            return decode_pickle(mapped, mapped_file=True, max_entries=max_entries), data_size
 
 
 def _drain(
@@ -620,33 +634,54 @@ def _checked_traces(
         raise FieldError("device_traces", f"expected at most {MAX_DEVICE + 1} devices, got {len(traces):,}")
     for d, t in enumerate(traces):
         check_list(t, f"device_traces[{d}]", "a list of events")
-    n_entries = sum(map(len, traces)) if decoded is None else sum(t.size_of_trace for t in decoded.devices)
+    n_entries = sum(map(len, traces)) if decoded is None else sum(t.size_of_trace + t.left_out for t in decoded.devices)
     _check_record_budget(path, source, "trace entries", n_entries)
     if len(set(map(id, traces))) != len(traces):
         raise FieldError("device_traces", "the same event list appears for two devices (a shared reference)")
     return traces
 
 
-def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None) -> Snapshot:
+def _windowed(
+    traces: list[list[Any]], decoded: DecodedTraces | None, max_entries: int | None
+) -> tuple[list[list[Any]], tuple[int, ...]]:
+    """Each device's last ``max_entries`` trace entries (None: all), as if torch had recorded
+    them with that ``max_entries``, and how many of each device's first entries were left out
+    (() without a window). The compiled reader dropped them as it read (``decoded``)."""
+    if max_entries is None:
+        return traces, ()
+    if decoded is not None:
+        return traces, tuple(t.left_out for t in decoded.devices)
+    left_out = tuple(max(len(t) - max_entries, 0) for t in traces)
+    return [t[k:] if k else t for t, k in zip(traces, left_out, strict=True)], left_out
+
+
+def _top_level(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
+    """The snapshot's dict, and '1.13' where the file holds the list of segments that torch 1.13
+    and ``torch.cuda.memory_snapshot()`` write (None otherwise)."""
+    if type(obj) is list:
+        return {"segments": obj, "device_traces": []}, "1.13"
+    if type(obj) is dict:
+        return obj, None
+    raise SnapshotFormatError(
+        path, f"not a PyTorch memory snapshot: the file holds {_a(_type_name(obj))}, expected a dict"
+    )
+
+
+def normalise(
+    obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None, max_entries: int | None = None
+) -> Snapshot:
     """Turn an unpickled object into a :class:`Snapshot` or raise SnapshotFormatError.
 
     ``decoded``: the traces as the compiled reader decoded them (``obj['device_traces']`` then
     holds an empty list that stands for them); they get the checks the entry lists get here.
+    ``max_entries``: keep each device's last ``max_entries`` trace entries only (the window the
+    compiled reader applied to ``decoded`` already); None: every entry.
 
     Segments, blocks, settings and annotations are checked here, field by field. Trace entries,
     of which there can be millions, are checked column by column where the frames are built
     (:func:`snapshot_lab.frames.build_frames`); here only their lists are."""
     path = Path(source.path)
-    legacy = None
-    if type(obj) is list:  # torch 1.13, or torch.cuda.memory_snapshot() output
-        data: dict[str, Any] = {"segments": obj, "device_traces": []}
-        legacy = "1.13"
-    elif type(obj) is dict:
-        data = obj
-    else:
-        raise SnapshotFormatError(
-            path, f"not a PyTorch memory snapshot: the file holds {_a(_type_name(obj))}, expected a dict"
-        )
+    data, legacy = _top_level(obj, path)
     raw_segments = data.get("segments")
     if raw_segments is None:
         keys = ", ".join(sorted(k[:30] if type(k) is str and k.isprintable() else describe(k) for k in list(data)[:8]))
@@ -671,7 +706,7 @@ def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None
         del seen
         if legacy is None and any("history" in b for s in raw_segments for b in s["blocks"]):
             legacy = "2.0"
-        traces = _checked_traces(path, source, data, decoded)
+        traces, left_out = _windowed(_checked_traces(path, source, data, decoded), decoded, max_entries)
         try:
             settings = normalise_settings(data.get("allocator_settings"))
         except FieldError as exc:
@@ -701,6 +736,8 @@ def normalise(obj: Any, source: SourceInfo, decoded: DecodedTraces | None = None
         host_segments=host_segments,
         host_traces=host_traces,
         backend=detect_backend(data),
+        max_entries=max_entries,
+        entries_left_out=left_out,
     )
     if decoded is not None:
         del snap.device_traces  # read again from the file if asked for (Snapshot.__getattr__)
@@ -764,14 +801,18 @@ def _has_blocks(s: Any) -> bool:
     return type(s) is dict and type(s.get("blocks")) is list
 
 
-def load_snapshot(path: str | Path, progress: ProgressSink | None = None) -> Snapshot:
+def load_snapshot(path: str | Path, progress: ProgressSink | None = None, max_entries: int | None = None) -> Snapshot:
     """Load a snapshot file (pickle or JSON, optionally gzip/xz/zstd/bz2-compressed) safely.
+
+    ``max_entries``: read each device's last ``max_entries`` trace entries only, as if torch had
+    recorded with ``_record_memory_history(max_entries=...)`` (the compiled reader keeps no more
+    than about that many in memory: a window on a file too large for the machine); None: all.
 
     Raises :class:`~snapshot_lab.errors.SnapshotFormatError` for anything that is not a
     readable snapshot, including pickles that reference Python globals.
     """
     p = Path(path)
-    obj, source, traces = _read_object(p, progress or NullProgress())
-    snap = normalise(obj, source, traces)
+    obj, source, traces = _read_object(p, progress or NullProgress(), max_entries=max_entries)
+    snap = normalise(obj, source, traces, max_entries)
     snap.capture = load_sidecar(p)
     return snap

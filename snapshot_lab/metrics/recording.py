@@ -23,10 +23,12 @@ class DeviceRecording:
     # live blocks at dump time with no alloc event in the trace (allocated before it began)
     live_blocks_before_trace: int
     live_bytes_before_trace: int
+    # the trace's first entries snaplab did not read (a window: Recording.window)
+    entries_left_out: int = 0
 
     @property
     def history_complete(self) -> bool:
-        return self.orphan_frees == 0 and self.live_blocks_before_trace == 0
+        return self.orphan_frees == 0 and self.live_blocks_before_trace == 0 and self.entries_left_out == 0
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,33 @@ class Recording:
     # 2.14.1): whether the ring buffer dropped events, and its size; None where the file is silent
     overflowed: bool | None = None
     max_entries: int | None = None
+    # the window the file was read with: each device's last `window` entries (None: every entry)
+    window: int | None = None
 
     @property
     def history_complete(self) -> bool:
         return all(d.history_complete for d in self.devices)
 
     @property
+    def entries_left_out(self) -> int:
+        """The trace entries the window left out, every device's together."""
+        return sum(d.entries_left_out for d in self.devices)
+
+    @property
+    def window_cause(self) -> str | None:
+        """What the window left out, in words; None when it left nothing out."""
+        if self.window is None or not self.entries_left_out:
+            return None
+        return (
+            f"only each device's last {self.window:,} trace entries were read, as max_entries asked; "
+            f"the {self.entries_left_out:,} before them were left out"
+        )
+
+    @property
     def missing_history_cause(self) -> str:
         """Why history before the trace's first entry is missing, exactly when the file says it."""
+        if self.window_cause is not None:
+            return self.window_cause
         if self.overflowed:
             at = f" at {self.max_entries:,} entries" if self.max_entries is not None else ""
             return f"the ring buffer overflowed{at}: earlier events were lost"
@@ -55,12 +76,14 @@ class Recording:
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
-        for key in ("overflowed", "max_entries"):  # only files that say it carry the keys
+        for key in ("overflowed", "max_entries", "window"):  # only files that say it carry the keys
             if d[key] is None:
                 del d[key]
         d["history_complete"] = self.history_complete
         for dev, rec in zip(d["devices"], self.devices, strict=True):
             dev["history_complete"] = rec.history_complete
+            if self.window is None:  # read whole: nothing was left out
+                del dev["entries_left_out"]
         return d
 
 
@@ -68,7 +91,7 @@ def _opt(v: object) -> int | None:
     return None if v is None or pd.isna(v) else int(v)  # type: ignore[call-overload]
 
 
-def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) -> DeviceRecording:
+def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame, left_out: int = 0) -> DeviceRecording:
     on_device = events["device"] == device
     columns = ["action", "address", "event_index", "time_us"]  # all it reads, not a copy of every column
     ev = events[columns] if bool(on_device.all()) else events.loc[on_device, columns]
@@ -92,6 +115,7 @@ def device_recording(device: int, events: pd.DataFrame, blocks: pd.DataFrame) ->
         orphan_frees=_orphan_frees(ev, is_alloc),
         live_blocks_before_trace=int(before.sum()),
         live_bytes_before_trace=int(live.loc[before, "size_bytes"].sum()),
+        entries_left_out=left_out,
     )
 
 
@@ -114,6 +138,8 @@ def recording_of(frames: SnapshotFrames) -> Recording:
         frames.blocks,
         frames.trace_overflowed,
         frames.trace_max_entries,
+        frames.info.max_entries,
+        frames.info.entries_left_out,
     )
 
 
@@ -124,8 +150,11 @@ def describe_recording(
     blocks: pd.DataFrame,
     overflowed: bool | None = None,
     max_entries: int | None = None,
+    window: int | None = None,
+    left_out: tuple[int, ...] = (),
 ) -> Recording:
-    """Facts about the recording, one entry per device."""
+    """Facts about the recording, one entry per device; ``window`` and ``left_out``: the window
+    the file was read with and the entries it left out on each device (by ordinal)."""
     # enabled='state' shrinks the ring buffer to one entry (the last event, or the 'snapshot'
     # marker): a trace of at most one entry per device carries no history
     per_device = events.groupby("device").size()
@@ -138,7 +167,10 @@ def describe_recording(
     return Recording(
         mode=mode,
         stacks=stacks_kind,
-        devices=tuple(device_recording(d, events, blocks) for d in devices),
+        devices=tuple(
+            device_recording(d, events, blocks, left_out[d] if 0 <= d < len(left_out) else 0) for d in devices
+        ),
         overflowed=overflowed,
         max_entries=max_entries,
+        window=window,
     )

@@ -43,6 +43,8 @@ def find(ctx: FindingContext) -> list[Finding]:
             continue
         if device.live_blocks_before_trace:
             what = f"{format_bytes(device.live_bytes_before_trace)} still live was allocated before its first event"
+        elif not device.orphan_frees:  # only the window's cut: what it left out left no trace
+            what = f"its first {device.entries_left_out:,} entries were not read"
         else:  # all that predates the trace was freed inside it
             orphans = device.orphan_frees
             blocks, were = ("blocks", "were") if orphans != 1 else ("block", "was")
@@ -53,10 +55,20 @@ def find(ctx: FindingContext) -> list[Finding]:
                 severity="info",
                 title=f"The trace of device {device.device} misses the start of the job: {what}",
                 advice=(
-                    _cause(rec.overflowed, rec.max_entries) + " Timelines are "
+                    (
+                        f"{rec.window_cause[0].upper()}{rec.window_cause[1:]}."
+                        if rec.window_cause
+                        else _cause(rec.overflowed, rec.max_entries)
+                    )
+                    + " Timelines are "
                     "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
                     "start is rebuilt from the dump for the what-if replay; sites at the peak miss allocations "
-                    "older than the trace. Start recording earlier or raise max_entries to see them."
+                    "older than the trace. "
+                    + (
+                        "Read the whole trace (without max_entries), where the memory allows, to see them."
+                        if rec.window_cause
+                        else "Start recording earlier or raise max_entries to see them."
+                    )
                 ),
                 evidence={
                     "trace_events": device.events,
@@ -65,6 +77,7 @@ def find(ctx: FindingContext) -> list[Finding]:
                     "live_bytes_before_trace": device.live_bytes_before_trace,
                     # allocator_settings.trace_alloc_overflowed, only where the file says it
                     **({} if rec.overflowed is None else {"trace_alloc_overflowed": rec.overflowed}),
+                    **({} if rec.window is None else {"entries_left_out": device.entries_left_out}),
                 },
                 device=device.device,
             )

@@ -1,0 +1,204 @@
+"""The window (``--max-entries N``): each device's last N trace entries read, as if torch had
+recorded them with ``_record_memory_history(max_entries=N)``.
+
+What must hold: the window's frames equal the frames of a copy of the file whose traces were cut
+to their last N entries (what torch's ring buffer would have kept), through the compiled reader
+and the Python one alike; the compiled reader holds about N rows, not the file's; the answers say
+how many entries were left out; a bad N is refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import pickle
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from snapshot_lab import _compiled, api
+from snapshot_lab.cli import app
+from snapshot_lab.errors import ParameterError
+from snapshot_lab.frames import build_frames
+from snapshot_lab.load import load_snapshot
+from snapshot_lab.load.decoded import decode_pickle
+from snapshot_lab.load.unpickler import safe_load
+
+from .conftest import event, make_snapshot, sample_path, write_pickle
+from .test_frames_identity import frames_identity
+
+DECODER = _compiled.compiled("snapshot_lab.load._decode")
+needs_decoder = pytest.mark.skipif(DECODER is None, reason="the C extension is not built here")
+
+
+def _unpickled(path: Path) -> Any:
+    with lzma.open(path) if path.suffix == ".xz" else path.open("rb") as f:
+        return safe_load(f)
+
+
+def _cut(obj: dict[str, Any], keep: int, out: Path) -> Path:
+    """The file torch would have written with max_entries=keep: each trace's last entries."""
+    return write_pickle(out, {**obj, "device_traces": [t[-keep:] for t in obj["device_traces"]]})
+
+
+def _digests(path: Path, max_entries: int | None = None) -> dict[str, str]:
+    """Every frame's digest (the file's facts aside: its name and size, the window's own fields)."""
+    digests = frames_identity.frames_digests(build_frames(load_snapshot(path, max_entries=max_entries)))
+    del digests["info"]
+    return digests
+
+
+def _pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_compiled.PURE_PYTHON_VARIABLE, "1")
+
+
+# a trace with forward stacks (anomaly mode), one of two devices, a GPT-2 recording, an OOM
+SAMPLES = ["grad_anomaly_python", "dataparallel", "transformer_varlen", "oom_fragmentation"]
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+@pytest.mark.parametrize("keep", [1, 37, 400])
+def test_the_window_reads_what_a_recording_of_max_entries_would_hold(
+    name: str, keep: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = sample_path(name)
+    obj = _unpickled(path)
+    lengths = [len(t) for t in obj["device_traces"]]
+    assert max(lengths) > keep  # the window leaves something out
+    expected = _digests(_cut(obj, keep, tmp_path / "cut.pickle"))
+    snap = load_snapshot(path, max_entries=keep)
+    assert (snap.decoded_traces is not None) == (DECODER is not None)
+    assert snap.entries_left_out == tuple(max(n - keep, 0) for n in lengths)
+    assert _digests(path, keep) == expected
+    _pure_python(monkeypatch)
+    pure = load_snapshot(path, max_entries=keep)
+    assert pure.decoded_traces is None
+    assert pure.entries_left_out == snap.entries_left_out
+    assert _digests(path, keep) == expected
+
+
+def test_a_window_as_long_as_the_trace_leaves_nothing_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = sample_path("transformer_varlen")
+    whole = _digests(path)
+    n = max(len(t) for t in _unpickled(path)["device_traces"])
+    for keep in (n, n + 1, 10 * n):
+        snap = load_snapshot(path, max_entries=keep)
+        assert snap.entries_left_out == (0,) * len(snap.entries_left_out) and len(snap.entries_left_out) >= 1
+        assert _digests(path, keep) == whole
+
+
+def _sparse_entries(n: int) -> list[dict[str, Any]]:
+    """Entries whose forward stacks, private pools and compiled regions fall on either side of a
+    window's edge (the compiled reader keeps them by row and renumbers them)."""
+    frames = [{"filename": "train.py", "line": 7, "name": "step"}]
+    out = []
+    for i in range(n):
+        extra: dict[str, Any] = {"compile_context": "N/A", "pool_id": (0, 0)}
+        if i % 3 == 0:
+            extra["forward_frames"] = [f"File model.py, line {i}, in forward"]
+        if i % 4 == 1:
+            extra["pool_id"] = (1, i)
+        if i % 5 == 2:
+            extra["compile_context"] = f"[0/{i}]"
+        action = "alloc" if i % 2 == 0 else "free_completed"
+        out.append(event(action, 0x100000 * (i // 2 + 1), 512 * (i // 2 + 1), i, frames=frames, **extra))
+    return out
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5, 64, 65, 199])
+def test_forward_stacks_pools_and_compiled_regions_cross_the_windows_edge(
+    keep: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    obj = make_snapshot(traces=[_sparse_entries(200), _sparse_entries(90)])
+    path = write_pickle(tmp_path / "sparse.pickle", obj)
+    expected = _digests(_cut(obj, keep, tmp_path / "cut.pickle"))
+    snap = load_snapshot(path, max_entries=keep)
+    assert snap.entries_left_out == (max(200 - keep, 0), max(90 - keep, 0))
+    if DECODER is not None:
+        assert snap.decoded_traces is not None
+        first = snap.decoded_traces.devices[0]
+        assert first.size_of_trace == keep and first.left_out == 200 - keep
+        # rows renumbered from the window's first entry: row r is the file's entry 200 - keep + r
+        assert sorted(first.forward) == [r for r in range(keep) if (200 - keep + r) % 3 == 0]
+        assert sorted(first.pools) == [r for r in range(keep) if (200 - keep + r) % 4 == 1]
+        assert sorted(first.contexts) == [r for r in range(keep) if (200 - keep + r) % 5 == 2]
+    assert _digests(path, keep) == expected
+    _pure_python(monkeypatch)
+    assert _digests(path, keep) == expected
+
+
+@needs_decoder
+def test_the_compiled_reader_holds_about_the_window_not_the_file() -> None:
+    frames = [{"filename": "train.py", "line": k, "name": "step"} for k in range(8)]
+    n = 120_000
+    entries = [event("alloc" if i % 2 == 0 else "free_completed", 0x1000 * (i // 2), 512, i, frames) for i in range(n)]
+    data = pickle.dumps(make_snapshot(traces=[entries]), protocol=4)
+    del entries
+
+    def peak(max_entries: int | None) -> int:
+        tracemalloc.start()
+        try:
+            out = decode_pickle(data, max_entries=max_entries)
+            _, top = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert out is not None and out[1] is not None
+        assert out[1].devices[0].size_of_trace == min(n, max_entries or n)
+        return top
+
+    whole, window = peak(None), peak(1_000)
+    assert whole > 55 * n  # the columns: 55 bytes an entry
+    # a window's rows (and its slack), not the file's; what stays linear is the pickle's memo, a
+    # slot of 8 bytes for each object the file memoises (here each entry's dict)
+    assert window < 12 * n + 55 * 1_000 * 2
+
+
+def test_the_answers_say_what_the_window_left_out(tmp_path: Path) -> None:
+    path = sample_path("transformer_varlen")
+    n = len(_unpickled(path)["device_traces"][0])
+    stats = api.stats(path, max_entries=100).to_dict()
+    rec = stats["recording"]
+    assert rec["window"] == 100
+    assert rec["devices"][0]["entries_left_out"] == n - 100
+    assert rec["history_complete"] is False
+    whole = api.stats(path).to_dict()["recording"]
+    assert "window" not in whole and "entries_left_out" not in whole["devices"][0]
+    found = {f.id: f for f in api.findings(path, max_entries=100)}
+    history = found["history-incomplete"]
+    assert history.evidence["entries_left_out"] == n - 100
+    assert f"the {n - 100:,} before them were left out" in history.advice
+    assert "without max_entries" in history.advice
+    out = api.report(path, max_entries=100, output=tmp_path / "r.html", format="md")
+    assert f"the {n - 100:,} before them were left out" in Path(out).read_text()
+
+
+def test_the_window_is_kept_when_the_entries_are_read_again() -> None:
+    snap = load_snapshot(sample_path("pending_free"), max_entries=3)
+    assert [len(t) for t in snap.device_traces] == [
+        min(len(t), 3) for t in _unpickled(sample_path("pending_free"))["device_traces"]
+    ]
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5, "10"])
+def test_a_window_of_no_entries_is_refused(bad: Any) -> None:
+    with pytest.raises(ParameterError, match="max_entries must be a whole number of 1 or more"):
+        api.stats(sample_path("pending_free"), max_entries=bad)
+    with pytest.raises(ParameterError):
+        api.findings([sample_path("pending_free")], max_entries=bad)
+
+
+@pytest.mark.parametrize("command", ["stats", "leaks", "findings", "report"])
+def test_the_command_line_refuses_a_window_of_no_entries(command: str) -> None:
+    result = CliRunner().invoke(app, [command, str(sample_path("pending_free")), "--max-entries", "0"])
+    assert result.exit_code == 2
+    assert "--max-entries" in result.output
+
+
+def test_stats_json_on_the_command_line_with_a_window() -> None:
+    result = CliRunner().invoke(app, ["stats", str(sample_path("transformer_varlen")), "--max-entries", "50", "--json"])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.output)["recording"]
+    assert rec["window"] == 50 and rec["devices"][0]["entries_left_out"] > 0
