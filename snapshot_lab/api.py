@@ -28,7 +28,7 @@ from .aside import Aside, Worker, one_process
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
-from .load import load_snapshot
+from .load import load_snapshot, plain_pickle_size
 from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats, compute_stats
 from .metrics._memo import forget_named
@@ -78,6 +78,36 @@ def load_frames(
     snap = load_snapshot(snapshot, progress=progress, max_entries=max_entries)
     progress.stage("Building frames")
     return build_frames(snap, consume=True)
+
+
+def memory_note(snapshot: str | Path, command: str) -> str | None:
+    """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``) may need
+    more memory for this file than the machine has available, naming the ``max_entries`` that
+    fits (:mod:`snapshot_lab.sizing`); None when it fits, or where that cannot be told before
+    reading: a compressed or JSON file, no C extensions (then the window does not bound the
+    reading), a system that does not say its available memory."""
+    from . import sizing
+    from ._compiled import compiled
+    from .units import format_bytes
+
+    size = plain_pickle_size(snapshot)
+    available = sizing.available_memory()
+    if size is None or available is None or compiled("snapshot_lab.load._decode") is None:
+        return None
+    need = sizing.memory_need(command, size, available)
+    if need is None:
+        return None
+    fields = {
+        "name": Path(snapshot).name,
+        "size": format_bytes(size),
+        "entries": need.entries,
+        "command": command,
+        "need": format_bytes(need.need),
+        "available": format_bytes(need.available),
+    }
+    if need.window is None:
+        return sizing.NOTE_NO_WINDOW.format(**fields)
+    return sizing.NOTE.format(**fields, window=need.window, window_need=format_bytes(need.window_need))
 
 
 def _check_max_entries(max_entries: int | None) -> None:

@@ -131,6 +131,14 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
+def _note_memory(snapshot: Path, command: str, max_entries: int | None) -> None:
+    """Say before reading when the file may need more memory than the machine has (not when a
+    window was asked for: that is the answer to it)."""
+    note = None if max_entries is not None else api.memory_note(snapshot, command)
+    if note:
+        typer.echo(f"snaplab: note: {note}", err=True)
+
+
 def _wrote(path: Path | str) -> None:
     """Every command that writes a file confirms it the same way: one line on stderr (stdout
     keeps the tables and the JSON)."""
@@ -215,6 +223,7 @@ def stats(
     """Torch's memory counters (exactly as torch.cuda.memory_stats() had them), fragmentation and OOM cause."""
 
     def work() -> None:
+        _note_memory(snapshot, "stats", max_entries)
         with progress_bar(quiet) as progress:
             result = api.stats(
                 snapshot,
@@ -246,6 +255,7 @@ def leaks(
     """Leak suspects: allocation sites whose live memory grows with every iteration."""
 
     def work() -> None:
+        _note_memory(snapshot, "leaks", max_entries)
         with progress_bar(quiet) as progress:
             result = api.leaks(snapshot, progress=progress, max_entries=max_entries)
         if json_out:
@@ -277,6 +287,8 @@ def findings(
 
     def work() -> None:
         paths = list(dict.fromkeys(snapshot))
+        for path in paths:
+            _note_memory(path, "findings", max_entries)
         with progress_bar(quiet) as progress:
             if len(paths) == 1:  # one file: as it always was
                 one = api.findings(paths[0], progress=progress, max_entries=max_entries)
@@ -569,6 +581,7 @@ def report(
     in samples with --batch (both default to what the capture recorded)."""
 
     def work() -> None:
+        _note_memory(snapshot, "report", max_entries)
         with progress_bar(quiet) as progress:
             path = api.report(
                 snapshot,

@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from snapshot_lab import _compiled, api
+from snapshot_lab import _compiled, api, sizing
 from snapshot_lab.cli import app
 from snapshot_lab.errors import ParameterError
 from snapshot_lab.frames import build_frames
 from snapshot_lab.load import load_snapshot
 from snapshot_lab.load.decoded import decode_pickle
 from snapshot_lab.load.unpickler import safe_load
+from snapshot_lab.units import format_bytes
 
 from .conftest import event, make_snapshot, sample_path, write_pickle
 from .test_frames_identity import frames_identity
@@ -202,3 +203,66 @@ def test_stats_json_on_the_command_line_with_a_window() -> None:
     assert result.exit_code == 0, result.output
     rec = json.loads(result.output)["recording"]
     assert rec["window"] == 50 and rec["devices"][0]["entries_left_out"] > 0
+
+
+# --------------------------------------------------------------------------- the note before reading
+
+
+def test_a_file_that_fits_gets_no_note() -> None:
+    assert sizing.memory_need("report", 150 << 20, 16 << 30) is None
+    assert sizing.memory_need("stats", 8 << 30, 256 << 30) is None
+
+
+def test_the_note_bounds_the_entries_and_names_the_window_that_fits() -> None:
+    # a 7.6 GiB pickle (torch's 50M-entry file of benchmarks/) on a machine with 14 GiB available
+    need = sizing.memory_need("report", 7_970_811_260, 14 << 30)
+    assert need is not None
+    assert need.entries == 7_970_811_260 // 64 == 124_543_925
+    assert need.need == (400 << 20) + 220 * 124_543_925
+    # 80% of 14 GiB, less the fixed cost and the memo of 124.5M entries, at 220 bytes an entry
+    spare = int((14 << 30) * 0.8) - (400 << 20) - 16 * 124_543_925
+    assert need.window == spare // 220 - (spare // 220) % 1_000_000 == 43_000_000
+    assert need.window_need == (400 << 20) + 220 * 43_000_000 + 16 * 124_543_925
+    assert need.window_need <= (14 << 30) * 0.8
+    small = sizing.memory_need("stats", 200 << 20, 700 << 20)
+    assert small is not None and small.window == 823_000  # 823,881 fit; under a million, whole thousands
+    assert sizing.memory_need("report", 8 << 30, 256 << 20).window is None  # not even a small window
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   12345678 kB\n")
+    assert sizing.available_memory(meminfo) == 12_345_678 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert sizing.available_memory(meminfo) is None
+    assert sizing.available_memory(tmp_path / "absent") is None
+
+
+def test_the_command_line_notes_a_file_that_may_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = sample_path("oom_fragmentation")
+    assert plain.suffix == ".pickle"
+    monkeypatch.setattr(sizing, "available_memory", lambda: 300 << 20)
+    result = CliRunner().invoke(app, ["stats", str(plain), "--json"])
+    assert result.exit_code == 0
+    assert result.stderr == (
+        f"snaplab: note: {plain.name} ({format_bytes(plain.stat().st_size)}) may hold up to "
+        f"{plain.stat().st_size // 64:,} trace entries, which `stats` can need up to "
+        f"{format_bytes(sizing.needed('stats', plain.stat().st_size // 64))} of memory for; this machine has "
+        "300.00 MiB available, too little for any window of the trace.\n"
+    )
+    json.loads(result.stdout)  # the note is on stderr only
+    windowed = CliRunner().invoke(app, ["stats", str(plain), "--json", "--max-entries", "1000"])
+    assert windowed.exit_code == 0 and windowed.stderr == ""
+    assert api.memory_note(sample_path("transformer_varlen"), "stats") is None  # compressed: not told
+    monkeypatch.setattr(sizing, "available_memory", lambda: 64 << 30)
+    assert api.memory_note(plain, "report") is None
+
+
+def test_the_note_names_the_window_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 7_970_811_260)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 14 << 30)
+    assert api.memory_note("big.pickle", "report") == (
+        "big.pickle (7.42 GiB) may hold up to 124,543,925 trace entries, which `report` can need up to 25.91 GiB of "
+        "memory for; this machine has 14.00 GiB available. If it runs out, `--max-entries 43,000,000` reads each "
+        "device's last 43,000,000 entries in about 11.06 GiB."
+    )

@@ -13,6 +13,7 @@ import json
 import lzma
 import math
 import mmap
+import os
 import pickle
 import struct
 import tempfile
@@ -799,6 +800,18 @@ def detect_backend(data: dict[str, Any]) -> str | None:
 
 def _has_blocks(s: Any) -> bool:
     return type(s) is dict and type(s.get("blocks")) is list
+
+
+def plain_pickle_size(path: str | Path) -> int | None:
+    """The size of a file that is an uncompressed pickle (what the compiled reader maps), or None
+    for anything else: compressed, JSON, missing or unreadable (the loader says what is wrong)."""
+    try:
+        with Path(path).open("rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    return size if _pickle_protocol(head) is not None and sniff_compression(head) is None else None
 
 
 def load_snapshot(path: str | Path, progress: ProgressSink | None = None, max_entries: int | None = None) -> Snapshot:

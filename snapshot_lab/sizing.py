@@ -1,0 +1,86 @@
+"""Whether a snapshot file may need more memory than the machine has, and the window that fits.
+
+Read before the file is: its trace's length is not known yet, so it is bounded from the file's
+size (a trace entry takes at least ``MIN_PICKLE_BYTES_PER_ENTRY`` of an uncompressed pickle at
+scale; torch's files take 60 to 160), which errs towards saying it. The costs per entry are the
+ones ``benchmarks/RESULTS.md`` measured with the C extensions (all of a command's processes
+together, at 1M to 50M entries). Nothing here reads the file: a note is only ever a warning, the
+command runs as asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_PICKLE_BYTES_PER_ENTRY = 64
+FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
+BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150}
+MEMO_BYTES_PER_ENTRY = 16  # the pickle's memo while reading: a slot per entry's dict and frames list
+HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
+SMALLEST_WINDOW = 10_000
+
+NOTE = (
+    "{name} ({size}) may hold up to {entries:,} trace entries, which `{command}` can need up to {need} "
+    "of memory for; this machine has {available} available. If it runs out, `--max-entries {window:,}` reads "
+    "each device's last {window:,} entries in about {window_need}."
+)
+NOTE_NO_WINDOW = (
+    "{name} ({size}) may hold up to {entries:,} trace entries, which `{command}` can need up to {need} "
+    "of memory for; this machine has {available} available, too little for any window of the trace."
+)
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What a command may need for a file, against what the machine has."""
+
+    entries: int  # at most this many trace entries
+    need: int  # bytes a command may need for them
+    available: int  # bytes the machine has available now
+    window: int | None  # the --max-entries that fits the available memory (None: none does)
+    window_need: int  # bytes the command needs with that window
+
+
+def needed(command: str, entries: int) -> int:
+    """The bytes ``command`` needs (all its processes) for a trace of ``entries`` entries."""
+    return FIXED_BYTES + BYTES_PER_ENTRY[command] * entries
+
+
+def windowed(command: str, window: int, entries: int) -> int:
+    """The bytes ``command`` needs for a window of ``window`` entries on a file of ``entries``
+    (the window's own need, and the reader's memo, which grows with the file)."""
+    return needed(command, window) + MEMO_BYTES_PER_ENTRY * entries
+
+
+def window_that_fits(command: str, available: int, entries: int) -> int | None:
+    """The largest window (entries per device) of a file of ``entries`` whose need fills
+    ``HEADROOM`` of ``available``, rounded down to a million (a thousand below that); None when
+    not even a small one fits."""
+    spare = int(available * HEADROOM) - FIXED_BYTES - MEMO_BYTES_PER_ENTRY * entries
+    entries = spare // BYTES_PER_ENTRY[command]
+    step = 1_000_000 if entries >= 1_000_000 else 1_000
+    entries -= entries % step
+    return entries if entries >= SMALLEST_WINDOW else None
+
+
+def memory_need(command: str, data_bytes: int, available: int) -> MemoryNeed | None:
+    """The need of ``command`` for an uncompressed pickle of ``data_bytes`` where ``available``
+    bytes are available, when it may be more than that; None when it fits."""
+    entries = data_bytes // MIN_PICKLE_BYTES_PER_ENTRY
+    need = needed(command, entries)
+    if need <= available:
+        return None
+    window = window_that_fits(command, available, entries)
+    return MemoryNeed(entries, need, available, window, windowed(command, window, entries) if window else 0)
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` in bytes (Linux), or None where the system does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
