@@ -398,23 +398,32 @@ def write_atomic(path: Path, text: str | bytes) -> None:
 
 
 def summarize_file(
-    snapshot: str | Path, with_sites: bool = True, rules: CategoryRules | None = None
+    snapshot: str | Path,
+    with_sites: bool = True,
+    rules: CategoryRules | None = None,
+    max_entries: int | None = None,
 ) -> SnapshotSummary:
     """The small summary ``diff``, ``ranks`` and ``check`` compare (module-level, so a process
     pool or a Dask worker can run it and send back only the summary); ``rules``: the user's
-    category rules for its categories (:func:`rules_of`)."""
-    frames = load_frames(snapshot)
+    category rules for its categories (:func:`rules_of`); ``max_entries``: :func:`load_frames`'."""
+    frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
     return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites, rules)
 
 
 def _read_for_diff(
-    snapshot: str | Path, rules: CategoryRules | None, stages: bool, explorers: Payload | None, key: str
+    snapshot: str | Path,
+    rules: CategoryRules | None,
+    stages: bool,
+    explorers: Payload | None,
+    key: str,
+    max_entries: int | None = None,
 ) -> tuple[SnapshotSummary, Stages | None]:
     """A file's summary and, with ``stages``, the stages of its first device with ranges; with
     ``explorers``, its explorer added to the diff page's (``key``: "a" or "b"). Its frames are
-    read once and dropped before the next file is read."""
-    frames = load_frames(snapshot)
+    read once (each device's last ``max_entries`` entries, when given) and dropped before the
+    next file is read."""
+    frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
     summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
     found = next((st for st in file_stages(frames, rules).values() if st.ranges), None) if stages else None
@@ -434,11 +443,14 @@ def diff(
     category: list[str] | None = None,
     categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> SnapshotDiff:
     """What changed between two snapshots of the same job; with ``output``, also written as HTML
     (the two traces' explorers side by side, linked); with ``stages``, also their
     ``record_function`` ranges compared by name (``result.stages``); ``category``/
-    ``categories_file``: your own categories, compared like the built-in ones (:func:`rules_of`)."""
+    ``categories_file``: your own categories, compared like the built-in ones (:func:`rules_of`);
+    ``max_entries``: each file's last entries only (:func:`load_frames`)."""
+    _check_max_entries(max_entries)
     rules = rules_of(category, categories_file)
     progress = progress or NullProgress()
     explorers = None
@@ -447,9 +459,9 @@ def diff(
 
         explorers = Payload(linked=True)
     progress.stage("Reading the first snapshot")
-    a, stages_a = _read_for_diff(before, rules, stages, explorers, "a")
+    a, stages_a = _read_for_diff(before, rules, stages, explorers, "a", max_entries)
     progress.stage("Reading the second snapshot")
-    b, stages_b = _read_for_diff(after, rules, stages, explorers, "b")
+    b, stages_b = _read_for_diff(after, rules, stages, explorers, "b", max_entries)
     result = diff_summaries(a, b)
     if stages:
         result = replace(result, stages=compare_stages(stages_a, stages_b))
@@ -462,7 +474,12 @@ def diff(
 
 
 def _ranks_on_dask(
-    paths: list[str], scheduler: str, jobs: int, progress: ProgressSink, take: Callable[[str, Any], None]
+    paths: list[str],
+    scheduler: str,
+    jobs: int,
+    progress: ProgressSink,
+    take: Callable[[str, Any], None],
+    max_entries: int | None = None,
 ) -> None:
     """Parse each file on a Dask worker; only the small summaries come back. ``scheduler`` is a
     scheduler address (tcp://host:8786) or 'local' for a LocalCluster of ``jobs`` processes. The
@@ -485,7 +502,7 @@ def _ranks_on_dask(
             "scheduler", "cannot reach the Dask scheduler {address}: {problem}", address=scheduler, problem=exc
         ) from None
     try:
-        futures = client.map(summarize_file, paths, with_sites=False, pure=False)
+        futures = client.map(summarize_file, paths, with_sites=False, max_entries=max_entries, pure=False)
         owner = {f.key: p for f, p in zip(futures, paths, strict=True)}
         for i, fut in enumerate(as_completed(futures)):
             take(owner[fut.key], fut.result)
@@ -503,6 +520,7 @@ def ranks(
     scheduler: str | None = None,
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> Ranks:
     """One row per rank file, outliers flagged; files are parsed in parallel by ``jobs``
     processes, each holding one snapshot at a time (or on a Dask cluster with ``scheduler``:
@@ -512,8 +530,10 @@ def ranks(
     When the files span several pipeline stages (from the capture sidecars' parallel layout, or
     ``pp1``/``stage1`` in the names), each rank is compared only with the ranks of its own stage
     (``RankRow.group``) and the stages with each other: :func:`pipeline`.
-    Returns the rows and, per file that could not be read, its error (a :class:`Ranks`, which
-    unpacks as ``rows, errors``)."""
+    ``max_entries``: each file's last entries only (:func:`load_frames`), which bounds each
+    worker's memory. Returns the rows and, per file that could not be read, its error (a
+    :class:`Ranks`, which unpacks as ``rows, errors``)."""
+    _check_max_entries(max_entries)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshots))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
@@ -528,16 +548,16 @@ def ranks(
             errors[path] = exc.message()
 
     if scheduler is not None:
-        _ranks_on_dask(paths, scheduler, jobs, progress, take)
+        _ranks_on_dask(paths, scheduler, jobs, progress, take, max_entries)
     elif jobs == 1:
         for i, p in enumerate(paths):
-            take(p, functools.partial(summarize_file, p, False))
+            take(p, functools.partial(summarize_file, p, False, None, max_entries))
             progress.update(i + 1)
     else:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
         # one file per worker, each computed in its worker alone: the pool uses the CPUs already
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=one_process) as pool:
-            futures = {pool.submit(summarize_file, p, False): p for p in paths}
+            futures = {pool.submit(summarize_file, p, False, None, max_entries): p for p in paths}
             for i, fut in enumerate(concurrent.futures.as_completed(futures)):
                 take(futures[fut], fut.result)
                 progress.update(i + 1)

@@ -164,7 +164,7 @@ def _main(
     """snaplab reads snapshots offline: no GPU and no torch needed."""
 
 
-# a window on a trace too large for the machine's memory (stats, leaks, findings, report)
+# a window on a trace too large for the machine's memory (stats, leaks, findings, report, diff, ranks)
 MaxEntriesOpt = Annotated[
     int | None,
     typer.Option(
@@ -324,6 +324,7 @@ def diff(
     stages: StagesOpt = False,
     category: CategoryOpt = None,
     categories_file: CategoriesFileOpt = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -340,6 +341,7 @@ def diff(
                 category=category,
                 categories_file=categories_file,
                 progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(result.to_dict())
@@ -372,6 +374,7 @@ def ranks(
         typer.Option(help="Parse on a Dask cluster: its scheduler address (tcp://host:8786), or 'local'."),
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the table as HTML.")] = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -380,7 +383,14 @@ def ranks(
 
     def work() -> None:
         with progress_bar(quiet) as progress:
-            result = api.ranks(list(snapshots), jobs=jobs, scheduler=scheduler, output=output, progress=progress)
+            result = api.ranks(
+                list(snapshots),
+                jobs=jobs,
+                scheduler=scheduler,
+                output=output,
+                progress=progress,
+                max_entries=max_entries,
+            )
         rows, errors = result
         if json_out and rows:
             _print_json(result.to_dict())

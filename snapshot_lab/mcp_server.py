@@ -170,22 +170,27 @@ def diff(
     stages: bool = False,
     category: list[str] | None = None,
     categories_file: str | None = None,
+    max_entries: int | None = None,
 ) -> str:
     """What changed between two snapshots of one job: totals, categories, allocation sites, modules,
     findings; stages: also the record_function ranges of the two compared by name; category and
-    categories_file: your own categories, as in stats: `snaplab diff --json [--stages] [--category ...]`."""
+    categories_file: your own categories, as in stats; max_entries: each file's last N trace entries
+    only: `snaplab diff --json [--stages] [--category ...] [--max-entries N]`."""
     return _answer(
-        lambda: api.diff(before, after, stages=stages, category=category, categories_file=categories_file),
+        lambda: api.diff(
+            before, after, stages=stages, category=category, categories_file=categories_file, max_entries=max_entries
+        ),
         [before, after],
     )
 
 
-def ranks(snapshots: list[str], jobs: int | None = None) -> str:
+def ranks(snapshots: list[str], jobs: int | None = None, max_entries: int | None = None) -> str:
     """One row per rank file (peak, reserved, allocated, fragmentation, OOM), outliers flagged within
-    their pipeline stage; jobs: parallel worker processes on this machine: `snaplab ranks --json`."""
+    their pipeline stage; jobs: parallel worker processes on this machine; max_entries: each file's
+    last N trace entries only: `snaplab ranks --json [--max-entries N]`."""
 
     def compute() -> Any:
-        result = api.ranks(list(snapshots), jobs=jobs)
+        result = api.ranks(list(snapshots), jobs=jobs, max_entries=max_entries)
         if not result.rows:
             raise UsageError("; ".join(result.errors.values()) or "no snapshot files given")
         return result

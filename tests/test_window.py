@@ -266,3 +266,24 @@ def test_the_note_names_the_window_that_fits(monkeypatch: pytest.MonkeyPatch) ->
         "memory for; this machine has 14.00 GiB available. If it runs out, `--max-entries 43,000,000` reads each "
         "device's last 43,000,000 entries in about 11.06 GiB."
     )
+
+
+def test_diff_and_ranks_read_each_file_through_the_window(tmp_path: Path) -> None:
+    a, b = sample_path("ddp_bucketview_mlp_rank0"), sample_path("ddp_bucketview_mlp_rank1")
+    cut = [_cut(_unpickled(p), 40, tmp_path / p.name.replace(".xz", "")) for p in (a, b)]
+    for p in (a, b):  # the sidecars name the ranks and the layout
+        sidecar = p.with_name(p.name.split(".pickle")[0] + ".meta.json")
+        (tmp_path / sidecar.name).write_bytes(sidecar.read_bytes())
+    paths = ("before", "after")
+    windowed = {k: v for k, v in api.diff(a, b, max_entries=40).to_dict().items() if k not in paths}
+    expected = {k: v for k, v in api.diff(*cut).to_dict().items() if k not in paths}
+    assert windowed == expected
+    assert windowed != {k: v for k, v in api.diff(a, b).to_dict().items() if k not in paths}
+    rows, errors = api.ranks([a, b], jobs=1, max_entries=40)
+    cut_rows, _ = api.ranks(cut, jobs=1)
+    assert errors == {} and len(rows) == 2
+    assert [r.summary.peak_requested_bytes for r in rows] == [r.summary.peak_requested_bytes for r in cut_rows]
+    with pytest.raises(ParameterError):
+        api.ranks([a, b], max_entries=0)
+    with pytest.raises(ParameterError):
+        api.diff(a, b, max_entries=0)
