@@ -606,10 +606,12 @@ def check(
     baseline: str | Path | None = None,
     max_growth: str | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> Violations:
     """Limits for CI gates; returns the violated ones (empty: all limits hold). Sizes are
     strings like ``40GiB`` (a unit is required); ``max_growth`` like ``5%`` or ``0.05``. An
-    out-of-memory error in the trace fails the gate unless ``no_oom=False``."""
+    out-of-memory error in the trace fails the gate unless ``no_oom=False``. ``max_entries``:
+    each file's last entries only (:func:`load_frames`)."""
 
     growth: float | None = None
     if max_growth is not None:
@@ -632,8 +634,9 @@ def check(
         max_growth=growth,
     )
     (progress or NullProgress()).stage("Reading")
-    summary = summarize_file(snapshot, with_sites=False)
-    base = summarize_file(baseline, with_sites=False) if baseline is not None else None
+    _check_max_entries(max_entries)
+    summary = summarize_file(snapshot, with_sites=False, max_entries=max_entries)
+    base = summarize_file(baseline, with_sites=False, max_entries=max_entries) if baseline is not None else None
     return Violations(check_limits(summary, limits, base))
 
 
@@ -649,6 +652,7 @@ def export(
     category: list[str] | None = None,
     categories_file: str | Path | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> list[Path]:
     """Write the frames (segments, blocks, events, stack_frames, stacks, annotations) to
     ``output/<table>.<format>`` (``parquet``, ``csv``, ``json``: JSON lines), or with
@@ -658,7 +662,8 @@ def export(
     bytes and of each category, and a slice per allocation with its stack, at most
     ``max_slices`` per device (those alive at the peak first, then the largest); with
     ``category``/``categories_file``, your own categories' counters and slices (:func:`rules_of`;
-    Perfetto only: the tables hold no categories). Returns the files written."""
+    Perfetto only: the tables hold no categories); ``max_entries``: each device's last entries only
+    (:func:`load_frames`). Returns the files written."""
     if format not in EXPORT_FORMATS:
         raise ParameterError("format", "{format} must be one of {choices}", choices=", ".join(EXPORT_FORMATS))
     if max_slices < 0:
@@ -668,7 +673,7 @@ def export(
         raise ParameterError("category", "{category} needs {format:perfetto} (the tables hold no categories)")
     if format == "perfetto":
         out = Path(output) if output is not None else default_report_path(snapshot, "perfetto.json")
-        return [_export_perfetto(snapshot, out, max_slices, progress, rules)]
+        return [_export_perfetto(snapshot, out, max_slices, progress, rules, max_entries)]
     if output is None:
         raise ParameterError("output", "{output} is needed: the folder to write the tables into")
     if format == "parquet":
@@ -678,7 +683,7 @@ def export(
             raise ParameterError(
                 "format", "parquet needs pyarrow: pip install 'snapshot-lab[parquet]' (or {format:csv})"
             ) from None
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     return _write_tables(frames, Path(output), format)
 
 
@@ -713,6 +718,7 @@ def _export_perfetto(
     max_slices: int,
     progress: ProgressSink | None,
     rules: CategoryRules | None = None,
+    max_entries: int | None = None,
 ) -> Path:
     """The Perfetto trace of ``snapshot`` written to ``out`` (:mod:`snapshot_lab.render.perfetto`)."""
     import json
@@ -720,7 +726,7 @@ def _export_perfetto(
     from . import __version__
     from .render.perfetto import build_perfetto_trace
 
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Building the trace")
     trace = build_perfetto_trace(
         frames, source=Path(snapshot).name, version=__version__, max_slices=max_slices, category_rules=rules
@@ -828,16 +834,18 @@ def whatif(
     defaults: bool = False,
     memory_limit: str | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> WhatIfs:
     """Replay each device's trace through the allocator model: a check under the recorded
     settings, then ``settings`` (``KEY:VALUE`` as in PYTORCH_CUDA_ALLOC_CONF, one scenario applied
     on top of the recorded settings, or PyTorch's defaults with ``defaults``) or, with none, a
-    grid of sensible alternatives. ``memory_limit`` like ``40GiB``."""
+    grid of sensible alternatives. ``memory_limit`` like ``40GiB``. ``max_entries``: each device's last
+    entries only (:func:`load_frames`)."""
     from .metrics.allocator.whatif import analyse_whatif, infer_memory_limit, recorded_settings, scenarios_for
     from .metrics.history.timeline import device_timeline
 
     limit = _size_or_none(memory_limit, "memory_limit")
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Replaying")
     stats_ = _stats_beside(frames)
     recorded = recorded_settings(frames.info.allocator_settings)
@@ -897,13 +905,15 @@ def plan(
     memory_limit: str | None = None,
     output: str | Path | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> MemoryPlan | PlanTable:
     """Memory per GPU if the recorded single-GPU job ran under ``strategy`` over ``world_size``
     GPUs: ``ddp``, ``zero1``, ``fsdp`` (FSDP2; ``zero2``/``zero3`` are FSDP2 without/with
     ``reshard_after_forward``), ``fsdp1``, ``tp``, ``pp`` or ``fsdp+tp``; without ``strategy``,
     a :class:`PlanTable` of the usual choices. ``pp_split`` like ``"4,4"`` (blocks per stage);
     ``memory_limit`` like ``80GiB`` (default: the device's capacity from the capture sidecar).
-    With ``output``, also written as HTML."""
+    With ``output``, also written as HTML. ``max_entries``: each device's last entries only
+    (:func:`load_frames`)."""
     from .metrics.plan import PlanUnsupported, Strategy, plan_memory, plan_table
 
     limit = _size_or_none(memory_limit, "memory_limit")
@@ -935,7 +945,7 @@ def plan(
             chosen = chosen.resolved()
         except ValueError as exc:
             raise ParameterError("strategy", "{strategy}: {problem}", problem=exc) from None
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Planning")
     source = "--memory-limit" if limit is not None else ""
     result: MemoryPlan | PlanTable
@@ -968,6 +978,7 @@ def fit(
     bf16: bool = False,
     optimizer: str | None = None,
     progress: ProgressSink | None = None,
+    max_entries: int | None = None,
 ) -> FitResult:
     """The smallest change that makes the job fit: one whole training step (forward, backward,
     optimizer step) predicted at ``batch_scale`` times the recorded batch under the levers asked
@@ -975,14 +986,15 @@ def fit(
     limit the recorded run ran out of, else the device's capacity), the largest batch per lever,
     in samples when ``recorded_batch`` is given (default: the batch size the capture sidecar
     recorded, if any). ``optimizer`` (``adamw``, ``sgd-momentum``...)
-    when the stacks do not name it (a run that failed before its first step)."""
+    when the stacks do not name it (a run that failed before its first step). ``max_entries``:
+    each device's last entries only (:func:`load_frames`; the window must hold a step)."""
     from .metrics.fit import compute_fit
     from .metrics.fit.model import FitUnsupported
 
     limit, batch = _fit_inputs(memory_limit, recorded_batch)
     if not batch_scale > 0:
         raise ParameterError("batch_scale", "{batch_scale} must be positive")
-    frames = load_frames(snapshot, progress=progress)
+    frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Fitting")
     with _refused(snapshot, "fit", FitUnsupported):
         return compute_fit(

@@ -164,7 +164,7 @@ def _main(
     """snaplab reads snapshots offline: no GPU and no torch needed."""
 
 
-# a window on a trace too large for the machine's memory (stats, leaks, findings, report, diff, ranks)
+# a window on a trace too large for the machine's memory (every command that reads a snapshot)
 MaxEntriesOpt = Annotated[
     int | None,
     typer.Option(
@@ -431,6 +431,7 @@ def check(
     no_leaks: Annotated[bool, typer.Option("--no-leaks", help="Fail if memory leaks across iterations.")] = False,
     baseline: Annotated[Path | None, typer.Option(help="Snapshot to compare against.")] = None,
     max_growth: Annotated[str | None, typer.Option(help="Largest allowed growth over --baseline, e.g. 5%.")] = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -450,6 +451,7 @@ def check(
                 baseline=baseline,
                 max_growth=max_growth,
                 progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(violations.to_dict())
@@ -495,6 +497,7 @@ def export(
     ] = DEFAULT_MAX_SLICES,
     category: CategoryOpt = None,
     categories_file: CategoriesFileOpt = None,
+    max_entries: MaxEntriesOpt = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -511,6 +514,7 @@ def export(
                 category=category,
                 categories_file=categories_file,
                 progress=progress,
+                max_entries=max_entries,
             )
         for p in written:
             typer.echo(str(p))
@@ -538,6 +542,7 @@ def whatif(
             help="Device capacity or per-process limit the job ran under, e.g. 40GiB [default: from the OOM]."
         ),
     ] = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -547,7 +552,12 @@ def whatif(
     def work() -> None:
         with progress_bar(quiet) as progress:
             result = api.whatif(
-                snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit, progress=progress
+                snapshot,
+                settings=settings,
+                defaults=defaults,
+                memory_limit=memory_limit,
+                progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(result.to_dict())
@@ -712,6 +722,7 @@ def plan(
         typer.Option(help="Memory per GPU to fit in, e.g. 80GiB [default: the device's capacity from the sidecar]."),
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the plan as HTML.")] = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -735,6 +746,7 @@ def plan(
                 memory_limit=memory_limit,
                 output=output,
                 progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(result.to_dict())
@@ -764,6 +776,7 @@ def fit(
             help="The optimizer, when the stacks do not name it: adamw, adamw-fused, sgd-momentum, 8-bit adam, ..."
         ),
     ] = None,
+    max_entries: MaxEntriesOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -781,6 +794,7 @@ def fit(
                 bf16=bf16,
                 optimizer=optimizer,
                 progress=progress,
+                max_entries=max_entries,
             )
         if json_out:
             _print_json(result.to_dict())

@@ -135,10 +135,12 @@ def fit(
     checkpointing: bool = False,
     bf16: bool = False,
     optimizer: str | None = None,
+    max_entries: int | None = None,
 ) -> str:
     """What makes this job fit: the whole step's peak under other batches and levers, and the largest
     batch per lever under memory_limit (like '6GiB'; default: the limit the run ran out of, else the
-    device's capacity); recorded_batch (samples) gives answers in samples: `snaplab fit --json`."""
+    device's capacity); recorded_batch (samples) gives answers in samples; max_entries: the trace's
+    last N entries only: `snaplab fit --json`."""
     return _answer(
         lambda: api.fit(
             snapshot,
@@ -148,19 +150,28 @@ def fit(
             checkpointing=checkpointing,
             bf16=bf16,
             optimizer=optimizer,
+            max_entries=max_entries,
         ),
         [snapshot],
     )
 
 
 def whatif(
-    snapshot: str, settings: list[str] | None = None, defaults: bool = False, memory_limit: str | None = None
+    snapshot: str,
+    settings: list[str] | None = None,
+    defaults: bool = False,
+    memory_limit: str | None = None,
+    max_entries: int | None = None,
 ) -> str:
     """Would other allocator settings have avoided the OOM: the trace replayed through a model of the
     allocator. settings: KEY:VALUE as in PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, ...), one
-    combined scenario; none: a grid of alternatives: `snaplab whatif --json`."""
+    combined scenario; none: a grid of alternatives; max_entries: the trace's last N entries only:
+    `snaplab whatif --json`."""
     return _answer(
-        lambda: api.whatif(snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit), [snapshot]
+        lambda: api.whatif(
+            snapshot, settings=settings, defaults=defaults, memory_limit=memory_limit, max_entries=max_entries
+        ),
+        [snapshot],
     )
 
 

@@ -91,6 +91,7 @@ def test_the_client_lists_the_tools(conversation):
         "checkpointing",
         "bf16",
         "optimizer",
+        "max_entries",
     }
     assert all(tool.description for tool in tools.values())
 

@@ -287,3 +287,18 @@ def test_diff_and_ranks_read_each_file_through_the_window(tmp_path: Path) -> Non
         api.ranks([a, b], max_entries=0)
     with pytest.raises(ParameterError):
         api.diff(a, b, max_entries=0)
+
+
+def test_every_command_that_reads_a_snapshot_reads_it_through_the_window(tmp_path: Path) -> None:
+    path = sample_path("transformer_varlen")
+    cut = _cut(_unpickled(path), 3_000, tmp_path / "transformer_varlen.pickle")
+    assert api.whatif(path, max_entries=3_000).to_dict() == api.whatif(cut).to_dict()
+    assert api.fit(path, max_entries=3_000).to_dict() == api.fit(cut).to_dict()
+    window, whole = api.plan(path, world_size=2, max_entries=3_000), api.plan(cut, world_size=2)
+    assert window.to_dict() == whole.to_dict()
+    assert api.check(path, max_peak="1GiB", max_entries=3_000).to_dict() == api.check(cut, max_peak="1GiB").to_dict()
+    tables = api.export(path, output=tmp_path / "tables", format="csv", max_entries=3_000)
+    events = next(p for p in tables if p.name == "events.csv")
+    assert len(events.read_text().splitlines()) == 3_000 + 1
+    with pytest.raises(ParameterError):
+        api.check(path, max_entries=0)
