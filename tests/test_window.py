@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import lzma
 import pickle
+import random
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from snapshot_lab.load.unpickler import safe_load
 from snapshot_lab.units import format_bytes
 
 from .conftest import event, make_snapshot, sample_path, write_pickle
+from .test_decode import _assert_same_as_pickle
 from .test_frames_identity import frames_identity
 
 DECODER = _compiled.compiled("snapshot_lab.load._decode")
@@ -85,8 +87,9 @@ def test_a_window_as_long_as_the_trace_leaves_nothing_out(monkeypatch: pytest.Mo
     path = sample_path("transformer_varlen")
     whole = _digests(path)
     n = max(len(t) for t in _unpickled(path)["device_traces"])
-    for keep in (n, n + 1, 10 * n):
+    for keep in (n, n + 1, 10 * n, 2**62, 2**63 - 1, 2**70):
         snap = load_snapshot(path, max_entries=keep)
+        assert (snap.decoded_traces is not None) == (DECODER is not None)
         assert snap.entries_left_out == (0,) * len(snap.entries_left_out) and len(snap.entries_left_out) >= 1
         assert _digests(path, keep) == whole
 
@@ -302,3 +305,36 @@ def test_every_command_that_reads_a_snapshot_reads_it_through_the_window(tmp_pat
     assert len(events.read_text().splitlines()) == 3_000 + 1
     with pytest.raises(ParameterError):
         api.check(path, max_entries=0)
+
+
+def _cut_reference(reference: Any, keep: int) -> Any:
+    if type(reference) is dict and type(reference.get("device_traces")) is list:
+        traces = reference["device_traces"]
+        if all(type(t) is list for t in traces):
+            return {**reference, "device_traces": [t[-keep:] for t in traces]}
+    return reference
+
+
+@needs_decoder
+@pytest.mark.parametrize("name", ["pytest_over_limit_peak", "grad_anomaly_python"])
+@pytest.mark.parametrize("keep", [1, 3, 10])
+def test_seeded_byte_flips_under_a_window_give_up_or_equal_the_cut_pickle(name: str, keep: int) -> None:
+    path = sample_path(name)
+    with lzma.open(path) if path.suffix == ".xz" else path.open("rb") as f:
+        data = f.read()
+    rng = random.Random(4040 + keep)
+    decoded = 0
+    for _ in range(600):
+        mutated = bytearray(data)
+        for _ in range(rng.choice((1, 1, 2, 4))):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        out = decode_pickle(bytes(mutated), max_entries=keep)
+        if out is None:
+            continue
+        reference = pickle.loads(bytes(mutated))  # it decoded: pickle must read it too
+        _assert_same_as_pickle(out, _cut_reference(reference, keep))
+        if out[1] is not None:
+            lengths = [len(t) for t in reference["device_traces"]]
+            assert [d.left_out for d in out[1].devices] == [max(n - keep, 0) for n in lengths]
+        decoded += 1
+    assert decoded > 20

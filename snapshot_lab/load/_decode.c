@@ -1498,6 +1498,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "keep must be 0 (every entry) or more");
         return NULL;
     }
+    if (keep > PY_SSIZE_T_MAX / 4) { /* more entries than any buffer holds: every entry (and no overflow below) */
+        keep = 0;
+    }
     VM *vm = PyMem_Calloc(1, sizeof(VM));
     if (vm == NULL) {
         PyBuffer_Release(&buf);

@@ -120,7 +120,7 @@ def decode_pickle(
     if on_progress is not None or max_entries is not None:
         args += (on_progress,)
     if max_entries is not None:
-        args += (max_entries,)
+        args += (max_entries if max_entries < 2**62 else 0,)  # 0: every entry (no file holds 2**62)
     out = decoder.decode(*args)
     if out is None:
         return None
