@@ -16,7 +16,6 @@ from pathlib import Path
 MIN_PICKLE_BYTES_PER_ENTRY = 64
 FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
 BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150}
-MEMO_BYTES_PER_ENTRY = 16  # the pickle's memo while reading: a slot per entry's dict and frames list
 HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
 SMALLEST_WINDOW = 10_000
 
@@ -47,18 +46,11 @@ def needed(command: str, entries: int) -> int:
     return FIXED_BYTES + BYTES_PER_ENTRY[command] * entries
 
 
-def windowed(command: str, window: int, entries: int) -> int:
-    """The bytes ``command`` needs for a window of ``window`` entries on a file of ``entries``
-    (the window's own need, and the reader's memo, which grows with the file)."""
-    return needed(command, window) + MEMO_BYTES_PER_ENTRY * entries
-
-
-def window_that_fits(command: str, available: int, entries: int) -> int | None:
-    """The largest window (entries per device) of a file of ``entries`` whose need fills
-    ``HEADROOM`` of ``available``, rounded down to a million (a thousand below that); None when
-    not even a small one fits."""
-    spare = int(available * HEADROOM) - FIXED_BYTES - MEMO_BYTES_PER_ENTRY * entries
-    entries = spare // BYTES_PER_ENTRY[command]
+def window_that_fits(command: str, available: int) -> int | None:
+    """The largest window (entries per device) whose need fills ``HEADROOM`` of ``available``
+    (a window's need does not grow with the file), rounded down to a million (a thousand below
+    that); None when not even a small one fits."""
+    entries = (int(available * HEADROOM) - FIXED_BYTES) // BYTES_PER_ENTRY[command]
     step = 1_000_000 if entries >= 1_000_000 else 1_000
     entries -= entries % step
     return entries if entries >= SMALLEST_WINDOW else None
@@ -71,8 +63,8 @@ def memory_need(command: str, data_bytes: int, available: int) -> MemoryNeed | N
     need = needed(command, entries)
     if need <= available:
         return None
-    window = window_that_fits(command, available, entries)
-    return MemoryNeed(entries, need, available, window, windowed(command, window, entries) if window else 0)
+    window = window_that_fits(command, available)
+    return MemoryNeed(entries, need, available, window, needed(command, window) if window else 0)
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:

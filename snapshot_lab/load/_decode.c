@@ -58,7 +58,12 @@ typedef struct {
     int32_t aux; /* K_TRACE, K_ENTRY: device; K_FRAMES: builder */
 } Item;
 
-/* memo slots: a PyObject* (owned, low bits 0), or a tagged value */
+/* memo slots: a PyObject* (owned, low bits 0), or a tagged value. Under a window (keep > 0) a
+ * chunk of slots that holds only tagged values (entries and their finished frames lists: one or
+ * two a trace entry) is given back once two newer chunks exist, so the memo does not grow with
+ * the trace; a reference to a slot given back gives up (the Python path reads the file). */
+#define MEMO_CHUNK_BITS 12
+#define MEMO_CHUNK ((Py_ssize_t)1 << MEMO_CHUNK_BITS)
 enum { M_OPAQUE = 1, M_PENDING = 2, M_DONE = 3 };
 #define MEMO_TAG(v) ((uintptr_t)(v) & 7u)
 #define MEMO_VAL(v) ((int64_t)((uintptr_t)(v) >> 3))
@@ -119,8 +124,8 @@ typedef struct {
     Py_ssize_t len, cap;
     Py_ssize_t *marks;
     Py_ssize_t nmarks, marks_cap;
-    PyObject **memo;
-    Py_ssize_t memo_len, memo_cap;
+    PyObject ***memo_chunks; /* the memo in chunks of MEMO_CHUNK slots; NULL: a chunk given back (window) */
+    Py_ssize_t memo_len, memo_nchunks, memo_chunks_cap;
     PyObject *root;
     int devices_made, devices_set;
     Device *devices;
@@ -160,6 +165,15 @@ static int grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t width) {
     *buf = fresh;
     *cap = size;
     return 0;
+}
+
+/* the memo's slot `index`, or NULL: beyond its end, or in a chunk given back */
+static inline PyObject **memo_slot(VM *vm, uint64_t index) {
+    if (index >= (uint64_t)vm->memo_len) {
+        return NULL;
+    }
+    PyObject **chunk = vm->memo_chunks[index >> MEMO_CHUNK_BITS];
+    return chunk != NULL ? &chunk[index & (uint64_t)(MEMO_CHUNK - 1)] : NULL;
 }
 
 static int push_slow(VM *vm, PyObject *obj) {
@@ -550,11 +564,9 @@ static int64_t finish_builder(VM *vm, Item *v) {
     }
     b->n = 0;
     b->in_use = 0;
-    if (key >= 0 && b->memo_index >= 0 && b->memo_index < vm->memo_len) {
-        PyObject *m = vm->memo[b->memo_index];
-        if (MEMO_TAG(m) == M_PENDING && MEMO_VAL(m) == b->generation) {
-            vm->memo[b->memo_index] = MEMO_MAKE(M_DONE, key);
-        }
+    PyObject **slot = key >= 0 && b->memo_index >= 0 ? memo_slot(vm, (uint64_t)b->memo_index) : NULL;
+    if (slot != NULL && MEMO_TAG(*slot) == M_PENDING && MEMO_VAL(*slot) == b->generation) {
+        *slot = MEMO_MAKE(M_DONE, key);
     }
     return key;
 }
@@ -873,6 +885,42 @@ static Py_ssize_t pop_mark(VM *vm) {
 
 /* ---------- memo ---------- */
 
+/* under a window, the chunk two before the newest given back when it holds only tagged values
+   other than a pending frames list (nothing a later reference could need but the Python path) */
+static void memo_forget_old(VM *vm) {
+    Py_ssize_t c = vm->memo_nchunks - 3;
+    if (vm->keep <= 0 || c < 0 || vm->memo_chunks[c] == NULL) {
+        return;
+    }
+    PyObject **chunk = vm->memo_chunks[c];
+    for (Py_ssize_t i = 0; i < MEMO_CHUNK; i++) {
+        uintptr_t tag = MEMO_TAG(chunk[i]);
+        if (chunk[i] == NULL || tag == 0 || tag == M_PENDING) {
+            return;
+        }
+    }
+    PyMem_Free(chunk);
+    vm->memo_chunks[c] = NULL;
+}
+
+/* a new slot at the memo's end (a chunk added when the last is full): its address, or NULL */
+static PyObject **memo_append(VM *vm) {
+    if ((vm->memo_len & (MEMO_CHUNK - 1)) == 0) {
+        if (grow((void **)&vm->memo_chunks, &vm->memo_chunks_cap, vm->memo_nchunks + 1, sizeof(PyObject **)) < 0) {
+            return NULL;
+        }
+        PyObject **chunk = PyMem_Calloc((size_t)MEMO_CHUNK, sizeof(PyObject *));
+        if (chunk == NULL) {
+            return NULL;
+        }
+        vm->memo_chunks[vm->memo_nchunks++] = chunk;
+        memo_forget_old(vm);
+    }
+    PyObject **slot = &vm->memo_chunks[vm->memo_nchunks - 1][vm->memo_len & (MEMO_CHUNK - 1)];
+    vm->memo_len++;
+    return slot;
+}
+
 static int memo_put(VM *vm, Py_ssize_t index) {
     if (vm->len <= fence(vm) || index < 0 || index > vm->memo_len) {
         return -1;
@@ -902,18 +950,15 @@ static int memo_put(VM *vm, Py_ssize_t index) {
     default:
         value = MEMO_MAKE(M_OPAQUE, 0);
     }
-    if (index == vm->memo_len) {
-        if (grow((void **)&vm->memo, &vm->memo_cap, vm->memo_len + 1, sizeof(PyObject *)) < 0) {
-            if (MEMO_TAG(value) == 0) {
-                Py_DECREF(value);
-            }
-            return -1;
+    PyObject **slot = index == vm->memo_len ? memo_append(vm) : memo_slot(vm, (uint64_t)index);
+    if (slot == NULL) {
+        if (MEMO_TAG(value) == 0) {
+            Py_DECREF(value);
         }
-        vm->memo[vm->memo_len++] = value;
-        return 0;
+        return -1;
     }
-    PyObject *old = vm->memo[index];
-    vm->memo[index] = value;
+    PyObject *old = *slot;
+    *slot = value;
     if (old != NULL && MEMO_TAG(old) == 0) {
         Py_DECREF(old);
     }
@@ -921,10 +966,8 @@ static int memo_put(VM *vm, Py_ssize_t index) {
 }
 
 static int memo_get(VM *vm, uint64_t index) {
-    if (index >= (uint64_t)vm->memo_len) {
-        return -1;
-    }
-    PyObject *m = vm->memo[index];
+    PyObject **slot = memo_slot(vm, index);
+    PyObject *m = slot != NULL ? *slot : NULL;
     if (m == NULL) {
         return -1;
     }
@@ -1130,7 +1173,8 @@ static int frames_batch(VM *vm) {
         } else {
             break;
         }
-        PyObject *m = index < (uint64_t)vm->memo_len ? vm->memo[index] : NULL;
+        PyObject **slot = memo_slot(vm, index);
+        PyObject *m = slot != NULL ? *slot : NULL;
         if (m == NULL || MEMO_TAG(m) != 0 || m == vm->root) {
             break; /* q stays on it: run one by one, they give up there or do something else */
         }
@@ -1459,12 +1503,16 @@ static void vm_free(VM *vm) {
     pop_to(vm, 0);
     PyMem_Free(vm->stack);
     PyMem_Free(vm->marks);
-    for (Py_ssize_t i = 0; i < vm->memo_len; i++) {
-        if (vm->memo[i] != NULL && MEMO_TAG(vm->memo[i]) == 0) {
-            Py_DECREF(vm->memo[i]);
+    for (Py_ssize_t c = 0; c < vm->memo_nchunks; c++) {
+        PyObject **chunk = vm->memo_chunks[c];
+        for (Py_ssize_t i = 0; chunk != NULL && i < MEMO_CHUNK && c * MEMO_CHUNK + i < vm->memo_len; i++) {
+            if (chunk[i] != NULL && MEMO_TAG(chunk[i]) == 0) {
+                Py_DECREF(chunk[i]);
+            }
         }
+        PyMem_Free(chunk);
     }
-    PyMem_Free(vm->memo);
+    PyMem_Free(vm->memo_chunks);
     for (Py_ssize_t i = 0; i < vm->n_devices; i++) {
         free_device(&vm->devices[i]);
     }
