@@ -197,6 +197,12 @@ def test_a_window_of_no_entries_is_refused(bad: Any) -> None:
         api.findings([sample_path("pending_free")], max_entries=bad)
 
 
+def test_the_loader_refuses_a_window_of_no_entries() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_entries must be 1 or more"):
+            load_snapshot(sample_path("pending_free"), max_entries=bad)
+
+
 @pytest.mark.parametrize("command", ["stats", "leaks", "findings", "report"])
 def test_the_command_line_refuses_a_window_of_no_entries(command: str) -> None:
     result = CliRunner().invoke(app, [command, str(sample_path("pending_free")), "--max-entries", "0"])

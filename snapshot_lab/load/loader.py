@@ -824,6 +824,8 @@ def load_snapshot(path: str | Path, progress: ProgressSink | None = None, max_en
     Raises :class:`~snapshot_lab.errors.SnapshotFormatError` for anything that is not a
     readable snapshot, including pickles that reference Python globals.
     """
+    if max_entries is not None and max_entries < 1:
+        raise ValueError(f"max_entries must be 1 or more, not {max_entries}")
     p = Path(path)
     obj, source, traces = _read_object(p, progress or NullProgress(), max_entries=max_entries)
     snap = normalise(obj, source, traces, max_entries)
