@@ -63,6 +63,16 @@ def test_the_mapped_file_reports_its_offset(big_trace: Path, reference: pd.DataF
     pd.testing.assert_frame_equal(events, reference)
 
 
+@pytest.mark.skipif(not _compiled.describe().startswith("compiled"), reason="the compiled reader is not built")
+def test_a_window_is_named_beside_the_bytes_read(big_trace: Path) -> None:
+    progress = Recorder()
+    snap = load_snapshot(big_trace, progress=progress, max_entries=1_000)
+    size = big_trace.stat().st_size
+    assert progress.stages == [(f"Reading {big_trace.name}, keeping each trace's last 1,000 entries", size)]
+    assert progress.updates and progress.updates == sorted(progress.updates) and progress.updates[-1] <= size
+    assert snap.decoded_traces is not None and snap.decoded_traces.devices[0].size_of_trace == 1_000
+
+
 def test_a_compressed_file_reports_the_compressed_bytes_read(
     big_trace: Path, reference: pd.DataFrame, tmp_path: Path
 ) -> None:

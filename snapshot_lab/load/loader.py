@@ -196,7 +196,8 @@ def _read_object(
     if size == 0:
         raise SnapshotFormatError(path, "empty file (0 bytes)")
     compression = sniff_compression(head)
-    progress.stage(f"Reading {path.name}", total=size)
+    window = "" if max_entries is None else f", keeping each trace's last {max_entries:,} entries"
+    progress.stage(f"Reading {path.name}{window}", total=size)
     # the most bytes the data can have: the file's size, or a ceiling on what decompresses
     ceiling = size if compression is None else decompressed_ceiling(size)
     try:
