@@ -450,7 +450,6 @@ def diff(
     ``record_function`` ranges compared by name (``result.stages``); ``category``/
     ``categories_file``: your own categories, compared like the built-in ones (:func:`rules_of`);
     ``max_entries``: each file's last entries only (:func:`load_frames`)."""
-    _check_max_entries(max_entries)
     rules = rules_of(category, categories_file)
     progress = progress or NullProgress()
     explorers = None
@@ -634,7 +633,6 @@ def check(
         max_growth=growth,
     )
     (progress or NullProgress()).stage("Reading")
-    _check_max_entries(max_entries)
     summary = summarize_file(snapshot, with_sites=False, max_entries=max_entries)
     base = summarize_file(baseline, with_sites=False, max_entries=max_entries) if baseline is not None else None
     return Violations(check_limits(summary, limits, base))

@@ -19,15 +19,14 @@ BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150}
 HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
 SMALLEST_WINDOW = 10_000
 
-NOTE = (
+_NEED = (
     "{name} ({size}) may hold up to {entries:,} trace entries, which `{command}` can need up to {need} "
-    "of memory for; this machine has {available} available. If it runs out, `--max-entries {window:,}` reads "
-    "each device's last {window:,} entries in about {window_need}."
+    "of memory for; this machine has {available} available"
 )
-NOTE_NO_WINDOW = (
-    "{name} ({size}) may hold up to {entries:,} trace entries, which `{command}` can need up to {need} "
-    "of memory for; this machine has {available} available, too little for any window of the trace."
+NOTE = _NEED + (
+    ". If it runs out, `--max-entries {window:,}` reads each device's last {window:,} entries in about {window_need}."
 )
+NOTE_NO_WINDOW = _NEED + ", too little for any window of the trace."
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...units import format_bytes
+from ..recording import Recording
 from .base import Finding, FindingContext
 
 
@@ -15,6 +16,17 @@ def _cause(overflowed: bool | None, max_entries: int | None) -> str:
     if overflowed is False:
         return "Recording started after these blocks were made (the ring buffer did not overflow)."
     return "The ring buffer wrapped or recording started after the model was built."
+
+
+def _cause_and_remedy(rec: Recording) -> tuple[str, str]:
+    """Why the trace misses the job's start, and how to see what it misses: the window snaplab
+    read the file with, when it left entries out; else the recording's own cause."""
+    if rec.window_cause:
+        return (
+            f"{rec.window_cause[0].upper()}{rec.window_cause[1:]}.",
+            "Read the whole trace (without max_entries), where the memory allows, to see them.",
+        )
+    return _cause(rec.overflowed, rec.max_entries), "Start recording earlier or raise max_entries to see them."
 
 
 def find(ctx: FindingContext) -> list[Finding]:
@@ -38,6 +50,7 @@ def find(ctx: FindingContext) -> list[Finding]:
                 evidence={"mode": rec.mode},
             )
         )
+    cause, remedy = _cause_and_remedy(rec)
     for device in rec.devices:
         if rec.mode != "trace" or device.history_complete:
             continue
@@ -55,20 +68,9 @@ def find(ctx: FindingContext) -> list[Finding]:
                 severity="info",
                 title=f"The trace of device {device.device} misses the start of the job: {what}",
                 advice=(
-                    (
-                        f"{rec.window_cause[0].upper()}{rec.window_cause[1:]}."
-                        if rec.window_cause
-                        else _cause(rec.overflowed, rec.max_entries)
-                    )
-                    + " Timelines are "
-                    "anchored at the dump and exact inside the trace, and the allocator's state at the trace's "
-                    "start is rebuilt from the dump for the what-if replay; sites at the peak miss allocations "
-                    "older than the trace. "
-                    + (
-                        "Read the whole trace (without max_entries), where the memory allows, to see them."
-                        if rec.window_cause
-                        else "Start recording earlier or raise max_entries to see them."
-                    )
+                    f"{cause} Timelines are anchored at the dump and exact inside the trace, and the "
+                    "allocator's state at the trace's start is rebuilt from the dump for the what-if replay; sites "
+                    f"at the peak miss allocations older than the trace. {remedy}"
                 ),
                 evidence={
                     "trace_events": device.events,
