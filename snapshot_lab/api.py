@@ -24,7 +24,7 @@ from typing import Any, overload
 
 from . import notebook
 from ._gc import release_freed_memory
-from .aside import Aside, Worker, one_process
+from .aside import Aside, Worker, one_process, spread
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
@@ -108,6 +108,12 @@ def memory_note(snapshot: str | Path, command: str) -> str | None:
     if need.window is None:
         return sizing.NOTE_NO_WINDOW.format(**fields)
     return sizing.NOTE.format(**fields, window=need.window, window_need=format_bytes(need.window_need))
+
+
+def _diagnosed(frames: SnapshotFrames, stats_: SnapshotStats) -> Diagnosis:
+    """:func:`~.metrics.diagnose.diagnose` as every command but the report asks it: without the
+    categories' timelines, the what-if's replays spread over the CPUs."""
+    return diagnose(frames, stats_, with_category_timelines=False, spread=spread)
 
 
 def _check_max_entries(max_entries: int | None) -> None:
@@ -216,7 +222,7 @@ def _diagnosis(
     frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Analysing")
     stats_ = _stats_beside(frames)
-    return stats_, diagnose(frames, stats_, with_category_timelines=False)
+    return stats_, _diagnosed(frames, stats_)
 
 
 def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None, max_entries: int | None = None) -> Leaks:
@@ -267,7 +273,7 @@ def _findings_and_summary(snapshot: str, max_entries: int | None = None) -> tupl
     """One file's findings and its small summary (its frames go when this returns)."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    dg = diagnose(frames, stats_, with_category_timelines=False)
+    dg = _diagnosed(frames, stats_)
     return dg.findings, summarize(frames, stats_, dg, with_sites=False)
 
 
@@ -353,7 +359,7 @@ def _report_content(
     fit_answer = Aside(
         lambda: fit_summary(frames, recorded_batch=batch, memory_limit=limit), first=lambda: _unread_by_fit(frames)
     )
-    whatifs = Aside(lambda: device_whatifs(frames, stats_))
+    whatifs = Aside(lambda: device_whatifs(frames, stats_, spread))
     return build_report(
         frames, stats_, progress, fit_answer, format=format, whatifs=whatifs.result, drawer=drawer, category_rules=rules
     )
@@ -408,7 +414,7 @@ def summarize_file(
     category rules for its categories (:func:`rules_of`); ``max_entries``: :func:`load_frames`'."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    return summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), with_sites, rules)
+    return summarize(frames, stats_, _diagnosed(frames, stats_), with_sites, rules)
 
 
 def _read_for_diff(
@@ -425,7 +431,7 @@ def _read_for_diff(
     next file is read."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    summary = summarize(frames, stats_, diagnose(frames, stats_, with_category_timelines=False), rules=rules)
+    summary = summarize(frames, stats_, _diagnosed(frames, stats_), rules=rules)
     found = next((st for st in file_stages(frames, rules).values() if st.ranges), None) if stages else None
     if explorers is not None:
         from .render.explorer import add_diff_explorer
@@ -859,7 +865,7 @@ def whatif(
             scenarios = scenarios_for(recorded, settings or [], defaults, dev_limit.bytes)
         except ValueError as exc:
             raise ParameterError("settings", "{settings}: {problem}", problem=exc) from None
-        w = analyse_whatif(frames, dev, scenarios, dev_limit.bytes, dev_limit.is_cap)
+        w = analyse_whatif(frames, dev, scenarios, dev_limit.bytes, dev_limit.is_cap, spread)
         out.append(replace(w, memory_limit_source=dev_limit.source, memory_limit_inferred=dev_limit.inferred))
     return WhatIfs(out)
 
@@ -951,7 +957,7 @@ def plan(
         if chosen is not None:
             result = plan_memory(frames, chosen, memory_limit=limit, memory_limit_source=source)
         else:
-            result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source)
+            result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source, spread=spread)
     if output is not None:
         from . import __version__
         from .render.plan import render_plan_html
@@ -1003,4 +1009,5 @@ def fit(
             checkpointing=checkpointing,
             bf16=bf16,
             optimizer=optimizer,
+            spread=spread,
         )

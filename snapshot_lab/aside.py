@@ -18,10 +18,11 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
@@ -48,6 +49,15 @@ def may_fork() -> bool:
     if mp.current_process().daemon:  # itself a worker (an Aside's child, Dask's): it may have none
         return False
     return "fork" in mp.get_all_start_methods() and cpus() > 1
+
+
+def workers() -> int:
+    """How many processes :func:`spread` may use: ``SNAPLAB_JOBS`` where it names a number (1:
+    this one alone), else every CPU this process may run on."""
+    jobs = os.environ.get(JOBS_VARIABLE, "").strip()
+    if jobs.isdigit():
+        return max(1, min(int(jobs), cpus()))
+    return cpus()
 
 
 def one_process() -> None:
@@ -313,3 +323,105 @@ def _serve(module: str, jobs: Connection, results: Connection, parents: tuple[Co
             message = (job, False, None)
         _send(results, message, (job, False, None))
     results.close()
+
+
+# --------------------------------------------------------------------------- spread
+
+
+def spread(jobs: Sequence[Callable[[], T]]) -> list[T]:
+    """Each of ``jobs`` computed, in order, over up to :func:`workers` processes: this one takes
+    jobs 0, n, 2n..., a child forked for each other share takes its own (copy-on-write: nothing is
+    pickled on the way in). Children are forked with ``os.fork``, so an :class:`Aside`'s child
+    (a daemon) may spread its work too. A job a child could not send back (it raised, the child
+    died, the value does not pickle) is computed here: the values, and the first error raised, are
+    those of computing the jobs in turn. For pure jobs of a second or more (allocator replays)."""
+    n = min(len(jobs), workers()) if _may_spread() else 1
+    if n <= 1:
+        return [job() for job in jobs]
+    children = [child for child in (_fork_share(jobs, k, n) for k in range(1, n)) if child is not None]
+    sent: dict[int, Any] = {}
+    errors: dict[int, Exception] = {}
+    try:
+        for i in range(0, len(jobs), n):
+            try:
+                sent[i] = jobs[i]()
+            except Exception as exc:  # raised below, in the jobs' order
+                errors[i] = exc
+    except BaseException:  # interrupted: the children's work is wanted no more
+        for pid, _ in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        for pid, fd in children:
+            sent.update(_collect(pid, fd))
+    out = []
+    for i, job in enumerate(jobs):
+        if i in errors:
+            raise errors[i]
+        out.append(sent[i] if i in sent else job())
+    return out
+
+
+def _may_spread() -> bool:
+    """Whether :func:`spread` may fork: as :func:`may_fork`, but a daemon may (``os.fork`` is not
+    multiprocessing's, which refuses a daemon children)."""
+    return hasattr(os, "fork") and "fork" in mp.get_all_start_methods() and workers() > 1
+
+
+def _fork_share(jobs: Sequence[Callable[[], Any]], k: int, n: int) -> tuple[int, int] | None:
+    """A child forked to compute jobs k, k + n, ...: (its pid, the pipe's end to read them from);
+    None where it could not be forked."""
+    read, write = os.pipe()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process: see _started
+            pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return None
+    if pid == 0:  # the child: never returns to the caller's stack
+        status = 1
+        try:
+            os.close(read)
+            _silenced()
+            _write_share(write, jobs, k, n)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    return pid, read
+
+
+def _write_share(fd: int, jobs: Sequence[Callable[[], Any]], k: int, n: int) -> None:
+    """In the child: each of its jobs' values that could be computed and pickled, as one pickle
+    of {job: value}, to ``fd``."""
+    values: dict[int, bytes] = {}
+    for i in range(k, len(jobs), n):
+        with contextlib.suppress(BaseException):
+            values[i] = bytes(ForkingPickler.dumps(jobs[i]()))
+    data = memoryview(ForkingPickler.dumps(values))
+    while data:
+        data = data[os.write(fd, data) :]
+    os.close(fd)
+
+
+def _collect(pid: int, fd: int) -> dict[int, Any]:
+    """The values a child sent ({} where it sent nothing whole), once it has exited."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+        os.waitpid(pid, 0)
+    out = {}
+    try:
+        values = ForkingPickler.loads(b"".join(chunks))
+        for i, value in values.items():
+            with contextlib.suppress(Exception):
+                out[i] = ForkingPickler.loads(value)
+    except Exception:  # the child died before it wrote the whole pickle
+        return {}
+    return out

@@ -747,6 +747,8 @@ def fit_summary(
             device=_failing_device(frames),
             parallel=False,
             keep_structure=False,  # dropped after fit's evidence: the OOM plan (_would_it_fit) builds one if needed
+            # the levers in turn (not aside.spread): at once, their tapes took the report of a
+            # 10M-entry window from 2.1 to 3.0 GiB of memory, for 0.2 s of 9 at 5M entries
         )
     except FitUnsupportedOom as why:
         return FitSummary(verdict=FIT_REFUSED, steps=(_sentence(str(why)),), last=True)

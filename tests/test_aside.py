@@ -334,3 +334,139 @@ def test_the_stats_are_the_same_with_the_recording_described_beside_or_here(monk
     beside = api._stats_beside(frames)
     assert here.recording.to_dict()["devices"][0]["events"] > 1000  # a real trace
     assert here.to_dict() == given.to_dict() == beside.to_dict()
+
+
+# --------------------------------------------------------------------------- spread
+
+
+def _pid_and(value: object) -> tuple[int, object]:
+    return os.getpid(), value
+
+
+@forks
+def test_spread_computes_the_shares_in_children_and_keeps_the_order(monkeypatch):
+    """Job i goes to process i mod n (this one takes 0, n, ...); the values come back in order."""
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "3")
+    out = aside.spread([lambda v=v: _pid_and(v) for v in "abcdefg"])
+    assert [value for _, value in out] == list("abcdefg")
+    pids = [pid for pid, _ in out]
+    assert pids[0] == pids[3] == pids[6] == os.getpid()
+    assert pids[1] == pids[4] != pids[2] == pids[5]
+    assert os.getpid() not in (pids[1], pids[2])
+
+
+def test_spread_in_one_process_computes_each_here_in_turn(monkeypatch):
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "1")
+    order: list[int] = []
+    out = aside.spread([lambda i=i: order.append(i) or _pid_and(i) for i in range(4)])
+    assert order == [0, 1, 2, 3]
+    assert out == [(os.getpid(), i) for i in range(4)]
+    assert aside.spread([]) == []
+
+
+def test_workers_are_the_cpus_unless_snaplab_jobs_says_fewer(monkeypatch):
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.delenv(aside.JOBS_VARIABLE, raising=False)
+    assert aside.workers() == 8
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "3")
+    assert aside.workers() == 3
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "64")
+    assert aside.workers() == 8
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "0")
+    assert aside.workers() == 1
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "many")
+    assert aside.workers() == 8
+
+
+@forks
+def test_spread_raises_the_first_error_in_the_jobs_order(monkeypatch):
+    """Job 1 (a child's) fails and so does job 2 (this process's): job 1's error is the one raised,
+    computed again here, as computing the jobs in turn would raise it."""
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "2")
+    parent = os.getpid()
+    raised_here: list[int] = []
+
+    def fail(i: int) -> int:
+        if os.getpid() == parent:
+            raised_here.append(i)
+        raise ValueError(f"job {i}")
+
+    jobs = [lambda: 0, lambda: fail(1), lambda: fail(2), lambda: 3]
+    with pytest.raises(ValueError, match="job 1"):
+        aside.spread(jobs)
+    assert raised_here == [2, 1]  # 2 in this process's share, then 1 again here
+
+
+@forks
+def test_spread_computes_here_what_a_child_could_not_send(monkeypatch):
+    """A child that dies, and a value that does not pickle: computed here, the same values."""
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "3")
+    parent = os.getpid()
+    lock = threading.Lock()
+
+    def die_in_a_child() -> str:
+        if os.getpid() != parent:
+            os._exit(3)
+        return "computed here"
+
+    out = aside.spread([lambda: 0, die_in_a_child, lambda: lock, lambda: "sent"])
+    assert out == [0, "computed here", lock, "sent"]
+
+
+@forks
+def test_an_asides_child_spreads_its_work_too():
+    """fit's child in the report (a daemon, which multiprocessing lets have no children) forks the
+    levers' replays all the same."""
+    job = Aside(lambda: (os.getpid(), [pid for pid, _ in aside.spread([lambda: _pid_and(0), lambda: _pid_and(1)])]))
+    child, pids = job.result()
+    assert job.forked and child != os.getpid()
+    assert pids[0] == child and pids[1] not in (child, os.getpid())
+
+
+@forks
+@pytest.mark.parametrize("workers", ["2", "5"])
+def test_fit_and_its_strategies_are_the_same_spread_or_in_turn(real_frames, monkeypatch, workers):
+    """A recorded whole step under a limit: every lever, the allocator settings and the parallel
+    strategies (a dozen replays), computed by processes of their own or in turn, equal."""
+    from snapshot_lab.metrics._jobs import in_turn
+    from snapshot_lab.metrics.fit.result import compute_fit
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.setenv(aside.JOBS_VARIABLE, workers)
+    frames = real_frames("fit_gpt2_b4_complete_python")
+    spread_out = compute_fit(frames, memory_limit=6 << 30, recorded_batch=4, spread=aside.spread)
+    turn = compute_fit(frames, memory_limit=6 << 30, recorded_batch=4, spread=in_turn)
+    assert len(turn.levers) >= 8 and len(turn.parallel_strategies) >= 10
+    assert spread_out == turn
+
+
+@forks
+def test_a_plan_table_is_the_same_spread_or_in_turn(real_frames, monkeypatch):
+    """``snaplab plan``'s table of every usual strategy: the plans come back whole from the children."""
+    from snapshot_lab.metrics._jobs import in_turn
+    from snapshot_lab.metrics.plan import plan_table
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    frames = real_frames("fit_gpt2_b4_complete_python")
+    turn = plan_table(frames, 4, memory_limit=6 << 30, spread=in_turn)
+    assert len(turn.plans) == 8 and not turn.skipped
+    assert plan_table(frames, 4, memory_limit=6 << 30, spread=aside.spread) == turn
+
+
+@forks
+def test_the_whatif_is_the_same_spread_or_in_turn(real_frames, monkeypatch):
+    """A trace that starts mid-run: the scenarios from a steady state and its baseline, spread."""
+    from snapshot_lab.metrics.allocator.model import AllocatorSettings, apply_conf
+    from snapshot_lab.metrics.allocator.whatif import START_STEADY, analyse_whatif
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    settings = [
+        apply_conf(AllocatorSettings(), conf) for conf in ([], ["expandable_segments:True"], ["max_split_size_mb:64"])
+    ]
+    frames = real_frames("twin_wrapped")
+    spread_out = analyse_whatif(frames, 0, settings, None, spread=aside.spread)
+    turn = analyse_whatif(frames, 0, settings, None)
+    assert spread_out.steady_baseline is not None and spread_out.scenarios[1].start == START_STEADY
+    assert spread_out == turn

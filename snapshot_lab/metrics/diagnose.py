@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from ..frames import SnapshotFrames
+from ._jobs import Spread, in_turn
 from .allocator.whatif import WhatIf, analyse_whatif, infer_memory_limit, quick_grid, recorded_settings
 from .categories import CategoryBreakdown, compute_categories
 from .findings import Finding, compute_findings
@@ -33,10 +34,12 @@ def diagnose(
     stats: SnapshotStats,
     with_category_timelines: bool = True,
     whatifs: Callable[[], dict[int, WhatIf]] | None = None,
+    spread: Spread = in_turn,
 ) -> Diagnosis:
     """Timelines, categories, leaks, the what-if and the findings of every device; ``whatifs``
     gives :func:`device_whatifs`'s answer when it was computed elsewhere (the report computes it
-    beside the rest), and is asked for only when the findings need it."""
+    beside the rest), and is asked for only when the findings need it; ``spread``: how the
+    what-if's replays are computed otherwise (:mod:`._jobs`)."""
     categories: dict[int, CategoryBreakdown] = {}
     leaks: dict[int, LeakAnalysis] = {}
     lifetimes: dict[int, pd.DataFrame] = {}
@@ -45,7 +48,7 @@ def diagnose(
         lifetimes[dev] = device_lifetimes(frames, dev)
         categories[dev] = compute_categories(frames, dev, with_timeline=with_category_timelines)
         leaks[dev] = find_leaks(frames, dev, lifetimes[dev])
-    replays = whatifs() if whatifs is not None else _whatifs(frames, stats, timelines)
+    replays = whatifs() if whatifs is not None else _whatifs(frames, stats, timelines, spread)
     findings = compute_findings(stats, frames, timelines, categories, leaks, replays)
     return Diagnosis(timelines, categories, leaks, findings, lifetimes, replays)
 
@@ -59,12 +62,14 @@ def device_timelines(frames: SnapshotFrames, stats: SnapshotStats) -> dict[int, 
     }
 
 
-def device_whatifs(frames: SnapshotFrames, stats: SnapshotStats) -> dict[int, WhatIf]:
+def device_whatifs(frames: SnapshotFrames, stats: SnapshotStats, spread: Spread = in_turn) -> dict[int, WhatIf]:
     """The what-if replays :func:`diagnose` makes, on their own."""
-    return _whatifs(frames, stats, device_timelines(frames, stats))
+    return _whatifs(frames, stats, device_timelines(frames, stats), spread)
 
 
-def _whatifs(frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, Timeline | None]) -> dict[int, WhatIf]:
+def _whatifs(
+    frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, Timeline | None], spread: Spread
+) -> dict[int, WhatIf]:
     """Replay a few alternative settings on the way (the full sweep is ``snaplab whatif``), at
     any trace length: a trace that does not start at the start of the job replays from the
     state rebuilt backwards from the dump."""
@@ -77,6 +82,8 @@ def _whatifs(frames: SnapshotFrames, stats: SnapshotStats, timelines: dict[int, 
         if frames.segments.loc[frames.segments["device"] == dev, "is_private_pool"].any():
             continue  # private pools are not modelled: no advice from an approximate replay
         limit = infer_memory_limit(frames, dev, tl.peak_reserved_bytes)
-        w = analyse_whatif(frames, dev, [base, *quick_grid(base, limit.bytes, tl.n_events)], limit.bytes, limit.is_cap)
+        w = analyse_whatif(
+            frames, dev, [base, *quick_grid(base, limit.bytes, tl.n_events)], limit.bytes, limit.is_cap, spread
+        )
         out[dev] = replace(w, memory_limit_source=limit.source, memory_limit_inferred=limit.inferred)
     return out

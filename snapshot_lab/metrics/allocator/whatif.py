@@ -10,6 +10,7 @@ snapshot recorded and compares the resulting segments with the snapshot's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ...frames import SnapshotFrames
+from .._jobs import Spread, in_turn
 from ..history.moments import oom_moment
 from ..history.ooms import recovered
 from . import native
@@ -474,6 +476,7 @@ def analyse_whatif(
     scenarios: list[AllocatorSettings],
     memory_limit: int | None = None,
     limit_is_cap: bool = True,
+    spread: Spread = in_turn,
 ) -> WhatIf:
     """Replay check under the recorded settings, then each scenario. A trace that starts with
     the job replays every scenario from empty. One that starts mid-run (a ring buffer that
@@ -481,7 +484,7 @@ def analyse_whatif(
     its first event, rebuilt from the dump (exact), and every other setting from a steady state
     (:func:`_steady_replay`), labelled in each scenario's ``start``. ``limit_is_cap``: the limit is a per-process cap
     (``set_per_process_memory_fraction``), under which garbage collection runs; the device's
-    own capacity is not."""
+    own capacity is not. ``spread``: how the scenarios' replays are computed (:mod:`.._jobs`)."""
     base = recorded_settings(frames.info.allocator_settings)
     ev = frames.device_events(device)
     prog = _program(frames, device)
@@ -512,24 +515,56 @@ def analyse_whatif(
         recorded_segments=len(recorded),
         replayed_segments=len(replayed),
     )
-    mid_run = bool(start.segments)
-    results = []
-    for s in scenarios:
-        if s == base:  # the check replayed exactly this already
-            m, avoided = model, base_avoided
-        elif mid_run:
-            m, avoided = _steady_replay(prog, s, memory_limit, start, explicit, limit_is_cap)
-        else:
-            m, _live_s, avoided, _ = _replay(prog, s, memory_limit, start, explicit, limit_is_cap)
-        label = None if not mid_run else START_REBUILT if s == base else START_STEADY
-        results.append(_scenario_result(s, m, avoided, label))
-    if not (mid_run and any(r.start == START_STEADY for r in results)):
+    results, baseline = _scenario_results(
+        _Replays(prog, base, memory_limit, start, explicit, limit_is_cap), scenarios, (model, base_avoided), spread
+    )
+    if baseline is None:
         return WhatIf(device, len(ev), memory_limit, check, results)
-    m, avoided = _steady_replay(prog, base, memory_limit, start, explicit, limit_is_cap)
-    baseline = _scenario_result(base, m, avoided, START_STEADY)
     return WhatIf(
         device, len(ev), memory_limit, check, results, scenario_start=_describe_steady(start), steady_baseline=baseline
     )
+
+
+@dataclass(frozen=True)
+class _Replays:
+    """What each scenario's replay starts from: the trace's program, the recorded settings, the
+    limit, the state at the trace's start and the frees the check found explicit."""
+
+    prog: _Program
+    base: AllocatorSettings
+    memory_limit: int | None
+    start: StartState
+    explicit: set[int]
+    limit_is_cap: bool
+
+    def result(self, s: AllocatorSettings) -> ScenarioResult:
+        """One scenario's replay: from empty, or from a steady state where the trace starts mid-run."""
+        if self.start.segments:
+            m, avoided = _steady_replay(self.prog, s, self.memory_limit, self.start, self.explicit, self.limit_is_cap)
+            return _scenario_result(s, m, avoided, START_STEADY)
+        m, _live, avoided, _ = _replay(self.prog, s, self.memory_limit, self.start, self.explicit, self.limit_is_cap)
+        return _scenario_result(s, m, avoided)
+
+
+def _scenario_results(
+    replays: _Replays, scenarios: list[AllocatorSettings], checked: tuple[_Model, bool | None], spread: Spread
+) -> tuple[list[ScenarioResult], ScenarioResult | None]:
+    """Each scenario's result, by ``spread`` (the recorded settings' from the check's replay,
+    ``checked``) and, where a scenario started from a steady state, the recorded settings' from one
+    too (else None)."""
+    mid_run = bool(replays.start.segments)
+    model, avoided = checked
+    jobs = [
+        functools.partial(_scenario_result, s, model, avoided, START_REBUILT if mid_run else None)
+        if s == replays.base  # the check replayed exactly this already
+        else functools.partial(replays.result, s)
+        for s in scenarios
+    ]
+    steady = mid_run and any(s != replays.base for s in scenarios)
+    if steady:
+        jobs.append(functools.partial(replays.result, replays.base))
+    results = spread(jobs)
+    return results[: len(scenarios)], results[-1] if steady else None
 
 
 def grid(base: AllocatorSettings, memory_limit: int | None) -> list[AllocatorSettings]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...frames import SnapshotFrames
+from .._jobs import Spread, in_turn
 from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..allocator.whatif import quick_grid, settings_label
@@ -241,14 +242,32 @@ def lever_tapes(ev: StepEvidence) -> dict[str, Callable[[], Tape]]:
     return out
 
 
-def _lever_outcomes(ev: StepEvidence, search: _Search, levers: Collection[str] | None) -> list[LeverOutcome]:
-    """Each lever's outcome (``levers``: only these), in :func:`lever_tapes`' order; computed with
-    the two that checkpoint last, one after the other, so that the checkpointed tape they share
-    is dropped before the next lever's tape is made (at 5M trace entries, 130 MiB of fit's peak)."""
+def _lever_outcomes(
+    ev: StepEvidence,
+    search: _Search,
+    levers: Collection[str] | None,
+    settings: list[tuple[str, AllocatorSettings]],
+    spread: Spread = in_turn,
+) -> list[LeverOutcome]:
+    """Each lever's outcome (``levers``: only these), in :func:`lever_tapes`' order, the step as
+    recorded under each of ``settings`` (label, allocator settings) after the first: each a replay
+    of the step, computed by ``spread`` (:mod:`.._jobs`). In one process the two
+    that checkpoint come one after the other, so that the checkpointed tape they share is dropped
+    before the next lever's tape is made (at 5M trace entries, 130 MiB of fit's peak)."""
     builders = {name: build for name, build in lever_tapes(ev).items() if levers is None or name in levers}
     order = sorted(builders, key=lambda name: name.startswith("checkpointing"))
-    done = {name: search.outcome(name, wl.assumption(ev, name, ASSUMPTIONS[name]), builders[name]()) for name in order}
-    return [done[name] for name in builders]
+
+    def lever(name: str) -> Callable[[], LeverOutcome]:
+        return lambda: search.outcome(name, wl.assumption(ev, name, ASSUMPTIONS[name]), builders[name]())
+
+    def setting(conf: str, alt: AllocatorSettings) -> Callable[[], LeverOutcome]:
+        return lambda: search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt)
+
+    done = spread([*map(lever, order), *(setting(conf, alt) for conf, alt in settings)])
+    by_lever = dict(zip(order, done, strict=False))  # done: the levers', then the settings'
+    outcomes = [by_lever[name] for name in builders]
+    outcomes[1:1] = done[len(order) :]
+    return outcomes
 
 
 def _checkpointed(ev: StepEvidence) -> Tape:
@@ -376,6 +395,7 @@ def compute_fit(
     parallel: bool | None = None,
     levers: Collection[str] | None = None,
     keep_structure: bool = True,
+    spread: Spread = in_turn,
 ) -> FitResult:
     """The whole step under the levers asked for and, under the memory limit (given, or the one
     the recorded run ran out of, or the device's capacity), the largest batch per lever and
@@ -384,7 +404,8 @@ def compute_fit(
     report's first screen needs :data:`HEADLINE_LEVERS` alone), without the allocator settings.
     ``keep_structure=False``: the training structure is dropped once the step's evidence is
     built, before the levers' tapes are (where no strategy is planned; for a caller that reads it
-    no more: the report's answer, whose peak it lowers by its size). Raises
+    no more: the report's answer, whose peak it lowers by its size). ``spread``: how the levers'
+    replays and the strategies' plans are computed (:mod:`.._jobs`: in turn, or over the CPUs). Raises
     :class:`~.model.FitUnsupported` when the trace shows no step to build on."""
     if optimizer is not None and optimizer not in lv.OPTIMIZER_STATE_RATIO:
         raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(lv.OPTIMIZER_STATE_RATIO)}")
@@ -400,12 +421,10 @@ def compute_fit(
     )
     asked = simulate(requested_tape(ev, checkpointing, bf16), batch_scale, settings)
     search = _Search(settings, limit, batch_scale, recorded_batch)
-    outcomes = _lever_outcomes(ev, search, levers)
+    confs = []
     if limit is not None and levers is None:  # the allocator's settings: the same step, less fragmentation
         confs = [(settings_label(alt.describe()), alt) for alt in quick_grid(settings, limit)]
-        outcomes[1:1] = [
-            search.outcome(conf, ALLOCATOR_ASSUMPTION.format(conf=conf), ev.tape, alt) for conf, alt in confs
-        ]
+    outcomes = _lever_outcomes(ev, search, levers, confs, spread)
     notes = [*ev.notes, f"optimizer: {ev.optimizer} ({ev.optimizer_source})"]
     if limit is not None and len(ev.tape) > LONG_TAPE_ROWS:
         notes.append(LONG_TAPE_NOTE.format(rows=len(ev.tape)))
@@ -415,7 +434,7 @@ def compute_fit(
     planned: tuple[StrategyOutcome, ...] = ()
     refused: dict[str, str] = {}
     if limit is not None and plans:
-        planned, refused = parallel_strategies(frames, dev, limit, ev.complete)
+        planned, refused = parallel_strategies(frames, dev, limit, ev.complete, spread)
     return FitResult(
         device=dev,
         recorded_batch=recorded_batch,

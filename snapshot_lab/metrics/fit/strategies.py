@@ -8,11 +8,13 @@ the optimizer state sharded (ZeRO-1) before the gradients too (ZeRO-2) before th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ...frames import SnapshotFrames
+from .._jobs import Spread, in_turn
 from ..plan import PlanUnsupported, Strategy, plan_memory, training_structure
 from ..plan.planner import WOULD_IT_FIT_FULL_EVENTS
 
@@ -60,30 +62,45 @@ CHANGE_ORDER = tuple(_STRATEGIES)
 
 
 def parallel_strategies(
-    frames: SnapshotFrames, device: int, memory_limit: int, complete: bool
+    frames: SnapshotFrames, device: int, memory_limit: int, complete: bool, spread: Spread = in_turn
 ) -> tuple[tuple[StrategyOutcome, ...], dict[str, str]]:
     """Every strategy planned at the recorded batch under ``memory_limit`` (ranked by how little
-    it changes the job), and those plan refused, with why (``"all"``: none could be planned)."""
+    it changes the job), and those plan refused, with why (``"all"``: none could be planned);
+    each plan a replay, computed by ``spread`` (:mod:`.._jobs`)."""
     if not complete:
         return (), {"all": NO_WHOLE_STEP}
     structure = training_structure(frames, device)
     if structure.missing:
         return (), {"all": "; ".join(structure.missing)}
     long = structure.n_events > WOULD_IT_FIT_FULL_EVENTS  # as the report does: 2 GPUs, no pipeline
-    out: list[StrategyOutcome] = []
     refused: dict[str, str] = {}
+    tried: list[tuple[str, Strategy]] = []
     for n in WORLD_SIZES[:1] if long else WORLD_SIZES:
         for key in CHANGE_ORDER[:-1] if long else CHANGE_ORDER:
-            strategy = _STRATEGIES[key](n)
             if key == "zero1" and not structure.steps:
                 refused[ZERO1_ANY] = NO_OPTIMIZER_STATE
                 continue
-            try:
-                p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
-            except (PlanUnsupported, ValueError) as exc:
-                refused[strategy.resolved().label()] = str(exc)
-                continue
-            fits = p.fits if p.fits is not None else p.peak_reserved_bytes <= memory_limit
-            out.append(StrategyOutcome(p.strategy.label(), key, n, p.peak_allocated_bytes, p.peak_reserved_bytes, fits))
+            tried.append((key, _STRATEGIES[key](n)))
+    out: list[StrategyOutcome] = []
+    planned = spread([functools.partial(_planned, frames, key, s, device, memory_limit) for key, s in tried])
+    for (_, strategy), outcome in zip(tried, planned, strict=True):
+        if isinstance(outcome, str):
+            refused[strategy.resolved().label()] = outcome
+        else:
+            out.append(outcome)
     out.sort(key=lambda o: (CHANGE_ORDER.index(o.strategy), o.world_size))
     return tuple(out), refused
+
+
+def _planned(
+    frames: SnapshotFrames, key: str, strategy: Strategy, device: int, memory_limit: int
+) -> StrategyOutcome | str:
+    """One strategy planned, or why plan refused it."""
+    try:
+        p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
+    except (PlanUnsupported, ValueError) as exc:
+        return str(exc)
+    fits = p.fits if p.fits is not None else p.peak_reserved_bytes <= memory_limit
+    return StrategyOutcome(
+        p.strategy.label(), key, strategy.world_size, p.peak_allocated_bytes, p.peak_reserved_bytes, fits
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from ...errors import ParameterError
 from ...frames import SnapshotFrames
+from .._jobs import Spread, in_turn
 from .._memo import memo
 from ..allocator.model import AllocatorSettings, recorded_settings
 from ..categories import CATEGORIES
@@ -659,19 +661,32 @@ def plan_table(
     memory_limit: int | None = None,
     memory_limit_source: str = "",
     strategies: list[Strategy] | None = None,
+    spread: Spread = in_turn,
 ) -> PlanTable:
-    """Every usual strategy for ``world_size`` GPUs (or ``strategies``)."""
+    """Every usual strategy for ``world_size`` GPUs (or ``strategies``), each plan a replay
+    computed by ``spread`` (:mod:`.._jobs`)."""
     device_index = _device(frames) if device is None else device
     structure = training_structure(frames, device_index)
     if structure.missing:
         raise PlanUnsupported(list(structure.missing))
+    tried = strategies or usual_strategies(world_size, structure.n_blocks)
     plans = []
     skipped = {}
-    for strategy in strategies or usual_strategies(world_size, structure.n_blocks):
-        try:
-            plan = plan_memory(frames, strategy, device_index, memory_limit, memory_limit_source)
-            plans.append(plan)
-        except (PlanUnsupported, ValueError) as exc:
+    jobs = [functools.partial(_plan_or_why, frames, s, device_index, memory_limit, memory_limit_source) for s in tried]
+    for strategy, plan in zip(tried, spread(jobs), strict=True):
+        if isinstance(plan, str):
             label = strategy.resolved().label() if strategy.name in STRATEGIES else strategy.name
-            skipped[label] = str(exc)
+            skipped[label] = plan
+        else:
+            plans.append(plan)
     return PlanTable(world_size, tuple(plans), skipped)
+
+
+def _plan_or_why(
+    frames: SnapshotFrames, strategy: Strategy, device: int, memory_limit: int | None, memory_limit_source: str
+) -> MemoryPlan | str:
+    """One strategy's plan, or why it cannot be planned."""
+    try:
+        return plan_memory(frames, strategy, device, memory_limit, memory_limit_source)
+    except (PlanUnsupported, ValueError) as exc:
+        return str(exc)
