@@ -955,7 +955,7 @@ def plan(
     result: MemoryPlan | PlanTable
     with _refused(snapshot, "plan", PlanUnsupported):
         if chosen is not None:
-            result = plan_memory(frames, chosen, memory_limit=limit, memory_limit_source=source)
+            result = plan_memory(frames, chosen, memory_limit=limit, memory_limit_source=source, spread=spread)
         else:
             result = plan_table(frames, world_size, memory_limit=limit, memory_limit_source=source, spread=spread)
     if output is not None:

@@ -456,6 +456,19 @@ def test_a_plan_table_is_the_same_spread_or_in_turn(real_frames, monkeypatch):
 
 
 @forks
+def test_a_pipelines_stages_are_the_same_spread_or_in_turn(real_frames, monkeypatch):
+    """``plan --strategy pp``: each stage's program built and replayed by a process of its own."""
+    from snapshot_lab.metrics.plan import Strategy, plan_memory
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    frames = real_frames("fit_gpt2_b4_complete_python")
+    turn = plan_memory(frames, Strategy("pp", 4))
+    assert [rank.label.split(" (")[0] for rank in turn.ranks] == [f"stage {i}" for i in range(4)]
+    assert len({rank.peak_allocated_bytes for rank in turn.ranks}) > 1
+    assert plan_memory(frames, Strategy("pp", 4), spread=aside.spread) == turn
+
+
+@forks
 def test_the_whatif_is_the_same_spread_or_in_turn(real_frames, monkeypatch):
     """A trace that starts mid-run: the scenarios from a steady state and its baseline, spread."""
     from snapshot_lab.metrics.allocator.model import AllocatorSettings, apply_conf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -315,9 +316,9 @@ def _local_after_tp(
 
 def programs_for(
     frames: SnapshotFrames, structure: TrainingStructure, strategy: Strategy, notes: list[str]
-) -> list[tuple[str, Program]]:
+) -> list[tuple[str, Callable[[], Program]]]:
     """The planned program of every distinct rank (one for data/tensor parallelism, one per
-    pipeline stage)."""
+    pipeline stage), each as the way to build it (a pipeline stage's takes seconds at 1M events)."""
     if strategy.name == "pp":
         return _pipeline_programs(structure, strategy, notes)
     rewrite = Rewrite.identity(structure)
@@ -346,7 +347,7 @@ def programs_for(
     if strategy.name not in ("tp", "fsdp+tp") and strategy.name != "pp":
         notes.append(messages.NOTE_ACTIVATIONS_AS_RECORDED)
     label = "every rank" if strategy.world_size > 1 else "the one GPU"
-    return [(label, rewrite.build())]
+    return [(label, rewrite.build)]
 
 
 def _tensor_parallel_note(tp_plan: tensor_parallel.TensorParallel, tp_layers: str) -> str:
@@ -409,7 +410,7 @@ def _pipeline_programs(
     structure: TrainingStructure,
     strategy: Strategy,
     notes: list[str],
-) -> list[tuple[str, Program]]:
+) -> list[tuple[str, Callable[[], Program]]]:
     """One program per pipeline stage."""
     stages = strategy.stages or 1
     if structure.n_blocks < stages:
@@ -428,14 +429,15 @@ def _pipeline_programs(
         )
     assignment = pipeline.assign_stages(structure, stages, split)
     parts = set(structure.params.loc[structure.params["block"] < 0, "part"].tolist())
-    out = []
+    out: list[tuple[str, Callable[[], Program]]] = []
     for stage in range(stages):
         blocks = [j for j, holder in enumerate(assignment.block_stage) if holder == stage]
         where = f"blocks {blocks[0]}–{blocks[-1]}" if blocks else "no blocks"
         extra = " + the layers before the blocks" if stage == 0 and "pre" in parts else ""
         if stage == stages - 1:
             extra += " + the layers after the blocks and the loss" if "post" in parts else " + the loss"
-        builder = pipeline.StageBuilder(
+        build = functools.partial(
+            _stage_program,
             structure,
             assignment,
             stage,
@@ -443,8 +445,7 @@ def _pipeline_programs(
             strategy.microbatches or 1,
             strategy.schedule,
         )
-        program = builder.build()
-        out.append((f"stage {stage} (rank {stage}: {where}{extra})", program))
+        out.append((f"stage {stage} (rank {stage}: {where}{extra})", build))
     counts = ", ".join(str(assignment.block_stage.count(stage)) for stage in range(stages))
     notes.append(messages.NOTE_PIPELINE_STAGES.format(counts=counts, microbatches=strategy.microbatches))
     return out
@@ -480,9 +481,11 @@ def plan_memory(
     device: int | None = None,
     memory_limit: int | None = None,
     memory_limit_source: str = "",
+    spread: Spread = in_turn,
 ) -> MemoryPlan:
     """Plan ``strategy`` from the recorded run on ``device`` (the first device with a trace by
-    default). Raises :class:`PlanUnsupported` when the trace cannot support a plan, ValueError
+    default); ``spread``: how its ranks (a pipeline's stages) are built and replayed
+    (:mod:`.._jobs`). Raises :class:`PlanUnsupported` when the trace cannot support a plan, ValueError
     for a strategy that makes no sense."""
     resolved = strategy.resolved()
     device_index = _device(frames) if device is None else device
@@ -504,9 +507,12 @@ def plan_memory(
         _recorded_reserved_peak(frames, device_index),
     )
     recorded = _rank("recorded run", rec_replay, structure, limit, rec_prog, settings, is_cap)
-    ranks = []
-    for label, program in programs_for(frames, structure, resolved, notes):
-        ranks.append(_rank(label, replay(program, settings), structure, limit, program, settings, is_cap))
+    ranks = spread(
+        [
+            functools.partial(_planned_rank, label, build, structure, limit, settings, is_cap)
+            for label, build in programs_for(frames, structure, resolved, notes)
+        ]
+    )
     if structure.ooms:
         notes.append(messages.NOTE_RECORDED_OOM)
     notes.append(
@@ -528,6 +534,31 @@ def plan_memory(
         assumptions=tuple(dict.fromkeys(notes)),
         events=structure.n_events,
     )
+
+
+def _stage_program(
+    structure: TrainingStructure,
+    assignment: pipeline.StageAssignment,
+    stage: int,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+) -> Program:
+    """One pipeline stage's program."""
+    return pipeline.StageBuilder(structure, assignment, stage, stages, microbatches, schedule).build()
+
+
+def _planned_rank(
+    label: str,
+    build: Callable[[], Program],
+    structure: TrainingStructure,
+    limit: int | None,
+    settings: AllocatorSettings,
+    is_cap: bool,
+) -> RankPlan:
+    """One rank's program built and replayed, and its plan."""
+    program = build()
+    return _rank(label, replay(program, settings), structure, limit, program, settings, is_cap)
 
 
 def _recorded(
@@ -672,7 +703,10 @@ def plan_table(
     tried = strategies or usual_strategies(world_size, structure.n_blocks)
     plans = []
     skipped = {}
-    jobs = [functools.partial(_plan_or_why, frames, s, device_index, memory_limit, memory_limit_source) for s in tried]
+    jobs = [
+        functools.partial(_plan_or_why, frames, s, device_index, memory_limit, memory_limit_source, spread)
+        for s in tried
+    ]
     for strategy, plan in zip(tried, spread(jobs), strict=True):
         if isinstance(plan, str):
             label = strategy.resolved().label() if strategy.name in STRATEGIES else strategy.name
@@ -683,10 +717,15 @@ def plan_table(
 
 
 def _plan_or_why(
-    frames: SnapshotFrames, strategy: Strategy, device: int, memory_limit: int | None, memory_limit_source: str
+    frames: SnapshotFrames,
+    strategy: Strategy,
+    device: int,
+    memory_limit: int | None,
+    memory_limit_source: str,
+    spread: Spread,
 ) -> MemoryPlan | str:
     """One strategy's plan, or why it cannot be planned."""
     try:
-        return plan_memory(frames, strategy, device, memory_limit, memory_limit_source)
+        return plan_memory(frames, strategy, device, memory_limit, memory_limit_source, spread)
     except (PlanUnsupported, ValueError) as exc:
         return str(exc)
