@@ -347,14 +347,12 @@ def spread(jobs: Sequence[Callable[[], T]]) -> list[T]:
                 sent[i] = jobs[i]()
             except Exception as exc:  # raised below, in the jobs' order
                 errors[i] = exc
+        while children:
+            sent.update(_collect(*children[0]))
+            children.pop(0)
     except BaseException:  # interrupted: the children's work is wanted no more
-        for pid, _ in children:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _kill(children)
         raise
-    finally:
-        for pid, fd in children:
-            sent.update(_collect(pid, fd))
     out = []
     for i, job in enumerate(jobs):
         if i in errors:
@@ -399,7 +397,7 @@ def _write_share(fd: int, jobs: Sequence[Callable[[], Any]], k: int, n: int) -> 
     of {job: value}, to ``fd``."""
     values: dict[int, bytes] = {}
     for i in range(k, len(jobs), n):
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(Exception):  # an interrupt ends the child: the parent computes its share
             values[i] = bytes(ForkingPickler.dumps(jobs[i]()))
     data = memoryview(ForkingPickler.dumps(values))
     while data:
@@ -410,12 +408,10 @@ def _write_share(fd: int, jobs: Sequence[Callable[[], Any]], k: int, n: int) -> 
 def _collect(pid: int, fd: int) -> dict[int, Any]:
     """The values a child sent ({} where it sent nothing whole), once it has exited."""
     chunks = []
-    try:
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-        os.waitpid(pid, 0)
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    os.waitpid(pid, 0)
     out = {}
     try:
         values = ForkingPickler.loads(b"".join(chunks))
@@ -425,3 +421,14 @@ def _collect(pid: int, fd: int) -> dict[int, Any]:
     except Exception:  # the child died before it wrote the whole pickle
         return {}
     return out
+
+
+def _kill(children: list[tuple[int, int]]) -> None:
+    """Children not collected yet, killed and reaped (their pipes closed)."""
+    for pid, fd in children:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)

@@ -483,3 +483,38 @@ def test_the_whatif_is_the_same_spread_or_in_turn(real_frames, monkeypatch):
     turn = analyse_whatif(frames, 0, settings, None)
     assert spread_out.steady_baseline is not None and spread_out.scenarios[1].start == START_STEADY
     assert spread_out == turn
+
+
+class _Interrupted(BaseException):
+    """Stands for KeyboardInterrupt (which pytest would take as the user's)."""
+
+
+@forks
+def test_an_interrupted_spread_kills_its_children_and_raises(monkeypatch):
+    """Interrupted in its own share, this process does not wait for the children's (here a
+    minute's sleep): they are killed and reaped, and the interrupt goes on up."""
+    import time
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "2")
+
+    def interrupt() -> None:
+        time.sleep(0.2)  # the child is in its sleep by now
+        raise _Interrupted
+
+    forked = []
+    fork_share = aside._fork_share
+
+    def recorded(*args):
+        child = fork_share(*args)
+        forked.append(child[0])
+        return child
+
+    monkeypatch.setattr(aside, "_fork_share", recorded)
+    started = time.monotonic()
+    with pytest.raises(_Interrupted):
+        aside.spread([interrupt, lambda: time.sleep(60)])
+    assert time.monotonic() - started < 10
+    assert len(forked) == 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forked[0], os.WNOHANG)  # reaped already: not even a zombie left
