@@ -417,6 +417,14 @@ def summarize_file(
     return summarize(frames, stats_, _diagnosed(frames, stats_), with_sites, rules)
 
 
+def _summarize_alone(snapshot: str | Path, max_entries: int | None = None) -> SnapshotSummary:
+    """:func:`summarize_file` without its sites, for a worker that other files' workers share the
+    machine with (a Dask worker): from now on this process computes everything itself, spreading
+    no replay over the CPUs (:func:`~.aside.one_process`), as ``ranks``' own pool workers do."""
+    one_process()
+    return summarize_file(snapshot, False, None, max_entries)
+
+
 def _read_for_diff(
     snapshot: str | Path,
     rules: CategoryRules | None,
@@ -507,7 +515,7 @@ def _ranks_on_dask(
             "scheduler", "cannot reach the Dask scheduler {address}: {problem}", address=scheduler, problem=exc
         ) from None
     try:
-        futures = client.map(summarize_file, paths, with_sites=False, max_entries=max_entries, pure=False)
+        futures = client.map(_summarize_alone, paths, max_entries=max_entries, pure=False)
         owner = {f.key: p for f, p in zip(futures, paths, strict=True)}
         for i, fut in enumerate(as_completed(futures)):
             take(owner[fut.key], fut.result)

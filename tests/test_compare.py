@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pandas as pd
@@ -219,3 +220,16 @@ def test_ranks_on_a_dask_local_cluster(tmp_path):
     assert {r.summary.reserved for r in rows} == {truth}
     assert all(r.flags == [] for r in rows)
     assert list(errors) == [str(files[-1])]
+
+
+def test_a_dask_worker_summarises_alone(monkeypatch):
+    """A Dask worker shares its machine with the other files' workers: it spreads no replay over
+    the CPUs (SNAPLAB_JOBS=1 from then on, as ranks' own pool workers), the same summary."""
+    from snapshot_lab import aside
+
+    monkeypatch.delenv(aside.JOBS_VARIABLE, raising=False)
+    path = sample_path("ddp_nobucketview_rank0")
+    expected = api.summarize_file(path, with_sites=False)
+    monkeypatch.setenv(aside.JOBS_VARIABLE, "")  # put back as it was after the test
+    assert api._summarize_alone(path) == expected
+    assert os.environ[aside.JOBS_VARIABLE] == "1" and aside.workers() == 1
