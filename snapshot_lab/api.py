@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
@@ -114,6 +114,43 @@ def _diagnosed(frames: SnapshotFrames, stats_: SnapshotStats) -> Diagnosis:
     """:func:`~.metrics.diagnose.diagnose` as every command but the report asks it: without the
     categories' timelines, the what-if's replays spread over the CPUs."""
     return diagnose(frames, stats_, with_category_timelines=False, spread=spread)
+
+
+def ranks_memory_note(snapshots: Sequence[str | Path], jobs: int | None = None) -> str | None:
+    """One line when :func:`ranks`' ``jobs`` workers may need more memory at once than the machine
+    has available (the largest uncompressed pickles read together), naming fewer ``jobs`` or the
+    ``max_entries`` that fits each; None when they fit, or where that cannot be told before reading
+    (compressed or JSON files are left out: their sizes are not known; see :func:`memory_note`)."""
+    from . import sizing
+    from ._compiled import compiled
+    from .units import format_bytes
+
+    paths = list(dict.fromkeys(str(p) for p in snapshots))
+    sizes = [size for size in map(plain_pickle_size, paths) if size is not None]
+    available = sizing.available_memory()
+    if not sizes or available is None or compiled("snapshot_lab.load._decode") is None:
+        return None
+    workers = _rank_jobs(jobs, len(paths))
+    need = sizing.ranks_need(sizes, workers, available)
+    if need is None:
+        return None
+    remedies = [sizing.RANKS_FEWER.format(fewer=need.fewer)] if need.fewer else []
+    remedies += [sizing.RANKS_WINDOW.format(window=need.window)] if need.window else []
+    return sizing.RANKS_NOTE.format(
+        files=len(sizes),
+        size=format_bytes(sum(sizes)),
+        entries=sum(sizes) // sizing.MIN_PICKLE_BYTES_PER_ENTRY,
+        jobs=workers,
+        need=format_bytes(need.need),
+        available=format_bytes(need.available),
+        remedy=" or ".join(remedies) if remedies else "read the files on a bigger machine (`--scheduler`)",
+    )
+
+
+def _rank_jobs(jobs: int | None, files: int) -> int:
+    """The worker processes :func:`ranks` reads ``files`` files with: ``jobs``, else the CPUs; at
+    most one per file."""
+    return max(1, min(jobs or os.cpu_count() or 1, files))
 
 
 def _check_max_entries(max_entries: int | None) -> None:
@@ -549,7 +586,7 @@ def ranks(
     _check_max_entries(max_entries)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshots))
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(paths)))
+    jobs = _rank_jobs(jobs, len(paths))
     progress.stage(f"Reading {len(paths)} snapshots", total=len(paths))
     summaries: dict[str, SnapshotSummary] = {}
     errors: dict[str, str] = {}

@@ -382,6 +382,9 @@ def ranks(
     """One row per rank: peak, reserved, allocated, fragmentation, OOM; outliers flagged within their pipeline stage."""
 
     def work() -> None:
+        note = None if max_entries is not None or scheduler is not None else api.ranks_memory_note(snapshots, jobs)
+        if note:
+            typer.echo(f"snaplab: note: {note}", err=True)
         with progress_bar(quiet) as progress:
             result = api.ranks(
                 list(snapshots),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 MIN_PICKLE_BYTES_PER_ENTRY = 64
 FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
-BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150}
+# ranks: each worker summarises one file as findings reads it
+BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150, "ranks": 150}
 HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
 SMALLEST_WINDOW = 10_000
 
@@ -27,6 +28,13 @@ NOTE = _NEED + (
     ". If it runs out, `--max-entries {window:,}` reads each device's last {window:,} entries in about {window_need}."
 )
 NOTE_NO_WINDOW = _NEED + ", too little for any window of the trace."
+RANKS_NOTE = (
+    "{files} of the files ({size} together) may hold up to {entries:,} trace entries; `ranks` with {jobs} workers, "
+    "each reading one file at a time, can need up to {need} of memory for the largest {jobs} at once; this machine "
+    "has {available} available. If it runs out, {remedy}."
+)
+RANKS_FEWER = "`--jobs {fewer}` keeps {fewer} files in memory at once"
+RANKS_WINDOW = "`--max-entries {window:,}` reads each file's last {window:,} entries per device"
 
 
 @dataclass(frozen=True)
@@ -75,3 +83,25 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@dataclass(frozen=True)
+class RanksNeed:
+    """What ``ranks``' workers may need at once, against what the machine has."""
+
+    need: int  # bytes the workers may need together (the largest files at once)
+    available: int
+    fewer: int | None  # the --jobs whose largest files fit (None: not even one alone)
+    window: int | None  # the --max-entries that fits every worker (None: none does)
+
+
+def ranks_need(data_bytes: list[int], jobs: int, available: int) -> RanksNeed | None:
+    """The need of ``jobs`` workers, each reading one of the uncompressed pickles of
+    ``data_bytes`` at a time (the largest ones at once, at worst), when it may be more than
+    ``available``; None when it fits."""
+    needs = sorted((needed("ranks", size // MIN_PICKLE_BYTES_PER_ENTRY) for size in data_bytes), reverse=True)
+    need = sum(needs[:jobs])
+    if need <= available:
+        return None
+    fits = [k for k in range(1, jobs) if sum(needs[:k]) <= available * HEADROOM]
+    return RanksNeed(need, available, max(fits) if fits else None, window_that_fits("ranks", available // jobs))

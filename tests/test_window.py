@@ -366,3 +366,49 @@ def test_a_reference_to_a_forgotten_part_of_the_memo_gives_up_to_the_python_read
     snap = load_snapshot(path, max_entries=100)
     assert snap.decoded_traces is None and snap.entries_left_out == (30_001 - 100,)
     assert _digests(path, 100) == _digests(_cut(obj, 100, tmp_path / "cut.pickle"))
+
+
+def test_ranks_notes_workers_that_may_not_fit_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 rank files of 500 MB read by 16 workers: the 16 largest at once may need 23.71 GiB; with
+    16 GiB available, 8 workers fit (80% of it), or each worker's 1 GiB fits a 2M-entry window."""
+    files = [f"job_rank{r}.pickle" for r in range(64)]
+    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 500_000_000)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 16 << 30)
+    assert api.ranks_memory_note(files, jobs=16) == (
+        "64 of the files (29.80 GiB together) may hold up to 500,000,000 trace entries; `ranks` with 16 workers, "
+        "each reading one file at a time, can need up to 23.71 GiB of memory for the largest 16 at once; this "
+        "machine has 16.00 GiB available. If it runs out, `--jobs 8` keeps 8 files in memory at once or "
+        "`--max-entries 2,000,000` reads each file's last 2,000,000 entries per device."
+    )
+    assert api.ranks_memory_note(files, jobs=10) is None  # 14.82 GiB
+    assert api.ranks_memory_note(files[:4], jobs=16) is None  # one worker per file: 4
+    monkeypatch.setattr(api, "plain_pickle_size", lambda path: None)  # compressed: sizes not known
+    assert api.ranks_memory_note(files, jobs=16) is None
+
+
+def test_ranks_names_the_remedy_that_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not one file alone fits: no fewer workers to name; nor a window for two workers' share."""
+    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 8_000_000_000)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 8 << 30)
+    note = api.ranks_memory_note(["a_rank0.pickle", "a_rank1.pickle"], jobs=2)
+    assert note is not None and note.endswith(
+        "If it runs out, `--max-entries 20,000,000` reads each file's last 20,000,000 entries per device."
+    )
+    monkeypatch.setattr(sizing, "available_memory", lambda: 600 << 20)
+    note = api.ranks_memory_note(["a_rank0.pickle", "a_rank1.pickle"], jobs=2)
+    assert note is not None and note.endswith("If it runs out, read the files on a bigger machine (`--scheduler`).")
+
+
+def test_the_command_line_notes_ranks_that_may_not_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    plain = sample_path("oom_fragmentation")
+    files = []
+    for r in range(2):
+        files.append(tmp_path / f"job_rank{r}.pickle")
+        files[-1].write_bytes(plain.read_bytes())
+    monkeypatch.setattr(sizing, "available_memory", lambda: 300 << 20)
+    result = CliRunner().invoke(app, ["ranks", *map(str, files), "--jobs", "2", "--json"])
+    assert result.exit_code == 0
+    assert result.stderr.startswith("snaplab: note: 2 of the files (") and "`ranks` with 2 workers" in result.stderr
+    assert len(json.loads(result.stdout)["ranks"]) == 2  # the note is on stderr only
+    windowed = CliRunner().invoke(app, ["ranks", *map(str, files), "--jobs", "2", "--json", "--max-entries", "1000"])
+    assert windowed.exit_code == 0 and "note" not in windowed.stderr
