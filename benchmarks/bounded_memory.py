@@ -1,4 +1,4 @@
-"""Fail when ``snaplab report`` (or ``stats``) of an N-entry snapshot needs more memory than a bound.
+"""Fail when ``snaplab report`` (or another command) of an N-entry snapshot needs more memory than a bound.
 
 Writes (or reuses) a snapshot of N trace entries (benchmarks/gen_snapshot.py, in a child process
 so that the generator's memory is not this script's), runs the command on it in a fresh process
@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the commands other than report, each with --json and these options (fit: its levers searched
+# under a limit, as for a recording that ran out of memory)
+COMMANDS = {"stats": [], "findings": [], "leaks": [], "whatif": [], "fit": ["--memory-limit", "40GiB"]}
 
 
 def snapshot_file(workdir: Path, entries: int) -> Path:
@@ -116,7 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, required=True, help="trace entries of the snapshot")
     ap.add_argument("--max-rss-mib", type=float, required=True, help="the bound, in MiB")
-    ap.add_argument("--command", choices=("report", "stats"), default="report")
+    ap.add_argument("--command", choices=("report", *COMMANDS), default="report")
     ap.add_argument(
         "--measure",
         choices=("process", "tree"),
@@ -138,8 +141,8 @@ def main() -> int:
     size = snap.stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
         args = ["report", "-q", str(snap), "-o", str(Path(tmp) / "report.html")]
-        if a.command == "stats":
-            args = ["stats", "--json", "-q", str(snap)]
+        if a.command in COMMANDS:
+            args = [a.command, "--json", "-q", str(snap), *COMMANDS[a.command]]
         if a.max_entries is not None:
             args += ["--max-entries", str(a.max_entries)]
         code, wall, peak, tree = measure([sys.executable, "-m", "snapshot_lab", *args], a.interval)

@@ -335,7 +335,7 @@ def spread(jobs: Sequence[Callable[[], T]]) -> list[T]:
     (a daemon) may spread its work too. A job a child could not send back (it raised, the child
     died, the value does not pickle) is computed here: the values, and the first error raised, are
     those of computing the jobs in turn. For pure jobs of a second or more (allocator replays)."""
-    n = min(len(jobs), workers()) if _may_spread() else 1
+    n = min(len(jobs), workers(), _room_for()) if _may_spread() else 1
     if n <= 1:
         return [job() for job in jobs]
     children = [child for child in (_fork_share(jobs, k, n) for k in range(1, n)) if child is not None]
@@ -359,6 +359,28 @@ def spread(jobs: Sequence[Callable[[], T]]) -> list[T]:
             raise errors[i]
         out.append(sent[i] if i in sent else job())
     return out
+
+
+def _room_for() -> int:
+    """How many processes the memory available allows: this one, and a child for each time what
+    it holds now fits in ``HEADROOM`` of the memory available (a child may come to need as much as
+    its parent: fit's levers at 5M trace entries each built about a quarter of it); every CPU's
+    where the system does not say (:func:`~.sizing.available_memory`, this process's RSS)."""
+    from .sizing import HEADROOM, available_memory
+
+    available, held = available_memory(), _resident_bytes()
+    if available is None or not held:
+        return sys.maxsize
+    return 1 + int(available * HEADROOM) // held
+
+
+def _resident_bytes(statm: str = "/proc/self/statm") -> int | None:
+    """This process's resident memory in bytes (Linux), or None where the system does not say."""
+    try:
+        with open(statm) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _may_spread() -> bool:

@@ -518,3 +518,26 @@ def test_an_interrupted_spread_kills_its_children_and_raises(monkeypatch):
     assert len(forked) == 1
     with pytest.raises(ChildProcessError):
         os.waitpid(forked[0], os.WNOHANG)  # reaped already: not even a zombie left
+
+
+def test_spread_forks_no_more_children_than_the_memory_allows(monkeypatch, tmp_path):
+    """A child may come to need what its parent holds: 3 GiB held, 10 GiB available, 80% of it
+    used: room for this process and two children; with 2 GiB available, for this one alone (the
+    jobs then computed here, in turn); where the system does not say, every CPU."""
+    from snapshot_lab import sizing
+
+    monkeypatch.setattr(aside, "cpus", lambda: 8)
+    monkeypatch.delenv(aside.JOBS_VARIABLE, raising=False)
+    monkeypatch.setattr(aside, "_resident_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 10 << 30)
+    assert aside._room_for() == 3
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2 << 30)
+    assert aside._room_for() == 1
+    assert aside.spread([lambda: _pid_and(0), lambda: _pid_and(1)]) == [(os.getpid(), 0), (os.getpid(), 1)]
+    monkeypatch.setattr(sizing, "available_memory", lambda: None)
+    assert aside._room_for() > 1000
+    statm = tmp_path / "statm"
+    statm.write_text("5000 1200 300 1 0 900 0\n")
+    monkeypatch.undo()
+    assert aside._resident_bytes(str(statm)) == 1200 * os.sysconf("SC_PAGE_SIZE")
+    assert aside._resident_bytes(str(tmp_path / "absent")) is None
