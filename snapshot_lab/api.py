@@ -81,7 +81,8 @@ def load_frames(
 
 
 def memory_note(snapshot: str | Path, command: str) -> str | None:
-    """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``) may need
+    """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``,
+    ``"whatif"``, ``"fit"``) may need
     more memory for this file than the machine has available, naming the ``max_entries`` that
     fits (:mod:`snapshot_lab.sizing`); None when it fits, or where that cannot be told before
     reading: a compressed or JSON file, no C extensions (then the window does not bound the

@@ -553,6 +553,7 @@ def whatif(
     """Would other allocator settings have avoided this OOM? Replays the trace through a model of the allocator."""
 
     def work() -> None:
+        _note_memory(snapshot, "whatif", max_entries)
         with progress_bar(quiet) as progress:
             result = api.whatif(
                 snapshot,
@@ -787,6 +788,7 @@ def fit(
     """What makes this job fit: the whole step under other batches and levers, and the largest batch per lever."""
 
     def work() -> None:
+        _note_memory(snapshot, "fit", max_entries)
         with progress_bar(quiet) as progress:
             result = api.fit(
                 snapshot,

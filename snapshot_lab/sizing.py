@@ -15,8 +15,17 @@ from pathlib import Path
 
 MIN_PICKLE_BYTES_PER_ENTRY = 64
 FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
-# ranks: each worker summarises one file as findings reads it
-BYTES_PER_ENTRY = {"report": 220, "stats": 140, "findings": 150, "leaks": 150, "ranks": 150}
+# ranks: each worker summarises one file as findings reads it; fit: its largest process with
+# its levers searched under a limit, in turn (spread, more where the memory allows: aside.spread)
+BYTES_PER_ENTRY = {
+    "report": 220,
+    "stats": 140,
+    "findings": 150,
+    "leaks": 150,
+    "ranks": 150,
+    "whatif": 200,
+    "fit": 540,
+}
 HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
 SMALLEST_WINDOW = 10_000
 

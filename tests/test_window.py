@@ -412,3 +412,17 @@ def test_the_command_line_notes_ranks_that_may_not_fit(monkeypatch: pytest.Monke
     assert len(json.loads(result.stdout)["ranks"]) == 2  # the note is on stderr only
     windowed = CliRunner().invoke(app, ["ranks", *map(str, files), "--jobs", "2", "--json", "--max-entries", "1000"])
     assert windowed.exit_code == 0 and "note" not in windowed.stderr
+
+
+@pytest.mark.parametrize("command", ["whatif", "fit"])
+def test_whatif_and_fit_note_a_file_that_may_not_fit(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """fit's need per entry is the largest (its levers' tapes): 540 bytes against stats' 140."""
+    plain = sample_path("oom_fragmentation")
+    monkeypatch.setattr(sizing, "available_memory", lambda: 300 << 20)
+    result = CliRunner().invoke(app, [command, str(plain), "--json"])
+    entries = plain.stat().st_size // 64
+    assert result.stderr.startswith(
+        f"snaplab: note: {plain.name} ({format_bytes(plain.stat().st_size)}) may hold up to {entries:,} trace "
+        f"entries, which `{command}` can need up to {format_bytes(sizing.needed(command, entries))} of memory"
+    )
+    assert sizing.needed("fit", 1_000_000) - sizing.needed("stats", 1_000_000) == 400_000_000
