@@ -80,20 +80,27 @@ def load_frames(
     return build_frames(snap, consume=True)
 
 
-def memory_note(snapshot: str | Path, command: str) -> str | None:
-    """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``,
-    ``"whatif"``, ``"fit"``) may need
-    more memory for this file than the machine has available, naming the ``max_entries`` that
-    fits (:mod:`snapshot_lab.sizing`); None when it fits, or where that cannot be told before
-    reading: a compressed or JSON file, no C extensions (then the window does not bound the
-    reading), a system that does not say its available memory."""
+def _memory_to_tell() -> int | None:
+    """The memory available, where a note can say what a file may need of it before reading:
+    None without the C extensions (then the window does not bound the reading) or on a system
+    that does not say (:func:`~.sizing.available_memory`)."""
     from . import sizing
     from ._compiled import compiled
+
+    return sizing.available_memory() if compiled("snapshot_lab.load._decode") is not None else None
+
+
+def memory_note(snapshot: str | Path, command: str) -> str | None:
+    """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``,
+    ``"whatif"``, ``"fit"``) may need more memory for this file than the machine has available,
+    naming the ``max_entries`` that fits (:mod:`snapshot_lab.sizing`); None when it fits, or where
+    that cannot be told before reading: a compressed or JSON file, :func:`_memory_to_tell`."""
+    from . import sizing
     from .units import format_bytes
 
     size = plain_pickle_size(snapshot)
-    available = sizing.available_memory()
-    if size is None or available is None or compiled("snapshot_lab.load._decode") is None:
+    available = _memory_to_tell() if size is not None else None
+    if size is None or available is None:
         return None
     need = sizing.memory_need(command, size, available)
     if need is None:
@@ -123,13 +130,12 @@ def ranks_memory_note(snapshots: Sequence[str | Path], jobs: int | None = None) 
     ``max_entries`` that fits each; None when they fit, or where that cannot be told before reading
     (compressed or JSON files are left out: their sizes are not known; see :func:`memory_note`)."""
     from . import sizing
-    from ._compiled import compiled
     from .units import format_bytes
 
     paths = list(dict.fromkeys(str(p) for p in snapshots))
     sizes = [size for size in map(plain_pickle_size, paths) if size is not None]
-    available = sizing.available_memory()
-    if not sizes or available is None or compiled("snapshot_lab.load._decode") is None:
+    available = _memory_to_tell() if sizes else None
+    if available is None:
         return None
     workers = _rank_jobs(jobs, len(paths))
     need = sizing.ranks_need(sizes, workers, available)
@@ -140,11 +146,11 @@ def ranks_memory_note(snapshots: Sequence[str | Path], jobs: int | None = None) 
     return sizing.RANKS_NOTE.format(
         files=len(sizes),
         size=format_bytes(sum(sizes)),
-        entries=sum(sizes) // sizing.MIN_PICKLE_BYTES_PER_ENTRY,
+        entries=sizing.entries_at_most(sum(sizes)),
         jobs=workers,
         need=format_bytes(need.need),
         available=format_bytes(need.available),
-        remedy=" or ".join(remedies) if remedies else "read the files on a bigger machine (`--scheduler`)",
+        remedy=" or ".join(remedies) if remedies else sizing.RANKS_ELSEWHERE,
     )
 
 

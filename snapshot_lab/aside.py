@@ -42,13 +42,11 @@ def cpus() -> int:
 
 def may_fork() -> bool:
     """Whether work may go to a forked child: ``fork`` exists, there are two CPUs or more,
-    ``SNAPLAB_JOBS`` does not say 1, and this process is no daemon (which may not have children)."""
-    jobs = os.environ.get(JOBS_VARIABLE, "").strip()
-    if jobs.isdigit() and int(jobs) <= 1:
-        return False
+    ``SNAPLAB_JOBS`` does not say 1 (:func:`workers`), and this process is no daemon (which may not
+    have children)."""
     if mp.current_process().daemon:  # itself a worker (an Aside's child, Dask's): it may have none
         return False
-    return "fork" in mp.get_all_start_methods() and cpus() > 1
+    return "fork" in mp.get_all_start_methods() and workers() > 1
 
 
 def workers() -> int:

@@ -44,6 +44,7 @@ RANKS_NOTE = (
 )
 RANKS_FEWER = "`--jobs {fewer}` keeps {fewer} files in memory at once"
 RANKS_WINDOW = "`--max-entries {window:,}` reads each file's last {window:,} entries per device"
+RANKS_ELSEWHERE = "read the files on a bigger machine (`--scheduler`)"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class MemoryNeed:
     available: int  # bytes the machine has available now
     window: int | None  # the --max-entries that fits the available memory (None: none does)
     window_need: int  # bytes the command needs with that window
+
+
+def entries_at_most(data_bytes: int) -> int:
+    """The most trace entries an uncompressed pickle of ``data_bytes`` may hold."""
+    return data_bytes // MIN_PICKLE_BYTES_PER_ENTRY
 
 
 def needed(command: str, entries: int) -> int:
@@ -75,7 +81,7 @@ def window_that_fits(command: str, available: int) -> int | None:
 def memory_need(command: str, data_bytes: int, available: int) -> MemoryNeed | None:
     """The need of ``command`` for an uncompressed pickle of ``data_bytes`` where ``available``
     bytes are available, when it may be more than that; None when it fits."""
-    entries = data_bytes // MIN_PICKLE_BYTES_PER_ENTRY
+    entries = entries_at_most(data_bytes)
     need = needed(command, entries)
     if need <= available:
         return None
@@ -108,7 +114,7 @@ def ranks_need(data_bytes: list[int], jobs: int, available: int) -> RanksNeed | 
     """The need of ``jobs`` workers, each reading one of the uncompressed pickles of
     ``data_bytes`` at a time (the largest ones at once, at worst), when it may be more than
     ``available``; None when it fits."""
-    needs = sorted((needed("ranks", size // MIN_PICKLE_BYTES_PER_ENTRY) for size in data_bytes), reverse=True)
+    needs = sorted((needed("ranks", entries_at_most(size)) for size in data_bytes), reverse=True)
     need = sum(needs[:jobs])
     if need <= available:
         return None

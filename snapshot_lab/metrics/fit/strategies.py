@@ -15,8 +15,8 @@ from typing import Any
 
 from ...frames import SnapshotFrames
 from .._jobs import Spread, in_turn
-from ..plan import PlanUnsupported, Strategy, plan_memory, training_structure
-from ..plan.planner import WOULD_IT_FIT_FULL_EVENTS
+from ..plan import Strategy, training_structure
+from ..plan.planner import WOULD_IT_FIT_FULL_EVENTS, plan_or_why
 
 WORLD_SIZES = (2, 4, 8)
 NO_WHOLE_STEP = (
@@ -96,10 +96,9 @@ def _planned(
     frames: SnapshotFrames, key: str, strategy: Strategy, device: int, memory_limit: int
 ) -> StrategyOutcome | str:
     """One strategy planned, or why plan refused it."""
-    try:
-        p = plan_memory(frames, strategy, device, memory_limit, "memory_limit")
-    except (PlanUnsupported, ValueError) as exc:
-        return str(exc)
+    p = plan_or_why(frames, strategy, device, memory_limit, "memory_limit")
+    if isinstance(p, str):
+        return p
     fits = p.fits if p.fits is not None else p.peak_reserved_bytes <= memory_limit
     return StrategyOutcome(
         p.strategy.label(), key, strategy.world_size, p.peak_allocated_bytes, p.peak_reserved_bytes, fits

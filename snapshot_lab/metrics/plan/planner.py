@@ -704,7 +704,7 @@ def plan_table(
     plans = []
     skipped = {}
     jobs = [
-        functools.partial(_plan_or_why, frames, s, device_index, memory_limit, memory_limit_source, spread)
+        functools.partial(plan_or_why, frames, s, device_index, memory_limit, memory_limit_source, spread)
         for s in tried
     ]
     for strategy, plan in zip(tried, spread(jobs), strict=True):
@@ -716,15 +716,16 @@ def plan_table(
     return PlanTable(world_size, tuple(plans), skipped)
 
 
-def _plan_or_why(
+def plan_or_why(
     frames: SnapshotFrames,
     strategy: Strategy,
     device: int,
     memory_limit: int | None,
     memory_limit_source: str,
-    spread: Spread,
+    spread: Spread = in_turn,
 ) -> MemoryPlan | str:
-    """One strategy's plan, or why it cannot be planned."""
+    """One strategy's plan, or why it cannot be planned (:class:`PlanUnsupported`, or a strategy
+    that makes no sense)."""
     try:
         return plan_memory(frames, strategy, device, memory_limit, memory_limit_source, spread)
     except (PlanUnsupported, ValueError) as exc:
