@@ -118,7 +118,7 @@ def memory_note(snapshot: str | Path, command: str) -> str | None:
     return sizing.NOTE.format(**fields, window=need.window, window_need=format_bytes(need.window_need))
 
 
-def _diagnosed(frames: SnapshotFrames, stats_: SnapshotStats) -> Diagnosis:
+def _diagnose_frames(frames: SnapshotFrames, stats_: SnapshotStats) -> Diagnosis:
     """:func:`~.metrics.diagnose.diagnose` as every command but the report asks it: without the
     categories' timelines, the what-if's replays spread over the CPUs."""
     return diagnose(frames, stats_, with_category_timelines=False, spread=spread)
@@ -260,19 +260,19 @@ def stats(
     return notebook.Stats.of(result)
 
 
-def _diagnosis(
+def _read_and_diagnose(
     snapshot: str | Path, progress: ProgressSink | None, max_entries: int | None = None
 ) -> tuple[SnapshotStats, Diagnosis]:
     frames = load_frames(snapshot, progress=progress, max_entries=max_entries)
     (progress or NullProgress()).stage("Analysing")
     stats_ = _stats_beside(frames)
-    return stats_, _diagnosed(frames, stats_)
+    return stats_, _diagnose_frames(frames, stats_)
 
 
 def leaks(snapshot: str | Path, *, progress: ProgressSink | None = None, max_entries: int | None = None) -> Leaks:
     """Leak suspects per device (``{device: LeakAnalysis}``): sites whose surviving memory grows
     every iteration. ``max_entries``: the last entries of each device's trace only (:func:`load_frames`)."""
-    return Leaks(_diagnosis(snapshot, progress, max_entries)[1].leaks)
+    return Leaks(_read_and_diagnose(snapshot, progress, max_entries)[1].leaks)
 
 
 Files = list[str] | list[Path] | list[str | Path] | tuple[str | Path, ...]  # several snapshot files
@@ -297,7 +297,7 @@ def findings(
     that could not be read (the others are still analysed). A file given twice is read once.
     ``max_entries``: the last entries of each device's trace only (:func:`load_frames`)."""
     if isinstance(snapshot, (str, os.PathLike)):
-        return FileFindings(_diagnosis(snapshot, progress, max_entries)[1].findings)
+        return FileFindings(_read_and_diagnose(snapshot, progress, max_entries)[1].findings)
     _check_max_entries(max_entries)
     progress = progress or NullProgress()
     paths = list(dict.fromkeys(str(p) for p in snapshot))
@@ -317,7 +317,7 @@ def _findings_and_summary(snapshot: str, max_entries: int | None = None) -> tupl
     """One file's findings and its small summary (its frames go when this returns)."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    dg = _diagnosed(frames, stats_)
+    dg = _diagnose_frames(frames, stats_)
     return dg.findings, summarize(frames, stats_, dg, with_sites=False)
 
 
@@ -458,7 +458,7 @@ def summarize_file(
     category rules for its categories (:func:`rules_of`); ``max_entries``: :func:`load_frames`'."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    return summarize(frames, stats_, _diagnosed(frames, stats_), with_sites, rules)
+    return summarize(frames, stats_, _diagnose_frames(frames, stats_), with_sites, rules)
 
 
 def _summarize_alone(snapshot: str | Path, max_entries: int | None = None) -> SnapshotSummary:
@@ -483,7 +483,7 @@ def _read_for_diff(
     next file is read."""
     frames = load_frames(snapshot, max_entries=max_entries)
     stats_ = _stats_beside(frames)
-    summary = summarize(frames, stats_, _diagnosed(frames, stats_), rules=rules)
+    summary = summarize(frames, stats_, _diagnose_frames(frames, stats_), rules=rules)
     found = next((st for st in file_stages(frames, rules).values() if st.ranges), None) if stages else None
     if explorers is not None:
         from .render.explorer import add_diff_explorer

@@ -134,9 +134,13 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
 def _note_memory(snapshot: Path, command: str, max_entries: int | None) -> None:
     """Say before reading when the file may need more memory than the machine has (not when a
     window was asked for: that is the answer to it)."""
-    note = None if max_entries is not None else api.memory_note(snapshot, command)
-    if note:
-        typer.echo(f"snaplab: note: {note}", err=True)
+    _note(None if max_entries is not None else api.memory_note(snapshot, command))
+
+
+def _note(text: str | None) -> None:
+    """Every note (something the user may want to know, not an error) is one line on stderr."""
+    if text:
+        typer.echo(f"snaplab: note: {text}", err=True)
 
 
 def _wrote(path: Path | str) -> None:
@@ -382,9 +386,7 @@ def ranks(
     """One row per rank: peak, reserved, allocated, fragmentation, OOM; outliers flagged within their pipeline stage."""
 
     def work() -> None:
-        note = None if max_entries is not None or scheduler is not None else api.ranks_memory_note(snapshots, jobs)
-        if note:
-            typer.echo(f"snaplab: note: {note}", err=True)
+        _note(None if max_entries is not None or scheduler is not None else api.ranks_memory_note(snapshots, jobs))
         with progress_bar(quiet) as progress:
             result = api.ranks(
                 list(snapshots),
@@ -405,9 +407,7 @@ def ranks(
 
         if output is not None and not errors:
             _wrote(output)
-        notice = rank_notice(rows)
-        if notice:
-            typer.echo(f"snaplab: note: {notice}", err=True)
+        _note(rank_notice(rows))
         for e in errors.values():
             typer.echo(f"snaplab: error: {e}", err=True)
         if errors:

@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from ..categories import CATEGORIES, CODES
 from .messages import (
@@ -196,22 +197,34 @@ class StageBuilder:
         self.program = Program()
         self.row_at = np.full(structure.n_events, -1, dtype=np.int64)
         self.row_at[allocs["pos"].to_numpy()] = allocs["row"].to_numpy()
-        # trace position -> recorded rows freed there
-        self.free_rows: dict[int, list[int]] = {}
-        for row, free_position in enumerate(allocs["free_pos"].tolist()):
-            if free_position >= 0:
-                self.free_rows.setdefault(int(free_position), []).append(row)
-        self.size = allocs["size"].to_numpy()
-        self.stream = allocs["stream"].to_numpy()
-        self.code = allocs["code"].to_numpy()
+        # one value at a time from here on: Python ints, read straight from the columns
+        self.size = _ints(allocs["size"])
+        self.stream = _ints(allocs["stream"])
+        self.code = _ints(allocs["code"])
         self.phase = allocs["phase"].to_numpy()
-        self.free_pos = allocs["free_pos"].to_numpy()
-        self.event_index = allocs["event_index"].to_numpy()
+        self.free_pos = _ints(allocs["free_pos"])
+        self.event_index = _ints(allocs["event_index"])
         self.categories = np.array(CATEGORIES, dtype=object)
         row_stage = assignment.row_stage
         dropped = allocs["dropped"].to_numpy()
         self.mine = ((row_stage == stage) | (row_stage < 0)) & ~dropped
+        # trace position -> the stage's recorded rows freed there (no other row is ever live)
+        self.free_rows: dict[int, list[int]] = {}
+        mine_rows = np.flatnonzero(self.mine)
+        for row, free_position in zip(
+            mine_rows.tolist(), allocs["free_pos"].to_numpy()[mine_rows].tolist(), strict=True
+        ):
+            if free_position >= 0:
+                self.free_rows.setdefault(free_position, []).append(row)
         self.releases = set(structure.releases)
+        # the trace positions where something happens for this stage (see _span)
+        allocated = self.row_at >= 0
+        self.active = np.zeros(structure.n_events, dtype=bool)
+        self.active[allocated] = self.mine[self.row_at[allocated]]
+        self.active[[p for p in [*self.free_rows, *self.releases] if 0 <= p < structure.n_events]] = True
+        self.spans: dict[tuple[int, int], list[tuple[int, int, int, list[int], bool]]] = {}
+        self.one_microbatch_rules: dict[str, str] = {}
+        self.saved_rule = RULE_SAVED_ACTIVATIONS.format(microbatches=microbatches)
         # every stage keeps each microbatch's output until the step ends (the schedule's output
         # chunks): the model's output on the last stage, its last block's output on the others
         self.outputs = _stage_outputs(structure, assignment, stage, stages)
@@ -246,6 +259,7 @@ class StageBuilder:
             self._end_step(training_pass)
             if index == len(passes) - 1:
                 self._replay_once(training_pass.backward_end, self.structure.n_events)
+            self.spans.clear()  # a pass's spans are not replayed again
         return self.program
 
     def _alloc_untracked(self) -> None:
@@ -266,14 +280,14 @@ class StageBuilder:
 
     def _replay_once(self, start: int, stop: int) -> None:
         """Trace positions ``start`` to ``stop`` as recorded (data loading, the optimizer step)."""
-        for position in range(start, stop):
-            row = int(self.row_at[position])
-            if row >= 0 and self.mine[row]:
+        for position, origin, row, freed, release in self._span(start, stop):
+            if row >= 0:
                 category = self._category(row)
                 self._alloc(row, row, self.size[row], category, recorded_rule(category))
-            for freed in self.free_rows.get(position, ()):
-                self._free_all(freed, position)
-            self._release_at(position)
+            for freed_row in freed:
+                self._free_all(freed_row, position)
+            if release:
+                self.program.empty_cache(origin)
 
     def _infer_shapes(self, training_pass: Pass) -> None:
         """The stage's first step infers its shapes by running one microbatch's forward
@@ -361,18 +375,39 @@ class StageBuilder:
         """Trace positions ``start`` to ``stop`` of ``training_pass`` for one microbatch;
         ``final``: the schedule's last forward or backward of the step."""
         pass_rows = self.pass_rows[training_pass.index]
-        row_at, mine, free_rows, releases = self.row_at, self.mine, self.free_rows, self.releases
-        for position in range(start, stop):
-            row = int(row_at[position])
-            if row >= 0 and mine[row]:
-                self._alloc_for_microbatch(row, position, microbatch, first_backward, training_pass)
-            if position in free_rows:
-                self._free_for_microbatch(position, microbatch, pass_rows, final)
-            if position in releases:
-                self._release_at(position)
+        for _, origin, row, freed, release in self._span(start, stop):
+            if row >= 0:
+                self._alloc_for_microbatch(row, origin, microbatch, first_backward, training_pass)
+            if freed:
+                self._free_for_microbatch(freed, origin, microbatch, pass_rows, final)
+            if release:
+                self.program.empty_cache(origin)
+
+    def _span(self, start: int, stop: int) -> list[tuple[int, int, int, list[int], bool]]:
+        """What happens for this stage at trace positions ``start`` to ``stop``, where anything
+        does: (position, its recorded event index, the stage's row allocated there or -1, the
+        stage's rows freed there, whether the cache is emptied there). Made once a pass for the
+        microbatches that replay it."""
+        span = self.spans.get((start, stop))
+        if span is None:
+            positions = (np.flatnonzero(self.active[start:stop]) + start).tolist()
+            rows = self.row_at[positions]
+            mine = self.mine[np.maximum(rows, 0)] & (rows >= 0)
+            span = [
+                (
+                    position,
+                    self.origin(position),
+                    row if own else -1,
+                    self.free_rows.get(position, []),
+                    position in self.releases,
+                )
+                for position, row, own in zip(positions, rows.tolist(), mine.tolist(), strict=True)
+            ]
+            self.spans[(start, stop)] = span
+        return span
 
     def _alloc_for_microbatch(
-        self, row: int, position: int, microbatch: int, first_backward: bool, training_pass: Pass
+        self, row: int, origin: int, microbatch: int, first_backward: bool, training_pass: Pass
     ) -> None:
         if self.code[row] == CODES["gradient"]:
             if first_backward:
@@ -380,7 +415,7 @@ class StageBuilder:
             else:
                 key = microbatch_key(row, microbatch)
                 self._alloc(key, row, self.size[row], "activation", RULE_LATER_GRADIENTS)
-                self.program.free(key, self.origin(position))
+                self.program.free(key, origin)
                 self.live[row].remove(key)
         elif self.free_pos[row] < 0:
             if microbatch == 0:  # kept for the run: a cache or workspace
@@ -399,30 +434,33 @@ class StageBuilder:
             last = self.stage == self.stages - 1
             return "activation", RULE_MODEL_OUTPUT if last else RULE_STAGE_OUTPUT
         if saved and int(free_position) >= self.saved_until:
-            return "inflight_activation", RULE_SAVED_ACTIVATIONS.format(microbatches=self.microbatches)
+            return "inflight_activation", self.saved_rule
         category = self._category(row)
-        rule = RULE_ONE_MICROBATCH.format(
-            what=category.replace("_", " "),
-            microbatches=self.microbatches,
-        )
+        rule = self.one_microbatch_rules.get(category)
+        if rule is None:
+            rule = self.one_microbatch_rules[category] = RULE_ONE_MICROBATCH.format(
+                what=category.replace("_", " "),
+                microbatches=self.microbatches,
+            )
         return (category if category != "inflight_activation" else "activation"), rule
 
     def _free_for_microbatch(
         self,
-        position: int,
+        freed: list[int],
+        origin: int,
         microbatch: int,
         pass_rows: set[int],
         final: bool,
     ) -> None:
         live, outputs, offset = self.live, self.outputs, microbatch_key(0, microbatch)
-        for row in self.free_rows.get(position, ()):
+        for row in freed:
             keys = live.get(row)
             if not keys or row in outputs:
                 continue
             key = row + offset
             if key in keys:
                 keys.remove(key)
-                self.program.free(key, self.origin(position))
+                self.program.free(key, origin)
             elif row not in pass_rows and final:
                 # made once (inputs) and freed by the program after its backward call: in a
                 # pipeline that is after the schedule's step() returned
@@ -452,9 +490,11 @@ class StageBuilder:
         for key in self.live.pop(row, []):
             self.program.free(key, self.origin(position))
 
-    def _release_at(self, position: int) -> None:
-        if position in self.releases:
-            self.program.empty_cache(self.origin(position))
+
+def _ints(column: pd.Series) -> memoryview:
+    """A column's values as Python ints, one at a time, without a copy of each (a memoryview
+    of its int64 array: indexing it is several times cheaper than indexing the array)."""
+    return np.ascontiguousarray(column.to_numpy(), dtype=np.int64).data
 
 
 def _ceil_div(nbytes: int, parts: int) -> int:

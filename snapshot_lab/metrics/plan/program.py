@@ -46,14 +46,13 @@ class Program:
     # recorded event index where it happens in the plan
     placed: list[int] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
-    _source_ids: dict[Source, int] = field(default_factory=dict)
+    _source_ids: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def source_id(self, category: str, rule: str) -> int:
-        entry = Source(category, rule)
-        sid = self._source_ids.get(entry)
+        sid = self._source_ids.get((category, rule))
         if sid is None:
-            sid = self._source_ids[entry] = len(self.sources)
-            self.sources.append(entry)
+            sid = self._source_ids[(category, rule)] = len(self.sources)
+            self.sources.append(Source(category, rule))
         return sid
 
     def alloc(
