@@ -30,8 +30,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the commands other than report, each with --json and these options (fit: its levers searched
-# under a limit, as for a recording that ran out of memory)
-COMMANDS = {"stats": [], "findings": [], "leaks": [], "whatif": [], "fit": ["--memory-limit", "40GiB"]}
+# under a limit, as for a recording that ran out of memory; plan: its table of strategies)
+COMMANDS = {
+    "stats": [],
+    "findings": [],
+    "leaks": [],
+    "whatif": [],
+    "fit": ["--memory-limit", "40GiB"],
+    "plan": ["--world-size", "4"],
+    "check": ["--allow-oom"],
+}
+
+
+def command_args(command: str, snap: Path, tmp: Path) -> list[str]:
+    """The snaplab command line that measures ``command`` on ``snap`` (files it writes go to ``tmp``)."""
+    if command == "report":
+        return ["report", "-q", str(snap), "-o", str(tmp / "report.html")]
+    if command == "export":  # the frames as parquet tables
+        return ["export", "-q", str(snap), "-o", str(tmp / "tables")]
+    if command == "diff":  # the file against itself: each read in turn
+        return ["diff", "--json", "-q", str(snap), str(snap)]
+    return [command, "--json", "-q", str(snap), *COMMANDS[command]]
 
 
 def snapshot_file(workdir: Path, entries: int) -> Path:
@@ -119,7 +138,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, required=True, help="trace entries of the snapshot")
     ap.add_argument("--max-rss-mib", type=float, required=True, help="the bound, in MiB")
-    ap.add_argument("--command", choices=("report", *COMMANDS), default="report")
+    ap.add_argument("--command", choices=("report", "export", "diff", *COMMANDS), default="report")
     ap.add_argument(
         "--measure",
         choices=("process", "tree"),
@@ -140,9 +159,7 @@ def main() -> int:
     snap = a.snapshot or snapshot_file(a.workdir, a.entries)
     size = snap.stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["report", "-q", str(snap), "-o", str(Path(tmp) / "report.html")]
-        if a.command in COMMANDS:
-            args = [a.command, "--json", "-q", str(snap), *COMMANDS[a.command]]
+        args = command_args(a.command, snap, Path(tmp))
         if a.max_entries is not None:
             args += ["--max-entries", str(a.max_entries)]
         code, wall, peak, tree = measure([sys.executable, "-m", "snapshot_lab", *args], a.interval)

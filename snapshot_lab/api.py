@@ -28,7 +28,7 @@ from .aside import Aside, Worker, one_process, spread
 from .capture import CAPTURE_DEFAULTS, DEFAULT_OUT_DIR, CaptureOptions
 from .errors import OutputError, ParameterError, SnaplabError, SnapshotFormatError, UsageError
 from .frames import SnapshotFrames, build_frames
-from .load import load_snapshot, plain_pickle_size
+from .load import load_snapshot, pickle_size
 from .load.sidecar import sidecar_batch_size
 from .metrics import SnapshotStats, compute_stats
 from .metrics._memo import forget_named
@@ -92,22 +92,24 @@ def _memory_to_tell() -> int | None:
 
 def memory_note(snapshot: str | Path, command: str) -> str | None:
     """One line when ``command`` (``"report"``, ``"stats"``, ``"findings"``, ``"leaks"``,
-    ``"whatif"``, ``"fit"``) may need more memory for this file than the machine has available,
-    naming the ``max_entries`` that fits (:mod:`snapshot_lab.sizing`); None when it fits, or where
-    that cannot be told before reading: a compressed or JSON file, :func:`_memory_to_tell`."""
+    ``"whatif"``, ``"fit"``, ``"plan"``, ``"diff"``, ``"check"``, ``"export"``) may need more
+    memory for this file than the machine has available, naming the ``max_entries`` that fits
+    (:mod:`snapshot_lab.sizing`); None when it fits, or where that cannot be told before reading:
+    a JSON file, a compressed one that does not state its size (:func:`~.load.pickle_size`),
+    :func:`_memory_to_tell`."""
     from . import sizing
     from .units import format_bytes
 
-    size = plain_pickle_size(snapshot)
+    size = pickle_size(snapshot)
     available = _memory_to_tell() if size is not None else None
     if size is None or available is None:
         return None
-    need = sizing.memory_need(command, size, available)
+    need = sizing.memory_need(command, size.bytes, available)
     if need is None:
         return None
     fields = {
         "name": Path(snapshot).name,
-        "size": format_bytes(size),
+        "size": format_bytes(size.bytes) + (" decompressed" if size.compressed else ""),
         "entries": need.entries,
         "command": command,
         "need": format_bytes(need.need),
@@ -126,14 +128,14 @@ def _diagnose_frames(frames: SnapshotFrames, stats_: SnapshotStats) -> Diagnosis
 
 def ranks_memory_note(snapshots: Sequence[str | Path], jobs: int | None = None) -> str | None:
     """One line when :func:`ranks`' ``jobs`` workers may need more memory at once than the machine
-    has available (the largest uncompressed pickles read together), naming fewer ``jobs`` or the
+    has available (the largest pickles read together), naming fewer ``jobs`` or the
     ``max_entries`` that fits each; None when they fit, or where that cannot be told before reading
-    (compressed or JSON files are left out: their sizes are not known; see :func:`memory_note`)."""
+    (files whose pickle's size is not known before reading are left out: see :func:`memory_note`)."""
     from . import sizing
     from .units import format_bytes
 
     paths = list(dict.fromkeys(str(p) for p in snapshots))
-    sizes = [size for size in map(plain_pickle_size, paths) if size is not None]
+    sizes = [size.bytes for size in map(pickle_size, paths) if size is not None]
     available = _memory_to_tell() if sizes else None
     if available is None:
         return None

@@ -336,6 +336,8 @@ def diff(
     """What changed between two snapshots of one job: totals, categories, allocation sites."""
 
     def work() -> None:
+        for path in dict.fromkeys((before, after)):  # read one after the other
+            _note_memory(path, "diff", max_entries)
         with progress_bar(quiet) as progress:
             result = api.diff(
                 before,
@@ -442,6 +444,8 @@ def check(
     """CI gate: exit 0 when every limit holds, 1 with one line per violated limit otherwise."""
 
     def work() -> None:
+        for path in dict.fromkeys(p for p in (snapshot, baseline) if p is not None):  # read one after the other
+            _note_memory(path, "check", max_entries)
         with progress_bar(quiet) as progress:
             violations = api.check(
                 snapshot,
@@ -508,6 +512,7 @@ def export(
     a trace for Perfetto."""
 
     def work() -> None:
+        _note_memory(snapshot, "export", max_entries)
         with progress_bar(quiet) as progress:
             written = api.export(
                 snapshot,
@@ -734,6 +739,7 @@ def plan(
     """How much memory per GPU under DDP, FSDP/ZeRO, tensor or pipeline parallelism: the recorded run, replayed."""
 
     def work() -> None:
+        _note_memory(snapshot, "plan", max_entries)
         with progress_bar(quiet) as progress:
             result = api.plan(
                 snapshot,

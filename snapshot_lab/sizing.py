@@ -15,8 +15,11 @@ from pathlib import Path
 
 MIN_PICKLE_BYTES_PER_ENTRY = 64
 FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
-# ranks: each worker summarises one file as findings reads it; fit: its largest process with
-# its levers searched under a limit, in turn (spread, more where the memory allows: aside.spread)
+# ranks: each worker summarises one file as findings reads it; fit and plan: their largest
+# process (fit with its levers searched under a limit; plan's table with its pipeline of 16
+# microbatches: 765 bytes an entry at 5M), the others spread where the memory allows
+# (aside.spread); diff and check read one file at a time, export writes the frames as they are
+# (60 bytes an entry or less at 5M, 100 with margin)
 BYTES_PER_ENTRY = {
     "report": 220,
     "stats": 140,
@@ -25,6 +28,10 @@ BYTES_PER_ENTRY = {
     "ranks": 150,
     "whatif": 200,
     "fit": 540,
+    "plan": 800,
+    "diff": 100,
+    "check": 100,
+    "export": 100,
 }
 HEADROOM = 0.8  # of the memory available, what a window is chosen to fill
 SMALLEST_WINDOW = 10_000

@@ -24,7 +24,7 @@ from snapshot_lab import _compiled, api, sizing
 from snapshot_lab.cli import app
 from snapshot_lab.errors import ParameterError
 from snapshot_lab.frames import build_frames
-from snapshot_lab.load import load_snapshot
+from snapshot_lab.load import PickleSize, load_snapshot
 from snapshot_lab.load.decoded import decode_pickle
 from snapshot_lab.load.unpickler import safe_load
 from snapshot_lab.units import format_bytes
@@ -265,13 +265,18 @@ def test_the_command_line_notes_a_file_that_may_not_fit(monkeypatch: pytest.Monk
     json.loads(result.stdout)  # the note is on stderr only
     windowed = CliRunner().invoke(app, ["stats", str(plain), "--json", "--max-entries", "1000"])
     assert windowed.exit_code == 0 and windowed.stderr == ""
-    assert api.memory_note(sample_path("transformer_varlen"), "stats") is None  # compressed: not told
+    xz = sample_path("transformer_varlen")  # the size xz states it decompresses to
+    assert api.memory_note(xz, "stats") == (
+        f"{xz.name} (901.19 KiB decompressed) may hold up to 14,419 trace entries, which `stats` can need up to "
+        f"{format_bytes(sizing.needed('stats', 14_419))} of memory for; this machine has 300.00 MiB available, too "
+        "little for any window of the trace."
+    )
     monkeypatch.setattr(sizing, "available_memory", lambda: 64 << 30)
     assert api.memory_note(plain, "report") is None
 
 
 def test_the_note_names_the_window_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 7_970_811_260)
+    monkeypatch.setattr(api, "pickle_size", lambda path: PickleSize(7_970_811_260, False))
     monkeypatch.setattr(sizing, "available_memory", lambda: 14 << 30)
     assert api.memory_note("big.pickle", "report") == (
         "big.pickle (7.42 GiB) may hold up to 124,543,925 trace entries, which `report` can need up to 25.91 GiB of "
@@ -372,7 +377,7 @@ def test_ranks_notes_workers_that_may_not_fit_together(monkeypatch: pytest.Monke
     """64 rank files of 500 MB read by 16 workers: the 16 largest at once may need 23.71 GiB; with
     16 GiB available, 8 workers fit (80% of it), or each worker's 1 GiB fits a 2M-entry window."""
     files = [f"job_rank{r}.pickle" for r in range(64)]
-    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 500_000_000)
+    monkeypatch.setattr(api, "pickle_size", lambda path: PickleSize(500_000_000, False))
     monkeypatch.setattr(sizing, "available_memory", lambda: 16 << 30)
     assert api.ranks_memory_note(files, jobs=16) == (
         "64 of the files (29.80 GiB together) may hold up to 500,000,000 trace entries; `ranks` with 16 workers, "
@@ -382,13 +387,13 @@ def test_ranks_notes_workers_that_may_not_fit_together(monkeypatch: pytest.Monke
     )
     assert api.ranks_memory_note(files, jobs=10) is None  # 14.82 GiB
     assert api.ranks_memory_note(files[:4], jobs=16) is None  # one worker per file: 4
-    monkeypatch.setattr(api, "plain_pickle_size", lambda path: None)  # compressed: sizes not known
+    monkeypatch.setattr(api, "pickle_size", lambda path: None)  # JSON, gzip: sizes not known
     assert api.ranks_memory_note(files, jobs=16) is None
 
 
 def test_ranks_names_the_remedy_that_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not one file alone fits: no fewer workers to name; nor a window for two workers' share."""
-    monkeypatch.setattr(api, "plain_pickle_size", lambda path: 8_000_000_000)
+    monkeypatch.setattr(api, "pickle_size", lambda path: PickleSize(8_000_000_000, False))
     monkeypatch.setattr(sizing, "available_memory", lambda: 8 << 30)
     note = api.ranks_memory_note(["a_rank0.pickle", "a_rank1.pickle"], jobs=2)
     assert note is not None and note.endswith(
@@ -414,15 +419,48 @@ def test_the_command_line_notes_ranks_that_may_not_fit(monkeypatch: pytest.Monke
     assert windowed.exit_code == 0 and "note" not in windowed.stderr
 
 
-@pytest.mark.parametrize("command", ["whatif", "fit"])
-def test_whatif_and_fit_note_a_file_that_may_not_fit(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        ("whatif", ["--json"]),
+        ("fit", ["--json"]),
+        ("plan", ["--json", "--world-size", "2"]),
+        ("check", ["--json", "--allow-oom"]),
+        ("export", ["-o", "{tmp}/tables"]),
+    ],
+)
+def test_other_commands_note_a_file_that_may_not_fit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, args: list[str]
+) -> None:
     """fit's need per entry is the largest (its levers' tapes): 540 bytes against stats' 140."""
     plain = sample_path("oom_fragmentation")
     monkeypatch.setattr(sizing, "available_memory", lambda: 300 << 20)
-    result = CliRunner().invoke(app, [command, str(plain), "--json"])
+    result = CliRunner().invoke(app, [command, str(plain), *(a.format(tmp=tmp_path) for a in args)])
     entries = plain.stat().st_size // 64
     assert result.stderr.startswith(
         f"snaplab: note: {plain.name} ({format_bytes(plain.stat().st_size)}) may hold up to {entries:,} trace "
         f"entries, which `{command}` can need up to {format_bytes(sizing.needed(command, entries))} of memory"
     )
     assert sizing.needed("fit", 1_000_000) - sizing.needed("stats", 1_000_000) == 400_000_000
+    assert result.stderr.count("snaplab: note:") == 1
+
+
+def test_diff_and_check_note_each_file_they_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Both files are read, one after the other: a note for each that may not fit, one for a file
+    given twice."""
+    a = sample_path("oom_fragmentation")
+    b = tmp_path / "copy.pickle"
+    b.write_bytes(a.read_bytes())
+    monkeypatch.setattr(sizing, "available_memory", lambda: 300 << 20)
+    both = CliRunner().invoke(app, ["diff", str(a), str(b), "--json"])
+    assert [line.split(" (")[0] for line in both.stderr.splitlines()] == [
+        f"snaplab: note: {a.name}",
+        "snaplab: note: copy.pickle",
+    ]
+    assert "`diff` can need up to" in both.stderr
+    once = CliRunner().invoke(app, ["diff", str(a), str(a), "--json"])
+    assert once.stderr.count("snaplab: note:") == 1
+    gate = CliRunner().invoke(app, ["check", str(a), "--allow-oom", "--baseline", str(b), "--json"])
+    assert gate.stderr.count("`check` can need up to") == 2
+    windowed = CliRunner().invoke(app, ["diff", str(a), str(b), "--json", "--max-entries", "100"])
+    assert windowed.exit_code == 0 and windowed.stderr == ""

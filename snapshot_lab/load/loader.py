@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from .._gc import gc_paused
 from ..errors import SnapshotFormatError
 from ..progress import NullProgress, ProgressSink
-from .compression import open_decompressed, sniff_compression
+from .compression import open_decompressed, sniff_compression, stated_size
 from .decoded import DecodedTraces, decode_pickle
 from .guard import (
     MEMORY_PER_BYTE,
@@ -803,16 +803,35 @@ def _has_blocks(s: Any) -> bool:
     return type(s) is dict and type(s.get("blocks")) is list
 
 
-def plain_pickle_size(path: str | Path) -> int | None:
-    """The size of a file that is an uncompressed pickle (what the compiled reader maps), or None
-    for anything else: compressed, JSON, missing or unreadable (the loader says what is wrong)."""
+class PickleSize(NamedTuple):
+    """How large the pickle a file holds is (what the compiled reader maps: the file itself, or
+    the temporary file it decompresses into), told before reading it."""
+
+    bytes: int
+    compressed: bool  # the size is what the file's container states (xz, zstd)
+
+
+def pickle_size(path: str | Path) -> PickleSize | None:
+    """The size of the pickle ``path`` holds: the file's, uncompressed; what an xz or zstd file
+    states it decompresses to. None for anything else: JSON, gzip or bz2 (their sizes are not
+    stated), a container that states none, a file missing or unreadable (the loader says what is
+    wrong)."""
     try:
         with Path(path).open("rb") as f:
             head = f.read(8)
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
+            compression = sniff_compression(head)
+            if compression is None:
+                size = os.fstat(f.fileno()).st_size
+                return PickleSize(size, False) if _pickle_protocol(head) is not None else None
+            stated = stated_size(f, compression)
+            if stated is None:
+                return None
+            f.seek(0)
+            with open_decompressed(f, compression) as data:
+                head = data.read(8)
+    except Exception:  # whatever the file is, the loader says it; this only tells a size
         return None
-    return size if _pickle_protocol(head) is not None and sniff_compression(head) is None else None
+    return PickleSize(stated, True) if _pickle_protocol(head) is not None else None
 
 
 def load_snapshot(path: str | Path, progress: ProgressSink | None = None, max_entries: int | None = None) -> Snapshot:
