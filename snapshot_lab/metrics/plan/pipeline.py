@@ -224,6 +224,8 @@ class StageBuilder:
         self.active[[p for p in [*self.free_rows, *self.releases] if 0 <= p < structure.n_events]] = True
         self.spans: dict[tuple[int, int], list[tuple[int, int, int, list[int], bool]]] = {}
         self.one_microbatch_rules: dict[str, str] = {}
+        # recorded row -> (source, bytes) of its microbatch copies, while saved_until and the pass hold
+        self.copies: dict[int, tuple[int, int]] = {}
         self.saved_rule = RULE_SAVED_ACTIVATIONS.format(microbatches=microbatches)
         # every stage keeps each microbatch's output until the step ends (the schedule's output
         # chunks): the model's output on the last stage, its last block's output on the others
@@ -260,6 +262,7 @@ class StageBuilder:
             if index == len(passes) - 1:
                 self._replay_once(training_pass.backward_end, self.structure.n_events)
             self.spans.clear()  # a pass's spans are not replayed again
+            self.copies.clear()
         return self.program
 
     def _alloc_untracked(self) -> None:
@@ -319,6 +322,7 @@ class StageBuilder:
     def _run_schedule(self, training_pass: Pass) -> None:
         """The schedule's forwards and backwards, each over the pass's recorded span."""
         self.saved_until = training_pass.backward_start
+        self.copies.clear()
         first_backward = True
         ops = schedule_ops(self.schedule, self.stage, self.stages, self.microbatches)
         last_forward = max(index for index, (step, _) in enumerate(ops) if step == "F")
@@ -422,9 +426,12 @@ class StageBuilder:
                 category = self._category(row)
                 self._alloc(row, row, self.size[row], category, recorded_rule(category))
         else:
-            category, rule = self._microbatch_source(row, training_pass)
-            nbytes = _ceil_div(int(self.size[row]), self.microbatches)
-            self._alloc(microbatch_key(row, microbatch), row, nbytes, category, rule)
+            copy = self.copies.get(row)
+            if copy is None:  # the same for every microbatch of the pass
+                category, rule = self._microbatch_source(row, training_pass)
+                nbytes = max(_ceil_div(self.size[row], self.microbatches), 1)
+                copy = self.copies[row] = (self.program.source_id(category, rule), nbytes)
+            self._alloc_as(row + (microbatch + 1) * MB_KEY, row, copy[1], copy[0])
 
     def _microbatch_source(self, row: int, training_pass: Pass) -> tuple[str, str]:
         """Category and rule of one microbatch's copy of recorded allocation ``row``."""
@@ -472,15 +479,11 @@ class StageBuilder:
         return str(self.categories[self.code[row]])
 
     def _alloc(self, key: int, row: int, nbytes: int, category: str, rule: str) -> None:
-        source = self.program.source_id(category, rule)
-        self.program.alloc(
-            key,
-            max(int(nbytes), 1),
-            int(self.stream[row]),
-            source,
-            int(self.event_index[row]),
-            int(self.size[row]),
-        )
+        self._alloc_as(key, row, max(int(nbytes), 1), self.program.source_id(category, rule))
+
+    def _alloc_as(self, key: int, row: int, nbytes: int, source: int) -> None:
+        """Allocate ``nbytes`` (at least 1) as ``key``, a copy of recorded allocation ``row``."""
+        self.program.alloc(key, nbytes, self.stream[row], source, self.event_index[row], self.size[row])
         if row not in self.live:
             self.live[row] = []
             self.entered[row] = next(self.entries)
