@@ -113,3 +113,19 @@ def test_pickle_size_of_each_kind_of_file(tmp_path: Path) -> None:
         assert pickle_size(tmp_path / name) is None
     assert pickle_size(tmp_path / "missing.pickle") is None
     assert pickle_size(tmp_path) is None  # a folder
+
+
+def test_hostile_containers_cost_little_and_state_nothing() -> None:
+    """A footer claiming an index larger than the file, or one of gigabytes; a zstd frame of
+    millions of empty blocks: refused without reading them."""
+    good = bytearray(lzma.compress(DATA))
+    footer = len(good) - 12
+    for backward in (len(good), 0xFFFFFFFF):  # (backward + 1) * 4 bytes of index
+        hostile = good.copy()
+        hostile[footer + 4 : footer + 8] = backward.to_bytes(4, "little")
+        assert _size(bytes(hostile), "xz") is None
+    empty_raw = (0).to_bytes(3, "little")  # a raw block of 0 bytes, not the last
+    frame = bytes.fromhex("28b52ffd") + bytes([0x20, 0]) + empty_raw * (1 << 20) + (1).to_bytes(3, "little")
+    assert _size(frame, "zstd") is None
+    shorter = bytes.fromhex("28b52ffd") + bytes([0x20, 0]) + empty_raw * 1000 + (1).to_bytes(3, "little")
+    assert _size(shorter, "zstd") == 0 and zstandard.ZstdDecompressor().decompress(shorter) == b""

@@ -14,6 +14,11 @@ GZIP_MAGIC = b"\x1f\x8b"
 XZ_MAGIC = b"\xfd7zXZ\x00"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BZ2_MAGIC = b"BZh"
+# what stated_size reads at most of a container's own records: an xz index (a few bytes a block;
+# xz writes blocks of megabytes) and zstd block headers (one per 128 KiB of data at most): bounds
+# a hostile file's cost, far above what a snapshot of terabytes needs
+MAX_INDEX_BYTES = 64 << 20
+MAX_BLOCKS = 1 << 20
 
 
 def sniff_compression(head: bytes) -> str | None:
@@ -93,6 +98,8 @@ def _xz_size(f: IO[bytes]) -> int | None:
         if len(footer) != 12 or footer[10:] != b"YZ":
             return None
         index_size = (int.from_bytes(footer[4:8], "little") + 1) * 4
+        if index_size > min(end - 24, MAX_INDEX_BYTES):  # no room for it, or more than a file's blocks need
+            return None
         f.seek(end - 12 - index_size)
         index = f.read(index_size)
         if len(index) != index_size or index[0] != 0 or zlib.crc32(index[:-4]) != int.from_bytes(index[-4:], "little"):
@@ -115,7 +122,7 @@ def _xz_size(f: IO[bytes]) -> int | None:
 def _zstd_size(f: IO[bytes]) -> int | None:
     """The sum of the content sizes of a zstd file's frames, walked block header by block header
     (skippable frames skipped); None when a frame does not state its size."""
-    total, frames = 0, 0
+    total, frames, blocks = 0, 0, 0
     at = 0
     end = f.seek(0, io.SEEK_END)
     while at < end:
@@ -138,6 +145,9 @@ def _zstd_size(f: IO[bytes]) -> int | None:
         at += 5 + len(header)
         last = False
         while not last:
+            blocks += 1
+            if blocks > MAX_BLOCKS:
+                return None
             f.seek(at)
             block = int.from_bytes(f.read(3), "little")
             last, kind, length = bool(block & 1), (block >> 1) & 3, block >> 3
