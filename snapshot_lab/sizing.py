@@ -17,7 +17,7 @@ MIN_PICKLE_BYTES_PER_ENTRY = 64
 FIXED_BYTES = 400 << 20  # the interpreter, numpy, pandas, matplotlib's worker, the report's page
 # ranks: each worker summarises one file as findings reads it; fit and plan: their largest
 # process (fit with its levers searched under a limit; plan's table with its pipeline of 16
-# microbatches: 765 bytes an entry at 5M), the others spread where the memory allows
+# microbatches: 440 bytes an entry at 5M), the others spread where the memory allows
 # (aside.spread); diff and check read one file at a time, export writes the frames as they are
 # (60 bytes an entry or less at 5M, 100 with margin)
 BYTES_PER_ENTRY = {
@@ -28,7 +28,7 @@ BYTES_PER_ENTRY = {
     "ranks": 150,
     "whatif": 200,
     "fit": 540,
-    "plan": 800,
+    "plan": 500,
     "diff": 100,
     "check": 100,
     "export": 100,

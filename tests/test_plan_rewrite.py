@@ -57,7 +57,7 @@ def test_one_position_holds_its_operations_in_order(structure):
     assert program.sources[program.source[at + 1]] == Source("other", OOM_REQUEST)
     assert program.sources[program.source[at - 2]] == Source("activation", "added before it")
     here = int(structure.event_index[p])
-    assert program.placed[at - 2 : at + 6] == [here, here, program.origin[at], here, here, here, here, here]
+    assert list(program.placed[at - 2 : at + 6]) == [here, here, program.origin[at], here, here, here, here, here]
     assert program.origin[at] == int(allocs["event_index"].to_numpy()[r0])
 
 

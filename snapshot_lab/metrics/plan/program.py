@@ -10,6 +10,7 @@ allocations alive at that moment say what the peak is made of.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,19 +33,25 @@ class Source:
     rule: str
 
 
+def _column() -> array[int]:
+    """One column of a program: int64 values, 8 bytes each (a list holds an int object of 28 or
+    32 bytes for most of them besides its pointer), read by the replay without a copy."""
+    return array("q")
+
+
 @dataclass
 class Program:
-    kind: list[int] = field(default_factory=list)
-    key: list[int] = field(default_factory=list)
-    size: list[int] = field(default_factory=list)
-    stream: list[int] = field(default_factory=list)
-    source: list[int] = field(default_factory=list)  # index into sources
+    kind: array[int] = field(default_factory=_column)
+    key: array[int] = field(default_factory=_column)
+    size: array[int] = field(default_factory=_column)
+    stream: array[int] = field(default_factory=_column)
+    source: array[int] = field(default_factory=_column)  # index into sources
     # recorded event index it comes from (or is placed at)
-    origin: list[int] = field(default_factory=list)
+    origin: array[int] = field(default_factory=_column)
     # recorded bytes it rescales (0: added by the plan)
-    recorded: list[int] = field(default_factory=list)
+    recorded: array[int] = field(default_factory=_column)
     # recorded event index where it happens in the plan
-    placed: list[int] = field(default_factory=list)
+    placed: array[int] = field(default_factory=_column)
     sources: list[Source] = field(default_factory=list)
     _source_ids: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -222,7 +229,8 @@ def _replay_python(program: Program, settings: AllocatorSettings, memory_limit: 
     # Python lists while replaying (numpy arrays after): the loop runs once per operation
     block_sizes = [0] * count
     level_list = [0] * count
-    kind, key, size, stream = program.kind, program.key, program.size, program.stream
+    # lists: the loop below reads each value once or more (an array makes an int each time)
+    kind, key, size, stream = (c.tolist() for c in (program.kind, program.key, program.size, program.stream))
     malloc, free = model.malloc, model.free
     allocated = 0
     peak, peak_op = 0, -1
@@ -271,7 +279,7 @@ def _at_peak(
     peak_op: int,
 ) -> tuple[tuple[PeakPart, ...], dict[str, int]]:
     alive: dict[int, int] = {}
-    kind, key = program.kind, program.key
+    kind, key = program.kind[: peak_op + 1].tolist(), program.key[: peak_op + 1].tolist()
     for i in range(peak_op + 1):
         if kind[i] == ALLOC:
             alive[key[i]] = i

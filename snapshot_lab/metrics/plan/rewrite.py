@@ -300,7 +300,8 @@ class _OpTable:
             source[allocs] = np.array(ids, dtype=np.int64)[first]
         col["source"] = source
         for name in ("kind", "key", "size", "stream", "source", "origin", "recorded", "placed"):
-            getattr(program, name).extend(col.pop(name).tolist())  # one column at a time in memory twice
+            # one column at a time in memory twice
+            getattr(program, name).frombytes(np.ascontiguousarray(col.pop(name), dtype=np.int64).tobytes())
 
 
 def _flat(op: Operation) -> tuple[Any, ...]:
