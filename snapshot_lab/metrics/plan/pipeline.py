@@ -431,7 +431,7 @@ class StageBuilder:
                 category, rule = self._microbatch_source(row, training_pass)
                 nbytes = max(_ceil_div(self.size[row], self.microbatches), 1)
                 copy = self.copies[row] = (self.program.source_id(category, rule), nbytes)
-            self._alloc_as(row + (microbatch + 1) * MB_KEY, row, copy[1], copy[0])
+            self._alloc_as(microbatch_key(row, microbatch), row, copy[1], copy[0])
 
     def _microbatch_source(self, row: int, training_pass: Pass) -> tuple[str, str]:
         """Category and rule of one microbatch's copy of recorded allocation ``row``."""
