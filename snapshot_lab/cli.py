@@ -131,10 +131,13 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
-def _note_memory(snapshot: Path, command: str, max_entries: int | None) -> None:
-    """Say before reading when the file may need more memory than the machine has (not when a
-    window was asked for: that is the answer to it)."""
-    _note(None if max_entries is not None else api.memory_note(snapshot, command))
+def _note_memory(command: str, max_entries: int | None, *snapshots: Path | None) -> None:
+    """Say before reading when a file may need more memory than the machine has, for each
+    distinct file the command reads one after the other (not when a window was asked for: that
+    is the answer to it)."""
+    if max_entries is None:
+        for snapshot in dict.fromkeys(p for p in snapshots if p is not None):
+            _note(api.memory_note(snapshot, command))
 
 
 def _note(text: str | None) -> None:
@@ -227,7 +230,7 @@ def stats(
     """Torch's memory counters (exactly as torch.cuda.memory_stats() had them), fragmentation and OOM cause."""
 
     def work() -> None:
-        _note_memory(snapshot, "stats", max_entries)
+        _note_memory("stats", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             result = api.stats(
                 snapshot,
@@ -259,7 +262,7 @@ def leaks(
     """Leak suspects: allocation sites whose live memory grows with every iteration."""
 
     def work() -> None:
-        _note_memory(snapshot, "leaks", max_entries)
+        _note_memory("leaks", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             result = api.leaks(snapshot, progress=progress, max_entries=max_entries)
         if json_out:
@@ -291,8 +294,7 @@ def findings(
 
     def work() -> None:
         paths = list(dict.fromkeys(snapshot))
-        for path in paths:
-            _note_memory(path, "findings", max_entries)
+        _note_memory("findings", max_entries, *paths)
         with progress_bar(quiet) as progress:
             if len(paths) == 1:  # one file: as it always was
                 one = api.findings(paths[0], progress=progress, max_entries=max_entries)
@@ -336,8 +338,7 @@ def diff(
     """What changed between two snapshots of one job: totals, categories, allocation sites."""
 
     def work() -> None:
-        for path in dict.fromkeys((before, after)):  # read one after the other
-            _note_memory(path, "diff", max_entries)
+        _note_memory("diff", max_entries, before, after)
         with progress_bar(quiet) as progress:
             result = api.diff(
                 before,
@@ -444,8 +445,7 @@ def check(
     """CI gate: exit 0 when every limit holds, 1 with one line per violated limit otherwise."""
 
     def work() -> None:
-        for path in dict.fromkeys(p for p in (snapshot, baseline) if p is not None):  # read one after the other
-            _note_memory(path, "check", max_entries)
+        _note_memory("check", max_entries, snapshot, baseline)
         with progress_bar(quiet) as progress:
             violations = api.check(
                 snapshot,
@@ -512,7 +512,7 @@ def export(
     a trace for Perfetto."""
 
     def work() -> None:
-        _note_memory(snapshot, "export", max_entries)
+        _note_memory("export", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             written = api.export(
                 snapshot,
@@ -558,7 +558,7 @@ def whatif(
     """Would other allocator settings have avoided this OOM? Replays the trace through a model of the allocator."""
 
     def work() -> None:
-        _note_memory(snapshot, "whatif", max_entries)
+        _note_memory("whatif", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             result = api.whatif(
                 snapshot,
@@ -610,7 +610,7 @@ def report(
     in samples with --batch (both default to what the capture recorded)."""
 
     def work() -> None:
-        _note_memory(snapshot, "report", max_entries)
+        _note_memory("report", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             path = api.report(
                 snapshot,
@@ -739,7 +739,7 @@ def plan(
     """How much memory per GPU under DDP, FSDP/ZeRO, tensor or pipeline parallelism: the recorded run, replayed."""
 
     def work() -> None:
-        _note_memory(snapshot, "plan", max_entries)
+        _note_memory("plan", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             result = api.plan(
                 snapshot,
@@ -794,7 +794,7 @@ def fit(
     """What makes this job fit: the whole step under other batches and levers, and the largest batch per lever."""
 
     def work() -> None:
-        _note_memory(snapshot, "fit", max_entries)
+        _note_memory("fit", max_entries, snapshot)
         with progress_bar(quiet) as progress:
             result = api.fit(
                 snapshot,

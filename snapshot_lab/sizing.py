@@ -1,11 +1,11 @@
 """Whether a snapshot file may need more memory than the machine has, and the window that fits.
 
-Read before the file is: its trace's length is not known yet, so it is bounded from the file's
-size (a trace entry takes at least ``MIN_PICKLE_BYTES_PER_ENTRY`` of an uncompressed pickle at
-scale; torch's files take 60 to 160), which errs towards saying it. The costs per entry are the
-ones ``benchmarks/RESULTS.md`` measured with the C extensions (all of a command's processes
-together, at 1M to 50M entries). Nothing here reads the file: a note is only ever a warning, the
-command runs as asked.
+Read before the file is: its trace's length is not known yet, so it is bounded from the size of
+the pickle it holds (:func:`~snapshot_lab.load.pickle_size`; a trace entry takes at least
+``MIN_PICKLE_BYTES_PER_ENTRY`` of an uncompressed pickle at scale; torch's files take 60 to 160),
+which errs towards saying it. The costs per entry are the ones ``benchmarks/RESULTS.md`` measured
+with the C extensions (all of a command's processes together, at 1M to 50M entries). Nothing
+here reads the file: a note is only ever a warning, the command runs as asked.
 """
 
 from __future__ import annotations
